@@ -1,0 +1,68 @@
+"""Turn a scheduler step into flat ragged tensors (no padding) for one forward pass."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.scheduler import ScheduledChunk
+from kernels import AttentionMetadata
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64
+    attn: AttentionMetadata
+    logits_indices: torch.Tensor  # [S] rows of T whose next token is sampled
+    sampled: list[ScheduledChunk]  # the S chunks that complete their sequence, in row order
+
+
+def build_batch(chunks: list[ScheduledChunk], num_decodes: int, block_size: int,
+                device: torch.device) -> ForwardBatch:
+    """`chunks` = decodes (first `num_decodes`, one token each) then prefill chunks."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    cu_seqlens = [0]
+    context_lens: list[int] = []
+    logits_rows: list[int] = []
+    sampled: list[ScheduledChunk] = []
+    for chunk in chunks:
+        seq, start = chunk.seq, chunk.seq.num_computed_tokens
+        end = start + chunk.num_tokens
+        input_ids.extend(seq.token_ids[start:end])
+        positions.extend(range(start, end))
+        cu_seqlens.append(cu_seqlens[-1] + chunk.num_tokens)
+        context_lens.append(end)
+        if chunk.completes_sequence:
+            logits_rows.append(cu_seqlens[-1] - 1)
+            sampled.append(chunk)
+
+    max_blocks = max(len(c.seq.block_table) for c in chunks)
+    tables = [c.seq.block_table + [0] * (max_blocks - len(c.seq.block_table)) for c in chunks]
+    block_tables = torch.tensor(tables, dtype=torch.int32)  # [B, max_blocks]
+    pos = torch.tensor(positions, dtype=torch.int64)  # [T]
+    q_lens = torch.tensor([c.num_tokens for c in chunks], dtype=torch.int64)  # [B]
+    seq_of_token = torch.repeat_interleave(torch.arange(len(chunks)), q_lens)  # [T]
+    block_of_token = block_tables[seq_of_token, pos // block_size].to(torch.int64)  # [T]
+    slot_mapping = block_of_token * block_size + pos % block_size  # [T]
+
+    attn = AttentionMetadata(
+        cu_seqlens_q=torch.tensor(cu_seqlens, dtype=torch.int32, device=device),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+        block_tables=block_tables.to(device),
+        num_decode_seqs=num_decodes,
+        max_q_len=max(c.num_tokens for c in chunks),
+        max_context_len=max(context_lens),
+        cu_seqlens_q_cpu=cu_seqlens,
+        context_lens_cpu=context_lens,
+    )
+    return ForwardBatch(
+        input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
+        positions=pos.to(device),
+        slot_mapping=slot_mapping.to(device),
+        attn=attn,
+        logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=device),
+        sampled=sampled,
+    )

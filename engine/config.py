@@ -1,0 +1,193 @@
+"""Typed, validated configuration: the model (read from an HF folder) and the engine knobs."""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# Architecture name in config.json -> what differs from plain Llama (the table of differences).
+SUPPORTED_ARCHITECTURES: dict[str, dict[str, Any]] = {
+    "LlamaForCausalLM": {"qkv_bias": None},  # None: read `attention_bias` from config
+    "MistralForCausalLM": {"qkv_bias": False},
+    "Qwen2ForCausalLM": {"qkv_bias": True},
+}
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    kind: str = "default"  # default | linear | llama3
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("default", "linear", "llama3"):
+            raise ValueError(f"unsupported rope scaling type {self.kind!r}; "
+                             "supported: default, linear, llama3")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    eos_token_ids: tuple[int, ...]
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} not a multiple of "
+                             f"num_kv_heads {self.num_kv_heads}")
+
+    @property
+    def max_context(self) -> int:
+        """Longest sequence this engine serves exactly (a sliding window caps it: no SWA here)."""
+        if self.sliding_window:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+    def fingerprint(self, dtype: torch.dtype) -> str:
+        """Pools exchanging KV must agree on this."""
+        return (f"{self.architecture}/L{self.num_layers}/H{self.num_heads}/KV{self.num_kv_heads}"
+                f"/D{self.head_dim}/V{self.vocab_size}/{str(dtype).removeprefix('torch.')}")
+
+    @classmethod
+    def from_folder(cls, path: str | Path) -> "ModelConfig":
+        path = Path(path)
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise FileNotFoundError(f"{path} is not a Hugging Face model folder (no config.json)")
+        cfg = json.loads(cfg_file.read_text())
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(f"unsupported architecture {archs or cfg.get('model_type')!r} in "
+                             f"{cfg_file}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        traits = SUPPORTED_ARCHITECTURES[arch]
+        num_heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+        qkv_bias = traits["qkv_bias"]
+        if qkv_bias is None:
+            qkv_bias = bool(cfg.get("attention_bias", False))
+        if cfg.get("mlp_bias"):
+            raise ValueError("mlp_bias=True is not supported")
+        sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        return cls(
+            path=str(path),
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope=_rope_from_hf(cfg),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            eos_token_ids=_eos_ids(path, cfg),
+            sliding_window=sliding,
+        )
+
+
+def _rope_from_hf(cfg: dict) -> RopeConfig:
+    # transformers 5 folds theta + scaling into `rope_parameters`; 4.x uses rope_theta/rope_scaling.
+    params = dict(cfg.get("rope_parameters") or {})
+    scaling = cfg.get("rope_scaling") or {}
+    params = {**scaling, **params}
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    kind = params.get("rope_type", params.get("type", "default")) or "default"
+    return RopeConfig(
+        theta=float(theta), kind=kind, factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position=int(params.get("original_max_position_embeddings", 8192)))
+
+
+def _eos_ids(path: Path, cfg: dict) -> tuple[int, ...]:
+    ids: list[int] = []
+    gen_file = path / "generation_config.json"
+    sources = [cfg]
+    if gen_file.is_file():
+        sources.insert(0, json.loads(gen_file.read_text()))
+    for src in sources:
+        eos = src.get("eos_token_id")
+        for e in (eos if isinstance(eos, list) else [eos]):
+            if e is not None and e not in ids:
+                ids.append(int(e))
+    return tuple(ids)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto`: bf16 on CUDA, or on a CPU with bf16 matrix units (AVX512-BF16/AMX); else fp32."""
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name != "auto":
+        if name not in table:
+            raise ValueError(f"unknown dtype {name!r}; choose auto, {', '.join(table)}")
+        return table[name]
+    if device.type == "cuda":
+        return torch.bfloat16
+    return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+
+
+def cpu_has_fast_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    num_blocks: int | None = None  # explicit count wins over the memory budget
+    memory_bytes: int = 1 << 30  # --kv-cache-memory
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError("num_blocks must be >= 1")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048  # per-step token budget (decode tokens + prefill chunks)
+    max_model_len: int | None = None  # default: the model's max context
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    dtype: str = "auto"
+    device: str = "cpu"
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    seed: int | None = None  # sampler seed for requests without their own

@@ -1,0 +1,67 @@
+"""Paged KV pool: sizing from a memory budget (checked at start-up) and allocation.
+
+Layout `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`: each layer's K and V
+are one contiguous slab, so a layer can be shipped (or mapped by a peer) as a unit.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from engine.config import CacheConfig, ModelConfig
+
+# (shape, dtype) -> tensor; e.g. a shared-memory allocator so a prefill peer can write in place.
+KvAllocator = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @classmethod
+    def for_model(cls, cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> "KVCacheSpec":
+        return cls(cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+
+    @property
+    def bytes_per_block(self) -> int:
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    def shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+
+def plan_num_blocks(spec: KVCacheSpec, cache: CacheConfig, max_model_len: int) -> int:
+    """Blocks to allocate; refuses when one max-length sequence would not fit."""
+    if cache.num_blocks is not None:
+        num_blocks = cache.num_blocks
+        source = f"--num-blocks {num_blocks}"
+    else:
+        num_blocks = cache.memory_bytes // spec.bytes_per_block
+        source = f"--kv-cache-memory {cache.memory_bytes / 2**20:.1f} MiB"
+    needed = -(-max_model_len // spec.block_size)
+    if num_blocks < needed:
+        raise ValueError(
+            f"KV cache too small: {source} gives {num_blocks} blocks of {spec.block_size} tokens "
+            f"({spec.bytes_per_block / 2**10:.1f} KiB each), but one sequence of max_model_len="
+            f"{max_model_len} needs {needed}. Raise the KV budget or lower --max-model-len.")
+    return num_blocks
+
+
+def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device,
+                      allocator: KvAllocator | None = None) -> torch.Tensor:
+    shape = spec.shape(num_blocks)
+    if allocator is not None:
+        cache = allocator(shape, spec.dtype)
+        if tuple(cache.shape) != shape or cache.dtype != spec.dtype:
+            raise ValueError(f"KV allocator returned {tuple(cache.shape)}/{cache.dtype}, "
+                             f"expected {shape}/{spec.dtype}")
+        cache.zero_()
+        return cache
+    return torch.zeros(shape, dtype=spec.dtype, device=device)  # [L, 2, N, bs, Hkv, D]

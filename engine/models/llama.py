@@ -1,0 +1,124 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV cache and ragged batches.
+
+Input is a flat ragged batch of T tokens (no padding); attention reads/writes the paged pool
+through `kernels`. Linear layers are fused (qkv, gate_up) -- `engine.weights` maps HF names.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+from engine.config import ModelConfig
+from engine.models.rotary import RotaryEmbedding
+
+
+@dataclass
+class ForwardContext:
+    """Per-step inputs shared by all layers."""
+
+    attn: kernels.AttentionMetadata
+    slot_mapping: torch.Tensor  # [T] int64
+    kv_cache: torch.Tensor  # [L, 2, N, bs, Hkv, D]
+    # Called after layer l stored its KV (prefill workers stream KV from here).
+    on_layer_stored: Callable[[int], None] | None = None
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.rotary = rotary
+        self.scale = cfg.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        T = x.shape[0]
+        qkv = self.qkv_proj(x)  # [T, (Hq + 2Hkv) * D]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        q, k = self.rotary(positions, q, k)
+        kv_layer = ctx.kv_cache[self.layer]  # [2, N, bs, Hkv, D]
+        kernels.store_kv(k, v, kv_layer, ctx.slot_mapping)
+        if ctx.on_layer_stored is not None:
+            ctx.on_layer_stored(self.layer)
+        out = kernels.paged_attention(q, k, v, kv_layer, ctx.attn, self.scale)  # [T, Hq, D]
+        return self.o_proj(out.reshape(T, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)  # [T, I] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.rotary = rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def materialize(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Give a meta-built model real (uninitialised) storage; weights come from the loader."""
+        self.to_empty(device=device)
+        self.to(dtype)
+        if self.cfg.tie_word_embeddings:  # to_empty re-creates parameters: tie again
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary.build_tables(device)  # kept in fp32 whatever the model dtype
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
+                logits_indices: torch.Tensor) -> torch.Tensor:
+        """input_ids/positions [T] -> logits [S, V] for the S rows in `logits_indices`."""
+        x = self.embed_tokens(input_ids)  # [T, H]
+        for layer in self.layers:
+            x = layer(x, positions, ctx)
+        x = self.norm(x[logits_indices])  # [S, H]; norm is per-token, so select first
+        return self.lm_head(x).float()  # [S, V]

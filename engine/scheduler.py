@@ -1,0 +1,151 @@
+"""Continuous-batching scheduler: pure data in, pure data out (no tensors, no model).
+
+Every step, under a token budget:
+  1. running sequences that decode (one uncomputed token) -- decode first, FCFS;
+  2. running sequences mid-prompt (chunked prefill) -- next chunk;
+  3. waiting sequences, FCFS, while seats (`max_num_seqs`), budget and blocks last.
+When a running sequence needs a block and none is free, the latest-arriving running sequence
+not yet in this step's batch is preempted (recompute: blocks freed, requeued at the front with
+its tokens so far, so it later resumes with identical output); if there is none, the sequence
+preempts itself.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_pool import BlockPool
+from engine.config import SchedulerConfig
+from engine.sequence import SeqStatus, Sequence
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    seq: Sequence
+    num_tokens: int  # query tokens this step, starting at seq.num_computed_tokens
+
+    @property
+    def completes_sequence(self) -> bool:
+        """True when this chunk reaches the last token: a new token is sampled from it."""
+        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    decodes: list[ScheduledChunk] = field(default_factory=list)
+    prefills: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def chunks(self) -> list[ScheduledChunk]:
+        return self.decodes + self.prefills  # batch order: decodes first
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.decodes) + sum(c.num_tokens for c in self.prefills)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, pool: BlockPool, block_size: int) -> None:
+        self.cfg = cfg
+        self.pool = pool
+        self.block_size = block_size
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # arrival (admission) order
+
+    # --- intake -------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """Admit a sequence whose KV already sits in its blocks (decode worker after transfer)."""
+        assert len(seq.block_table) * self.block_size >= seq.num_computed_tokens
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # --- the step -------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.cfg.max_num_batched_tokens
+        in_batch: set[int] = set()
+
+        for want_decode in (True, False):
+            for seq in list(self.running):
+                if budget == 0:
+                    break
+                if seq.status is not SeqStatus.RUNNING or id(seq) in in_batch:
+                    continue
+                if (seq.num_uncomputed == 1) != want_decode:
+                    continue
+                n = min(seq.num_uncomputed, budget)
+                if not self._reserve_blocks(seq, n, in_batch, out):
+                    continue  # seq preempted itself
+                chunk = ScheduledChunk(seq, n)
+                (out.decodes if want_decode else out.prefills).append(chunk)
+                in_batch.add(id(seq))
+                budget -= n
+
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_uncomputed, budget)
+            need = self._blocks_needed(seq, n)
+            if not self.pool.can_allocate(need):
+                break  # FCFS: the head waits for blocks; nobody overtakes it
+            self.waiting.popleft()
+            seq.block_table.extend(self.pool.allocate(need))
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            out.prefills.append(ScheduledChunk(seq, n))
+            in_batch.add(id(seq))
+            budget -= n
+        return out
+
+    def _blocks_needed(self, seq: Sequence, n: int) -> int:
+        total = -(-(seq.num_computed_tokens + n) // self.block_size)
+        return max(0, total - len(seq.block_table))
+
+    def _reserve_blocks(self, seq: Sequence, n: int, in_batch: set[int], out: SchedulerOutput) -> bool:
+        need = self._blocks_needed(seq, n)
+        while not self.pool.can_allocate(need):
+            victim = next((s for s in reversed(self.running)
+                           if id(s) not in in_batch and s is not seq), None)
+            if victim is None:
+                self.preempt(seq)
+                out.preempted.append(seq)
+                return False
+            self.preempt(victim)
+            out.preempted.append(victim)
+        seq.block_table.extend(self.pool.allocate(need))
+        return True
+
+    # --- outcomes -------------------------------------------------------------------------
+    def preempt(self, seq: Sequence) -> None:
+        """Recompute preemption: drop the KV, keep the tokens, go to the front of the queue."""
+        self._release(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SeqStatus.WAITING
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.block_table:
+            self.pool.free(seq.block_table[::-1])  # tail first: LRU-friendly for prefix reuse
+            seq.block_table = []

@@ -1,0 +1,102 @@
+"""Load HF safetensors (single file or sharded) into the fused model, failing loudly.
+
+HF name                                   -> our parameter (shard of a fused weight)
+model.layers.i.self_attn.{q,k,v}_proj.*   -> layers.i.self_attn.qkv_proj.*   (rows q | k | v)
+model.layers.i.mlp.{gate,up}_proj.weight  -> layers.i.mlp.gate_up_proj.weight (rows gate | up)
+model.* / lm_head.weight                  -> same name without the `model.` prefix
+Every parameter must be covered exactly; unknown, missing or mis-shaped tensors raise.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from tqdm import tqdm
+
+log = logging.getLogger(__name__)
+
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class WeightLoadError(ValueError):
+    pass
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [folder / n for n in names]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise WeightLoadError(f"{index} names shards that are missing: {missing}")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise WeightLoadError(f"no *.safetensors in {folder} (.bin/pickle checkpoints are "
+                              "not loaded: they can carry code)")
+    return files
+
+
+def _fused_slices(model: nn.Module) -> dict[str, tuple[str, int, int]]:
+    """HF name (without `model.`) -> (our param, row start, row end)."""
+    out: dict[str, tuple[str, int, int]] = {}
+    for i, layer in enumerate(model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        q, kv = attn.q_size, attn.kv_size
+        rows = {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}
+        for name, (a, b) in rows.items():
+            for kind in ("weight", "bias"):
+                out[f"layers.{i}.self_attn.{name}.{kind}"] = (f"layers.{i}.self_attn.qkv_proj.{kind}", a, b)
+        inter = mlp.intermediate
+        out[f"layers.{i}.mlp.gate_proj.weight"] = (f"layers.{i}.mlp.gate_up_proj.weight", 0, inter)
+        out[f"layers.{i}.mlp.up_proj.weight"] = (f"layers.{i}.mlp.gate_up_proj.weight", inter, 2 * inter)
+    return out
+
+
+def load_weights(model: nn.Module, folder: str | Path, show_progress: bool = True) -> None:
+    folder = Path(folder)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    fused = _fused_slices(model)
+    covered: dict[str, int] = {name: 0 for name in params}  # rows loaded per parameter
+    tied = getattr(model.cfg, "tie_word_embeddings", False)
+    unexpected: list[str] = []
+    files = safetensors_files(folder)
+    with torch.no_grad(), tqdm(desc=f"loading {folder.name}", unit="tensor",
+                               disable=not show_progress, leave=False) as bar:
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                for hf_name in f.keys():
+                    bar.update(1)
+                    if hf_name.endswith(_IGNORED_SUFFIXES):
+                        continue
+                    name = hf_name.removeprefix("model.")
+                    if name in fused:
+                        target, a, b = fused[name]
+                    elif name in params:
+                        target, a, b = name, 0, params[name].shape[0]
+                    else:
+                        unexpected.append(hf_name)
+                        continue
+                    if target not in params:
+                        unexpected.append(hf_name)  # e.g. a bias for a bias-free layer
+                        continue
+                    tensor = f.get_tensor(hf_name)
+                    dest = params[target][a:b]
+                    if tensor.shape != dest.shape:
+                        raise WeightLoadError(f"{hf_name}: checkpoint shape {tuple(tensor.shape)} "
+                                              f"!= expected {tuple(dest.shape)} in {file.name}")
+                    dest.copy_(tensor.to(dest.dtype))
+                    covered[target] += b - a
+    if unexpected:
+        raise WeightLoadError(f"{len(unexpected)} unexpected tensors in {folder}: {unexpected[:8]}")
+    if tied and covered.get("lm_head.weight", 0) == 0:
+        covered["lm_head.weight"] = covered.get("embed_tokens.weight", 0)
+    incomplete = [n for n, rows in covered.items() if rows != params[n].shape[0]]
+    if incomplete:
+        raise WeightLoadError(f"missing weights in {folder}: {incomplete[:8]}"
+                              + (" ..." if len(incomplete) > 8 else ""))

@@ -1,0 +1,191 @@
+"""Every control message that crosses a process boundary, as a tagged msgspec struct.
+
+Encoding is msgpack through `encode`/`decode` below; decoding validates types and rejects
+unknown tags, so a garbled or hostile frame raises `msgspec.ValidationError`/`DecodeError`
+instead of producing an object. Nothing here is ever pickled.
+
+Who sends what (G = gateway, P = prefill worker, D = decode worker, C = colocated worker):
+
+    W -> G  Register, Heartbeat              membership (any worker kind)
+    G -> W  Welcome                          gateway id, so W can address replies
+    G -> D  ReserveRequest                   decode-first reservation (admission control)
+    D -> G  ReserveReply                     lease (epoch, block ids, deadline) or refusal
+    G -> P  PrefillRequest                   prompt + sampling + KV destination/lease
+    G -> C  GenerateRequest                  whole request on one colocated worker
+    P -> D  KvDone (on the KV stream)        all layers written; first token; D admits
+    P,D,C -> G  TokenOutput                  new tokens / finish / error for one request
+    G -> P,D,C  Abort                        client went away or stop string hit
+"""
+from __future__ import annotations
+
+from typing import Literal, Union
+
+import msgspec
+
+from engine.sampling_params import SamplingParams
+
+PROTOCOL_VERSION = 1
+
+Role = Literal["prefill", "decode", "colocated"]
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class _Msg(msgspec.Struct, tag=True, frozen=True, forbid_unknown_fields=True):
+    # W3C traceparent, so a trace can follow gateway -> prefill -> transfer -> decode later.
+    traceparent: str | None = None
+
+
+class KvLayout(msgspec.Struct, frozen=True):
+    """Shape of a worker's paged KV pool: [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]."""
+
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # torch dtype name, e.g. "float32"
+    kv_head_start: int = 0  # range of KV heads held (tensor parallelism re-slicing later)
+
+
+class WorkerStats(msgspec.Struct, frozen=True):
+    kv_blocks_free: int = 0
+    kv_blocks_total: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    steps: int = 0
+    last_step_age_s: float = 0.0  # seconds since the engine loop last made progress
+
+
+class WorkerInfo(msgspec.Struct, frozen=True):
+    worker_id: str
+    role: Role
+    control_addr: str  # where the gateway pushes requests to this worker
+    host: str
+    pid: int
+    model_fingerprint: str  # architecture + shapes + dtype; pools must agree to exchange KV
+    kv_layout: KvLayout
+    kv_addr: str | None = None  # D only: where P pushes KV frames and KvDone
+    shm_name: str | None = None  # D only: shared-memory KV pool P can map on the same host
+    max_model_len: int = 0
+    version: int = PROTOCOL_VERSION
+
+
+class Register(_Msg):
+    info: WorkerInfo | None = None
+
+
+class Heartbeat(_Msg):
+    worker_id: str = ""
+    stats: WorkerStats = WorkerStats()
+
+
+class Welcome(_Msg):
+    gateway_id: str = ""
+
+
+class Lease(msgspec.Struct, frozen=True):
+    """A decode worker's grant: P may write these blocks, fenced by `epoch`, until `deadline`.
+
+    `deadline` is unix time (seconds) on D's clock; D quarantines the blocks until then even when
+    the request is aborted, so a late writer can never touch blocks owned by someone else.
+    """
+
+    epoch: int
+    block_ids: list[int]
+    deadline: float
+
+
+class ReserveRequest(_Msg):
+    request_id: str = ""
+    gateway_id: str = ""
+    num_prompt_tokens: int = 0
+    max_tokens: int = 0
+    # Prefix-aware transfer later: chained hashes of the prompt's full blocks.
+    block_hashes: list[int] | None = None
+
+
+class ReserveReply(_Msg):
+    request_id: str = ""
+    worker_id: str = ""
+    lease: Lease | None = None  # None => refused
+    reason: str = ""
+
+
+class KvDestination(msgspec.Struct, frozen=True):
+    worker_id: str
+    kv_addr: str
+    shm_name: str | None
+    transport: Literal["zmq", "shm"]
+    lease: Lease
+
+
+class PrefillRequest(_Msg):
+    request_id: str = ""
+    gateway_id: str = ""
+    prompt_token_ids: list[int] = []
+    sampling: SamplingParams = SamplingParams()
+    dest: KvDestination | None = None
+    arrival_time: float = 0.0
+
+
+class GenerateRequest(_Msg):
+    request_id: str = ""
+    gateway_id: str = ""
+    prompt_token_ids: list[int] = []
+    sampling: SamplingParams = SamplingParams()
+    arrival_time: float = 0.0
+
+
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
+    token_id: int
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+class KvDone(_Msg):
+    """Sent by P on the KV stream after the last layer frame: D verifies and admits."""
+
+    request_id: str = ""
+    gateway_id: str = ""
+    lease_epoch: int = 0
+    prompt_token_ids: list[int] = []
+    first_token: int = 0
+    first_logprob: TokenLogprob | None = None
+    sampling: SamplingParams = SamplingParams()
+    num_layers: int = 0
+    kv_bytes: int = 0
+    timings: dict[str, float] = {}
+
+
+class TokenOutput(_Msg):
+    request_id: str = ""
+    worker_id: str = ""
+    token_ids: list[int] = []
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    # TTFT breakdown (seconds, bytes) filled by P and D: prefill_queue, prefill_compute,
+    # kv_transfer, kv_bytes, decode_admission ...
+    timings: dict[str, float] = {}
+
+
+class Abort(_Msg):
+    request_id: str = ""
+    reason: str = ""
+
+
+Message = Union[Register, Heartbeat, Welcome, ReserveRequest, ReserveReply, PrefillRequest,
+                GenerateRequest, KvDone, TokenOutput, Abort]
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: Message) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes | memoryview) -> Message:
+    """Raises msgspec.DecodeError / ValidationError on anything that is not a known message."""
+    return _decoder.decode(data)
