@@ -5,9 +5,10 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # the gateway reads configs without importing torch
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ class ModelConfig:
             return min(self.max_position_embeddings, self.sliding_window)
         return self.max_position_embeddings
 
-    def fingerprint(self, dtype: torch.dtype) -> str:
+    def fingerprint(self, dtype: "torch.dtype") -> str:
         """Pools exchanging KV must agree on this."""
         return (f"{self.architecture}/L{self.num_layers}/H{self.num_heads}/KV{self.num_kv_heads}"
                 f"/D{self.head_dim}/V{self.vocab_size}/{str(dtype).removeprefix('torch.')}")
@@ -139,8 +140,9 @@ def _eos_ids(path: Path, cfg: dict) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, device: "torch.device") -> "torch.dtype":
     """`auto`: bf16 on CUDA, or on a CPU with bf16 matrix units (AVX512-BF16/AMX); else fp32."""
+    import torch
     table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if name != "auto":
         if name not in table:

@@ -1,0 +1,108 @@
+"""`pdserve bench-engine`: prefill and decode tokens/s of the engine at batch 1, 8, 32, each
+beside the machine's matmul FLOP/s and memcpy GB/s measured in the same run.
+
+    prefill MFU      = 2 * params * tokens / time / matmul FLOP/s
+    decode bandwidth = (weight bytes + KV bytes read) per step / step time / memcpy GB/s
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from bench.machine import measure_matmul_gflops, measure_memcpy_gbps
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n, length), generator=g).tolist()
+
+
+def bench_prefill(engine: LLMEngine, batch: int, prompt_len: int) -> float:
+    """Seconds to prefill `batch` prompts (one step when the budget allows)."""
+    sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(_prompts(batch, prompt_len, engine.model_config.vocab_size, batch)):
+        engine.add_request(f"p{batch}-{i}", p, sp)
+    t0 = time.perf_counter()
+    while engine.has_work():
+        engine.step()
+    return time.perf_counter() - t0
+
+
+def bench_decode(engine: LLMEngine, batch: int, context: int, steps: int) -> float:
+    """Seconds per decode step with `batch` running sequences at ~`context` tokens."""
+    sp = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(_prompts(batch, context, engine.model_config.vocab_size, 100 + batch)):
+        engine.add_request(f"d{batch}-{i}", p, sp)
+    engine.step()  # prefill all (budget permitting)
+    while any(s.num_uncomputed > 1 for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    engine.step()  # warm decode
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    dt = (time.perf_counter() - t0) / steps
+    while engine.has_work():
+        engine.step()
+    return dt
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="pdserve bench-engine", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="model folder (default: the embedded ~30M model)")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--context", type=int, default=256, help="decode context length")
+    ap.add_argument("--decode-steps", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from pdserve_cli.engine_args import resolve_model
+    batches = [int(b) for b in args.batches.split(",")]
+    max_b = max(batches)
+    engine = LLMEngine(EngineConfig(
+        model=resolve_model(args.model), dtype="float32",
+        cache=CacheConfig(num_blocks=max_b * (max(args.prompt_len, args.context) + args.decode_steps + 64) // 16 + 64),
+        scheduler=SchedulerConfig(max_num_seqs=max_b, max_num_batched_tokens=max_b * max(args.prompt_len, args.context))))
+    mc = engine.model_config
+    params = sum(p.numel() for n, p in engine.runner.model.named_parameters() if "embed_tokens" not in n)
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+    kv_bytes_per_token = engine.kv_spec.bytes_per_block // engine.block_size
+    flops = measure_matmul_gflops() * 1e9
+    memcpy = measure_memcpy_gbps() * 1e9
+    rows = []
+    for b in batches:
+        t_pre = bench_prefill(engine, b, args.prompt_len)
+        pre_tps = b * args.prompt_len / t_pre
+        t_dec = bench_decode(engine, b, args.context, args.decode_steps)
+        dec_tps = b / t_dec
+        step_bytes = weight_bytes + b * (args.context + args.decode_steps // 2) * kv_bytes_per_token
+        rows.append({"batch": b, "prefill_tokens_per_s": pre_tps, "prefill_mfu": 2 * params * pre_tps / flops,
+                     "decode_tokens_per_s": dec_tps, "decode_step_ms": t_dec * 1e3,
+                     "decode_bw_util": step_bytes / t_dec / memcpy})
+        engine.pool.assert_all_free()
+    result = {"model": mc.path, "params_non_embedding": params, "threads": torch.get_num_threads(),
+              "matmul_gflops": flops / 1e9, "memcpy_gbps": memcpy / 1e9,
+              "prompt_len": args.prompt_len, "decode_context": args.context, "rows": rows}
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"model {mc.path}: {params / 1e6:.1f}M non-embedding params, {torch.get_num_threads()} threads")
+    print(f"machine: matmul {flops / 1e9:.1f} GFLOP/s fp32, memcpy {memcpy / 1e9:.2f} GB/s (same run)")
+    print(f"{'batch':>5} {'prefill tok/s':>14} {'MFU':>6} {'decode tok/s':>13} {'step ms':>8} {'BW util':>8}")
+    for r in rows:
+        print(f"{r['batch']:>5} {r['prefill_tokens_per_s']:>14.0f} {r['prefill_mfu']:>6.1%} "
+              f"{r['decode_tokens_per_s']:>13.1f} {r['decode_step_ms']:>8.2f} {r['decode_bw_util']:>8.1%}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

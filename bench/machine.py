@@ -1,0 +1,30 @@
+"""This machine's ceilings, measured in the same run as any figure compared against them."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def _best_of(fn, repeat: int) -> float:
+    fn()  # warm up
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure_memcpy_gbps(nbytes: int = 256 * 2**20, repeat: int = 5) -> float:
+    """Bytes copied per second (GB/s, 1e9) by a plain tensor copy of `nbytes`."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    return nbytes / _best_of(lambda: dst.copy_(src), repeat) / 1e9
+
+
+def measure_matmul_gflops(n: int = 2048, dtype: torch.dtype = torch.float32, repeat: int = 5) -> float:
+    """Dense square matmul FLOP/s (GFLOP/s) at the dtype the model runs in."""
+    a = torch.randn(n, n, dtype=dtype)
+    b = torch.randn(n, n, dtype=dtype)
+    return 2 * n**3 / _best_of(lambda: a @ b, repeat) / 1e9

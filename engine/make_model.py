@@ -1,0 +1,149 @@
+"""Random-initialised Hugging Face model folders (Llama / Qwen2), made offline and deterministically.
+
+`pdserve serve` with no --model uses `default_model_path()`: the ~30M-parameter `default`
+preset, built once (a few seconds) and cached. Tests use `tiny`; benchmarks use `bench`.
+Weights are drawn so logits are well spread (random HF-style init at std 0.02 gives nearly
+equal logits, and greedy argmax would hinge on float rounding between implementations).
+"""
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from engine.tokenizer_builder import EOS, build_tokenizer
+
+DEFAULT_MODEL_NAME = "default-v1"
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool = True
+    rope_theta: float = 10000.0
+
+
+PRESETS = {
+    "tiny": ModelPreset(64, 2, 4, 2, 128, 512, 1024),
+    "bench": ModelPreset(512, 8, 8, 4, 1536, 8192, 4096),
+}
+PRESETS["default"] = PRESETS["bench"]
+
+
+def _hf_config(arch: str, p: ModelPreset, vocab: int, eos_id: int, rope_scaling: dict | None):
+    from transformers import LlamaConfig, Qwen2Config
+    common = dict(vocab_size=vocab, hidden_size=p.hidden_size, intermediate_size=p.intermediate_size,
+                  num_hidden_layers=p.num_layers, num_attention_heads=p.num_heads,
+                  num_key_value_heads=p.num_kv_heads, max_position_embeddings=p.max_position_embeddings,
+                  rms_norm_eps=1e-5, tie_word_embeddings=p.tie_word_embeddings,
+                  bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id, torch_dtype="float32")
+    rope = {"rope_type": "default", "rope_theta": p.rope_theta, **(rope_scaling or {})}
+    if arch == "llama":
+        cfg = LlamaConfig(**common, attention_bias=False, mlp_bias=False, head_dim=p.hidden_size // p.num_heads)
+    elif arch == "qwen2":
+        cfg = Qwen2Config(**common, use_sliding_window=False)
+    else:
+        raise ValueError(f"unknown arch {arch!r}; choose llama or qwen2")
+    # transformers >= 5 reads rope_parameters; older versions rope_theta/rope_scaling.
+    if hasattr(cfg, "rope_parameters"):
+        cfg.rope_parameters = rope
+    else:
+        cfg.rope_theta = p.rope_theta
+        cfg.rope_scaling = rope_scaling
+    return cfg
+
+
+@torch.no_grad()
+def _init_weights(model: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+        if name.endswith("norm.weight"):
+            param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
+        elif name.endswith("bias"):
+            param.copy_(0.1 * torch.randn(param.shape, generator=gen))
+        elif "embed_tokens" in name or "lm_head" in name:
+            param.copy_(0.5 * torch.randn(param.shape, generator=gen))
+        else:  # linear [out, in]
+            param.copy_(torch.randn(param.shape, generator=gen) / param.shape[1] ** 0.5)
+
+
+def make_model(out_dir: str | Path, preset: str = "tiny", arch: str = "llama", seed: int = 0,
+               max_shard_size: str | None = None, quiet: bool = False, **overrides) -> Path:
+    """Write an HF folder; returns its path. Same arguments -> byte-identical weights."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    out_dir = Path(out_dir)
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose {', '.join(PRESETS)}")
+    rope_scaling = overrides.pop("rope_scaling", None)
+    p = replace(PRESETS[preset], **overrides)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent if out_dir.parent.exists() else None))
+    try:
+        vocab = build_tokenizer(tmp, p.vocab_size, seed=0)
+        from tokenizers import Tokenizer
+        eos_id = Tokenizer.from_file(str(tmp / "tokenizer.json")).token_to_id(EOS)
+        cfg = _hf_config(arch, p, vocab, eos_id, rope_scaling)
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        _init_weights(model, seed)
+        kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+        model.save_pretrained(tmp, **kwargs)
+        GenerationConfig(bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id,
+                         do_sample=False).save_pretrained(tmp)
+        n_params = sum(t.numel() for t in model.parameters())
+        (tmp / "pdserve_model.json").write_text(json.dumps(
+            {"preset": preset, "arch": arch, "seed": seed, "parameters": n_params}, indent=2))
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if not quiet:
+        print(f"wrote {arch}/{preset} model ({n_params / 1e6:.1f}M parameters) to {out_dir}", flush=True)
+    return out_dir
+
+
+def default_model_path() -> Path:
+    """The embedded default model, created on first use (process-safe) and cached."""
+    root = Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve")) / "models"
+    path = root / DEFAULT_MODEL_NAME
+    if (path / "config.json").is_file():
+        return path
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".{DEFAULT_MODEL_NAME}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (path / "config.json").is_file():
+            print(f"creating the default model at {path} (once)...", flush=True)
+            make_model(path, preset="default", arch="llama", seed=0)
+    return path
+
+
+def make_model_main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="pdserve make-model",
+                                 description="Write a random-initialised Hugging Face model folder.")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    ap.add_argument("--arch", default="llama", choices=["llama", "qwen2"])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-shard-size", default=None, help="e.g. 10MB: write sharded safetensors")
+    tie = ap.add_mutually_exclusive_group()
+    tie.add_argument("--tie", dest="tie", action="store_true", default=None)
+    tie.add_argument("--no-tie", dest="tie", action="store_false")
+    args = ap.parse_args(argv)
+    overrides = {} if args.tie is None else {"tie_word_embeddings": args.tie}
+    make_model(args.out, args.preset, args.arch, args.seed, args.max_shard_size, **overrides)
+    return 0

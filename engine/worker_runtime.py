@@ -1,0 +1,93 @@
+"""What every worker process does besides running its engine: membership and messaging.
+
+A worker binds one control inbox (PULL), connects one outbox (PUSH) to each configured gateway,
+announces itself with `Register` until a gateway answers `Welcome`, then heartbeats with its
+stats. Replies for a request go to the gateway named in it (by id, mapped to a configured
+address: never an address taken from a request).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+import uuid
+from typing import Callable
+
+import zmq
+
+from protocol.auth import FrameAuth
+from protocol.channel import Inbox, Outbox
+from protocol.messages import Heartbeat, Message, Register, Welcome, WorkerInfo, WorkerStats
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_INTERVAL_S = 0.5
+REGISTER_INTERVAL_S = 1.0
+
+
+def new_worker_id(role: str) -> str:
+    return f"{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+class WorkerRuntime:
+    def __init__(self, ctx: zmq.Context, auth: FrameAuth, control_bind: str,
+                 gateway_addrs: list[str]) -> None:
+        if not gateway_addrs:
+            raise ValueError("a worker needs at least one --gateway address")
+        self.ctx = ctx
+        self.inbox = Inbox(ctx, auth, control_bind)
+        self._by_addr = {addr: Outbox(ctx, auth, addr) for addr in gateway_addrs}
+        self._by_id: dict[str, Outbox] = {}
+        self._welcomed: set[str] = set()
+        self._last_register = 0.0
+        self._last_heartbeat = 0.0
+        self.info: WorkerInfo | None = None
+
+    @property
+    def control_addr(self) -> str:
+        return self.inbox.addr
+
+    def handle_welcome(self, msg: Welcome) -> None:
+        box = self._by_addr.get(msg.inbox_addr)
+        if box is None:
+            log.warning("Welcome names unknown gateway address %s: ignored", msg.inbox_addr)
+            return
+        self._by_id[msg.gateway_id] = box
+        self._welcomed.add(msg.inbox_addr)
+
+    def to_gateway(self, gateway_id: str, msg: Message) -> bool:
+        box = self._by_id.get(gateway_id)
+        if box is None:
+            log.warning("no route to gateway %s; dropping %s", gateway_id, type(msg).__name__)
+            return False
+        return box.send(msg)
+
+    def tick(self, stats: Callable[[], WorkerStats]) -> None:
+        """Register with gateways that have not welcomed us; heartbeat all of them."""
+        assert self.info is not None, "set runtime.info before the loop"
+        now = time.monotonic()
+        if now - self._last_register >= REGISTER_INTERVAL_S:
+            self._last_register = now
+            for addr, box in self._by_addr.items():
+                if addr not in self._welcomed:
+                    box.send(Register(info=self.info))
+        if now - self._last_heartbeat >= HEARTBEAT_INTERVAL_S:
+            self._last_heartbeat = now
+            hb = Heartbeat(worker_id=self.info.worker_id, stats=stats(), info=self.info)
+            for box in self._by_addr.values():
+                box.send(hb)
+
+    def drain(self, timeout_ms: int) -> list[Message]:
+        """Messages now waiting; blocks up to `timeout_ms` for the first one."""
+        msgs = []
+        msg = self.inbox.recv_one(timeout_ms)
+        while msg is not None:
+            msgs.append(msg)
+            msg = self.inbox.recv_one(0)
+        return msgs
+
+    def close(self) -> None:
+        self.inbox.close()
+        for box in self._by_addr.values():
+            box.close()

@@ -1,0 +1,55 @@
+"""Shared fixtures: tiny random HF model folders (made once per session) and HF references."""
+from __future__ import annotations
+
+import functools
+import random
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def models_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(models_dir) -> Path:
+    from engine.make_model import make_model
+    return make_model(models_dir / "tiny-llama", preset="tiny", arch="llama", seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(models_dir) -> Path:
+    from engine.make_model import make_model
+    return make_model(models_dir / "tiny-qwen2", preset="tiny", arch="qwen2", seed=2)
+
+
+@pytest.fixture(scope="session", params=["tiny_llama", "tiny_qwen2"])
+def tiny_model(request) -> Path:
+    """Both architectures: Llama with GQA, Qwen2 with qkv bias and tied embeddings."""
+    return request.getfixturevalue(request.param)
+
+
+@functools.lru_cache(maxsize=None)
+def _hf_model(path: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@functools.lru_cache(maxsize=None)
+def hf_greedy(path: str, prompt: tuple[int, ...], max_new_tokens: int) -> list[int]:
+    """Hugging Face transformers greedy `generate` output ids (the reference), fp32, batch 1."""
+    import torch
+    model = _hf_model(path)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=max_new_tokens, do_sample=False, min_new_tokens=0,
+                             pad_token_id=model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else 0)
+    return out[0, len(prompt):].tolist()
+
+
+def random_prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
