@@ -12,6 +12,7 @@ Who sends what (G = gateway, P = prefill worker, D = decode worker, C = colocate
     D -> G  ReserveReply                     lease (epoch, block ids, deadline) or refusal
     G -> P  PrefillRequest                   prompt + sampling + KV destination/lease
     G -> C  GenerateRequest                  whole request on one colocated worker
+    P -> D  KvLayer (+ raw tensor frame)     one layer's KV for some blocks, on the KV stream
     P -> D  KvDone (on the KV stream)        all layers written; first token; D admits
     P,D,C -> G  TokenOutput                  new tokens / finish / error for one request
     G -> P,D,C  Abort                        client went away or stop string hit
@@ -77,10 +78,12 @@ class Register(_Msg):
 class Heartbeat(_Msg):
     worker_id: str = ""
     stats: WorkerStats = WorkerStats()
+    info: WorkerInfo | None = None  # lets a restarted gateway re-learn its workers
 
 
 class Welcome(_Msg):
     gateway_id: str = ""
+    inbox_addr: str = ""  # must be one of the worker's configured gateway addresses
 
 
 class Lease(msgspec.Struct, frozen=True):
@@ -117,6 +120,7 @@ class KvDestination(msgspec.Struct, frozen=True):
     shm_name: str | None
     transport: Literal["zmq", "shm"]
     lease: Lease
+    layout: KvLayout  # the decode worker's pool (shm writers map it with this shape)
 
 
 class PrefillRequest(_Msg):
@@ -143,6 +147,25 @@ class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
     top_logprobs: list[float]
 
 
+class KvLayer(_Msg):
+    """Header of one layer's KV for some of a request's blocks (P -> D on the KV stream).
+
+    Followed by one raw payload frame `[2, len(block_ids), block_size, kv_heads, head_dim]`
+    (K then V), unless `in_place`: then P already wrote the blocks through shared memory and
+    this only tells D the layer is there.
+    """
+
+    request_id: str = ""
+    lease_epoch: int = 0
+    layer: int = 0
+    block_ids: list[int] = []  # destination (D's) block ids
+    kv_head_start: int = 0
+    kv_head_end: int = 0
+    dtype: str = ""
+    nbytes: int = 0
+    in_place: bool = False
+
+
 class KvDone(_Msg):
     """Sent by P on the KV stream after the last layer frame: D verifies and admits."""
 
@@ -161,6 +184,7 @@ class KvDone(_Msg):
 class TokenOutput(_Msg):
     request_id: str = ""
     worker_id: str = ""
+    index: int = 0  # position of token_ids[0] in the output (the gateway reorders by it)
     token_ids: list[int] = []
     logprobs: list[TokenLogprob] | None = None
     finish_reason: FinishReason | None = None
@@ -176,7 +200,7 @@ class Abort(_Msg):
 
 
 Message = Union[Register, Heartbeat, Welcome, ReserveRequest, ReserveReply, PrefillRequest,
-                GenerateRequest, KvDone, TokenOutput, Abort]
+                GenerateRequest, KvLayer, KvDone, TokenOutput, Abort]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -1,0 +1,106 @@
+"""Colocated worker: one process runs both phases in mixed batches (decode tokens first, then
+prefill chunks under the token budget). The baseline that shows what disaggregation buys, and
+a deployment choice for small setups. Speaks the same protocol as the pools (GenerateRequest).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+
+import zmq
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.worker_runtime import WorkerRuntime, new_worker_id
+from protocol.auth import FrameAuth
+from protocol.messages import (Abort, GenerateRequest, KvLayout, TokenOutput, Welcome,
+                               WorkerInfo, WorkerStats)
+
+log = logging.getLogger(__name__)
+
+
+class ColocatedWorker:
+    def __init__(self, config: EngineConfig, auth: FrameAuth, control_bind: str,
+                 gateway_addrs: list[str], host: str = "127.0.0.1") -> None:
+        self.engine = LLMEngine(config)
+        self.ctx = zmq.Context()
+        self.rt = WorkerRuntime(self.ctx, auth, control_bind, gateway_addrs)
+        spec = self.engine.kv_spec
+        self.rt.info = WorkerInfo(
+            worker_id=new_worker_id("colocated"), role="colocated", control_addr=self.rt.control_addr,
+            host=host, pid=os.getpid(),
+            model_fingerprint=self.engine.model_config.fingerprint(self.engine.dtype),
+            kv_layout=KvLayout(spec.num_layers, self.engine.pool.num_blocks, spec.block_size,
+                               spec.num_kv_heads, spec.head_dim, str(spec.dtype).removeprefix("torch.")),
+            max_model_len=self.engine.max_model_len)
+        self.gateway_of: dict[str, str] = {}
+        self.received: dict[str, float] = {}
+        self._stop = False
+        self._last_progress = time.monotonic()
+
+    @property
+    def worker_id(self) -> str:
+        return self.rt.info.worker_id
+
+    def _on_generate(self, req: GenerateRequest) -> None:
+        try:
+            self.engine.add_request(req.request_id, req.prompt_token_ids, req.sampling)
+        except ValueError as e:
+            self.rt.to_gateway(req.gateway_id, TokenOutput(request_id=req.request_id, worker_id=self.worker_id,
+                                                           finish_reason="error", error=str(e)))
+            return
+        self.gateway_of[req.request_id] = req.gateway_id
+        self.received[req.request_id] = time.monotonic()
+
+    def step(self) -> None:
+        sched = self.engine.schedule()
+        now = time.monotonic()
+        first_seen = {c.seq.request_id: now - self.received.pop(c.seq.request_id)
+                      for c in sched.prefills if c.seq.request_id in self.received}
+        for out in self.engine.execute(sched):
+            gateway = self.gateway_of.get(out.request_id)
+            if gateway is None:
+                continue
+            timings = {}
+            if out.seq.num_output_tokens == 1 and out.request_id in first_seen:
+                timings = {"prefill_queue_s": first_seen[out.request_id],
+                           "prefill_compute_s": time.monotonic() - now}
+            self.rt.to_gateway(gateway, TokenOutput(
+                request_id=out.request_id, worker_id=self.worker_id,
+                index=out.seq.num_output_tokens - len(out.new_token_ids),
+                token_ids=out.new_token_ids, logprobs=out.logprobs,
+                finish_reason=out.finish_reason, timings=timings))
+            if out.finish_reason is not None:
+                self.gateway_of.pop(out.request_id, None)
+        self._last_progress = time.monotonic()
+
+    def stats(self) -> WorkerStats:
+        sch = self.engine.scheduler
+        return WorkerStats(kv_blocks_free=self.engine.pool.num_free, kv_blocks_total=self.engine.pool.num_blocks,
+                           num_running=len(sch.running), num_waiting=len(sch.waiting),
+                           steps=self.engine.num_steps,
+                           last_step_age_s=0.0 if not self.engine.has_work()
+                           else time.monotonic() - self._last_progress)
+
+    def run(self) -> None:
+        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "_stop", True))
+        log.info("colocated worker %s on %s", self.worker_id, self.rt.control_addr)
+        try:
+            while not self._stop:
+                for msg in self.rt.drain(0 if self.engine.has_work() else 20):
+                    if isinstance(msg, GenerateRequest):
+                        self._on_generate(msg)
+                    elif isinstance(msg, Abort):
+                        self.engine.abort(msg.request_id)
+                        self.gateway_of.pop(msg.request_id, None)
+                        self.received.pop(msg.request_id, None)
+                    elif isinstance(msg, Welcome):
+                        self.rt.handle_welcome(msg)
+                if self.engine.has_work():
+                    self.step()
+                self.rt.tick(self.stats)
+        finally:
+            self.rt.close()
+            self.ctx.term()

@@ -1,0 +1,188 @@
+"""Decode worker process: grants KV leases, receives prefilled KV, runs continuous batching.
+
+Block ownership on this worker:
+    pool --allocate--> lease (ReserveRequest) --KvDone ok--> running sequence --finish--> pool
+                         \--abort/expiry--> quarantine until the lease deadline --> pool
+A quarantined block is never handed out before its lease deadline, so a late or replayed
+transfer cannot land in blocks that belong to another request.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+
+import zmq
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.worker_runtime import WorkerRuntime, new_worker_id
+from kvtransfer.lease import LeaseTable
+from kvtransfer.receiver import KvReceiver
+from kvtransfer.shm import SharedTensor
+from protocol.auth import FrameAuth
+from protocol.messages import (Abort, KvDone, KvLayout, ReserveReply, ReserveRequest,
+                               TokenOutput, Welcome, WorkerInfo, WorkerStats)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_LEASE_TTL_S = 30.0
+
+
+class DecodeWorker:
+    def __init__(self, config: EngineConfig, auth: FrameAuth, control_bind: str, kv_bind: str,
+                 gateway_addrs: list[str], *, shared_memory: bool = True, host: str = "127.0.0.1",
+                 lease_ttl_s: float = DEFAULT_LEASE_TTL_S) -> None:
+        self._shm: SharedTensor | None = None
+
+        def shm_allocator(shape, dtype):
+            self._shm = SharedTensor.create(shape, dtype)
+            return self._shm.tensor
+
+        self.engine = LLMEngine(config, kv_allocator=shm_allocator if shared_memory else None)
+        self.ctx = zmq.Context()
+        self.rt = WorkerRuntime(self.ctx, auth, control_bind, gateway_addrs)
+        self.leases = LeaseTable(self.engine.model_config.num_layers)
+        self.lease_ttl_s = lease_ttl_s
+        self.receiver = KvReceiver(self.ctx, auth, kv_bind, self.engine.kv_cache, self.leases)
+        spec = self.engine.kv_spec
+        self.rt.info = WorkerInfo(
+            worker_id=new_worker_id("decode"), role="decode", control_addr=self.rt.control_addr,
+            host=host, pid=os.getpid(),
+            model_fingerprint=self.engine.model_config.fingerprint(self.engine.dtype),
+            kv_layout=KvLayout(spec.num_layers, self.engine.pool.num_blocks, spec.block_size,
+                               spec.num_kv_heads, spec.head_dim, str(spec.dtype).removeprefix("torch.")),
+            kv_addr=self.receiver.addr, shm_name=self._shm.name if self._shm else None,
+            max_model_len=self.engine.max_model_len)
+        self.gateway_of: dict[str, str] = {}  # request id -> gateway id
+        self.admitted_at: dict[str, float] = {}
+        self._stop = False
+        self._last_progress = time.monotonic()
+
+    @property
+    def worker_id(self) -> str:
+        return self.rt.info.worker_id
+
+    # --- reservations -----------------------------------------------------------------------
+    def _on_reserve(self, req: ReserveRequest) -> None:
+        eng = self.engine
+        n_blocks = -(-req.num_prompt_tokens // eng.block_size)
+        seats = eng.config.scheduler.max_num_seqs - len(eng.scheduler.running) - self.leases.num_active
+        reason = ""
+        if req.request_id in self.gateway_of or self.leases.get(req.request_id) is not None:
+            reason = "duplicate request id"
+        elif req.num_prompt_tokens + req.max_tokens > eng.max_model_len:
+            reason = f"prompt + max_tokens exceeds max_model_len {eng.max_model_len}"
+        elif seats <= 0:
+            reason = "no free decode seats"
+        elif not eng.pool.can_allocate(n_blocks):
+            reason = f"no KV blocks ({n_blocks} needed, {eng.pool.num_free} free)"
+        if reason:
+            self.rt.to_gateway(req.gateway_id, ReserveReply(request_id=req.request_id,
+                                                            worker_id=self.worker_id, reason=reason))
+            return
+        lease = self.leases.grant(req.request_id, eng.pool.allocate(n_blocks), self.lease_ttl_s)
+        self.gateway_of[req.request_id] = req.gateway_id
+        self.rt.to_gateway(req.gateway_id, ReserveReply(request_id=req.request_id,
+                                                        worker_id=self.worker_id, lease=lease))
+
+    def _on_kv_done(self, done: KvDone) -> None:
+        lease = self.leases.get(done.request_id)
+        gateway = self.gateway_of.get(done.request_id)
+        if lease is None or gateway is None:
+            return
+        self.leases.release(done.request_id)  # blocks now belong to the sequence
+        self.admitted_at[done.request_id] = time.monotonic()
+        try:
+            finished = self.engine.add_prefilled(done.request_id, done.prompt_token_ids, done.first_token,
+                                                 done.first_logprob, done.sampling, lease.block_ids)
+        except ValueError as e:  # e.g. a prompt that does not fit: give the blocks back, report
+            self.engine.pool.free(lease.block_ids)
+            self._emit(done.request_id, [], None, "error", 1, error=str(e))
+            return
+        if finished is not None:
+            self._emit(done.request_id, [], None, finished.finish_reason, 1)
+
+    def _on_abort(self, request_id: str) -> None:
+        if not self.engine.abort(request_id):
+            self.leases.revoke(request_id)  # its blocks wait out the deadline in quarantine
+        self.gateway_of.pop(request_id, None)
+        self.admitted_at.pop(request_id, None)
+
+    def _reclaim(self) -> None:
+        now = time.time()
+        for request_id in self.leases.expire(now):
+            gateway = self.gateway_of.pop(request_id, None)
+            if gateway is not None:
+                self.rt.to_gateway(gateway, TokenOutput(request_id=request_id, worker_id=self.worker_id,
+                                                        finish_reason="error",
+                                                        error="KV transfer did not complete before the lease deadline"))
+        blocks = self.leases.reclaimable(now)
+        if blocks:
+            self.engine.pool.free(blocks)
+
+    # --- outputs ----------------------------------------------------------------------------
+    def _emit(self, request_id, tokens, logprobs, reason, index, timings=None, error=None) -> None:
+        gateway = self.gateway_of.get(request_id)
+        if gateway is None:
+            return
+        self.rt.to_gateway(gateway, TokenOutput(request_id=request_id, worker_id=self.worker_id,
+                                                index=index, token_ids=tokens, logprobs=logprobs,
+                                                finish_reason=reason, error=error, timings=timings or {}))
+        if reason is not None:
+            self.gateway_of.pop(request_id, None)
+            self.admitted_at.pop(request_id, None)
+
+    def step(self) -> None:
+        now = time.monotonic()
+        for out in self.engine.step():
+            timings = None
+            admitted = self.admitted_at.pop(out.request_id, None)
+            if admitted is not None:
+                timings = {"decode_admission_s": now - admitted}
+            self._emit(out.request_id, out.new_token_ids, out.logprobs, out.finish_reason,
+                       out.seq.num_output_tokens - len(out.new_token_ids), timings)
+        self._last_progress = time.monotonic()
+
+    def stats(self) -> WorkerStats:
+        sch = self.engine.scheduler
+        return WorkerStats(kv_blocks_free=self.engine.pool.num_free, kv_blocks_total=self.engine.pool.num_blocks,
+                           num_running=len(sch.running), num_waiting=len(sch.waiting) + self.leases.num_active,
+                           steps=self.engine.num_steps,
+                           last_step_age_s=0.0 if not self.engine.has_work()
+                           else time.monotonic() - self._last_progress)
+
+    def run(self) -> None:
+        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "_stop", True))
+        log.info("decode worker %s on %s (kv %s, shm %s)", self.worker_id, self.rt.control_addr,
+                 self.receiver.addr, self._shm.name if self._shm else None)
+        poller = zmq.Poller()
+        poller.register(self.rt.inbox.socket, zmq.POLLIN)
+        poller.register(self.receiver.socket, zmq.POLLIN)
+        try:
+            while not self._stop:
+                if not self.engine.has_work():
+                    poller.poll(20)
+                for msg in self.rt.drain(0):
+                    if isinstance(msg, ReserveRequest):
+                        self._on_reserve(msg)
+                    elif isinstance(msg, Abort):
+                        self._on_abort(msg.request_id)
+                    elif isinstance(msg, Welcome):
+                        self.rt.handle_welcome(msg)
+                for done in self.receiver.poll(0):
+                    self._on_kv_done(done)
+                self._reclaim()
+                if self.engine.has_work():
+                    self.step()
+                self.rt.tick(self.stats)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self.receiver.close()
+        self.rt.close()
+        self.ctx.term()
+        if self._shm is not None:
+            self._shm.close()

@@ -1,0 +1,33 @@
+"""What the HTTP layer needs from whatever serves tokens (the cluster, or a fake in tests)."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+
+from engine.sampling_params import SamplingParams
+from protocol.messages import TokenOutput, WorkerStats
+
+
+class BackendUnavailable(Exception):
+    """No capacity now: the gateway answers 503 with Retry-After."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class Backend(ABC):
+    @abstractmethod
+    def generate(self, request_id: str, prompt_token_ids: list[int],
+                 sampling: SamplingParams) -> AsyncIterator[TokenOutput]:
+        """Yield TokenOutputs until one has finish_reason set. May raise BackendUnavailable
+        before the first yield. Closing the iterator early (aclose) aborts the request."""
+
+    @abstractmethod
+    async def abort(self, request_id: str) -> None: ...
+
+    @abstractmethod
+    def health(self) -> tuple[bool, dict]: ...
+
+    @abstractmethod
+    def worker_stats(self) -> dict[str, WorkerStats]: ...

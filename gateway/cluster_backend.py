@@ -1,0 +1,242 @@
+"""The gateway's real backend: routes requests to prefill/decode pools (or a colocated worker)
+over authenticated ZMQ, and turns their TokenOutput messages into one ordered stream.
+
+Disaggregated request: ReserveRequest -> D (lease) ; PrefillRequest(lease) -> P ;
+first token <- P ; later tokens <- D. Leaving the stream early (client gone, stop string)
+sends Abort to both, so every block on both sides comes back.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import zmq
+import zmq.asyncio
+
+from engine.sampling_params import SamplingParams
+from gateway.backend import Backend, BackendUnavailable
+from gateway.membership import WorkerEntry, WorkerTable, pick_decode_order, pick_least_loaded
+from protocol.auth import FrameAuth
+from protocol.channel import AsyncInbox, AsyncOutbox
+from protocol.messages import (Abort, GenerateRequest, Heartbeat, KvDestination, PrefillRequest,
+                               Register, ReserveReply, ReserveRequest, TokenOutput, Welcome,
+                               WorkerStats)
+
+log = logging.getLogger(__name__)
+
+
+class ClusterBackend(Backend):
+    def __init__(self, auth: FrameAuth, inbox_bind: str, *, kv_transport: str = "auto",
+                 dead_after_s: float = 2.0, reserve_timeout_s: float = 5.0) -> None:
+        if kv_transport not in ("auto", "shm", "zmq"):
+            raise ValueError("kv_transport must be auto, shm or zmq")
+        self.auth = auth
+        self.inbox_bind = inbox_bind
+        self.gateway_id = f"gw-{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
+        self.kv_transport = kv_transport
+        self.reserve_timeout_s = reserve_timeout_s
+        self.table = WorkerTable(dead_after_s=dead_after_s)
+        self._outboxes: dict[str, AsyncOutbox] = {}
+        self._reserve_waiters: dict[str, asyncio.Future[ReserveReply]] = {}
+        self._streams: dict[str, asyncio.Queue[TokenOutput]] = {}
+        self._ctx: zmq.asyncio.Context | None = None
+        self._inbox: AsyncInbox | None = None
+        self._task: asyncio.Task | None = None
+
+    # --- lifecycle --------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._ctx = zmq.asyncio.Context()
+        self._inbox = AsyncInbox(self._ctx, self.auth, self.inbox_bind)
+        self._task = asyncio.create_task(self._receive_loop())
+        log.info("gateway %s listening for workers on %s", self.gateway_id, self._inbox.addr)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        for box in self._outboxes.values():
+            box.close()
+        if self._inbox is not None:
+            self._inbox.close()
+        if self._ctx is not None:
+            self._ctx.term()
+
+    @property
+    def inbox_addr(self) -> str:
+        assert self._inbox is not None
+        return self._inbox.addr
+
+    async def _receive_loop(self) -> None:
+        assert self._inbox is not None
+        while True:
+            msg = await self._inbox.recv_one()
+            if msg is None:
+                continue
+            try:
+                self._dispatch(msg)
+            except Exception:  # one bad message must not stop the gateway
+                log.exception("error handling %s", type(msg).__name__)
+
+    def _dispatch(self, msg) -> None:
+        if isinstance(msg, TokenOutput):
+            queue = self._streams.get(msg.request_id)
+            if queue is not None:
+                queue.put_nowait(msg)
+        elif isinstance(msg, ReserveReply):
+            fut = self._reserve_waiters.pop(msg.request_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+        elif isinstance(msg, (Register, Heartbeat)):
+            info = msg.info
+            if info is None:
+                return
+            stats = msg.stats if isinstance(msg, Heartbeat) else None
+            if self.table.upsert(info, stats) or info.worker_id not in self._outboxes:
+                assert self._ctx is not None
+                self._outboxes[info.worker_id] = AsyncOutbox(self._ctx, self.auth, info.control_addr)
+                log.info("worker %s (%s) joined at %s", info.worker_id, info.role, info.control_addr)
+            if isinstance(msg, Register):
+                self._send(info.worker_id, Welcome(gateway_id=self.gateway_id, inbox_addr=self.inbox_addr))
+
+    def _send(self, worker_id: str, msg) -> bool:
+        box = self._outboxes.get(worker_id)
+        return box is not None and box.send(msg)
+
+    # --- Backend API ------------------------------------------------------------------------
+    def health(self) -> tuple[bool, dict]:
+        live = {role: len(self.table.live(role)) for role in ("prefill", "decode", "colocated")}
+        ok = (live["prefill"] > 0 and live["decode"] > 0) or live["colocated"] > 0
+        return ok, {"live_workers": live}
+
+    def worker_stats(self) -> dict[str, WorkerStats]:
+        return {wid: w.stats for wid, w in self.table.workers.items() if self.table.is_live(w)}
+
+    async def abort(self, request_id: str) -> None:
+        # generate()'s finally block does the work; this is for callers holding only an id.
+        queue = self._streams.get(request_id)
+        if queue is not None:
+            queue.put_nowait(TokenOutput(request_id=request_id, finish_reason="abort"))
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       sampling: SamplingParams) -> AsyncIterator[TokenOutput]:
+        prefills, decodes = self.table.live("prefill"), self.table.live("decode")
+        if prefills and decodes:
+            stream = self._generate_disaggregated(request_id, prompt_token_ids, sampling, prefills, decodes)
+        elif self.table.live("colocated"):
+            stream = self._generate_colocated(request_id, prompt_token_ids, sampling)
+        else:
+            raise BackendUnavailable("no live workers: need a prefill and a decode worker, "
+                                     "or a colocated worker", retry_after_s=2.0)
+        async for out in stream:
+            yield out
+
+    async def _reserve(self, request_id: str, n_prompt: int, sampling: SamplingParams,
+                       decodes: list[WorkerEntry]) -> tuple[WorkerEntry, ReserveReply]:
+        reasons = []
+        for d in pick_decode_order(decodes):
+            fut = asyncio.get_running_loop().create_future()
+            self._reserve_waiters[request_id] = fut
+            self._send(d.worker_id, ReserveRequest(request_id=request_id, gateway_id=self.gateway_id,
+                                                   num_prompt_tokens=n_prompt, max_tokens=sampling.max_tokens))
+            try:
+                reply = await asyncio.wait_for(fut, self.reserve_timeout_s)
+            except asyncio.TimeoutError:
+                reasons.append(f"{d.worker_id}: no answer")
+                self._send(d.worker_id, Abort(request_id=request_id, reason="reservation timed out"))
+                continue
+            finally:
+                self._reserve_waiters.pop(request_id, None)
+            if reply.lease is not None:
+                return d, reply
+            reasons.append(f"{d.worker_id}: {reply.reason}")
+        raise BackendUnavailable("no decode worker can take the request now (" + "; ".join(reasons) + ")",
+                                 retry_after_s=1.0)
+
+    def _transport_for(self, p: WorkerEntry, d: WorkerEntry) -> str:
+        can_shm = d.info.shm_name is not None and p.info.host == d.info.host
+        if self.kv_transport == "shm" and not can_shm:
+            log.warning("shm transport asked for but %s and %s do not share a host", p.worker_id, d.worker_id)
+        return "shm" if can_shm and self.kv_transport in ("auto", "shm") else "zmq"
+
+    async def _generate_disaggregated(self, request_id, prompt, sampling, prefills, decodes):
+        d, reply = await self._reserve(request_id, len(prompt), sampling, decodes)
+        p = pick_least_loaded(prefills)
+        dest = KvDestination(worker_id=d.worker_id, kv_addr=d.info.kv_addr or "", shm_name=d.info.shm_name,
+                             transport=self._transport_for(p, d), lease=reply.lease, layout=d.info.kv_layout)
+        queue: asyncio.Queue[TokenOutput] = asyncio.Queue()
+        self._streams[request_id] = queue
+        d.inflight += 1
+        p.inflight += 1
+        finished = False
+        try:
+            self._send(p.worker_id, PrefillRequest(request_id=request_id, gateway_id=self.gateway_id,
+                                                   prompt_token_ids=prompt, sampling=sampling, dest=dest,
+                                                   arrival_time=time.time()))
+            async for out in self._ordered(request_id, queue, (p, d)):
+                if out.finish_reason is not None:
+                    # Ended by a worker: it has released its side. Ended here (abort, dead
+                    # peer): `finished` stays False and the finally block aborts both workers.
+                    finished = bool(out.worker_id)
+                    if out.worker_id == p.worker_id:  # ended at its first token: free D's lease
+                        self._send(d.worker_id, Abort(request_id=request_id, reason="finished at prefill"))
+                yield out
+                if out.finish_reason is not None:
+                    return
+        finally:
+            d.inflight -= 1
+            p.inflight -= 1
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._send(p.worker_id, Abort(request_id=request_id, reason="client gone"))
+                self._send(d.worker_id, Abort(request_id=request_id, reason="client gone"))
+
+    async def _generate_colocated(self, request_id, prompt, sampling):
+        c = pick_least_loaded(self.table.live("colocated"))
+        queue: asyncio.Queue[TokenOutput] = asyncio.Queue()
+        self._streams[request_id] = queue
+        c.inflight += 1
+        finished = False
+        try:
+            self._send(c.worker_id, GenerateRequest(request_id=request_id, gateway_id=self.gateway_id,
+                                                    prompt_token_ids=prompt, sampling=sampling,
+                                                    arrival_time=time.time()))
+            async for out in self._ordered(request_id, queue, (c,)):
+                finished = out.finish_reason is not None and bool(out.worker_id)
+                yield out
+                if out.finish_reason is not None:
+                    return
+        finally:
+            c.inflight -= 1
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._send(c.worker_id, Abort(request_id=request_id, reason="client gone"))
+
+    async def _ordered(self, request_id: str, queue: asyncio.Queue[TokenOutput],
+                       workers: tuple[WorkerEntry, ...]) -> AsyncIterator[TokenOutput]:
+        """Yield outputs in token order (P and D send on different sockets); watch liveness."""
+        next_index = 0
+        held: dict[int, TokenOutput] = {}
+        while True:
+            try:
+                out = await asyncio.wait_for(queue.get(), timeout=0.5)
+            except asyncio.TimeoutError:
+                dead = [w.worker_id for w in workers if not self.table.is_live(w)]
+                if dead:
+                    yield TokenOutput(request_id=request_id, finish_reason="error",
+                                      error=f"worker {', '.join(dead)} stopped responding")
+                    return
+                continue
+            if out.error is not None or out.finish_reason == "abort":
+                yield out
+                return
+            held[out.index] = out
+            while next_index in held:
+                out = held.pop(next_index)
+                next_index += max(1, len(out.token_ids))
+                yield out
+                if out.finish_reason is not None:
+                    return

@@ -1,0 +1,39 @@
+"""Incremental detokenization: text deltas per new token, never splitting a character.
+
+Byte-level BPE tokens can end inside a multi-byte UTF-8 character; decoding such a prefix
+yields U+FFFD. We decode a small window [prefix_offset, end) and emit only once the window's
+text grows without ending in U+FFFD; the window then slides forward.
+"""
+from __future__ import annotations
+
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special = skip_special_tokens
+        self.ids: list[int] = []
+        self.prefix_offset = 0  # window start
+        self.read_offset = 0  # tokens before this are already emitted
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        text = self._decode(self.ids[self.prefix_offset:])
+        if len(text) > len(prefix) and not text.endswith(_REPLACEMENT):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            return text[len(prefix):]
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is still held back (at the end of a sequence)."""
+        if self.read_offset == len(self.ids):
+            return ""
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        text = self._decode(self.ids[self.prefix_offset:])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return text[len(prefix):]

@@ -1,0 +1,18 @@
+"""Caps on what one HTTP request may ask for."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GatewayLimits:
+    max_body_bytes: int = 4 * 2**20  # 413 above
+    max_n: int = 16
+    max_logprobs: int = 20
+    max_stop: int = 16
+    max_stop_len: int = 256
+    max_queued_requests: int = 1024  # in flight at this gateway; 503 + Retry-After above
+
+    def __post_init__(self) -> None:
+        if min(self.max_body_bytes, self.max_n, self.max_stop, self.max_stop_len) < 1:
+            raise ValueError("gateway limits must be positive")

@@ -1,0 +1,61 @@
+"""Which workers exist, which are alive, and how loaded they are (from Register/Heartbeat)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from protocol.messages import WorkerInfo, WorkerStats
+
+
+@dataclass
+class WorkerEntry:
+    info: WorkerInfo
+    stats: WorkerStats = field(default_factory=WorkerStats)
+    last_seen: float = field(default_factory=time.monotonic)
+    inflight: int = 0  # requests this gateway has routed here and not yet finished
+
+    @property
+    def worker_id(self) -> str:
+        return self.info.worker_id
+
+
+class WorkerTable:
+    """Liveness = a heartbeat within `dead_after_s`; a stuck engine loop counts as dead too."""
+
+    def __init__(self, dead_after_s: float = 2.0, stuck_after_s: float = 30.0) -> None:
+        self.dead_after_s = dead_after_s
+        self.stuck_after_s = stuck_after_s
+        self.workers: dict[str, WorkerEntry] = {}
+
+    def upsert(self, info: WorkerInfo, stats: WorkerStats | None = None) -> bool:
+        """Record a worker; True when it is new to this table."""
+        entry = self.workers.get(info.worker_id)
+        if entry is None:
+            self.workers[info.worker_id] = WorkerEntry(info, stats or WorkerStats())
+            return True
+        entry.info = info
+        entry.last_seen = time.monotonic()
+        if stats is not None:
+            entry.stats = stats
+        return False
+
+    def is_live(self, entry: WorkerEntry, now: float | None = None) -> bool:
+        now = time.monotonic() if now is None else now
+        return (now - entry.last_seen <= self.dead_after_s
+                and entry.stats.last_step_age_s <= self.stuck_after_s)
+
+    def live(self, role: str) -> list[WorkerEntry]:
+        now = time.monotonic()
+        return [w for w in self.workers.values() if w.info.role == role and self.is_live(w, now)]
+
+    def get(self, worker_id: str) -> WorkerEntry | None:
+        return self.workers.get(worker_id)
+
+
+def pick_decode_order(candidates: list[WorkerEntry]) -> list[WorkerEntry]:
+    """Most free KV first, then fewest in flight: spreads load and fails over in order."""
+    return sorted(candidates, key=lambda w: (-(w.stats.kv_blocks_free), w.inflight))
+
+
+def pick_least_loaded(candidates: list[WorkerEntry]) -> WorkerEntry:
+    return min(candidates, key=lambda w: (w.inflight, w.stats.num_waiting))

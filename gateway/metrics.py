@@ -1,0 +1,59 @@
+"""Prometheus metrics, one registry per app (two gateways in one process never collide)."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from protocol.messages import WorkerStats
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 60)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.25, 0.5, 1)
+
+
+class _WorkerCollector:
+    """Per-worker gauges read from the backend at scrape time."""
+
+    def __init__(self, stats: Callable[[], dict[str, WorkerStats]]) -> None:
+        self._stats = stats
+
+    def collect(self):
+        fams = {
+            "kv_blocks_free": GaugeMetricFamily("pdserve_kv_blocks_free", "Free KV blocks", labels=["node"]),
+            "kv_blocks_total": GaugeMetricFamily("pdserve_kv_blocks_total", "KV blocks", labels=["node"]),
+            "num_running": GaugeMetricFamily("pdserve_num_requests_running", "Running sequences", labels=["node"]),
+            "num_waiting": GaugeMetricFamily("pdserve_num_requests_waiting", "Queued requests", labels=["node"]),
+        }
+        for node, st in self._stats().items():
+            for attr, fam in fams.items():
+                fam.add_metric([node], getattr(st, attr))
+        yield from fams.values()
+
+
+class GatewayMetrics:
+    def __init__(self, worker_stats: Callable[[], dict[str, WorkerStats]]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("pdserve_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("pdserve_time_per_output_token_seconds", "Time per output token after the first",
+                              buckets=_TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram("pdserve_e2e_request_latency_seconds", "End-to-end request latency",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft_stage = Histogram("pdserve_ttft_breakdown_seconds", "TTFT by stage", ["stage"],
+                                    buckets=_LATENCY_BUCKETS, registry=r)
+        self.kv_bytes = Counter("pdserve_kv_transfer_bytes", "KV bytes moved prefill -> decode", registry=r)
+        self.finished = Counter("pdserve_requests", "Finished requests (per choice)", ["finish_reason"], registry=r)
+        self.http_errors = Counter("pdserve_http_errors", "Error responses", ["status"], registry=r)
+        self.in_flight = Gauge("pdserve_gateway_requests_in_flight", "HTTP requests in flight", registry=r)
+        r.register(_WorkerCollector(worker_stats))
+
+    def observe_timings(self, timings: dict[str, float]) -> None:
+        for key, value in timings.items():
+            if key == "kv_bytes":
+                self.kv_bytes.inc(value)
+            elif key.endswith("_s"):
+                self.ttft_stage.labels(stage=key.removesuffix("_s")).observe(value)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,52 @@
+"""The gateway process: tokenizer + ClusterBackend + Starlette app under uvicorn."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import uvicorn
+
+from engine.config import ModelConfig
+from gateway.app import create_app
+from gateway.cluster_backend import ClusterBackend
+from gateway.limits import GatewayLimits
+from protocol.auth import FrameAuth
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GatewayOptions:
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    worker_bind: str = "tcp://127.0.0.1:7100"
+    kv_transport: str = "auto"
+    api_key: str | None = None
+    max_model_len: int | None = None
+    served_model_name: str | None = None
+
+
+def serve_gateway(opts: GatewayOptions, auth: FrameAuth) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(opts.model)
+    model_cfg = ModelConfig.from_folder(opts.model)
+    max_len = min(opts.max_model_len or model_cfg.max_context, model_cfg.max_context)
+    backend = ClusterBackend(auth, opts.worker_bind, kv_transport=opts.kv_transport)
+    app = create_app(backend, tokenizer, model_name=opts.served_model_name or Path(opts.model).name,
+                     max_model_len=max_len, limits=GatewayLimits(), api_key=opts.api_key)
+
+    async def main() -> None:
+        await backend.start()
+        server = uvicorn.Server(uvicorn.Config(app, host=opts.host, port=opts.port, log_level="warning",
+                                               lifespan="off", timeout_graceful_shutdown=10))
+        log.info("gateway on http://%s:%d", opts.host, opts.port)
+        try:
+            await server.serve()
+        finally:
+            await backend.stop()
+
+    asyncio.run(main())

@@ -1,0 +1,31 @@
+"""Streaming stop-string matching: text that might begin a stop string is held back until it
+either completes one (output ends before it) or can no longer match (it is released)."""
+from __future__ import annotations
+
+
+class StopMatcher:
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self._held = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """-> (text safe to emit now, whether a stop string was hit)."""
+        if not self.stops:
+            return text, False
+        s = self._held + text
+        hits = [i for i in (s.find(stop) for stop in self.stops) if i >= 0]
+        if hits:
+            self._held = ""
+            return s[: min(hits)], True
+        hold = 0
+        for stop in self.stops:
+            for k in range(min(len(stop) - 1, len(s)), hold, -1):
+                if s.endswith(stop[:k]):
+                    hold = k
+                    break
+        self._held = s[len(s) - hold:]
+        return s[: len(s) - hold], False
+
+    def flush(self) -> str:
+        out, self._held = self._held, ""
+        return out

@@ -1,0 +1,3 @@
+from pdserve_cli.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,60 @@
+"""Engine flags shared by every worker role, and their typed config."""
+from __future__ import annotations
+
+import argparse
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+
+
+def parse_size(text: str) -> int:
+    """'512MiB', '2GiB', '1G', '100000' -> bytes."""
+    units = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    if t and t[-1] in units:
+        return int(float(t[:-1]) * units[t[-1]])
+    return int(t)
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="HF model folder (default: the embedded random Llama)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="cpu")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-blocks", type=int, default=None, help="KV blocks (overrides --kv-cache-memory)")
+    g.add_argument("--kv-cache-memory", type=parse_size, default=parse_size("1GiB"),
+                   help="KV cache budget, e.g. 512MiB (default 1GiB)")
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--threads", type=int, default=None, help="torch threads for this worker")
+    g.add_argument("--seed", type=int, default=None)
+
+
+def engine_args_to_argv(args: argparse.Namespace) -> list[str]:
+    """Re-emit the engine flags (serve passes them on to the worker processes)."""
+    out = ["--dtype", args.dtype, "--device", args.device, "--block-size", str(args.block_size),
+           "--kv-cache-memory", str(args.kv_cache_memory), "--max-num-seqs", str(args.max_num_seqs),
+           "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    for flag, value in (("--model", args.model), ("--num-blocks", args.num_blocks),
+                        ("--max-model-len", args.max_model_len), ("--seed", args.seed)):
+        if value is not None:
+            out += [flag, str(value)]
+    return out
+
+
+def resolve_model(model: str | None) -> str:
+    if model:
+        return model
+    from engine.make_model import default_model_path
+    return str(default_model_path())
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=resolve_model(args.model), dtype=args.dtype, device=args.device, seed=args.seed,
+        cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
+                          memory_bytes=args.kv_cache_memory),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                                  max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_model_len=args.max_model_len))

@@ -1,0 +1,81 @@
+"""`pdserve` console script."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pdserve_cli import roles
+from pdserve_cli.engine_args import add_engine_args
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="gateway + prefill and decode pools on this machine")
+    add_engine_args(s)
+    s.add_argument("--prefill-workers", type=int, default=1)
+    s.add_argument("--decode-workers", type=int, default=1)
+    s.add_argument("--colocated", action="store_true", help="one worker doing both phases (baseline)")
+    s.add_argument("--host", default="127.0.0.1", help="HTTP bind address (loopback by default)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--kv-transport", default="auto", choices=["auto", "shm", "zmq-ipc", "zmq-tcp"])
+    s.add_argument("--api-key", default=None)
+    s.add_argument("--served-model-name", default=None)
+
+    g = sub.add_parser("gateway", help="the HTTP gateway alone")
+    g.add_argument("--model", default=None, help="model folder (tokenizer, chat template, config)")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--worker-bind", default="tcp://127.0.0.1:7100", help="inbox workers connect to")
+    g.add_argument("--kv-transport", default="auto", choices=["auto", "shm", "zmq"])
+    g.add_argument("--api-key", default=None)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--served-model-name", default=None)
+
+    for role, fn in (("prefill", roles.run_prefill), ("decode", roles.run_decode),
+                     ("colocated", roles.run_colocated)):
+        w = sub.add_parser(role, help=f"one {role} worker")
+        roles.add_worker_args(w)
+        if role == "decode":
+            w.add_argument("--kv-bind", default="tcp://127.0.0.1:0", help="inbox for KV frames")
+            w.add_argument("--no-shm", action="store_true", help="plain (not shared) KV memory")
+            w.add_argument("--lease-ttl", type=float, default=30.0, help="seconds a KV lease stays valid")
+        w.set_defaults(func=fn)
+
+    for name, help_text in (("make-model", "write a random-initialised HF model folder"),
+                            ("bench", "SLO load generator for any OpenAI-compatible server"),
+                            ("bench-kv", "KV transfer bandwidth per transport vs memcpy"),
+                            ("bench-engine", "engine prefill/decode tokens/s vs machine FLOP/s and GB/s")):
+        sub.add_parser(name, help=help_text, add_help=False)
+    s.set_defaults(func=_serve)
+    g.set_defaults(func=roles.run_gateway)
+    return parser
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from pdserve_cli.serve import serve
+    return serve(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    # Tools with their own parsers get the rest of the command line untouched.
+    if argv and argv[0] == "make-model":
+        from engine.make_model import make_model_main
+        return make_model_main(argv[1:])
+    if argv and argv[0] == "bench":
+        from bench.cli import bench_main
+        return bench_main(argv[1:])
+    if argv and argv[0] == "bench-engine":
+        from bench.engine_throughput import main as bench_engine_main
+        return bench_engine_main(argv[1:])
+    if argv and argv[0] == "bench-kv":
+        from kvtransfer.bench import bench_kv_main
+        return bench_kv_main(argv[1:])
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,71 @@
+"""`pdserve prefill|decode|colocated|gateway`: one role per process (pools scale separately)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from pdserve_cli.engine_args import add_engine_args, engine_config, resolve_model
+
+log = logging.getLogger("pdserve")
+
+
+def _setup(role: str, threads: int | None) -> None:
+    logging.basicConfig(level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"),
+                        format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
+    if threads:
+        import torch
+        torch.set_num_threads(threads)
+        torch.set_num_interop_threads(1)
+
+
+def _auth():
+    from protocol.auth import FrameAuth, load_cluster_secret
+    return FrameAuth(load_cluster_secret())
+
+
+def add_worker_args(p: argparse.ArgumentParser) -> None:
+    add_engine_args(p)
+    p.add_argument("--gateway", action="append", required=True,
+                   help="gateway inbox address, e.g. tcp://10.0.0.5:7100 (repeatable)")
+    p.add_argument("--bind", default="tcp://127.0.0.1:0", help="this worker's control inbox")
+    p.add_argument("--advertise-host", default=None,
+                   help="host name peers use to decide on shared memory (default: this host)")
+
+
+def run_prefill(args: argparse.Namespace) -> int:
+    _setup("prefill", args.threads)
+    from prefill_node.worker import PrefillWorker
+    PrefillWorker(engine_config(args), _auth(), args.bind, args.gateway, host=_host(args)).run()
+    return 0
+
+
+def run_decode(args: argparse.Namespace) -> int:
+    _setup("decode", args.threads)
+    from decode_node.worker import DecodeWorker
+    DecodeWorker(engine_config(args), _auth(), args.bind, args.kv_bind, args.gateway,
+                 shared_memory=not args.no_shm, host=_host(args), lease_ttl_s=args.lease_ttl).run()
+    return 0
+
+
+def run_colocated(args: argparse.Namespace) -> int:
+    _setup("colocated", args.threads)
+    from decode_node.colocated import ColocatedWorker
+    ColocatedWorker(engine_config(args), _auth(), args.bind, args.gateway, host=_host(args)).run()
+    return 0
+
+
+def run_gateway(args: argparse.Namespace) -> int:
+    _setup("gateway", None)
+    from gateway.server import GatewayOptions, serve_gateway
+    serve_gateway(GatewayOptions(model=resolve_model(args.model), host=args.host, port=args.port,
+                                 worker_bind=args.worker_bind, kv_transport=args.kv_transport,
+                                 api_key=args.api_key or os.environ.get("PDSERVE_API_KEY"),
+                                 max_model_len=args.max_model_len, served_model_name=args.served_model_name),
+                  _auth())
+    return 0
+
+
+def _host(args) -> str:
+    import socket
+    return args.advertise_host or socket.gethostname()

@@ -1,0 +1,130 @@
+"""`pdserve serve`: gateway + N prefill + M decode workers (or one colocated) on this machine.
+
+Each role is its own OS process (`python -m pdserve_cli <role> ...`). Control sockets are IPC
+files in a private 0700 runtime directory; a fresh cluster secret is handed to the children
+through the environment. A worker that dies is restarted; Ctrl-C / SIGTERM stops them all.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+
+from pdserve_cli.engine_args import engine_args_to_argv, resolve_model
+
+log = logging.getLogger("pdserve.serve")
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+
+    def start(self, env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(self.argv, env=env)
+
+
+def plan_children(args: argparse.Namespace, run_dir: str) -> list[Child]:
+    py = [sys.executable, "-m", "pdserve_cli"]
+    gw_inbox = f"ipc://{run_dir}/gateway.sock"
+    n_workers = 1 if args.colocated else args.prefill_workers + args.decode_workers
+    threads = args.threads or max(1, (os.cpu_count() or 1) // n_workers)
+    engine_argv = engine_args_to_argv(args)
+    if "--threads" not in engine_argv:
+        engine_argv += ["--threads", str(threads)]
+    gw_transport = {"auto": "auto", "shm": "shm", "zmq-ipc": "zmq", "zmq-tcp": "zmq"}[args.kv_transport]
+    gateway = py + ["gateway", "--model", args.model, "--host", args.host, "--port", str(args.port),
+                    "--worker-bind", gw_inbox, "--kv-transport", gw_transport]
+    if args.served_model_name:
+        gateway += ["--served-model-name", args.served_model_name]
+    if args.max_model_len:
+        gateway += ["--max-model-len", str(args.max_model_len)]
+    children = [Child("gateway", gateway)]
+    common = ["--gateway", gw_inbox] + engine_argv
+    if args.colocated:
+        children.append(Child("colocated-0", py + ["colocated", "--bind", f"ipc://{run_dir}/colocated-0.sock"] + common))
+        return children
+    for i in range(args.prefill_workers):
+        children.append(Child(f"prefill-{i}", py + ["prefill", "--bind", f"ipc://{run_dir}/prefill-{i}.sock"] + common))
+    for i in range(args.decode_workers):
+        kv_bind = "tcp://127.0.0.1:0" if args.kv_transport == "zmq-tcp" else f"ipc://{run_dir}/decode-{i}-kv.sock"
+        extra = ["--no-shm"] if args.kv_transport in ("zmq-ipc", "zmq-tcp") else []
+        children.append(Child(f"decode-{i}", py + ["decode", "--bind", f"ipc://{run_dir}/decode-{i}.sock",
+                                                  "--kv-bind", kv_bind] + extra + common))
+    return children
+
+
+def wait_healthy(url: str, children: list[Child], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(c.proc is not None and c.proc.poll() is not None for c in children):
+            return False
+        try:
+            with urllib.request.urlopen(url, timeout=1) as r:
+                if r.status == 200:
+                    return True
+        except OSError:
+            pass
+        time.sleep(0.2)
+    return False
+
+
+def serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s serve %(levelname)s: %(message)s")
+    args.model = resolve_model(args.model)  # make the default model once, before the children
+    run_dir = tempfile.mkdtemp(prefix="pdserve-")
+    os.chmod(run_dir, 0o700)
+    env = dict(os.environ, PDSERVE_CLUSTER_SECRET=secrets.token_hex(32))
+    if args.api_key:
+        env["PDSERVE_API_KEY"] = args.api_key
+    children = plan_children(args, run_dir)
+    stopping = False
+
+    def stop(*_):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        for c in children:
+            c.start(env)
+        url = f"http://{args.host}:{args.port}"
+        if wait_healthy(f"{url}/health", children, timeout_s=300):
+            print(f"pdserve ready: {url}/v1 (model {args.model})", flush=True)
+        else:
+            log.error("the server did not become healthy; see the logs above")
+        while not stopping:
+            for c in children:
+                if c.proc is not None and c.proc.poll() is not None and not stopping:
+                    if c.name == "gateway":
+                        log.error("gateway exited with %s; stopping", c.proc.returncode)
+                        return 1
+                    c.restarts += 1
+                    log.warning("%s exited with %s; restarting (restart #%d)", c.name, c.proc.returncode, c.restarts)
+                    c.start(env)
+            time.sleep(0.2)
+        return 0
+    finally:
+        for c in children:
+            if c.proc is not None and c.proc.poll() is None:
+                c.proc.terminate()
+        deadline = time.monotonic() + 10
+        for c in children:
+            if c.proc is not None:
+                try:
+                    c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    c.proc.kill()
+        shutil.rmtree(run_dir, ignore_errors=True)

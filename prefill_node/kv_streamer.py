@@ -1,0 +1,70 @@
+"""Ships KV to decode workers layer by layer, while the forward pass goes on.
+
+Installed as the model's `on_layer_stored` hook for one step. For every chunk in the step that
+belongs to a disaggregated request, after layer l stored its KV it sends the blocks the chunk
+touched, mapped onto the decode worker's leased blocks:
+
+    prompt tokens        [0 ........ start ====chunk==== end)
+    P block_table        [p0][p1][p2][p3][p4]            blocks start//bs .. ceil(end/bs)-1
+    lease.block_ids      [d0][d1][d2][d3][d4]            same indices on D
+A block a chunk only partly fills is sent again with the next chunk (its old part unchanged).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.scheduler import SchedulerOutput
+from kvtransfer.sender import KvSender
+from protocol.messages import KvDestination, Lease
+
+
+@dataclass
+class TransferStats:
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class _Job:
+    request_id: str
+    lease: Lease
+    src_blocks: list[int]
+    dst_blocks: list[int]
+    sender: KvSender
+    stats: TransferStats = field(default_factory=TransferStats)
+
+
+class KvStreamer:
+    def __init__(self, kv_cache: torch.Tensor, block_size: int) -> None:
+        self.kv_cache = kv_cache  # [L, 2, N, bs, Hkv, D]
+        self.block_size = block_size
+        self._jobs: list[_Job] = []
+
+    def prepare(self, sched: SchedulerOutput, dests: dict[str, tuple[KvDestination, KvSender]],
+                stats: dict[str, TransferStats]) -> None:
+        """Plan this step's transfers (before the forward pass: block tables are final now)."""
+        bs = self.block_size
+        self._jobs = []
+        for chunk in sched.prefills:
+            seq = chunk.seq
+            route = dests.get(seq.request_id)
+            if route is None:
+                continue
+            dest, sender = route
+            start = seq.num_computed_tokens
+            end = start + chunk.num_tokens
+            b0, b1 = start // bs, -(-end // bs)
+            self._jobs.append(_Job(seq.request_id, dest.lease, seq.block_table[b0:b1],
+                                   dest.lease.block_ids[b0:b1], sender,
+                                   stats.setdefault(seq.request_id, TransferStats())))
+
+    def __call__(self, layer: int) -> None:
+        kv_layer = self.kv_cache[layer]  # [2, N, bs, Hkv, D]
+        for job in self._jobs:
+            t0 = time.perf_counter()
+            job.stats.bytes += job.sender.send_layer(job.request_id, job.lease, layer, kv_layer,
+                                                     job.src_blocks, job.dst_blocks)
+            job.stats.seconds += time.perf_counter() - t0

@@ -1,0 +1,162 @@
+"""Prefill worker process: batches prompts (ragged, chunked), streams KV to decode workers,
+sends each request's first token to its gateway (that is TTFT) and `KvDone` to its decode worker.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+import zmq
+
+from engine.config import EngineConfig
+from engine.llm_engine import PREFILLED, LLMEngine
+from engine.worker_runtime import WorkerRuntime, new_worker_id
+from kvtransfer.sender import KvSender, make_kv_sender
+from prefill_node.kv_streamer import KvStreamer, TransferStats
+from protocol.auth import FrameAuth
+from protocol.messages import (Abort, KvDestination, KvDone, KvLayout, PrefillRequest,
+                               TokenOutput, Welcome, WorkerInfo, WorkerStats)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Pending:
+    req: PrefillRequest
+    received: float
+    first_scheduled: float | None = None
+
+
+class PrefillWorker:
+    def __init__(self, config: EngineConfig, auth: FrameAuth, control_bind: str,
+                 gateway_addrs: list[str], host: str = "127.0.0.1") -> None:
+        self.engine = LLMEngine(config)
+        self.auth = auth
+        self.ctx = zmq.Context()
+        self.rt = WorkerRuntime(self.ctx, auth, control_bind, gateway_addrs)
+        spec = self.engine.kv_spec
+        self.rt.info = WorkerInfo(
+            worker_id=new_worker_id("prefill"), role="prefill", control_addr=self.rt.control_addr,
+            host=host, pid=os.getpid(), model_fingerprint=self.engine.model_config.fingerprint(self.engine.dtype),
+            kv_layout=KvLayout(spec.num_layers, self.engine.pool.num_blocks, spec.block_size,
+                               spec.num_kv_heads, spec.head_dim, str(spec.dtype).removeprefix("torch.")),
+            max_model_len=self.engine.max_model_len)
+        self.pending: dict[str, _Pending] = {}
+        self.routes: dict[str, tuple[KvDestination, KvSender]] = {}
+        self.transfer_stats: dict[str, TransferStats] = {}
+        self._senders: dict[tuple[str, str], KvSender] = {}
+        self.streamer = KvStreamer(self.engine.kv_cache, self.engine.block_size)
+        self._stop = False
+        self._last_progress = time.monotonic()
+
+    @property
+    def worker_id(self) -> str:
+        return self.rt.info.worker_id
+
+    def _sender(self, dest: KvDestination) -> KvSender:
+        key = (dest.worker_id, dest.transport)
+        if key not in self._senders:
+            self._senders[key] = make_kv_sender(dest.transport, ctx=self.ctx, auth=self.auth,
+                                                kv_addr=dest.kv_addr, shm_name=dest.shm_name,
+                                                layout=dest.layout)
+        return self._senders[key]
+
+    # --- messages ---------------------------------------------------------------------------
+    def _on_message(self, msg) -> None:
+        if isinstance(msg, PrefillRequest):
+            self._on_prefill(msg)
+        elif isinstance(msg, Abort):
+            self.engine.abort(msg.request_id)
+            self._forget(msg.request_id)
+        elif isinstance(msg, Welcome):
+            self.rt.handle_welcome(msg)
+        else:
+            log.warning("prefill worker ignores %s", type(msg).__name__)
+
+    def _on_prefill(self, req: PrefillRequest) -> None:
+        try:
+            if req.dest is None:
+                raise ValueError("PrefillRequest without a KV destination")
+            if len(req.dest.lease.block_ids) * self.engine.block_size < len(req.prompt_token_ids):
+                raise ValueError("lease holds too few blocks for the prompt")
+            self.engine.add_request(req.request_id, req.prompt_token_ids, req.sampling, prefill_only=True)
+        except ValueError as e:
+            self.rt.to_gateway(req.gateway_id, TokenOutput(request_id=req.request_id, worker_id=self.worker_id,
+                                                           finish_reason="error", error=str(e)))
+            return
+        self.pending[req.request_id] = _Pending(req, time.monotonic())
+        self.routes[req.request_id] = (req.dest, self._sender(req.dest))
+
+    def _forget(self, request_id: str) -> None:
+        self.pending.pop(request_id, None)
+        self.routes.pop(request_id, None)
+        self.transfer_stats.pop(request_id, None)
+
+    # --- the loop ---------------------------------------------------------------------------
+    def step(self) -> None:
+        sched = self.engine.schedule()
+        if sched.is_empty:
+            return
+        now = time.monotonic()
+        for c in sched.prefills:
+            p = self.pending.get(c.seq.request_id)
+            if p is not None and p.first_scheduled is None:
+                p.first_scheduled = now
+        self.streamer.prepare(sched, self.routes, self.transfer_stats)
+        outputs = self.engine.execute(sched, self.streamer)
+        done_at = time.monotonic()
+        self._last_progress = done_at
+        for out in outputs:
+            p = self.pending.get(out.request_id)
+            if p is None:
+                continue
+            req = p.req
+            ts = self.transfer_stats.get(out.request_id, TransferStats())
+            timings = {"prefill_queue_s": (p.first_scheduled or p.received) - p.received,
+                       "prefill_compute_s": done_at - (p.first_scheduled or p.received),
+                       "kv_transfer_s": ts.seconds, "kv_bytes": float(ts.bytes)}
+            lp = out.logprobs[0] if out.logprobs else None
+            if out.finish_reason == PREFILLED:
+                dest, sender = self.routes[out.request_id]
+                sender.send_done(KvDone(request_id=req.request_id, gateway_id=req.gateway_id,
+                                        lease_epoch=dest.lease.epoch, prompt_token_ids=req.prompt_token_ids,
+                                        first_token=out.new_token_ids[0], first_logprob=lp,
+                                        sampling=req.sampling, num_layers=self.engine.model_config.num_layers,
+                                        kv_bytes=ts.bytes, timings=timings))
+            reason = None if out.finish_reason == PREFILLED else out.finish_reason
+            self.rt.to_gateway(req.gateway_id, TokenOutput(
+                request_id=req.request_id, worker_id=self.worker_id, index=0,
+                token_ids=out.new_token_ids, logprobs=out.logprobs, finish_reason=reason,
+                timings=timings))
+            self._forget(out.request_id)
+
+    def stats(self) -> WorkerStats:
+        sch = self.engine.scheduler
+        return WorkerStats(kv_blocks_free=self.engine.pool.num_free, kv_blocks_total=self.engine.pool.num_blocks,
+                           num_running=len(sch.running), num_waiting=len(sch.waiting),
+                           steps=self.engine.num_steps,
+                           last_step_age_s=0.0 if not self.engine.has_work()
+                           else time.monotonic() - self._last_progress)
+
+    def run(self) -> None:
+        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "_stop", True))
+        log.info("prefill worker %s on %s", self.worker_id, self.rt.control_addr)
+        try:
+            while not self._stop:
+                for msg in self.rt.drain(0 if self.engine.has_work() else 20):
+                    self._on_message(msg)
+                if self.engine.has_work():
+                    self.step()
+                self.rt.tick(self.stats)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        for s in self._senders.values():
+            s.close()
+        self.rt.close()
+        self.ctx.term()
+

@@ -1,0 +1,55 @@
+"""Start a real `pdserve serve` (gateway + worker processes) on loopback for a test, and always
+stop it: SIGTERM to the supervisor, which stops its children; SIGKILL of the group on timeout."""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(model: Path, *extra: str, timeout_s: float = 180.0,
+                   env: dict[str, str] | None = None) -> Iterator[str]:
+    port = free_port()
+    argv = [sys.executable, "-m", "pdserve_cli", "serve", "--model", str(model), "--port", str(port),
+            "--dtype", "float32", "--num-blocks", "256", "--max-model-len", "512", *extra]
+    proc = subprocess.Popen(argv, start_new_session=True, env=dict(os.environ, **(env or {})))
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"pdserve serve exited early with {proc.returncode}")
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError("pdserve serve did not become healthy")
+            time.sleep(0.25)
+        yield base
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                pass
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # anything left in the group
+        proc.wait(timeout=10)
