@@ -12,6 +12,7 @@ import collections
 import torch
 import zmq
 
+from kvtransfer.block_copy import copy_blocks
 from kvtransfer.lease import LeaseTable
 from kvtransfer.sender import torch_dtype
 from protocol.auth import FrameAuth
@@ -69,8 +70,7 @@ class KvReceiver:
                 return "size_mismatch"
             shape = (2, len(frame.block_ids), bs, heads, dim)
             data = torch.frombuffer(payloads[0], dtype=torch_dtype(frame.dtype)).view(shape)
-            idx = torch.tensor(frame.block_ids, dtype=torch.long)
-            self.kv_cache[frame.layer].index_copy_(1, idx, data)
+            copy_blocks(self.kv_cache[frame.layer], frame.block_ids, data, list(range(len(frame.block_ids))))
         elif payloads:
             return "unexpected_payload"
         self.leases.mark_layer(frame)

@@ -14,6 +14,7 @@ from abc import ABC, abstractmethod
 import torch
 import zmq
 
+from kvtransfer.block_copy import copy_blocks
 from kvtransfer.shm import SharedTensor
 from protocol.auth import FrameAuth
 from protocol.channel import Outbox
@@ -57,16 +58,42 @@ class KvSender(ABC):
 
 
 class ZmqKvSender(KvSender):
+    """Packs blocks into a reusable staging buffer and sends it zero-copy. A buffer is reused
+    only after ZMQ reports it sent (MessageTracker): no fresh allocation per layer."""
+
+    RING = 4
+
+    def __init__(self, outbox: Outbox) -> None:
+        super().__init__(outbox)
+        self._ring: list[tuple[torch.Tensor, zmq.MessageTracker | None]] = []
+        self._next = 0
+
+    def _staging(self, like: torch.Tensor, n_blocks: int) -> tuple[torch.Tensor, int]:
+        """A contiguous [2, n_blocks, bs, Hkv, D] view on the next free ring buffer."""
+        shape = (2, n_blocks, *like.shape[2:])
+        numel = 2 * n_blocks * like[0, 0].numel()
+        slot = self._next
+        self._next = (self._next + 1) % self.RING
+        if slot == len(self._ring):
+            self._ring.append((torch.empty(0, dtype=like.dtype), None))
+        buf, tracker = self._ring[slot]
+        if tracker is not None and not tracker.done:
+            tracker.wait()
+        if buf.numel() < numel or buf.dtype != like.dtype:
+            buf = torch.empty(numel, dtype=like.dtype)  # 1-D storage, grown on demand
+        self._ring[slot] = (buf, None)
+        return buf[:numel].view(shape), slot
+
     def send_layer(self, request_id, lease, layer, src_kv_layer, src_block_ids, dst_block_ids) -> int:
         self._check_deadline(lease)
-        idx = torch.tensor(src_block_ids, dtype=torch.long)
-        data = src_kv_layer.index_select(1, idx)  # [2, n, bs, Hkv, D], contiguous copy
-        if data.dtype == torch.bfloat16:  # numpy has no bf16: ship the raw bits
-            data = data.view(torch.int16)
+        data, slot = self._staging(src_kv_layer, len(src_block_ids))  # [2, n, bs, Hkv, D]
+        copy_blocks(data, list(range(len(src_block_ids))), src_kv_layer, src_block_ids)
+        raw = data.view(torch.int16) if data.dtype == torch.bfloat16 else data  # numpy has no bf16
         header = KvLayer(request_id=request_id, lease_epoch=lease.epoch, layer=layer,
                          block_ids=list(dst_block_ids), kv_head_start=0, kv_head_end=src_kv_layer.shape[3],
                          dtype=str(src_kv_layer.dtype).removeprefix("torch."), nbytes=data.numel() * data.element_size())
-        self.outbox.send(header, payloads=[data.numpy()])  # zero-copy: the frame holds the array
+        tracker = self.outbox.send_tracked(header, payloads=[raw.numpy()])
+        self._ring[slot] = (self._ring[slot][0], tracker)
         return header.nbytes
 
 
@@ -78,10 +105,8 @@ class ShmKvSender(KvSender):
 
     def send_layer(self, request_id, lease, layer, src_kv_layer, src_block_ids, dst_block_ids) -> int:
         self._check_deadline(lease)
-        dst = self._pool.tensor[layer]  # [2, N_dst, bs, Hkv, D]
-        src = src_kv_layer.index_select(1, torch.tensor(src_block_ids, dtype=torch.long))
-        dst.index_copy_(1, torch.tensor(dst_block_ids, dtype=torch.long), src)
-        nbytes = src.numel() * src.element_size()
+        copy_blocks(self._pool.tensor[layer], dst_block_ids, src_kv_layer, src_block_ids)
+        nbytes = 2 * len(src_block_ids) * src_kv_layer[0, 0].numel() * src_kv_layer.element_size()
         self.outbox.send(KvLayer(request_id=request_id, lease_epoch=lease.epoch, layer=layer,
                                  block_ids=list(dst_block_ids), kv_head_start=0,
                                  kv_head_end=src_kv_layer.shape[3],

@@ -11,6 +11,10 @@ import torch
 
 
 class SharedTensor:
+    # Segments created by this process: attaching to one of them must not unregister it
+    # from the resource tracker (the creator's own registration).
+    _created_here: set[str] = set()
+
     def __init__(self, shm: shared_memory.SharedMemory, shape: tuple[int, ...], dtype: torch.dtype,
                  owner: bool) -> None:
         self._shm = shm
@@ -27,6 +31,7 @@ class SharedTensor:
         nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
         shm = shared_memory.SharedMemory(name=f"pdserve-{secrets.token_hex(12)}", create=True,
                                          size=max(nbytes, 1))
+        cls._created_here.add(shm.name)
         return cls(shm, tuple(shape), dtype, owner=True)
 
     @classmethod
@@ -34,10 +39,8 @@ class SharedTensor:
         shm = shared_memory.SharedMemory(name=name)
         # Python < 3.13 registers attachers with the resource tracker, which would unlink the
         # owner's segment when this process exits. Only the creator unlinks.
-        try:
+        if name not in cls._created_here:
             resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
-        except Exception:
-            pass
         nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
         if shm.size < nbytes:
             shm.close()
@@ -51,6 +54,7 @@ class SharedTensor:
         except BufferError:
             pass  # a view is still alive somewhere; the OS unmaps at exit
         if self.owner:
+            self._created_here.discard(self._shm.name)
             try:
                 self._shm.unlink()
             except FileNotFoundError:

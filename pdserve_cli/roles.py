@@ -13,6 +13,9 @@ log = logging.getLogger("pdserve")
 def _setup(role: str, threads: int | None) -> None:
     logging.basicConfig(level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"),
                         format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
+    if role != "gateway":
+        from kvtransfer.malloc_tuning import keep_large_allocations_in_heap
+        keep_large_allocations_in_heap()
     if threads:
         import torch
         torch.set_num_threads(threads)
