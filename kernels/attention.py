@@ -1,6 +1,7 @@
-"""Dispatch: Triton kernels for CUDA tensors, pure torch otherwise.
+"""Dispatch: Triton kernels for CUDA tensors (when triton imports), pure torch otherwise.
 
-`PDSERVE_ATTENTION=torch|triton` overrides (triton on CPU tensors needs TRITON_INTERPRET=1).
+`PDSERVE_ATTENTION=torch|triton` overrides (`auto` or unset: the default). Triton on CPU
+tensors needs TRITON_INTERPRET=1 set before triton is first imported.
 """
 from __future__ import annotations
 
@@ -12,28 +13,35 @@ import torch
 from kernels import torch_attention
 from kernels.metadata import AttentionMetadata
 
+_CHOICES = ("", "auto", "torch", "triton")
+
 
 @functools.lru_cache(maxsize=None)
-def _triton_available() -> bool:
+def triton_available() -> bool:
+    """Whether `triton` imports (tried once, on the first CUDA call)."""
     try:
         import triton  # noqa: F401
-    except ImportError:
+    except Exception:  # not installed, or broken (no driver, ...): fall back to torch
         return False
     return True
 
 
-def _use_triton(t: torch.Tensor) -> bool:
-    choice = os.environ.get("PDSERVE_ATTENTION", "")
+def use_triton(t: torch.Tensor) -> bool:
+    """The backend for tensor `t`: env override, else Triton on CUDA when triton is installed."""
+    choice = os.environ.get("PDSERVE_ATTENTION", "").strip().lower()
+    if choice not in _CHOICES:
+        raise ValueError(f"PDSERVE_ATTENTION={choice!r}: expected one of torch, triton, auto")
     if choice == "torch":
         return False
     if choice == "triton":
         return True
-    return t.is_cuda and _triton_available()
+    return t.is_cuda and triton_available()
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    if _use_triton(key):
+    """Write key/value [T, Hkv, D] into kv_layer [2, N, bs, Hkv, D] at slots [T] int64 (-1 = skip)."""
+    if use_triton(key):
         from kernels import triton_attention
         return triton_attention.store_kv(key, value, kv_layer, slot_mapping)
     return torch_attention.store_kv(key, value, kv_layer, slot_mapping)
@@ -41,7 +49,8 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor,
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    if _use_triton(query):
+    """query [T, Hq, D], this step's key/value [T, Hkv, D] (already stored) -> out [T, Hq, D]."""
+    if use_triton(query):
         from kernels import triton_attention
         return triton_attention.paged_attention(query, key, value, kv_layer, meta, scale)
     return torch_attention.paged_attention(query, key, value, kv_layer, meta, scale)

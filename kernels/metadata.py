@@ -2,12 +2,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
 
-@dataclass
+@dataclass(frozen=True)
 class AttentionMetadata:
+    """Where each sequence's queries and KV live. Decode sequences (q_len 1) come first.
+
+    Query token `j` of sequence `b` sits at position `context_lens[b] - q_len[b] + j` and attends
+    causally to KV positions `0 .. that position` (bottom-right aligned when context > q_len).
+    """
+
     cu_seqlens_q: torch.Tensor  # [B+1] int32: query token offsets per sequence
     context_lens: torch.Tensor  # [B] int32: KV length per sequence INCLUDING this step's tokens
     block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
@@ -20,3 +27,30 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return len(self.context_lens_cpu)
+
+    @classmethod
+    def build(cls, q_lens: Sequence[int], context_lens: Sequence[int],
+              block_tables: Sequence[Sequence[int]], num_decode_seqs: int,
+              device: torch.device | str = "cpu") -> AttentionMetadata:
+        """From python lists (tests, tools); block tables are padded with 0 to the longest."""
+        if len(q_lens) != len(context_lens) or len(q_lens) != len(block_tables):
+            raise ValueError("q_lens, context_lens and block_tables need one entry per sequence")
+        if any(q != 1 for q in q_lens[:num_decode_seqs]):
+            raise ValueError("the first num_decode_seqs sequences must have q_len 1")
+        if any(q < 1 or q > c for q, c in zip(q_lens, context_lens)):
+            raise ValueError("need 1 <= q_len <= context_len for every sequence")
+        cu = [0]
+        for q in q_lens:
+            cu.append(cu[-1] + q)
+        width = max((len(t) for t in block_tables), default=0)
+        tables = [list(t) + [0] * (width - len(t)) for t in block_tables]
+        return cls(
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
+            context_lens=torch.tensor(list(context_lens), dtype=torch.int32, device=device),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=device).view(len(tables), width),
+            num_decode_seqs=num_decode_seqs,
+            max_q_len=max(q_lens, default=0),
+            max_context_len=max(context_lens, default=0),
+            cu_seqlens_q_cpu=cu,
+            context_lens_cpu=list(context_lens),
+        )

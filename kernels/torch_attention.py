@@ -1,9 +1,16 @@
 """Pure-torch paged attention and KV store: the CPU path and the reference for Triton.
 
-Decode sequences (one query each) are computed together in one batched call; prefill chunks one
-sequence at a time (compute-bound: the loop costs nothing next to the matmuls). A prefill chunk
-with no earlier context uses its own fresh K/V; one with earlier context gathers its KV from the
-paged pool and needs a bottom-right-aligned causal mask:
+Decode sequences (one query each) are computed together, batched: their KV is gathered from the
+paged pool into `[n, S, Hkv, D]` and attended with one masked SDPA call. The gather is done in
+chunks of sequences of at most `DECODE_CHUNK_BYTES` of K+V, so the gathered copy stays in cache
+and its allocation stays small (one huge gather then SDPA is ~3-5x slower on CPU). GQA is folded
+into the query-length axis (`[n, Hkv, G, D]`): the G query heads sharing a KV head are G
+"queries" at the same position, so no KV expansion is needed.
+
+Prefill chunks go one sequence at a time (compute-bound: the loop costs nothing next to the
+matmuls). A chunk with no earlier context uses its own fresh K/V with SDPA's causal mask; one with
+earlier context gathers its KV from the pool and needs a bottom-right-aligned causal mask (SDPA's
+`is_causal` is top-left aligned, wrong when kv_len > q_len):
 
     context c = 5, q_len = 3:  query i may see KV j <= c - q_len + i
         j: 0 1 2 3 4
@@ -18,67 +25,87 @@ import torch.nn.functional as F
 
 from kernels.metadata import AttentionMetadata
 
+# Upper bound on the K+V bytes gathered at once for decode (cache-friendly; measured best at ~4 MB).
+DECODE_CHUNK_BYTES = 4 << 20
+
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """key/value [T, Hkv, D] -> kv_layer [2, N, bs, Hkv, D] at slots; slot -1 = skip."""
+    """Write key/value [T, Hkv, D] into kv_layer [2, N, bs, Hkv, D] at `slot_mapping` [T] (-1 = skip)."""
+    if slot_mapping.numel() == 0:
+        return
     _, n, bs, h, d = kv_layer.shape
     flat = kv_layer.view(2, n * bs, h, d)  # [2, N*bs, Hkv, D]
-    valid = slot_mapping >= 0
+    valid = slot_mapping >= 0  # [T]
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
     flat[0].index_copy_(0, slot_mapping, key)
     flat[1].index_copy_(0, slot_mapping, value)
 
 
-def _gather(kv: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
-    """kv [N, bs, Hkv, D], blocks [nb] -> [length, Hkv, D] in token order."""
-    return kv[blocks].flatten(0, 1)[:length]
+def gather_kv(kv_layer: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """kv_layer [2, N, bs, Hkv, D], block_ids [n, nb] -> [2, n, nb*bs, Hkv, D] in token order."""
+    _, num_blocks, bs, h, d = kv_layer.shape
+    n, nb = block_ids.shape
+    ids = block_ids.reshape(-1).long()  # [n*nb]
+    if kv_layer.is_contiguous():
+        g = kv_layer.view(2, num_blocks, bs * h * d).index_select(1, ids)  # [2, n*nb, bs*Hkv*D]
+    else:
+        g = kv_layer[:, ids]  # [2, n*nb, bs, Hkv, D]
+    return g.view(2, n, nb * bs, h, d)
 
 
-def _decode(query: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
-            context_lens: torch.Tensor, max_ctx: int, scale: float) -> torch.Tensor:
+def _decode(query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float,
+            out: torch.Tensor) -> None:
+    """query [nd, Hq, D] (one token per decode sequence) -> out [nd, Hq, D]."""
     nd, hq, d = query.shape
-    bs = kv_layer.shape[2]
-    nb = -(-max_ctx // bs)
-    blocks = block_tables[:, :nb].long()  # [nd, nb]
-    k = kv_layer[0][blocks].flatten(1, 2)  # [nd, S, Hkv, D], S = nb*bs
-    v = kv_layer[1][blocks].flatten(1, 2)  # [nd, S, Hkv, D]
-    s = k.shape[1]
-    mask = torch.arange(s, device=query.device)[None, :] < context_lens[:, None]  # [nd, S]
-    out = F.scaled_dot_product_attention(
-        query.unsqueeze(2),  # [nd, Hq, 1, D]
-        k.transpose(1, 2), v.transpose(1, 2),  # [nd, Hkv, S, D]
-        attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)  # [nd, Hq, 1, D]
-    return out.squeeze(2)
+    _, _, bs, hkv, _ = kv_layer.shape
+    groups = hq // hkv
+    ctx = meta.context_lens_cpu[:nd]
+    max_blocks = -(-max(ctx) // bs)
+    seq_bytes = 2 * max_blocks * bs * hkv * d * kv_layer.element_size()
+    step = max(1, DECODE_CHUNK_BYTES // seq_bytes)
+    for i in range(0, nd, step):
+        j = min(nd, i + step)
+        c = ctx[i:j]
+        s = -(-max(c) // bs) * bs  # S: gathered tokens per sequence
+        kv = gather_kv(kv_layer, meta.block_tables[i:j, : s // bs])  # [2, n, S, Hkv, D]
+        k = kv[0].transpose(1, 2)  # [n, Hkv, S, D]
+        v = kv[1].transpose(1, 2)  # [n, Hkv, S, D]
+        q = query[i:j].view(j - i, hkv, groups, d)  # [n, Hkv, G, D]: G heads = G queries
+        mask = None
+        if any(x != s for x in c):
+            pos = torch.arange(s, device=query.device)  # [S]
+            mask = (pos < meta.context_lens[i:j, None])[:, None, None, :]  # [n, 1, 1, S]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [n, Hkv, G, D]
+        out[i:j] = o.reshape(j - i, hq, d)
 
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """query [T, Hq, D]; key/value [T, Hkv, D] (this step's, already stored) -> [T, Hq, D]."""
-    out = torch.empty_like(query)
+    """query [T, Hq, D]; key/value [T, Hkv, D] (this step's, already stored) -> out [T, Hq, D]."""
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # [T, Hq, D]
     nd = meta.num_decode_seqs
-    cu, ctx = meta.cu_seqlens_q_cpu, meta.context_lens_cpu
     if nd:
-        out[:nd] = _decode(query[:nd], kv_layer, meta.block_tables[:nd], meta.context_lens[:nd],
-                           max(ctx[:nd]), scale)
+        _decode(query[:nd], kv_layer, meta, scale, out[:nd])
+    cu, ctx = meta.cu_seqlens_q_cpu, meta.context_lens_cpu
     bs = kv_layer.shape[2]
+    gqa = query.shape[1] != kv_layer.shape[3]
     for b in range(nd, len(ctx)):
         s, e, c = cu[b], cu[b + 1], ctx[b]
         q_len = e - s
         q = query[s:e].transpose(0, 1)  # [Hq, q, D]
-        if c == q_len:  # whole prompt in this chunk: no gather, plain causal
-            k, v = key[s:e], value[s:e]  # [q, Hkv, D]
-            o = F.scaled_dot_product_attention(q, k.transpose(0, 1), v.transpose(0, 1),
-                                               is_causal=True, scale=scale, enable_gqa=True)
+        if c == q_len:  # whole prompt in this chunk: its own K/V, plain causal, no gather
+            k = key[s:e].transpose(0, 1)  # [Hkv, q, D]
+            v = value[s:e].transpose(0, 1)  # [Hkv, q, D]
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
-            blocks = meta.block_tables[b, : -(-c // bs)].long()
-            k = _gather(kv_layer[0], blocks, c)  # [c, Hkv, D]
-            v = _gather(kv_layer[1], blocks, c)
-            i = torch.arange(q_len, device=query.device)[:, None]
-            j = torch.arange(c, device=query.device)[None, :]
-            mask = j <= (c - q_len) + i  # [q, c] bottom-right causal
-            o = F.scaled_dot_product_attention(q, k.transpose(0, 1), v.transpose(0, 1),
-                                               attn_mask=mask, scale=scale, enable_gqa=True)
+            kv = gather_kv(kv_layer, meta.block_tables[b:b + 1, : -(-c // bs)])  # [2, 1, nb*bs, Hkv, D]
+            k = kv[0, 0, :c].transpose(0, 1)  # [Hkv, c, D]
+            v = kv[1, 0, :c].transpose(0, 1)  # [Hkv, c, D]
+            i = torch.arange(q_len, device=query.device)[:, None]  # [q, 1]
+            j = torch.arange(c, device=query.device)[None, :]  # [1, c]
+            mask = j <= i + (c - q_len)  # [q, c] bottom-right causal
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
         out[s:e] = o.transpose(0, 1)  # [q, Hq, D]
     return out

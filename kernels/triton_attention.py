@@ -1,0 +1,212 @@
+"""Triton twins of `kernels.torch_attention` (same signatures): KV scatter and paged attention.
+
+- `store_kv`: one program per token scatters its [Hkv, D] key and value rows to their slot.
+- decode kernel: one program per (decode sequence, KV head). The G query heads sharing that KV
+  head are the rows of one tile (padded to 16 for `tl.dot`), so each KV block is read once per
+  KV head; loops over the sequence's block table `BLOCK_N` tokens at a time with online softmax.
+- prefill kernel: programs over (prefill sequence, query tile, query head); loops over KV tokens
+  of the paged cache up to the tile's causal limit (bottom-right aligned), online softmax.
+
+KV addresses are computed per token (`block_tables[b, n // bs] * bs + n % bs`), so any block
+size works; head_dim is padded to a power of two with masks. Softmax runs in fp32 (exp2 with
+log2(e) folded into the scale); fp32 inputs use IEEE fp32 dots (no TF32).
+
+This module imports triton; `kernels.attention` imports it only when dispatching here, so
+`import kernels` works without triton. On CPU tensors these kernels need TRITON_INTERPRET=1 set
+before triton is first imported (tests/kernels/test_triton_kernels.py runs them in a subprocess).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.metadata import AttentionMetadata
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _dot(a, b, FP32: tl.constexpr):
+    """a @ b with an fp32 accumulator; FP32: in IEEE fp32 (no TF32, and the interpreter's path)."""
+    if FP32:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        out = tl.dot(a, b)
+    return out
+
+
+@triton.jit
+def _store_kv_kernel(key_ptr, value_ptr, kv_ptr, slot_ptr,
+                     sk_t, sk_h, sk_d, sv_t, sv_h, sv_d,
+                     skv_kv, skv_blk, skv_off, skv_h, skv_d,
+                     HKV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:
+        offs_h = tl.arange(0, BLOCK_H)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask = (offs_h[:, None] < HKV) & (offs_d[None, :] < D)
+        t64 = t.to(tl.int64)
+        k = tl.load(key_ptr + t64 * sk_t + offs_h[:, None] * sk_h + offs_d[None, :] * sk_d, mask=mask)
+        v = tl.load(value_ptr + t64 * sv_t + offs_h[:, None] * sv_h + offs_d[None, :] * sv_d, mask=mask)
+        dst = (kv_ptr + (slot // BS) * skv_blk + (slot % BS) * skv_off
+               + offs_h[:, None] * skv_h + offs_d[None, :] * skv_d)
+        tl.store(dst, k.to(kv_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + skv_kv, v.to(kv_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _decode_kernel(q_ptr, kv_ptr, out_ptr, cu_ptr, ctx_ptr, bt_ptr, qk_scale,
+                   sq_t, sq_h, sq_d, so_t, so_h, so_d,
+                   skv_kv, skv_blk, skv_off, skv_h, skv_d, sbt_b,
+                   G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                   BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                   FP32: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    row = tl.load(cu_ptr + b).to(tl.int64)  # the sequence's only query token
+    ctx = tl.load(ctx_ptr + b)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    heads = kvh * G + offs_g  # [BLOCK_G] query heads of this KV head
+    g_mask = offs_g < G
+    d_mask = offs_d < D
+    q = tl.load(q_ptr + row * sq_t + heads[:, None] * sq_h + offs_d[None, :] * sq_d,
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    bt_row = bt_ptr + b.to(tl.int64) * sbt_b
+    for start in range(0, ctx, BLOCK_N):
+        n = start + offs_n  # [BLOCK_N] token positions
+        n_mask = n < ctx
+        blk = tl.load(bt_row + n // BS, mask=n_mask, other=0).to(tl.int64)
+        base = blk * skv_blk + (n % BS) * skv_off + kvh * skv_h  # [BLOCK_N]
+        kv_off = base[:, None] + offs_d[None, :] * skv_d  # [BLOCK_N, BLOCK_D]
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(kv_ptr + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load(kv_ptr + skv_kv + kv_off, mask=kv_mask, other=0.0)
+        s = _dot(q, tl.trans(k), FP32)
+        s = tl.where(n_mask[None, :], s * qk_scale, float("-inf"))  # [BLOCK_G, BLOCK_N]
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, FP32)
+        m_i = m_new
+    acc = acc / l_i[:, None]
+    tl.store(out_ptr + row * so_t + heads[:, None] * so_h + offs_d[None, :] * so_d,
+             acc.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, kv_ptr, out_ptr, cu_ptr, ctx_ptr, bt_ptr, qk_scale, first_seq,
+                    sq_t, sq_h, sq_d, so_t, so_h, so_d,
+                    skv_kv, skv_blk, skv_off, skv_h, skv_d, sbt_b,
+                    G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                    FP32: tl.constexpr):
+    b = first_seq + tl.program_id(0)
+    m0 = tl.program_id(1) * BLOCK_M
+    h = tl.program_id(2)
+    kvh = h // G
+    q_start = tl.load(cu_ptr + b)
+    q_len = tl.load(cu_ptr + b + 1) - q_start
+    if m0 < q_len:
+        ctx = tl.load(ctx_ptr + b)
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_n = tl.arange(0, BLOCK_N)
+        m_mask = offs_m < q_len
+        d_mask = offs_d < D
+        pos = ctx - q_len + offs_m  # [BLOCK_M] absolute positions of the queries
+        rows = (q_start + offs_m).to(tl.int64)
+        q = tl.load(q_ptr + rows[:, None] * sq_t + h * sq_h + offs_d[None, :] * sq_d,
+                    mask=m_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        bt_row = bt_ptr + b.to(tl.int64) * sbt_b
+        kv_end = tl.minimum(ctx, ctx - q_len + m0 + BLOCK_M)  # causal limit of this tile
+        for start in range(0, kv_end, BLOCK_N):
+            n = start + offs_n  # [BLOCK_N]
+            n_mask = n < kv_end
+            blk = tl.load(bt_row + n // BS, mask=n_mask, other=0).to(tl.int64)
+            base = blk * skv_blk + (n % BS) * skv_off + kvh * skv_h
+            kv_off = base[:, None] + offs_d[None, :] * skv_d  # [BLOCK_N, BLOCK_D]
+            kv_mask = n_mask[:, None] & d_mask[None, :]
+            k = tl.load(kv_ptr + kv_off, mask=kv_mask, other=0.0)
+            v = tl.load(kv_ptr + skv_kv + kv_off, mask=kv_mask, other=0.0)
+            s = _dot(q, tl.trans(k), FP32)
+            keep = n_mask[None, :] & (n[None, :] <= pos[:, None])  # [BLOCK_M, BLOCK_N]
+            s = tl.where(keep, s * qk_scale, float("-inf"))
+            # KV 0 is visible to every row (pos >= 0), so m_new is finite after the first tile.
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, FP32)
+            m_i = m_new
+        acc = acc / l_i[:, None]
+        tl.store(out_ptr + rows[:, None] * so_t + h * so_h + offs_d[None, :] * so_d,
+                 acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _pow2(n: int, at_least: int = 1) -> int:
+    return max(at_least, triton.next_power_of_2(n))
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write key/value [T, Hkv, D] into kv_layer [2, N, bs, Hkv, D] at `slot_mapping` [T] (-1 = skip)."""
+    t, hkv, d = key.shape
+    if t == 0:
+        return
+    _store_kv_kernel[(t,)](
+        key, value, kv_layer, slot_mapping,
+        *key.stride(), *value.stride(),
+        kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3), kv_layer.stride(4),
+        HKV=hkv, D=d, BS=kv_layer.shape[2], BLOCK_H=_pow2(hkv), BLOCK_D=_pow2(d))
+
+
+def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """query [T, Hq, D]; key/value [T, Hkv, D] (already stored, unused here) -> out [T, Hq, D]."""
+    t, hq, d = query.shape
+    out = torch.empty((t, hq, d), dtype=query.dtype, device=query.device)  # [T, Hq, D]
+    if t == 0:
+        return out
+    hkv, bs = kv_layer.shape[3], kv_layer.shape[2]
+    groups = hq // hkv
+    block_d = _pow2(d, 16)
+    # fp32 dots for fp32 inputs, and always under the interpreter (its bf16 dot is wrong).
+    fp32_dot = query.dtype == torch.float32 or _interpreting()
+    qk_scale = scale * _LOG2E
+    strides = (*query.stride(), *out.stride(),
+               kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
+               kv_layer.stride(4), meta.block_tables.stride(0))
+    nd, num_seqs = meta.num_decode_seqs, meta.num_seqs
+    if nd:
+        _decode_kernel[(nd, hkv)](
+            query, kv_layer, out, meta.cu_seqlens_q, meta.context_lens, meta.block_tables, qk_scale,
+            *strides, G=groups, D=d, BS=bs, BLOCK_G=_pow2(groups, 16), BLOCK_D=block_d,
+            BLOCK_N=64 if block_d <= 64 else 32, FP32=fp32_dot)
+    if num_seqs > nd:
+        max_q = max(meta.cu_seqlens_q_cpu[b + 1] - meta.cu_seqlens_q_cpu[b] for b in range(nd, num_seqs))
+        block_m = 64 if max_q > 32 and block_d <= 64 else (32 if max_q > 16 else 16)
+        grid = (num_seqs - nd, triton.cdiv(max_q, block_m), hq)
+        _prefill_kernel[grid](
+            query, kv_layer, out, meta.cu_seqlens_q, meta.context_lens, meta.block_tables, qk_scale, nd,
+            *strides, G=groups, D=d, BS=bs, BLOCK_M=block_m, BLOCK_D=block_d,
+            BLOCK_N=32 if block_d <= 64 else 16, FP32=fp32_dot)
+    return out
+

@@ -1,0 +1,129 @@
+"""Triton kernels under the interpreter (CPU) against the torch path and the dense reference.
+
+TRITON_INTERPRET=1 must be set before triton is first imported, so the kernels run in one
+subprocess (`python -m tests.kernels.test_triton_kernels CASES_JSON`, this same file) that
+reports max errors as JSON; the tests below only read that report. Sizes are tiny: the
+interpreter runs every program instance in Python.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+MIXED = [(1, 1), (1, 17), (1, 50), (7, 40), (33, 33), (1, 20), (40, 40), (5, 37), (16, 32)]
+# name -> (seqs [(q_len, context_len)], num_decode, Hq, Hkv, D, block_size, dtype, strided q/k/v)
+CASES: dict[str, tuple] = {
+    "mixed_gqa4_d64_bs16": (MIXED, 3, 8, 2, 64, 16, "float32", False),
+    "mixed_mha_d32_bs16": (MIXED, 3, 4, 4, 32, 16, "float32", False),
+    "mixed_gqa2_d16_bs16_strided": (MIXED, 3, 4, 2, 16, 16, "float32", True),
+    "mixed_gqa3_d16_bs4": (MIXED, 3, 6, 2, 16, 4, "float32", False),
+    "mixed_d24_not_pow2": (MIXED[:5], 3, 4, 2, 24, 16, "float32", False),
+    "decode_long_contexts": ([(1, 1), (1, 70), (1, 130), (1, 64)], 4, 4, 2, 32, 16, "float32", False),
+    "prefill_many_q_tiles": ([(70, 100), (65, 65), (2, 90)], 0, 4, 2, 16, 16, "float32", False),
+    "mixed_bf16": (MIXED, 3, 8, 2, 64, 16, "bfloat16", False),
+}
+TOL = {"float32": 1e-4, "bfloat16": 3e-2}
+
+
+def _case_errors(spec: tuple) -> dict[str, float]:
+    """Run one case through triton and torch; max abs errors (subprocess side)."""
+    import torch
+
+    from kernels import torch_attention, triton_attention
+    from tests.kernels.test_torch_attention import make_case, reference
+
+    seqs, nd, hq, hkv, d, bs, dtype, strided = spec
+    case = make_case([tuple(s) for s in seqs], nd, hq, hkv, d, bs, dtype=getattr(torch, dtype), seed=hq + d + bs)
+    q, k, v = case.query, case.key, case.value
+    if strided:  # views of one fused qkv row, like the model's split
+        t = q.shape[0]
+        qkv = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], 1)
+        q, k, v = (x.view(t, -1, d) for x in qkv.split([hq * d, hkv * d, hkv * d], dim=-1))
+    out = triton_attention.paged_attention(q, k, v, case.kv_layer, case.meta, case.scale)
+    ref_torch = torch_attention.paged_attention(q, k, v, case.kv_layer, case.meta, case.scale)
+    dense = reference(case)
+    return {"vs_torch": (out.double() - ref_torch.double()).abs().max().item(),
+            "vs_reference": (out.double() - dense).abs().max().item(),
+            "dtype_ok": float(out.dtype == q.dtype and out.shape == q.shape)}
+
+
+def _store_errors() -> dict[str, float]:
+    """Triton store_kv == torch store_kv (strided k/v, -1 slots, fp32 and bf16)."""
+    import torch
+
+    from kernels import torch_attention, triton_attention
+    res = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        g = torch.Generator().manual_seed(1)
+        n, bs, hkv, d, t = 7, 4, 2, 24, 10
+        pool = torch.randn(2, n, bs, hkv, d, generator=g).to(dtype)
+        qkv = torch.randn(t, 3 * hkv * d, generator=g).to(dtype)
+        key, value = qkv[:, hkv * d:2 * hkv * d].view(t, hkv, d), qkv[:, 2 * hkv * d:].view(t, hkv, d)
+        slots = torch.tensor([5, -1, 0, 27, -1, 13, 14, 3, -1, 20], dtype=torch.int64)
+        a, b = pool.clone(), pool.clone()
+        triton_attention.store_kv(key, value, a, slots)
+        torch_attention.store_kv(key, value, b, slots)
+        res[str(dtype)] = float(torch.equal(a, b))
+    return res
+
+
+def _dispatch_ok() -> float:
+    """PDSERVE_ATTENTION=triton routes CPU tensors to the Triton kernels."""
+    import torch
+
+    import kernels
+    from kernels import triton_attention
+    from tests.kernels.test_torch_attention import make_case
+    case = make_case(MIXED[:4], 3, 4, 2, 16, 16, seed=9)
+    os.environ["PDSERVE_ATTENTION"] = "triton"
+    via = kernels.paged_attention(case.query, case.key, case.value, case.kv_layer, case.meta, case.scale)
+    direct = triton_attention.paged_attention(case.query, case.key, case.value, case.kv_layer, case.meta,
+                                              case.scale)
+    return float(torch.equal(via, direct))
+
+
+def main(argv: list[str]) -> None:
+    names = json.loads(argv[0])
+    report = {"cases": {name: _case_errors(CASES[name]) for name in names},
+              "store_kv": _store_errors(), "dispatch": _dispatch_ok()}
+    print(json.dumps(report))
+
+
+@pytest.fixture(scope="module")
+def report() -> dict:
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO), PDSERVE_ATTENTION="")
+    proc = subprocess.run([sys.executable, "-m", "tests.kernels.test_triton_kernels", json.dumps(list(CASES))],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_paged_attention_matches_torch(report, name):
+    errs = report["cases"][name]
+    tol = TOL[CASES[name][6]]
+    assert errs["dtype_ok"] == 1.0
+    assert errs["vs_torch"] < tol, errs
+    assert errs["vs_reference"] < tol, errs
+
+
+def test_store_kv_matches_torch(report):
+    assert all(v == 1.0 for v in report["store_kv"].values()), report["store_kv"]
+
+
+def test_env_override_dispatches_to_triton(report):
+    assert report["dispatch"] == 1.0
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
