@@ -12,7 +12,8 @@ import logging
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from msgspec.structs import replace
 
 import zmq
 import zmq.asyncio
@@ -29,11 +30,22 @@ from protocol.messages import (Abort, GenerateRequest, Heartbeat, KvDestination,
 log = logging.getLogger(__name__)
 
 
+class WorkerLost(Exception):
+    def __init__(self, worker_ids: list[str]) -> None:
+        super().__init__(", ".join(worker_ids))
+        self.worker_ids = worker_ids
+
+
 class ClusterBackend(Backend):
     def __init__(self, auth: FrameAuth, inbox_bind: str, *, kv_transport: str = "auto",
-                 dead_after_s: float = 2.0, reserve_timeout_s: float = 5.0) -> None:
+                 dead_after_s: float = 2.0, reserve_timeout_s: float = 5.0,
+                 on_decode_failure: str = "migrate", max_attempts: int = 3) -> None:
         if kv_transport not in ("auto", "shm", "zmq"):
             raise ValueError("kv_transport must be auto, shm or zmq")
+        if on_decode_failure not in ("migrate", "fail"):
+            raise ValueError("on_decode_failure must be migrate or fail")
+        self.on_decode_failure = on_decode_failure
+        self.max_attempts = max_attempts
         self.auth = auth
         self.inbox_bind = inbox_bind
         self.gateway_id = f"gw-{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
@@ -163,7 +175,50 @@ class ClusterBackend(Backend):
         return "shm" if can_shm and self.kv_transport in ("auto", "shm") else "zmq"
 
     async def _generate_disaggregated(self, request_id, prompt, sampling, prefills, decodes):
-        d, reply = await self._reserve(request_id, len(prompt), sampling, decodes)
+        """Reserve on D, prefill on P, stream. If a worker dies mid-request: a prefill worker
+        before the first token -> retried on another pair; a decode worker -> with
+        `on_decode_failure="migrate"` the prompt plus the tokens already streamed are prefilled
+        again on a live pair and the stream goes on (no duplicate or missing tokens); with
+        "fail" the stream ends with an error."""
+        generated: list[int] = []
+        attempt = 0
+        while True:
+            attempt += 1
+            sub_id = request_id if attempt == 1 else f"{request_id}.m{attempt}"
+            remaining = replace(sampling, max_tokens=sampling.max_tokens - len(generated),
+                                min_tokens=max(0, sampling.min_tokens - len(generated)))
+            try:
+                async for out in self._one_pair(sub_id, prompt + generated, remaining):
+                    if out.token_ids or out.index:
+                        out = replace(out, request_id=request_id, index=out.index + len(generated))
+                    else:
+                        out = replace(out, request_id=request_id)
+                    generated.extend(out.token_ids)
+                    yield out
+                    if out.finish_reason is not None:
+                        return
+                return
+            except WorkerLost as lost:
+                retry = attempt < self.max_attempts and (not generated or self.on_decode_failure == "migrate")
+                log.warning("request %s lost worker(s) %s after %d tokens; %s", request_id, lost.worker_ids,
+                            len(generated), "retrying on a live pair" if retry else "failing it")
+                if not retry:
+                    yield TokenOutput(request_id=request_id, index=len(generated), finish_reason="error",
+                                      error=f"worker {', '.join(lost.worker_ids)} stopped responding")
+                    return
+                if not self.table.live("prefill") or not self.table.live("decode"):
+                    await asyncio.sleep(min(2.0, self.table.dead_after_s))  # a restart may be on its way
+                    if not self.table.live("prefill") or not self.table.live("decode"):
+                        yield TokenOutput(request_id=request_id, index=len(generated), finish_reason="error",
+                                          error="no live prefill/decode pair to continue the request")
+                        return
+
+    async def _one_pair(self, request_id, prompt, sampling):
+        d, reply = await self._reserve(request_id, len(prompt), sampling, self.table.live("decode"))
+        prefills = self.table.live("prefill")
+        if not prefills:
+            self._send(d.worker_id, Abort(request_id=request_id, reason="no prefill worker"))
+            raise BackendUnavailable("no live prefill worker", retry_after_s=2.0)
         p = pick_least_loaded(prefills)
         dest = KvDestination(worker_id=d.worker_id, kv_addr=d.info.kv_addr or "", shm_name=d.info.shm_name,
                              transport=self._transport_for(p, d), lease=reply.lease, layout=d.info.kv_layout)
@@ -176,10 +231,12 @@ class ClusterBackend(Backend):
             self._send(p.worker_id, PrefillRequest(request_id=request_id, gateway_id=self.gateway_id,
                                                    prompt_token_ids=prompt, sampling=sampling, dest=dest,
                                                    arrival_time=time.time()))
-            async for out in self._ordered(request_id, queue, (p, d)):
+            got_first = False
+            async for out in self._ordered(request_id, queue, lambda: (d,) if got_first else (p, d)):
+                got_first = True
                 if out.finish_reason is not None:
-                    # Ended by a worker: it has released its side. Ended here (abort, dead
-                    # peer): `finished` stays False and the finally block aborts both workers.
+                    # Ended by a worker: it has released its side. Ended here (abort): `finished`
+                    # stays False and the finally block aborts both workers.
                     finished = bool(out.worker_id)
                     if out.worker_id == p.worker_id:  # ended at its first token: free D's lease
                         self._send(d.worker_id, Abort(request_id=request_id, reason="finished at prefill"))
@@ -191,8 +248,8 @@ class ClusterBackend(Backend):
             p.inflight -= 1
             self._streams.pop(request_id, None)
             if not finished:
-                self._send(p.worker_id, Abort(request_id=request_id, reason="client gone"))
-                self._send(d.worker_id, Abort(request_id=request_id, reason="client gone"))
+                self._send(p.worker_id, Abort(request_id=request_id, reason="stream closed"))
+                self._send(d.worker_id, Abort(request_id=request_id, reason="stream closed"))
 
     async def _generate_colocated(self, request_id, prompt, sampling):
         c = pick_least_loaded(self.table.live("colocated"))
@@ -204,11 +261,15 @@ class ClusterBackend(Backend):
             self._send(c.worker_id, GenerateRequest(request_id=request_id, gateway_id=self.gateway_id,
                                                     prompt_token_ids=prompt, sampling=sampling,
                                                     arrival_time=time.time()))
-            async for out in self._ordered(request_id, queue, (c,)):
-                finished = out.finish_reason is not None and bool(out.worker_id)
-                yield out
-                if out.finish_reason is not None:
-                    return
+            try:
+                async for out in self._ordered(request_id, queue, lambda: (c,)):
+                    finished = out.finish_reason is not None and bool(out.worker_id)
+                    yield out
+                    if out.finish_reason is not None:
+                        return
+            except WorkerLost as lost:
+                yield TokenOutput(request_id=request_id, finish_reason="error",
+                                  error=f"worker {', '.join(lost.worker_ids)} stopped responding")
         finally:
             c.inflight -= 1
             self._streams.pop(request_id, None)
@@ -216,19 +277,18 @@ class ClusterBackend(Backend):
                 self._send(c.worker_id, Abort(request_id=request_id, reason="client gone"))
 
     async def _ordered(self, request_id: str, queue: asyncio.Queue[TokenOutput],
-                       workers: tuple[WorkerEntry, ...]) -> AsyncIterator[TokenOutput]:
-        """Yield outputs in token order (P and D send on different sockets); watch liveness."""
+                       watched: Callable[[], tuple[WorkerEntry, ...]]) -> AsyncIterator[TokenOutput]:
+        """Yield outputs in token order (P and D send on different sockets); raise WorkerLost
+        when a worker the request still depends on (`watched()`) stops heartbeating."""
         next_index = 0
         held: dict[int, TokenOutput] = {}
         while True:
             try:
-                out = await asyncio.wait_for(queue.get(), timeout=0.5)
+                out = await asyncio.wait_for(queue.get(), timeout=0.25)
             except asyncio.TimeoutError:
-                dead = [w.worker_id for w in workers if not self.table.is_live(w)]
+                dead = [w.worker_id for w in watched() if not self.table.is_live(w)]
                 if dead:
-                    yield TokenOutput(request_id=request_id, finish_reason="error",
-                                      error=f"worker {', '.join(dead)} stopped responding")
-                    return
+                    raise WorkerLost(dead) from None
                 continue
             if out.error is not None or out.finish_reason == "abort":
                 yield out

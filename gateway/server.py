@@ -27,6 +27,7 @@ class GatewayOptions:
     api_key: str | None = None
     max_model_len: int | None = None
     served_model_name: str | None = None
+    on_decode_failure: str = "migrate"
 
 
 def serve_gateway(opts: GatewayOptions, auth: FrameAuth) -> None:
@@ -35,7 +36,8 @@ def serve_gateway(opts: GatewayOptions, auth: FrameAuth) -> None:
     tokenizer = AutoTokenizer.from_pretrained(opts.model)
     model_cfg = ModelConfig.from_folder(opts.model)
     max_len = min(opts.max_model_len or model_cfg.max_context, model_cfg.max_context)
-    backend = ClusterBackend(auth, opts.worker_bind, kv_transport=opts.kv_transport)
+    backend = ClusterBackend(auth, opts.worker_bind, kv_transport=opts.kv_transport,
+                             on_decode_failure=opts.on_decode_failure)
     app = create_app(backend, tokenizer, model_name=opts.served_model_name or Path(opts.model).name,
                      max_model_len=max_len, limits=GatewayLimits(), api_key=opts.api_key)
 

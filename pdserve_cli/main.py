@@ -22,6 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--kv-transport", default="auto", choices=["auto", "shm", "zmq-ipc", "zmq-tcp"])
     s.add_argument("--api-key", default=None)
     s.add_argument("--served-model-name", default=None)
+    s.add_argument("--on-decode-failure", default="migrate", choices=["migrate", "fail"],
+                   help="a dead decode worker's requests: re-prefill elsewhere and continue, or end with an error")
 
     g = sub.add_parser("gateway", help="the HTTP gateway alone")
     g.add_argument("--model", default=None, help="model folder (tokenizer, chat template, config)")
@@ -32,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--api-key", default=None)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--served-model-name", default=None)
+    g.add_argument("--on-decode-failure", default="migrate", choices=["migrate", "fail"])
 
     for role, fn in (("prefill", roles.run_prefill), ("decode", roles.run_decode),
                      ("colocated", roles.run_colocated)):

@@ -64,7 +64,8 @@ def run_gateway(args: argparse.Namespace) -> int:
     serve_gateway(GatewayOptions(model=resolve_model(args.model), host=args.host, port=args.port,
                                  worker_bind=args.worker_bind, kv_transport=args.kv_transport,
                                  api_key=args.api_key or os.environ.get("PDSERVE_API_KEY"),
-                                 max_model_len=args.max_model_len, served_model_name=args.served_model_name),
+                                 max_model_len=args.max_model_len, served_model_name=args.served_model_name,
+                                 on_decode_failure=args.on_decode_failure),
                   _auth())
     return 0
 

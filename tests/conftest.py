@@ -39,13 +39,13 @@ def _hf_model(path: str):
 
 
 @functools.lru_cache(maxsize=None)
-def hf_greedy(path: str, prompt: tuple[int, ...], max_new_tokens: int) -> list[int]:
+def hf_greedy(path: str, prompt: tuple[int, ...], max_new_tokens: int, min_new_tokens: int = 0) -> list[int]:
     """Hugging Face transformers greedy `generate` output ids (the reference), fp32, batch 1."""
     import torch
     model = _hf_model(path)
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             max_new_tokens=max_new_tokens, do_sample=False, min_new_tokens=0,
+                             max_new_tokens=max_new_tokens, do_sample=False, min_new_tokens=min_new_tokens,
                              pad_token_id=model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else 0)
     return out[0, len(prompt):].tolist()
 
