@@ -125,7 +125,10 @@ class ClusterBackend(Backend):
         return ok, {"live_workers": live}
 
     def worker_stats(self) -> dict[str, WorkerStats]:
-        return {wid: w.stats for wid, w in self.table.workers.items() if self.table.is_live(w)}
+        stats = {wid: w.stats for wid, w in self.table.workers.items() if self.table.is_live(w)}
+        if self._inbox is not None:  # the gateway's own inbox
+            stats[self.gateway_id] = WorkerStats(dropped_frames=sum(self._inbox.dropped.values()))
+        return stats
 
     async def abort(self, request_id: str) -> None:
         # generate()'s finally block does the work; this is for callers holding only an id.

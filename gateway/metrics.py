@@ -24,6 +24,8 @@ class _WorkerCollector:
             "kv_blocks_total": GaugeMetricFamily("pdserve_kv_blocks_total", "KV blocks", labels=["node"]),
             "num_running": GaugeMetricFamily("pdserve_num_requests_running", "Running sequences", labels=["node"]),
             "num_waiting": GaugeMetricFamily("pdserve_num_requests_waiting", "Queued requests", labels=["node"]),
+            "dropped_frames": GaugeMetricFamily("pdserve_dropped_frames", "Bad internal frames dropped",
+                                                labels=["node"]),
         }
         for node, st in self._stats().items():
             for attr, fam in fams.items():

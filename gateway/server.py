@@ -44,7 +44,7 @@ def serve_gateway(opts: GatewayOptions, auth: FrameAuth) -> None:
     async def main() -> None:
         await backend.start()
         server = uvicorn.Server(uvicorn.Config(app, host=opts.host, port=opts.port, log_level="warning",
-                                               lifespan="off", timeout_graceful_shutdown=10))
+                                               lifespan="off", timeout_graceful_shutdown=25))
         log.info("gateway on http://%s:%d", opts.host, opts.port)
         try:
             await server.serve()

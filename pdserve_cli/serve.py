@@ -118,14 +118,22 @@ def serve(args: argparse.Namespace) -> int:
             time.sleep(0.2)
         return 0
     finally:
-        for c in children:
-            if c.proc is not None and c.proc.poll() is None:
-                c.proc.terminate()
-        deadline = time.monotonic() + 10
-        for c in children:
-            if c.proc is not None:
-                try:
-                    c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    c.proc.kill()
+        # Drain: the gateway stops taking requests and lets in-flight ones finish (uvicorn's
+        # graceful shutdown) while the workers still run; then the workers stop.
+        _stop_all([c for c in children if c.name == "gateway"], timeout_s=30)
+        _stop_all([c for c in children if c.name != "gateway"], timeout_s=10)
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _stop_all(children: list[Child], timeout_s: float) -> None:
+    for c in children:
+        if c.proc is not None and c.proc.poll() is None:
+            c.proc.terminate()
+    deadline = time.monotonic() + timeout_s
+    for c in children:
+        if c.proc is not None:
+            try:
+                c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                c.proc.kill()
+                c.proc.wait()

@@ -139,7 +139,8 @@ class PrefillWorker:
                            num_running=len(sch.running), num_waiting=len(sch.waiting),
                            steps=self.engine.num_steps,
                            last_step_age_s=0.0 if not self.engine.has_work()
-                           else time.monotonic() - self._last_progress)
+                           else time.monotonic() - self._last_progress,
+                           dropped_frames=sum(self.rt.inbox.dropped.values()))
 
     def run(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "_stop", True))

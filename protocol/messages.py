@@ -55,6 +55,7 @@ class WorkerStats(msgspec.Struct, frozen=True):
     num_waiting: int = 0
     steps: int = 0
     last_step_age_s: float = 0.0  # seconds since the engine loop last made progress
+    dropped_frames: int = 0  # unauthenticated / undecodable / fenced-off frames dropped so far
 
 
 class WorkerInfo(msgspec.Struct, frozen=True):
