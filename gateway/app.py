@@ -182,10 +182,8 @@ class _Run:
     async def _pump(self, choice: _Choice, sampling: SamplingParams) -> None:
         try:
             async with contextlib.aclosing(self.app.backend.generate(choice.request_id, self.prompt, sampling)) as gen:
-                async for out in gen:
+                async for out in gen:  # the backend ends its stream after a finish
                     self.queue.put_nowait((choice, out))
-                    if out.finish_reason is not None:
-                        break
         except asyncio.CancelledError:
             raise
         except Exception as e:  # BackendUnavailable or a backend failure: becomes an event

@@ -1,0 +1,56 @@
+"""A deterministic in-process Backend for HTTP-layer tests: echoes the prompt's tokens."""
+from __future__ import annotations
+
+import asyncio
+
+from engine.sampling_params import SamplingParams
+from gateway.backend import Backend, BackendUnavailable
+from protocol.messages import TokenLogprob, TokenOutput, WorkerStats
+
+
+class StubBackend(Backend):
+    def __init__(self, eos_id: int = 0) -> None:
+        self.eos_id = eos_id
+        self.started: list[str] = []
+        self.finished: list[str] = []
+        self.aborted: list[str] = []
+        self.sampling: dict[str, SamplingParams] = {}
+        self.unavailable = False
+        self.healthy = True
+        self.delay_s = 0.0
+
+    async def generate(self, request_id, prompt_token_ids, sampling):
+        if self.unavailable:
+            raise BackendUnavailable("no capacity", retry_after_s=3)
+        self.started.append(request_id)
+        self.sampling[request_id] = sampling
+        done = False
+        try:
+            for i in range(sampling.max_tokens):
+                await asyncio.sleep(self.delay_s)
+                token = prompt_token_ids[i % len(prompt_token_ids)]
+                lp = None
+                if sampling.logprobs is not None:
+                    lp = [TokenLogprob(token, -0.5, [token, 1, 2][: sampling.logprobs], [-0.5, -1.0, -2.0][: sampling.logprobs])]
+                last = i == sampling.max_tokens - 1
+                stop = token in sampling.stop_token_ids
+                reason = "stop" if stop else ("length" if last else None)
+                yield TokenOutput(request_id=request_id, worker_id="stub", index=i, token_ids=[token],
+                                  logprobs=lp, finish_reason=reason,
+                                  timings={"prefill_queue_s": 0.001, "kv_bytes": 1024.0} if i == 0 else {})
+                if reason is not None:
+                    done = True
+                    self.finished.append(request_id)
+                    return
+        finally:
+            if not done:
+                self.aborted.append(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    def health(self):
+        return self.healthy, {"live_workers": {"stub": int(self.healthy)}}
+
+    def worker_stats(self):
+        return {"stub-0": WorkerStats(kv_blocks_free=7, kv_blocks_total=10, num_running=1)}

@@ -1,0 +1,199 @@
+"""The OpenAI HTTP layer against a stub backend: shapes, validation, streaming, aborts."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+from transformers import AutoTokenizer
+
+from engine.tokenizer_builder import build_tokenizer
+from gateway.app import create_app
+from gateway.limits import GatewayLimits
+from tests.gateway.stub_backend import StubBackend
+
+MAX_LEN = 64
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tok")
+    build_tokenizer(path, 512)
+    return AutoTokenizer.from_pretrained(path)
+
+
+@pytest.fixture
+def backend():
+    return StubBackend()
+
+
+def client_for(backend, tokenizer, **kw):
+    app = create_app(backend, tokenizer, model_name="m", max_model_len=MAX_LEN,
+                     limits=kw.pop("limits", GatewayLimits(max_body_bytes=4096)), **kw)
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def post(backend, tokenizer, path, body, **kw):
+    async with client_for(backend, tokenizer, **kw) as c:
+        if isinstance(body, (bytes, str)):
+            return await c.post(path, content=body, headers={"content-type": "application/json"})
+        return await c.post(path, json=body)
+
+
+def sse_events(text: str) -> list:
+    out = []
+    for block in text.strip().split("\n\n"):
+        assert block.startswith("data: "), block
+        payload = block[len("data: "):]
+        out.append(payload if payload == "[DONE]" else json.loads(payload))
+    return out
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": -3}, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": 2.5}, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": True}, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": 500}, "max_tokens"),  # over the context
+    ({"prompt": "hi", "n": 99}, "n"),
+    ({"prompt": "hi", "temperature": -1}, "temperature"),
+    ({"prompt": "hi", "top_p": 0}, "top_p"),
+    ({"prompt": "hi", "top_p": 1.5}, "top_p"),
+    ({"prompt": "hi", "top_k": -2}, "top_k"),
+    ({"prompt": "hi", "logprobs": 50}, "logprobs"),
+    ({"prompt": [1, 2, 99999]}, "prompt"),
+    ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"max_tokens": 3}, "prompt"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": "hi", "seed": 2**70}, "seed"),
+    ({"prompt": "hi", "stop": ["a"] * 40}, "stop"),
+    ({"prompt": "hi", "stop": ["x" * 1000]}, "stop"),
+    ({"prompt": 12}, "prompt"),
+])
+def test_invalid_parameters_get_400_envelope(backend, tokenizer, body, param):
+    r = run(post(backend, tokenizer, "/v1/completions", body))
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param and err["message"]
+    assert backend.started == []
+
+
+def test_malformed_json_unknown_model_and_oversized_body(backend, tokenizer):
+    r = run(post(backend, tokenizer, "/v1/completions", b"{not json"))
+    assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]
+    r = run(post(backend, tokenizer, "/v1/completions", {"model": "other", "prompt": "hi"}))
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    r = run(post(backend, tokenizer, "/v1/completions", {"prompt": "x" * 10_000}))
+    assert r.status_code == 413
+
+
+def test_api_key_checked_before_the_body(backend, tokenizer):
+    async def go():
+        async with client_for(backend, tokenizer, api_key="sekret") as c:
+            bad = await c.post("/v1/completions", json={"prompt": "hi"})
+            good = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                                headers={"Authorization": "Bearer sekret"})
+            health = await c.get("/health")
+            return bad, good, health
+    bad, good, health = run(go())
+    assert bad.status_code == 401 and bad.json()["error"]["type"] == "authentication_error"
+    assert good.status_code == 200 and health.status_code == 200
+
+
+def test_completion_shape_usage_and_server_side_ids(backend, tokenizer):
+    r = run(post(backend, tokenizer, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 4}))
+    body = r.json()
+    assert r.status_code == 200 and body["object"] == "text_completion"
+    assert body["id"].startswith("cmpl-") and body["choices"][0]["finish_reason"] == "length"
+    assert body["choices"][0]["text"] == tokenizer.decode([5, 6, 7, 5])
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert backend.finished == [body["id"]]
+
+
+def test_streaming_chat_format(backend, tokenizer):
+    body = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 3, "stream": True,
+            "stream_options": {"include_usage": True}}
+    r = run(post(backend, tokenizer, "/v1/chat/completions", body))
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]"
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all(e["object"] == "chat.completion.chunk" for e in events[:-1])
+    usage = events[-2]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 3
+    assert "pdserve_timings" in usage and usage["pdserve_timings"]["kv_bytes"] == 1024.0
+    finishes = [c["finish_reason"] for e in events[1:-2] for c in e["choices"]]
+    assert finishes[-1] == "length"
+
+
+def test_n_choices_with_distinct_seeds(backend, tokenizer):
+    r = run(post(backend, tokenizer, "/v1/completions",
+                 {"prompt": [5, 6], "max_tokens": 2, "n": 3, "seed": 10, "temperature": 0.7}))
+    body = r.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert sorted(sp.seed for sp in backend.sampling.values()) == [10, 11, 12]
+    assert body["usage"]["completion_tokens"] == 6
+
+
+def test_stop_string_truncates_and_aborts_upstream(backend, tokenizer):
+    ids = tokenizer.encode("the server the model the cache")
+    r = run(post(backend, tokenizer, "/v1/completions",
+                 {"prompt": ids, "max_tokens": 40, "stop": ["model"]}))
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    assert choice["text"] == "the server the "
+    assert len(backend.aborted) == 1
+
+
+def test_logprobs_shapes(backend, tokenizer):
+    r = run(post(backend, tokenizer, "/v1/completions", {"prompt": [5, 6], "max_tokens": 2, "logprobs": 2}))
+    lp = r.json()["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 2
+    assert lp["text_offset"][0] == 0 and len(lp["top_logprobs"][0]) == 2
+    r = run(post(backend, tokenizer, "/v1/chat/completions",
+                 {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "logprobs": True, "top_logprobs": 1}))
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert len(content) == 2 and len(content[0]["top_logprobs"]) == 1 and "bytes" in content[0]
+
+
+def test_backend_unavailable_is_503_with_retry_after(backend, tokenizer):
+    backend.unavailable = True
+    r = run(post(backend, tokenizer, "/v1/completions", {"prompt": "hi"}))
+    assert r.status_code == 503 and r.headers["retry-after"] == "3"
+    assert r.json()["error"]["type"] == "server_error"
+
+
+def test_health_metrics_and_models(backend, tokenizer):
+    async def go():
+        async with client_for(backend, tokenizer) as c:
+            await c.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 3})
+            ok = await c.get("/health")
+            backend.healthy = False
+            down = await c.get("/health")
+            return ok, down, await c.get("/metrics"), await c.get("/v1/models")
+    ok, down, metrics, models = run(go())
+    assert ok.status_code == 200 and down.status_code == 503
+    text = metrics.text
+    for name in ("pdserve_time_to_first_token_seconds_bucket", "pdserve_time_per_output_token_seconds_count",
+                 "pdserve_e2e_request_latency_seconds_count", 'pdserve_kv_blocks_free{node="stub-0"} 7.0',
+                 'pdserve_kv_blocks_total{node="stub-0"} 10.0', "pdserve_num_requests_running",
+                 "pdserve_ttft_breakdown_seconds_count"):
+        assert name in text, name
+    assert models.json()["data"][0]["id"] == "m"
+
+
+def test_concurrent_requests_all_finish(backend, tokenizer):
+    backend.delay_s = 0.001
+
+    async def go():
+        async with client_for(backend, tokenizer) as c:
+            rs = await asyncio.gather(*[c.post("/v1/completions", json={"prompt": [5 + i], "max_tokens": 5})
+                                        for i in range(20)])
+            return rs
+    rs = run(go())
+    assert all(r.status_code == 200 for r in rs)
+    assert len(backend.finished) == 20 and backend.aborted == []
