@@ -108,6 +108,12 @@ class _OutboxBase:
             log.warning("send queue to %s full; dropped %s", self.addr, type(msg).__name__)
             return False
 
+    def send_tracked(self, msg: Message, payloads: Sequence) -> zmq.MessageTracker:
+        """Zero-copy send that reports when ZMQ no longer needs the payload buffers (blocks
+        while the peer's queue is full: KV frames must not be dropped)."""
+        frames = self.auth.sign(encode(msg), payloads)
+        return self.socket.send_multipart(frames, copy=False, track=True)
+
     def close(self) -> None:
         self.socket.close(linger=0)
 
