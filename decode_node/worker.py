@@ -2,7 +2,7 @@
 
 Block ownership on this worker:
     pool --allocate--> lease (ReserveRequest) --KvDone ok--> running sequence --finish--> pool
-                         \--abort/expiry--> quarantine until the lease deadline --> pool
+                         +--abort/expiry--> quarantine until the lease deadline --> pool
 A quarantined block is never handed out before its lease deadline, so a late or replayed
 transfer cannot land in blocks that belong to another request.
 """

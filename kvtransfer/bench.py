@@ -1,13 +1,27 @@
-"""`pdserve bench-kv`: move one request's KV over each transport, beside memcpy in the same run.
+"""`pdserve bench-kv`: KV transfer bandwidth per transport, against memcpy measured in the same run.
 
-For each transport the real classes run: a KvSender (prefill side) and a KvReceiver (decode
-side, in its own thread, landing frames in its pool). Time = first layer sent -> KvDone
-verified by the receiver. Received blocks are compared bit for bit with the sent ones.
+One request's KV (all layers, `--tokens` tokens) moves from a prefill-side pool to a decode-side
+pool through the real classes: ZmqKvSender / ShmKvSender -> KvReceiver with a LeaseTable, the
+receiver polling in its own thread as a decode worker would (it authenticates, checks the lease,
+copies into the pool and verifies completion). Time = first send_layer until the receiver has
+accepted the KvDone. Every repeat's destination blocks are checked to equal the source blocks.
+
+    memcpy_gbps  best torch copy of a buffer of kv_bytes (the one-copy ceiling on this machine)
+    gbps         kv_bytes / seconds, best of --repeat (after one warm-up)
+    ratios       gbps / memcpy_gbps  (targets: shm >= 0.5, zmq-ipc >= 0.2)
+Rounds alternate memcpy and every transport, so a noisy machine affects all of them alike.
+Sender and receiver share one process (receiver in a thread, one ZMQ context): on a machine with
+few cores they compete for them, as P and D on one host would.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import random
+import shutil
+import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -15,116 +29,229 @@ import time
 import torch
 import zmq
 
-from bench.machine import measure_memcpy_gbps
 from kvtransfer.lease import LeaseTable
 from kvtransfer.malloc_tuning import keep_large_allocations_in_heap
 from kvtransfer.receiver import KvReceiver
-from kvtransfer.sender import make_kv_sender, torch_dtype
+from kvtransfer.sender import ShmKvSender, ZmqKvSender
 from kvtransfer.shm import SharedTensor
+from kvtransfer.wire import torch_dtype
 from protocol.auth import FrameAuth, generate_cluster_secret
 from protocol.messages import KvDone, KvLayout
 
+TRANSPORTS = ("zmq-tcp", "zmq-ipc", "shm")
+TARGETS = {"shm": 0.5, "zmq-ipc": 0.2}
 
-class _Destination:
-    """A decode worker's side: a zeroed shared pool (allocated once, as at start-up) + receiver."""
 
-    def __init__(self, ctx, auth, bind: str, layout: KvLayout) -> None:
-        shape = (layout.num_layers, 2, layout.num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
-        self.layout = layout
-        self.pool = SharedTensor.create(shape, torch_dtype(layout.dtype))
-        self.pool.tensor.zero_()
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve bench-kv", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", action="store_true", help="print one JSON line")
+    p.add_argument("--tokens", type=int, default=2048, help="prompt tokens of the request moved")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--repeat", type=int, default=5, help="timed transfers per transport (best reported)")
+    p.add_argument("--transports", default=",".join(TRANSPORTS), help="comma list of " + ", ".join(TRANSPORTS))
+    p.add_argument("--scattered", action="store_true",
+                   help="random, non-consecutive block ids on both sides (fragmented pools)")
+    p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
+                   help="torch threads (default: half the cores, what `pdserve serve` gives each worker "
+                        "of a 1P1D pair; memcpy is measured with the same setting)")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+class _Memcpy:
+    """torch copy of a buffer of kv_bytes: the one-copy ceiling of this machine."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+        self.dst = torch.empty_like(self.src)
+        self.dst.copy_(self.src)  # first touch
+
+    def once(self) -> float:
+        t0 = time.perf_counter()
+        self.dst.copy_(self.src)
+        return time.perf_counter() - t0
+
+
+class _ReceiverThread(threading.Thread):
+    """Polls the receiver like a decode worker's loop; records when each KvDone is accepted."""
+
+    def __init__(self, receiver: KvReceiver) -> None:
+        super().__init__(daemon=True, name="bench-kv-receiver")
+        self.receiver = receiver
+        self.done_at: dict[str, float] = {}
+        self.cond = threading.Condition()
+        self.stop = False
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            while not self.stop:
+                for done in self.receiver.poll(20, max_frames=1 << 30):
+                    now = time.perf_counter()
+                    with self.cond:
+                        self.done_at[done.request_id] = now
+                        self.cond.notify_all()
+        except BaseException as e:  # surfaced by wait()
+            self.error = e
+            with self.cond:
+                self.cond.notify_all()
+
+    def wait(self, request_id: str, timeout_s: float) -> float:
+        with self.cond:
+            if not self.cond.wait_for(lambda: request_id in self.done_at or self.error is not None, timeout_s):
+                raise TimeoutError(f"{request_id}: no verified KvDone within {timeout_s} s "
+                                   f"(dropped: {dict(self.receiver.dropped)})")
+            if self.error is not None:
+                raise self.error
+            return self.done_at.pop(request_id)
+
+
+class _Transport:
+    """One transport's sender, receiver (polled by its own thread) and lease table."""
+
+    def __init__(self, name: str, ctx: zmq.Context, auth: FrameAuth, pool: SharedTensor, layout: KvLayout,
+                 tmpdir: str) -> None:
+        self.name, self.pool, self.layout = name, pool, layout
+        bind = f"ipc://{tmpdir}/kv-{name}.sock" if name == "zmq-ipc" else "tcp://127.0.0.1:0"
         self.leases = LeaseTable(layout.num_layers)
-        self.receiver = KvReceiver(ctx, auth, bind, self.pool.tensor, self.leases)
+        self.receiver = KvReceiver(ctx, auth, bind, pool.tensor, self.leases)
+        self.thread = _ReceiverThread(self.receiver)
+        self.sender = None
+        try:
+            if name == "shm":
+                self.sender = ShmKvSender(auth, self.receiver.addr, pool.name, layout, ctx=ctx)
+            else:
+                self.sender = ZmqKvSender(ctx, auth, self.receiver.addr)
+        except BaseException:
+            self.receiver.close()
+            raise
+        self.thread.start()
+        self.times: list[float] = []
+        self.verified = True
+
+    def transfer(self, rid: str, src: torch.Tensor, src_ids: list[int], dst_ids: list[int]) -> tuple[float, int]:
+        """Move one request's KV; returns (seconds until D accepted KvDone, bytes)."""
+        L = self.layout.num_layers
+        dst = self.pool.tensor
+        dst.zero_()
+        lease = self.leases.grant(rid, dst_ids, ttl_s=120)
+        t0 = time.perf_counter()
+        sent = 0
+        for layer in range(L):
+            sent += self.sender.send_layer(rid, lease, layer, src[layer], src_ids, dst_ids)
+        self.sender.send_done(KvDone(request_id=rid, lease_epoch=lease.epoch, num_layers=L, kv_bytes=sent))
+        t1 = self.thread.wait(rid, timeout_s=120)
+        self.leases.release(rid)
+        idx_d, idx_s = torch.tensor(dst_ids), torch.tensor(src_ids)
+        self.verified &= bool(torch.equal(dst.index_select(2, idx_d), src.index_select(2, idx_s)))
+        return t1 - t0, sent
 
     def close(self) -> None:
+        self.thread.stop = True
+        if self.thread.is_alive():
+            self.thread.join(5)
+        if self.sender is not None:
+            self.sender.close()
         self.receiver.close()
-        self.pool.close()
 
 
-def _move_once(dest: _Destination, sender, src: torch.Tensor, n_blocks: int, run: int) -> tuple[float, bool]:
-    layout = dest.layout
-    # Destination blocks: a different, consecutive range (as a fresh allocation would give).
-    first = layout.num_blocks - n_blocks
-    dst_blocks, src_blocks = list(range(first, first + n_blocks)), list(range(n_blocks))
-    rid = f"bench-{run}"
-    lease = dest.leases.grant(rid, dst_blocks, ttl_s=60)
-    done_at: list[float] = []
+def run_bench(args: argparse.Namespace) -> dict:
+    transports = [t.strip() for t in args.transports.split(",") if t.strip()]
+    unknown = set(transports) - set(TRANSPORTS)
+    if unknown:
+        raise ValueError(f"unknown transports {sorted(unknown)}")
+    torch.set_num_threads(args.threads)
+    keep_large_allocations_in_heap()  # as the workers do (pdserve_cli/roles.py)
+    dtype = torch_dtype(args.dtype)
+    L, bs, H, D = args.layers, args.block_size, args.kv_heads, args.head_dim
+    n = -(-args.tokens // bs)
+    num_blocks = 2 * n + 1  # room for blocks that must stay untouched
+    rng = random.Random(args.seed)
+    if args.scattered:
+        src_ids = rng.sample(range(num_blocks), n)
+        dst_ids = rng.sample(range(num_blocks), n)
+    else:  # fresh pools: consecutive blocks on both sides
+        src_ids, dst_ids = list(range(1, n + 1)), list(range(n, 2 * n))
+    gen = torch.Generator().manual_seed(args.seed)
+    src = torch.randn(L, 2, num_blocks, bs, H, D, generator=gen).to(dtype)  # the prefill worker's pool
+    layout = KvLayout(L, num_blocks, bs, H, D, args.dtype)
+    kv_bytes = L * 2 * n * bs * H * D * src.element_size()
+    auth = FrameAuth(generate_cluster_secret())
+    ctx = zmq.Context()
+    pool = SharedTensor.create((L, 2, num_blocks, bs, H, D), dtype)  # the decode worker's pool
+    tmpdir = tempfile.mkdtemp(prefix="pdkv-")
+    memcpy = _Memcpy(kv_bytes)
+    memcpy_times: list[float] = []
+    runs: dict[str, _Transport] = {}
+    try:
+        for name in transports:
+            runs[name] = _Transport(name, ctx, auth, pool, layout, tmpdir)
+        # Round robin (memcpy, then each transport) so that all share the machine's state of the
+        # moment; round 0 is a warm-up (connections, first touches) and is not counted.
+        for r in range(args.repeat + 1):
+            memcpy_times += [memcpy.once(), memcpy.once()]
+            for name, run in runs.items():
+                seconds, sent = run.transfer(f"bench-{name}-{r}", src, src_ids, dst_ids)
+                if r:
+                    run.times.append(seconds)
+        memcpy_times += [memcpy.once() for _ in range(2)]
+        assert sent == kv_bytes
+        result: dict = {"memcpy_gbps": kv_bytes / min(memcpy_times) / 1e9, "kv_bytes": kv_bytes, "transports": {}}
+        for name, run in runs.items():
+            best = min(run.times)
+            result["transports"][name] = {
+                "gbps": kv_bytes / best / 1e9, "seconds": best, "median_seconds": statistics.median(run.times),
+                "verified": run.verified, "dropped": sum(run.receiver.dropped.values())}
+    finally:
+        for run in runs.values():
+            run.close()
+        pool.close()
+        ctx.destroy(linger=0)
+        shutil.rmtree(tmpdir, ignore_errors=True)
+    result["ratios"] = {k: v["gbps"] / result["memcpy_gbps"] for k, v in result["transports"].items()}
+    result["targets"] = {k: v for k, v in TARGETS.items() if k in result["transports"]}
+    result["meets_targets"] = all(result["ratios"][k] >= v for k, v in result["targets"].items())
+    result["config"] = {"tokens": args.tokens, "layers": L, "kv_heads": H, "head_dim": D, "block_size": bs,
+                        "dtype": args.dtype, "blocks": n, "repeat": args.repeat, "scattered": args.scattered,
+                        "threads": torch.get_num_threads()}
+    return result
 
-    def receive():
-        while not done_at:
-            if dest.receiver.poll(5):
-                done_at.append(time.perf_counter())
 
-    thread = threading.Thread(target=receive, daemon=True)
-    thread.start()
-    t0 = time.perf_counter()
-    for layer in range(layout.num_layers):
-        sender.send_layer(rid, lease, layer, src[layer], src_blocks, dst_blocks)
-    sender.send_done(KvDone(request_id=rid, lease_epoch=lease.epoch, num_layers=layout.num_layers))
-    thread.join(timeout=60)
-    if not done_at:
-        raise RuntimeError("transfer did not complete")
-    dest.leases.release(rid)
-    ok = torch.equal(dest.pool.tensor[:, :, dst_blocks], src[:, :, src_blocks])
-    dest.pool.tensor[:, :, dst_blocks] = 0
-    return done_at[0] - t0, ok
+def _table(res: dict) -> str:
+    c = res["config"]
+    lines = [f"KV of one request: {c['tokens']} tokens, {c['layers']} layers x {c['kv_heads']} kv heads x "
+             f"{c['head_dim']} dim, {c['dtype']}, block {c['block_size']} ({c['blocks']} blocks"
+             f"{', scattered' if c['scattered'] else ''}) = {res['kv_bytes'] / 2**20:.1f} MiB; "
+             f"torch threads {c['threads']}",
+             f"memcpy of the same size (best, interleaved with the transfers): {res['memcpy_gbps']:.2f} GB/s",
+             f"each transport: best of {c['repeat']} transfers, first send_layer -> KvDone accepted by D", "",
+             f"{'transport':<10} {'GB/s':>8} {'ms':>9} {'x memcpy':>9} {'target':>7} {'verified':>9}"]
+    for name, t in res["transports"].items():
+        target = TARGETS.get(name)
+        lines.append(f"{name:<10} {t['gbps']:>8.2f} {t['seconds'] * 1e3:>9.2f} {res['ratios'][name]:>9.2f} "
+                     f"{'>= %.1f' % target if target else '-':>7} {str(t['verified']):>9}")
+    return "\n".join(lines)
 
 
 def bench_kv_main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="pdserve bench-kv", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, default=2048)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--kv-heads", type=int, default=4)
-    ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    ap.add_argument("--repeat", type=int, default=5, help="best of N per transport")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch threads, as in one worker of `pdserve serve` 1P1D on 2 cores (default 1)")
-    ap.add_argument("--json", action="store_true", help="print one JSON line")
-    args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    keep_large_allocations_in_heap()  # as the workers do
+    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if min(args.tokens, args.layers, args.kv_heads, args.head_dim, args.block_size) <= 0 or args.repeat < 1:
+        print("bench-kv: sizes and --repeat must be positive", file=sys.stderr)
+        return 2
+    try:
+        res = run_bench(args)
+    except ValueError as e:
+        print(f"bench-kv: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(res) if args.json else _table(res), flush=True)
+    return 0 if all(t["verified"] for t in res["transports"].values()) else 1
 
-    n_blocks = -(-args.tokens // args.block_size)
-    layout = KvLayout(args.layers, 2 * n_blocks, args.block_size, args.kv_heads, args.head_dim, args.dtype)
-    src = torch.randn(args.layers, 2, n_blocks, args.block_size, args.kv_heads, args.head_dim).to(torch_dtype(args.dtype))
-    kv_bytes = src.numel() * src.element_size()
-    memcpy = measure_memcpy_gbps(nbytes=kv_bytes, repeat=max(5, args.repeat))
-    ctx = zmq.Context()
-    auth = FrameAuth(generate_cluster_secret())
-    results: dict[str, dict] = {}
-    with tempfile.TemporaryDirectory(prefix="pdserve-bench-kv-") as tmp:
-        binds = {"zmq-tcp": "tcp://127.0.0.1:0", "zmq-ipc": f"ipc://{tmp}/kv.sock", "shm": f"ipc://{tmp}/kv-shm.sock"}
-        for name, bind in binds.items():
-            dest = _Destination(ctx, auth, bind, layout)
-            sender = make_kv_sender("shm" if name == "shm" else "zmq", ctx=ctx, auth=auth,
-                                    kv_addr=dest.receiver.addr, shm_name=dest.pool.name, layout=layout)
-            try:
-                _move_once(dest, sender, src, n_blocks, -1)  # warm-up: connect, first touches
-                runs = [_move_once(dest, sender, src, n_blocks, i) for i in range(args.repeat)]
-                received = dest.receiver.bytes_received
-            finally:
-                sender.close()
-                dest.close()
-            best = min(r[0] for r in runs)
-            results[name] = {"gbps": kv_bytes / best / 1e9, "seconds": best,
-                             "bytes_equal": all(r[1] for r in runs),
-                             "bytes_received_per_run": received // (args.repeat + 1)}
-    ctx.destroy(linger=0)
-    out = {"memcpy_gbps": memcpy, "kv_bytes": kv_bytes, "tokens": args.tokens, "threads": args.threads,
-           "shape": {"layers": args.layers, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
-                     "block_size": args.block_size, "dtype": args.dtype},
-           "transports": results,
-           "ratios": {name: r["gbps"] / memcpy for name, r in results.items()},
-           "goals": {"shm_over_half_memcpy": results["shm"]["gbps"] >= 0.5 * memcpy,
-                     "zmq_ipc_over_fifth_memcpy": results["zmq-ipc"]["gbps"] >= 0.2 * memcpy}}
-    if args.json:
-        print(json.dumps(out))
-    else:
-        print(f"KV of {args.tokens} tokens: {kv_bytes / 2**20:.1f} MiB; memcpy {memcpy:.2f} GB/s (same run)")
-        for name, r in results.items():
-            print(f"  {name:8s} {r['gbps']:7.2f} GB/s  {r['gbps'] / memcpy:6.1%} of memcpy  "
-                  f"{r['seconds'] * 1e3:7.2f} ms  bytes equal: {r['bytes_equal']}")
-    return 0 if all(r["bytes_equal"] for r in results.values()) else 1
+
+if __name__ == "__main__":
+    raise SystemExit(bench_kv_main())

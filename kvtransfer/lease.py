@@ -1,33 +1,83 @@
 """Decode-side KV leases: who may write which blocks, fenced by epoch and deadline.
 
-    grant --> active --KvDone ok--> release (blocks handed to the running sequence)
-                 \\--abort / deadline passed--> quarantine --deadline--> reclaimable
-Epochs start at a random 62-bit value per process and only grow, so a frame meant for an
-earlier lease (or an earlier process) never matches. Blocks of an aborted lease stay
-quarantined until its deadline: a prefill worker refuses to write after the deadline, so
-no late write can land in blocks that by then belong to another request.
+    grant --> active --complete + release--> blocks belong to the admitted sequence
+                 \\--revoke (abort) / expire (deadline passed)--> quarantine --deadline+grace--> reclaimable
+
+Rules (D's view; every check returns None when fine, else a short reason string):
+- Epochs start at a random 62-bit value per process and only grow, so a frame carrying an
+  epoch from an earlier lease for the same request id, or from a previous run of this process,
+  never matches an active lease ("stale_epoch").
+- A frame is accepted only while its lease is active and not past its deadline, for a layer in
+  range, for blocks that are all (and distinctly) the lease's, with a sequence number larger
+  than any accepted before for this lease (replays and reordering are "duplicate").
+- A request completes when every layer has been written for every leased block. Once completed
+  (released) or revoked the lease is gone: anything later for it is "unknown_lease".
+
+Quarantine, and why: the zmq transport is safe by construction (D itself checks the lease before
+copying), but the shared-memory transport lets P write into D's pool directly, with no check on
+D's side at write time. P checks the lease deadline before each layer write and refuses after it.
+So until the deadline a P that has not heard of an abort may still be writing those blocks;
+if D handed them to another request at once, that late write would corrupt it. Hence a revoked
+or expired lease's blocks come back from `reclaimable()` only after the deadline plus a small
+grace (a write that started just before the deadline may still be finishing). Same host for shm,
+so P and D read the same clock (time.time(), unix seconds).
 """
 from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from protocol.messages import KvDone, KvLayer, Lease
+from protocol.messages import KvDone, Lease
+
+QUARANTINE_GRACE_S = 1.0
 
 
 @dataclass
 class _Active:
     lease: Lease
+    block_set: frozenset[int]
     covered: dict[int, set[int]] = field(default_factory=dict)  # layer -> blocks written
+    last_seq: int = -1
+    nbytes: int = 0
 
 
 class LeaseTable:
-    def __init__(self, num_layers: int) -> None:
+    def __init__(self, num_layers: int, *, grace_s: float = QUARANTINE_GRACE_S,
+                 clock: Callable[[], float] = time.time) -> None:
+        if num_layers <= 0:
+            raise ValueError("num_layers must be positive")
         self.num_layers = num_layers
+        self.grace_s = grace_s
+        self._clock = clock
         self._next_epoch = secrets.randbits(62)
         self._active: dict[str, _Active] = {}
-        self._quarantine: list[tuple[float, list[int]]] = []
+        self._quarantine: list[tuple[float, list[int]]] = []  # (reclaimable after, blocks)
+
+    def _now(self, now: float | None) -> float:
+        return self._clock() if now is None else now
+
+    # --- granting ---------------------------------------------------------------------------
+    def grant(self, request_id: str, block_ids: list[int], ttl_s: float) -> Lease:
+        if request_id in self._active:
+            raise ValueError(f"a lease for {request_id!r} is active")
+        blocks = [int(b) for b in block_ids]
+        if not blocks or len(set(blocks)) != len(blocks) or min(blocks) < 0:
+            raise ValueError("a lease needs distinct, non-negative block ids")
+        if ttl_s <= 0:
+            raise ValueError("ttl_s must be positive")
+        self._next_epoch += 1
+        lease = Lease(epoch=self._next_epoch, block_ids=blocks, deadline=self._clock() + ttl_s)
+        self._active[request_id] = _Active(lease, frozenset(blocks))
+        return lease
+
+    def get(self, request_id: str) -> Lease | None:
+        entry = self._active.get(request_id)
+        return entry.lease if entry else None
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._active
 
     @property
     def num_active(self) -> int:
@@ -37,19 +87,8 @@ class LeaseTable:
     def num_quarantined_blocks(self) -> int:
         return sum(len(b) for _, b in self._quarantine)
 
-    def grant(self, request_id: str, block_ids: list[int], ttl_s: float) -> Lease:
-        if request_id in self._active:
-            raise ValueError(f"lease for {request_id} exists")
-        self._next_epoch += 1
-        lease = Lease(epoch=self._next_epoch, block_ids=list(block_ids), deadline=time.time() + ttl_s)
-        self._active[request_id] = _Active(lease)
-        return lease
-
-    def get(self, request_id: str) -> Lease | None:
-        entry = self._active.get(request_id)
-        return entry.lease if entry else None
-
-    def _check(self, request_id: str, epoch: int, now: float) -> tuple[_Active | None, str | None]:
+    # --- checking writes --------------------------------------------------------------------
+    def _entry(self, request_id: str, epoch: int, now: float) -> tuple[_Active | None, str | None]:
         entry = self._active.get(request_id)
         if entry is None:
             return None, "unknown_lease"
@@ -59,53 +98,83 @@ class LeaseTable:
             return None, "expired"
         return entry, None
 
-    def check_frame(self, frame: KvLayer, now: float | None = None) -> str | None:
-        """None when the frame may be written; else the reason to drop it."""
-        entry, reason = self._check(frame.request_id, frame.lease_epoch, now or time.time())
+    def check_frame(self, header, now: float | None = None) -> str | None:
+        """`header`: anything with request_id, lease_epoch, layer, block_ids and (optionally) seq
+        (kvtransfer.wire.KvFrameHeader). None when it may be written, else the reason to drop it."""
+        entry, reason = self._entry(header.request_id, header.lease_epoch, self._now(now))
         if entry is None:
             return reason
-        if not 0 <= frame.layer < self.num_layers:
+        if not 0 <= header.layer < self.num_layers:
             return "bad_layer"
-        if not frame.block_ids or not set(frame.block_ids) <= set(entry.lease.block_ids):
+        blocks = header.block_ids
+        if not blocks or len(set(blocks)) != len(blocks) or not entry.block_set.issuperset(blocks):
             return "blocks_not_leased"
+        seq = getattr(header, "seq", None)
+        if seq is not None and seq <= entry.last_seq:
+            return "duplicate"
         return None
 
-    def mark_layer(self, frame: KvLayer) -> None:
-        self._active[frame.request_id].covered.setdefault(frame.layer, set()).update(frame.block_ids)
+    def mark_layer(self, request_id: str, layer: int, block_ids: list[int] | None = None, *,
+                   seq: int | None = None, nbytes: int = 0) -> None:
+        """Record that `layer` was written for `block_ids` (default: all the lease's blocks)."""
+        entry = self._active[request_id]
+        entry.covered.setdefault(layer, set()).update(entry.block_set if block_ids is None else block_ids)
+        if seq is not None:
+            entry.last_seq = max(entry.last_seq, seq)
+        entry.nbytes += nbytes
 
-    def check_done(self, done: KvDone, now: float | None = None) -> str | None:
-        entry, reason = self._check(done.request_id, done.lease_epoch, now or time.time())
+    def mark_frame(self, header) -> None:
+        self.mark_layer(header.request_id, header.layer, header.block_ids, seq=getattr(header, "seq", None),
+                        nbytes=getattr(header, "nbytes", 0))
+
+    def complete(self, request_id: str, epoch: int, num_layers: int, now: float | None = None) -> str | None:
+        """None when every layer of every leased block has been written under this epoch."""
+        entry, reason = self._entry(request_id, epoch, self._now(now))
         if entry is None:
             return reason
-        if done.num_layers != self.num_layers:
+        if num_layers != self.num_layers:
             return "layer_count"
-        want = set(entry.lease.block_ids)
-        if any(entry.covered.get(layer) != want for layer in range(self.num_layers)):
+        if len(entry.covered) != self.num_layers or any(
+                len(entry.covered.get(layer, ())) != len(entry.block_set) for layer in range(self.num_layers)):
             return "incomplete"
         return None
 
+    def check_done(self, done: KvDone, now: float | None = None) -> str | None:
+        """`complete` for a KvDone, plus its byte count when P reports one."""
+        reason = self.complete(done.request_id, done.lease_epoch, done.num_layers, now)
+        if reason is None and done.kv_bytes and done.kv_bytes != self._active[done.request_id].nbytes:
+            return "bytes_mismatch"
+        return reason
+
+    # --- ending -----------------------------------------------------------------------------
     def release(self, request_id: str) -> Lease:
-        """Transfer complete: the blocks now belong to the admitted sequence."""
+        """Transfer complete: the blocks now belong to the admitted sequence (caller frees them later)."""
         return self._active.pop(request_id).lease
 
     def revoke(self, request_id: str) -> bool:
+        """Abort: the lease ends now, its blocks are quarantined until deadline + grace."""
         entry = self._active.pop(request_id, None)
         if entry is None:
             return False
-        self._quarantine.append((entry.lease.deadline, entry.lease.block_ids))
+        self._quarantine.append((entry.lease.deadline + self.grace_s, list(entry.lease.block_ids)))
         return True
 
+    def expired(self, now: float | None = None) -> list[str]:
+        """Request ids whose active lease is past its deadline (nothing changes)."""
+        now = self._now(now)
+        return [rid for rid, e in self._active.items() if now > e.lease.deadline]
+
     def expire(self, now: float | None = None) -> list[str]:
-        """Revoke leases past their deadline; returns their request ids."""
-        now = now or time.time()
-        gone = [rid for rid, e in self._active.items() if now > e.lease.deadline]
+        """Revoke every lease past its deadline; returns their request ids."""
+        gone = self.expired(now)
         for rid in gone:
             self.revoke(rid)
         return gone
 
     def reclaimable(self, now: float | None = None) -> list[int]:
-        """Quarantined blocks whose deadline has passed (removed from the quarantine)."""
-        now = now or time.time()
-        ready = [blocks for deadline, blocks in self._quarantine if now > deadline]
-        self._quarantine = [(d, b) for d, b in self._quarantine if now <= d]
+        """Quarantined blocks now safe to reuse (removed from the quarantine; each returned once)."""
+        now = self._now(now)
+        ready = [blocks for until, blocks in self._quarantine if now > until]
+        if ready:
+            self._quarantine = [(u, b) for u, b in self._quarantine if now <= u]
         return [b for blocks in ready for b in blocks]

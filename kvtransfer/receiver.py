@@ -1,33 +1,53 @@
 """Decode side of KV transfer: verify every frame against its lease, then land it in the pool.
 
-Frames arrive on one PULL socket per decode worker, in order per prefill worker: the layer
-frames of a request, then its KvDone. A frame is written only if it is authenticated, its
-lease (request, epoch, deadline) is active, its blocks are the lease's, and its dtype and size
-match this pool; anything else is dropped and counted, and the worker keeps running.
+Frames arrive on one PULL socket per decode worker (kvtransfer/wire.py), in order per prefill
+worker: a request's layer frames, then its KvDone. A layer frame is written only if it is
+authenticated, decodes, its lease is active (request, epoch, deadline, blocks, layer, fresh seq:
+LeaseTable.check_frame), and its dtype, head range, shape and byte count match this pool and the
+payload. The payload is copied once, from the received ZMQ frame into `kv_cache[layer][:, blocks]`.
+In-place (shared-memory) headers only mark the layer: P already wrote it. A KvDone is returned
+by `poll` only when LeaseTable.check_done passes (all layers of all leased blocks, same epoch).
+Everything else is dropped and counted in `dropped[reason]`; the receiver never raises on input.
 """
 from __future__ import annotations
 
 import collections
+import logging
+import math
+import warnings
 
 import torch
 import zmq
 
-from kvtransfer.block_copy import copy_blocks
 from kvtransfer.lease import LeaseTable
-from kvtransfer.sender import torch_dtype
+from kvtransfer.sender import copy_blocks
+from kvtransfer.wire import KvFrameHeader, decode_kv, dtype_name
 from protocol.auth import FrameAuth
 from protocol.channel import Inbox
-from protocol.messages import KvDone, KvLayer
+from protocol.messages import KvDone
+
+log = logging.getLogger(__name__)
 
 
 class KvReceiver:
     def __init__(self, ctx: zmq.Context, auth: FrameAuth, bind_addr: str, kv_cache: torch.Tensor,
-                 leases: LeaseTable) -> None:
-        self.inbox = Inbox(ctx, auth, bind_addr)
+                 lease_table: LeaseTable, *, allow_wildcard: bool = False, kv_head_start: int = 0,
+                 allow_in_place: bool = True) -> None:
+        if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
+            raise ValueError(f"kv_cache must be [L, 2, N, bs, Hkv, D], got {list(kv_cache.shape)}")
+        if kv_cache.shape[0] != lease_table.num_layers:
+            raise ValueError("kv_cache and lease table disagree on the number of layers")
+        self.inbox = Inbox(ctx, auth, bind_addr, allow_wildcard, decoder=decode_kv)
         self.kv_cache = kv_cache  # [L, 2, N, bs, Hkv, D]
-        self.leases = leases
+        self.leases = lease_table
+        self.kv_head_start = kv_head_start
+        self.allow_in_place = allow_in_place
+        self._dtype = dtype_name(kv_cache.dtype)
+        self._block_shape = list(kv_cache.shape[3:])  # [bs, Hkv, D]
+        self._block_bytes = 2 * math.prod(kv_cache.shape[3:]) * kv_cache.element_size()  # K+V of one block
         self.bytes_received = 0
-        self.dropped: collections.Counter[str] = self.inbox.dropped  # auth/decode + lease reasons
+        self.frames_received = 0
+        self.dropped: collections.Counter[str] = self.inbox.dropped  # auth/decode + lease/layout reasons
 
     @property
     def addr(self) -> str:
@@ -37,45 +57,66 @@ class KvReceiver:
     def socket(self) -> zmq.Socket:
         return self.inbox.socket
 
-    def poll(self, timeout_ms: int = 0) -> list[KvDone]:
-        """Drain what has arrived; returns the requests whose KV is complete and verified."""
+    def poll(self, timeout_ms: int | None = 0, max_frames: int = 256) -> list[KvDone]:
+        """Drain what has arrived (waiting up to timeout_ms for the first message, at most
+        max_frames per call so a busy stream cannot starve the decode loop); returns the requests
+        whose KV is complete and verified, in arrival order."""
         done: list[KvDone] = []
-        while (parsed := self.inbox.recv_raw(timeout_ms)) is not None:
+        for _ in range(max_frames):
+            parsed = self.inbox.recv_raw(timeout_ms)
+            if parsed is None:
+                break
             timeout_ms = 0
             msg, payloads = parsed
-            if isinstance(msg, KvLayer):
-                reason = self._accept_layer(msg, payloads)
-            elif isinstance(msg, KvDone):
-                reason = self.leases.check_done(msg)
-                if reason is None:
-                    done.append(msg)
-            else:
-                reason = "unexpected_message"
+            try:
+                if isinstance(msg, KvFrameHeader):
+                    reason = self._accept_layer(msg, payloads)
+                elif isinstance(msg, KvDone):
+                    reason = "unexpected_payload" if payloads else self.leases.check_done(msg)
+                    if reason is None:
+                        done.append(msg)
+                else:  # pragma: no cover - the decoder admits only the two kinds
+                    reason = "unexpected_message"
+            except Exception:  # never let one frame take the decode worker down
+                log.exception("error handling a KV frame")
+                reason = "internal_error"
             if reason is not None:
-                self.dropped[reason] += 1
+                self.inbox.drop(reason, f"{type(msg).__name__} for {msg.request_id!r}")
         return done
 
-    def _accept_layer(self, frame: KvLayer, payloads: list) -> str | None:
-        reason = self.leases.check_frame(frame)
+    def _accept_layer(self, h: KvFrameHeader, payloads: list[memoryview]) -> str | None:
+        reason = self.leases.check_frame(h)
         if reason is not None:
             return reason
-        _, _, _, bs, heads, dim = self.kv_cache.shape
-        if frame.dtype != str(self.kv_cache.dtype).removeprefix("torch.") or frame.kv_head_end - frame.kv_head_start != heads:
+        heads = self._block_shape[1]
+        if h.dtype != self._dtype or (h.kv_head_start, h.kv_head_end) != (self.kv_head_start, self.kv_head_start + heads):
             return "layout_mismatch"
-        expected = 2 * len(frame.block_ids) * bs * heads * dim * self.kv_cache.element_size()
-        if frame.nbytes != expected:
+        n = len(h.block_ids)
+        if h.shape != [2, n, *self._block_shape] or h.nbytes != n * self._block_bytes:
             return "size_mismatch"
-        if not frame.in_place:
-            if len(payloads) != 1 or payloads[0].nbytes != expected:
+        if h.in_place:
+            if not self.allow_in_place:
+                return "in_place_not_allowed"
+            if payloads:
+                return "unexpected_payload"
+        else:
+            if len(payloads) != 1 or payloads[0].nbytes != h.nbytes:
                 return "size_mismatch"
-            shape = (2, len(frame.block_ids), bs, heads, dim)
-            data = torch.frombuffer(payloads[0], dtype=torch_dtype(frame.dtype)).view(shape)
-            copy_blocks(self.kv_cache[frame.layer], frame.block_ids, data, list(range(len(frame.block_ids))))
-        elif payloads:
-            return "unexpected_payload"
-        self.leases.mark_layer(frame)
-        self.bytes_received += frame.nbytes
+            with warnings.catch_warnings():  # read-only ZMQ buffer: we only read from it
+                warnings.simplefilter("ignore", UserWarning)
+                data = torch.frombuffer(payloads[0], dtype=torch.uint8)
+            data = data.view(self.kv_cache.dtype).view(h.shape)
+            copy_blocks(self.kv_cache[h.layer], h.block_ids, data, list(range(n)))
+        self.leases.mark_frame(h)
+        self.bytes_received += h.nbytes
+        self.frames_received += 1
         return None
 
     def close(self) -> None:
         self.inbox.close()
+
+    def __enter__(self) -> "KvReceiver":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

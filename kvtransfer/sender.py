@@ -1,132 +1,350 @@
-"""Prefill side of KV transfer: ship one layer's blocks to a decode worker.
+"""Prefill side of KV transfer: ship one layer's blocks of a request to its decode worker.
 
-ZmqKvSender: gathers the blocks into one contiguous tensor and sends it zero-copy
-             (header frame + raw frame) over TCP or IPC.
-ShmKvSender: writes straight into the decode worker's shared KV pool (one copy), then sends
-             only the small header so D can account for the layer.
-Both refuse to write once the lease deadline has passed (see kvtransfer/lease.py).
+    ZmqKvSender  gather the blocks into one contiguous staging buffer (the only copy on P) and
+                 send it zero-copy as `[mac, KvFrameHeader, payload]` over tcp:// or ipc://; a
+                 buffer is reused only after ZMQ reports it sent (MessageTracker), so the source
+                 pool may change right after send_layer returns. A layer bigger than
+                 `max_frame_bytes` goes as several frames, each for some of its blocks.
+    ShmKvSender  map D's shared KV pool [L, 2, N, bs, Hkv, D] once, write the blocks in place
+                 (one copy, straight into D's leased blocks), then send only the header
+                 (`in_place=True`) so D can account for the layer.
+Both then send `KvDone` on the same stream; ZMQ keeps one sender's messages in order.
+
+Refusals raise `KvTransferError` subclasses; the caller (prefill worker) should catch them,
+stop transferring for that request and report it:
+    LeaseExpired  the lease deadline has passed (shm: or is within SHM_DEADLINE_MARGIN_S). After
+                  the deadline D may have reassigned the blocks (see kvtransfer/lease.py).
+    KvSendError   D's queue stayed full for `send_timeout_ms` (D stuck or gone).
+Wrong arguments (block counts, shapes, blocks outside the lease or the pool) raise ValueError.
+A sender is not thread-safe: one per destination, used from the forward-pass thread.
 """
 from __future__ import annotations
 
+import collections
+import logging
+import math
+import threading
 import time
 from abc import ABC, abstractmethod
 
 import torch
 import zmq
 
-from kvtransfer.block_copy import copy_blocks
 from kvtransfer.shm import SharedTensor
+from kvtransfer.wire import KvFrameHeader, dtype_name, torch_dtype
 from protocol.auth import FrameAuth
 from protocol.channel import Outbox
-from protocol.messages import KvDone, KvLayer, KvLayout, Lease
+from protocol.messages import KvDone, KvLayout, Lease
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+log = logging.getLogger(__name__)
+
+KV_SNDHWM = 256  # KV messages queued per destination (layer frames are MBs each)
+SEND_TIMEOUT_MS = 5_000  # how long a layer send may wait for room before KvSendError
+SHM_DEADLINE_MARGIN_S = 0.1  # shm writers stop this long before the deadline (D adds a grace after)
+_MAX_TRACKED_REQUESTS = 4096
+STAGING_RING = 8  # zmq: staging buffers (= frames in flight) per destination
+MAX_FRAME_BYTES = 16 << 20  # zmq: a layer larger than this goes as several frames (bounds message size)
+
+__all__ = ["KvSender", "ZmqKvSender", "ShmKvSender", "make_kv_sender", "copy_blocks", "torch_dtype",
+           "KvTransferError", "LeaseExpired", "KvSendError"]
 
 
-def torch_dtype(name: str) -> torch.dtype:
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise ValueError(f"unsupported KV dtype {name!r}") from None
-
-
-class LeaseExpired(RuntimeError):
+class KvTransferError(RuntimeError):
     pass
+
+
+class LeaseExpired(KvTransferError):
+    pass
+
+
+class KvSendError(KvTransferError):
+    pass
+
+
+def _runs(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, int]]:
+    """(src_start, dst_start, length) runs where both id lists advance by one."""
+    runs: list[tuple[int, int, int]] = []
+    s0, d0, k = src_ids[0], dst_ids[0], 1
+    for s, d in zip(src_ids[1:], dst_ids[1:]):
+        if s == s0 + k and d == d0 + k:
+            k += 1
+        else:
+            runs.append((s0, d0, k))
+            s0, d0, k = s, d, 1
+    runs.append((s0, d0, k))
+    return runs
+
+
+def _few(runs: list, n: int) -> bool:
+    return len(runs) == 1 or len(runs) * 4 <= n  # runs of 4+ blocks: slice copies beat index kernels
+
+
+def copy_blocks(dst_layer: torch.Tensor, dst_ids: list[int], src_layer: torch.Tensor, src_ids: list[int]) -> None:
+    """dst_layer[:, dst_ids] = src_layer[:, src_ids] for [2, N, bs, Hkv, D] layers, in one pass
+    where possible: slice copies over runs of consecutive ids on both sides (fresh pools); else a
+    gather of the source (if scattered) and slice copies over the destination's runs, or one
+    index_copy_ of block rows when the destination is scattered too."""
+    n = len(dst_ids)
+    runs = _runs(src_ids, dst_ids)
+    if _few(runs, n):
+        for s0, d0, k in runs:
+            dst_layer[:, d0:d0 + k].copy_(src_layer[:, s0:s0 + k])
+        return
+    dev_d, dev_s = dst_layer.device, src_layer.device
+    n_dst, n_src = dst_layer.shape[1], src_layer.shape[1]
+    if n_src == n and src_ids == list(range(n)):
+        source = src_layer  # the whole source in order (a received payload)
+    else:
+        source = src_layer.index_select(1, torch.as_tensor(src_ids, dtype=torch.long, device=dev_s))
+    dst_runs = _runs(list(range(n)), dst_ids)
+    if _few(dst_runs, n):
+        for p0, d0, k in dst_runs:
+            dst_layer[:, d0:d0 + k].copy_(source[:, p0:p0 + k])
+        return
+    source = source.to(dev_d)
+    if dst_layer.is_contiguous() and source.is_contiguous():
+        # rows of one block's K or V: [2 * N, bs * Hkv * D]; row of (kv, block) = kv * N + block
+        idx = torch.as_tensor(dst_ids + [b + n_dst for b in dst_ids], dtype=torch.long, device=dev_d)
+        dst_layer.view(2 * n_dst, -1).index_copy_(0, idx, source.reshape(2 * n, -1))
+    else:
+        dst_layer.index_copy_(1, torch.as_tensor(dst_ids, dtype=torch.long, device=dev_d), source)
 
 
 class KvSender(ABC):
     """Owned by a prefill worker, one per destination; called from the forward pass."""
 
-    def __init__(self, outbox: Outbox) -> None:
+    transport = "?"
+
+    def __init__(self, outbox: Outbox, *, send_timeout_ms: int = SEND_TIMEOUT_MS) -> None:
         self.outbox = outbox
+        self.send_timeout_ms = send_timeout_ms
+        self._seq: collections.OrderedDict[tuple[str, int], int] = collections.OrderedDict()
+        self._closed = False
+        self._on_close: list = []
+        self.bytes_sent = 0
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     @abstractmethod
-    def send_layer(self, request_id: str, lease: Lease, layer: int, src_kv_layer: torch.Tensor,
-                   src_block_ids: list[int], dst_block_ids: list[int]) -> int:
-        """src_kv_layer [2, N, bs, Hkv, D]; returns the bytes moved."""
+    def send_layer(self, request_id: str, lease: Lease | int, layer: int, src_kv_layer: torch.Tensor,
+                   src_block_ids: list[int], dst_block_ids: list[int], *, deadline: float | None = None) -> int:
+        """Ship `src_kv_layer[:, src_block_ids]` ([2, N, bs, Hkv, D]) into D's `dst_block_ids`
+        of `layer`; returns the bytes moved. `lease`: the Lease (preferred: its deadline and block
+        ids are checked here too) or just its epoch, with `deadline=` when known."""
 
-    def send_done(self, done: KvDone) -> None:
-        self.outbox.send(done)
+    def send_done(self, done: KvDone) -> bool:
+        """Queue the request's KvDone (after its last layer); False when D's queue stayed full."""
+        self._seq.pop((done.request_id, done.lease_epoch), None)
+        ok = self.outbox.send(done, timeout_ms=self.send_timeout_ms)
+        if not ok:
+            log.error("KvDone for %s not sent: queue to %s full", done.request_id, self.outbox.addr)
+        return ok
 
     def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         self.outbox.close()
+        for fn in self._on_close:
+            fn()
+
+    # --- shared steps -----------------------------------------------------------------------
+    @staticmethod
+    def _lease_terms(lease: Lease | int, deadline: float | None) -> tuple[int, float | None, list[int] | None]:
+        if isinstance(lease, Lease):
+            return lease.epoch, lease.deadline if deadline is None else min(deadline, lease.deadline), lease.block_ids
+        return int(lease), deadline, None
 
     @staticmethod
-    def _check_deadline(lease: Lease) -> None:
-        if time.time() > lease.deadline:
-            raise LeaseExpired(f"lease epoch {lease.epoch} expired; not writing")
+    def _check_deadline(lease: Lease | float | None, margin_s: float = 0.0) -> None:
+        deadline = lease.deadline if isinstance(lease, Lease) else lease
+        if deadline is not None and time.time() + margin_s > deadline:
+            raise LeaseExpired(f"lease deadline {deadline:.3f} passed (now {time.time():.3f}); not writing")
+
+    @staticmethod
+    def _check_args(src_kv_layer: torch.Tensor, src_ids: list[int], dst_ids: list[int],
+                    leased: list[int] | None) -> None:
+        if src_kv_layer.dim() != 5 or src_kv_layer.shape[0] != 2:
+            raise ValueError(f"src_kv_layer must be [2, N, bs, Hkv, D], got {list(src_kv_layer.shape)}")
+        if not dst_ids or len(src_ids) != len(dst_ids):
+            raise ValueError(f"need as many source as destination blocks (got {len(src_ids)} and {len(dst_ids)})")
+        n_src = src_kv_layer.shape[1]
+        if min(src_ids) < 0 or max(src_ids) >= n_src:
+            raise ValueError(f"source block ids outside [0, {n_src})")
+        if len(set(dst_ids)) != len(dst_ids):
+            raise ValueError("destination block ids repeat")
+        if leased is not None and not set(dst_ids) <= set(leased):
+            raise ValueError("destination blocks are not all the lease's")
+
+    def _next_seq(self, request_id: str, epoch: int) -> int:
+        key = (request_id, epoch)
+        seq = self._seq.pop(key, -1) + 1
+        self._seq[key] = seq
+        while len(self._seq) > _MAX_TRACKED_REQUESTS:  # requests that never sent KvDone (aborted)
+            self._seq.popitem(last=False)
+        return seq
+
+    def _send(self, header: KvFrameHeader, payloads: list) -> None:
+        if self._closed:
+            raise KvSendError("sender is closed")
+        if not self.outbox.send(header, payloads, timeout_ms=self.send_timeout_ms):
+            raise KvSendError(f"KV queue to {self.outbox.addr} stayed full for {self.send_timeout_ms} ms")
+        self.bytes_sent += header.nbytes
 
 
 class ZmqKvSender(KvSender):
-    """Packs blocks into a reusable staging buffer and sends it zero-copy. A buffer is reused
-    only after ZMQ reports it sent (MessageTracker): no fresh allocation per layer."""
+    """Gathers each layer's blocks into a staging buffer and sends it zero-copy. Staging buffers
+    come from a small ring and are reused only once ZMQ reports the previous frame in them sent
+    (MessageTracker): no fresh multi-MB allocation (page faults) per layer, and at most
+    `ring_size` frames in flight per destination (back-pressure instead of unbounded memory)."""
 
-    RING = 4
+    transport = "zmq"
 
-    def __init__(self, outbox: Outbox) -> None:
-        super().__init__(outbox)
-        self._ring: list[tuple[torch.Tensor, zmq.MessageTracker | None]] = []
-        self._next = 0
+    def __init__(self, ctx: zmq.Context, auth: FrameAuth, kv_addr: str, *,
+                 send_timeout_ms: int = SEND_TIMEOUT_MS, sndhwm: int = KV_SNDHWM,
+                 max_frame_bytes: int = MAX_FRAME_BYTES, ring_size: int = STAGING_RING) -> None:
+        self.ctx = ctx
+        self.max_frame_bytes = max_frame_bytes
+        self._ring: list[tuple[torch.Tensor | None, zmq.MessageTracker | None]] = [(None, None)] * max(1, ring_size)
+        self._next_slot = 0
+        super().__init__(Outbox(ctx, auth, kv_addr, sndhwm=sndhwm), send_timeout_ms=send_timeout_ms)
 
-    def _staging(self, like: torch.Tensor, n_blocks: int) -> tuple[torch.Tensor, int]:
-        """A contiguous [2, n_blocks, bs, Hkv, D] view on the next free ring buffer."""
-        shape = (2, n_blocks, *like.shape[2:])
-        numel = 2 * n_blocks * like[0, 0].numel()
-        slot = self._next
-        self._next = (self._next + 1) % self.RING
-        if slot == len(self._ring):
-            self._ring.append((torch.empty(0, dtype=like.dtype), None))
+    def send_layer(self, request_id, lease, layer, src_kv_layer, src_block_ids, dst_block_ids, *,
+                   deadline=None) -> int:
+        epoch, deadline, leased = self._lease_terms(lease, deadline)
+        self._check_args(src_kv_layer, src_block_ids, dst_block_ids, leased)
+        self._check_deadline(deadline)
+        block_bytes = 2 * math.prod(src_kv_layer.shape[2:]) * src_kv_layer.element_size()
+        per_frame = max(1, self.max_frame_bytes // block_bytes) if self.max_frame_bytes > 0 else len(dst_block_ids)
+        sent = 0
+        for i in range(0, len(dst_block_ids), per_frame):
+            sent += self._send_blocks(request_id, epoch, layer, src_kv_layer, list(src_block_ids[i:i + per_frame]),
+                                      list(dst_block_ids[i:i + per_frame]))
+        return sent
+
+    def _staging(self, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[torch.Tensor, int]:
+        """A contiguous CPU tensor of `shape` on the next ring buffer whose last frame has gone."""
+        slot = self._next_slot
+        self._next_slot = (slot + 1) % len(self._ring)
         buf, tracker = self._ring[slot]
         if tracker is not None and not tracker.done:
-            tracker.wait()
-        if buf.numel() < numel or buf.dtype != like.dtype:
-            buf = torch.empty(numel, dtype=like.dtype)  # 1-D storage, grown on demand
+            try:
+                tracker.wait(self.send_timeout_ms / 1000)
+            except zmq.NotDone:
+                raise KvSendError(f"KV frames to {self.outbox.addr} not sent within {self.send_timeout_ms} ms") from None
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.empty(nbytes, dtype=torch.uint8)  # grown on demand, then reused
         self._ring[slot] = (buf, None)
-        return buf[:numel].view(shape), slot
+        return buf[:nbytes].view(dtype).view(shape), slot
 
-    def send_layer(self, request_id, lease, layer, src_kv_layer, src_block_ids, dst_block_ids) -> int:
-        self._check_deadline(lease)
-        data, slot = self._staging(src_kv_layer, len(src_block_ids))  # [2, n, bs, Hkv, D]
-        copy_blocks(data, list(range(len(src_block_ids))), src_kv_layer, src_block_ids)
-        raw = data.view(torch.int16) if data.dtype == torch.bfloat16 else data  # numpy has no bf16
-        header = KvLayer(request_id=request_id, lease_epoch=lease.epoch, layer=layer,
-                         block_ids=list(dst_block_ids), kv_head_start=0, kv_head_end=src_kv_layer.shape[3],
-                         dtype=str(src_kv_layer.dtype).removeprefix("torch."), nbytes=data.numel() * data.element_size())
-        tracker = self.outbox.send_tracked(header, payloads=[raw.numpy()])
+    def _send_blocks(self, request_id, epoch, layer, src_kv_layer, src_ids, dst_ids) -> int:
+        n = len(src_ids)
+        data, slot = self._staging(src_kv_layer.dtype, (2, n, *src_kv_layer.shape[2:]))
+        if src_kv_layer.device.type == "cpu" and not _few(_runs(src_ids, list(range(n))), n):
+            torch.index_select(src_kv_layer, 1, torch.as_tensor(src_ids, dtype=torch.long), out=data)
+        else:
+            copy_blocks(data, list(range(n)), src_kv_layer, src_ids)  # slices (or a device gather)
+        header = KvFrameHeader(request_id=request_id, lease_epoch=epoch, layer=layer,
+                               block_ids=dst_ids, kv_head_start=0, kv_head_end=data.shape[3],
+                               dtype=dtype_name(data.dtype), shape=list(data.shape), nbytes=data.nbytes,
+                               seq=self._next_seq(request_id, epoch))
+        payload = data.reshape(-1).view(torch.uint8).numpy()  # any dtype (bf16 too) as raw bytes
+        if self._closed:
+            raise KvSendError("sender is closed")
+        tracker = self.outbox.send_tracked(header, [payload], timeout_ms=self.send_timeout_ms)
+        if tracker is None:
+            raise KvSendError(f"KV queue to {self.outbox.addr} stayed full for {self.send_timeout_ms} ms")
         self._ring[slot] = (self._ring[slot][0], tracker)
+        self.bytes_sent += header.nbytes
         return header.nbytes
 
 
 class ShmKvSender(KvSender):
-    def __init__(self, outbox: Outbox, shm_name: str, layout: KvLayout) -> None:
-        super().__init__(outbox)
+    transport = "shm"
+
+    def __init__(self, auth: FrameAuth, kv_addr: str, shm_name: str, layout: KvLayout, *,
+                 ctx: zmq.Context | None = None, send_timeout_ms: int = SEND_TIMEOUT_MS,
+                 sndhwm: int = KV_SNDHWM, deadline_margin_s: float = SHM_DEADLINE_MARGIN_S) -> None:
+        self.ctx = ctx if ctx is not None else zmq.Context.instance()
+        self.layout = layout
+        self.deadline_margin_s = deadline_margin_s
         shape = (layout.num_layers, 2, layout.num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
         self._pool = SharedTensor.attach(shm_name, shape, torch_dtype(layout.dtype))
+        try:
+            super().__init__(Outbox(self.ctx, auth, kv_addr, sndhwm=sndhwm), send_timeout_ms=send_timeout_ms)
+        except BaseException:
+            self._pool.close()
+            raise
 
-    def send_layer(self, request_id, lease, layer, src_kv_layer, src_block_ids, dst_block_ids) -> int:
-        self._check_deadline(lease)
-        copy_blocks(self._pool.tensor[layer], dst_block_ids, src_kv_layer, src_block_ids)
-        nbytes = 2 * len(src_block_ids) * src_kv_layer[0, 0].numel() * src_kv_layer.element_size()
-        self.outbox.send(KvLayer(request_id=request_id, lease_epoch=lease.epoch, layer=layer,
-                                 block_ids=list(dst_block_ids), kv_head_start=0,
-                                 kv_head_end=src_kv_layer.shape[3],
-                                 dtype=str(src_kv_layer.dtype).removeprefix("torch."),
-                                 nbytes=nbytes, in_place=True))
+    def send_layer(self, request_id, lease, layer, src_kv_layer, src_block_ids, dst_block_ids, *,
+                   deadline=None) -> int:
+        epoch, deadline, leased = self._lease_terms(lease, deadline)
+        if deadline is None:
+            raise ValueError("shared-memory writes need the lease deadline: pass the Lease (or deadline=)")
+        if self._pool.tensor is None:
+            raise KvSendError("sender is closed")
+        self._check_args(src_kv_layer, src_block_ids, dst_block_ids, leased)
+        pool = self._pool.tensor  # [L, 2, N, bs, Hkv, D]
+        if not 0 <= layer < pool.shape[0]:
+            raise ValueError(f"layer {layer} outside the destination pool's {pool.shape[0]} layers")
+        if src_kv_layer.shape[2:] != pool.shape[3:] or src_kv_layer.dtype != pool.dtype:
+            raise ValueError(f"source layer {list(src_kv_layer.shape[2:])} {src_kv_layer.dtype} does not match "
+                             f"the destination pool {list(pool.shape[3:])} {pool.dtype}")
+        if min(dst_block_ids) < 0 or max(dst_block_ids) >= pool.shape[2]:
+            raise ValueError(f"destination block ids outside [0, {pool.shape[2]})")
+        self._check_deadline(deadline, self.deadline_margin_s)  # D may reuse the blocks after it
+        copy_blocks(pool[layer], list(dst_block_ids), src_kv_layer, list(src_block_ids))
+        shape = [2, len(dst_block_ids), *pool.shape[3:]]
+        nbytes = 2 * len(dst_block_ids) * math.prod(pool.shape[3:]) * pool.element_size()
+        header = KvFrameHeader(request_id=request_id, lease_epoch=epoch, layer=layer,
+                               block_ids=list(dst_block_ids), kv_head_start=self.layout.kv_head_start,
+                               kv_head_end=self.layout.kv_head_start + pool.shape[4],
+                               dtype=dtype_name(pool.dtype), shape=shape, nbytes=nbytes,
+                               seq=self._next_seq(request_id, epoch), in_place=True)
+        self._send(header, [])
         return nbytes
 
     def close(self) -> None:
-        self._pool.close()
+        if not self._closed:
+            self._pool.close()
         super().close()
 
 
+# --- factory with one sender per destination ----------------------------------------------------
+_cache: dict[tuple, KvSender] = {}
+_cache_lock = threading.Lock()
+
+
 def make_kv_sender(transport: str, *, ctx: zmq.Context, auth: FrameAuth, kv_addr: str,
-                   shm_name: str | None, layout: KvLayout) -> KvSender:
-    """`layout` is the DESTINATION pool's layout for shm (block count differs per worker)."""
-    outbox = Outbox(ctx, auth, kv_addr)
-    if transport == "shm":
-        if shm_name is None:
-            raise ValueError("shm transport needs the decode worker's shared-memory name")
-        return ShmKvSender(outbox, shm_name, layout)
-    if transport == "zmq":
-        return ZmqKvSender(outbox)
-    raise ValueError(f"unknown KV transport {transport!r}")
+                   shm_name: str | None = None, layout: KvLayout | None = None, cache: bool = True,
+                   **kwargs) -> KvSender:
+    """A sender to one decode worker: `transport` "zmq" (tcp/ipc per kv_addr) or "shm" (needs the
+    worker's shm_name and its pool `layout`). With `cache`, the same open sender is returned for
+    the same (ctx, transport, kv_addr, shm_name, layout) until it is closed."""
+    if transport not in ("zmq", "shm"):
+        raise ValueError(f"unknown KV transport {transport!r} (zmq or shm)")
+    if transport == "shm" and (not shm_name or layout is None):
+        raise ValueError("shm transport needs the decode worker's shared-memory name and KV layout")
+    key = (id(ctx), transport, kv_addr, shm_name if transport == "shm" else None,
+           layout if transport == "shm" else None, id(auth))
+    with _cache_lock:
+        sender = _cache.get(key) if cache else None
+        if sender is not None and not sender.closed and sender.ctx is ctx:
+            return sender
+        if transport == "shm":
+            sender = ShmKvSender(auth, kv_addr, shm_name, layout, ctx=ctx, **kwargs)
+        else:
+            sender = ZmqKvSender(ctx, auth, kv_addr, **kwargs)
+        if cache:
+            _cache[key] = sender
+            sender._on_close.append(lambda: _forget(key, sender))
+        return sender
+
+
+def _forget(key: tuple, sender: KvSender) -> None:
+    with _cache_lock:
+        if _cache.get(key) is sender:
+            del _cache[key]

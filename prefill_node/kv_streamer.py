@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.scheduler import SchedulerOutput
-from kvtransfer.sender import KvSender
+from kvtransfer.sender import KvSender, KvTransferError
 from protocol.messages import KvDestination, Lease
 
 
@@ -25,6 +25,7 @@ from protocol.messages import KvDestination, Lease
 class TransferStats:
     bytes: int = 0
     seconds: float = 0.0
+    error: str | None = None  # set when a send failed: the request is failed, the step goes on
 
 
 @dataclass
@@ -64,7 +65,12 @@ class KvStreamer:
     def __call__(self, layer: int) -> None:
         kv_layer = self.kv_cache[layer]  # [2, N, bs, Hkv, D]
         for job in self._jobs:
+            if job.stats.error is not None:
+                continue
             t0 = time.perf_counter()
-            job.stats.bytes += job.sender.send_layer(job.request_id, job.lease, layer, kv_layer,
-                                                     job.src_blocks, job.dst_blocks)
+            try:
+                job.stats.bytes += job.sender.send_layer(job.request_id, job.lease, layer, kv_layer,
+                                                         job.src_blocks, job.dst_blocks)
+            except KvTransferError as e:  # lease expired, decode worker gone: fail this request only
+                job.stats.error = f"KV transfer failed: {e}"
             job.stats.seconds += time.perf_counter() - t0

@@ -119,6 +119,12 @@ class PrefillWorker:
                        "prefill_compute_s": done_at - (p.first_scheduled or p.received),
                        "kv_transfer_s": ts.seconds, "kv_bytes": float(ts.bytes)}
             lp = out.logprobs[0] if out.logprobs else None
+            if ts.error is not None:  # the decode side never got its KV: fail the request
+                self.rt.to_gateway(req.gateway_id, TokenOutput(
+                    request_id=req.request_id, worker_id=self.worker_id, finish_reason="error",
+                    error=ts.error, timings=timings))
+                self._forget(out.request_id)
+                continue
             if out.finish_reason == PREFILLED:
                 dest, sender = self.routes[out.request_id]
                 sender.send_done(KvDone(request_id=req.request_id, gateway_id=req.gateway_id,

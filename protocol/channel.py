@@ -1,14 +1,28 @@
 """Typed, authenticated ZMQ channels: PULL inboxes and PUSH outboxes of protocol messages.
 
-Anything that fails authentication or decoding is dropped and counted (`dropped[reason]`);
-a receiver never raises on bad input and keeps serving. Binds default to loopback; wildcard
-binds must be asked for explicitly.
+    Outbox (PUSH, connect) --[mac, header, *payloads]--> Inbox (PULL, bind)
+
+Receiving: every message is verified (FrameAuth) before its header is decoded (msgspec, typed,
+unknown tags rejected). Anything that fails is dropped and counted in `dropped[reason]`
+("auth", "decode"); an inbox never raises on bad input and keeps serving.
+
+Sending is non-blocking: a bounded SNDHWM caps the queue per peer, and `send` returns False
+instead of blocking when it is full (or after `timeout_ms` when one is given); the caller decides
+(drop, retry, fail the request). Sockets close with linger 0: a dying process never hangs on
+undelivered messages.
+
+Binding defaults to loopback (tcp://127.0.0.1:0 = any free port; `.addr` is the resolved
+address); ipc:// and inproc:// work too. Wildcard binds (tcp://*, 0.0.0.0, ::) are refused unless
+`allow_wildcard=True`. Sockets are not thread-safe: one owner thread per channel.
 """
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import msgspec
 import zmq
@@ -19,113 +33,274 @@ from protocol.messages import Message, decode, encode
 
 log = logging.getLogger(__name__)
 
-SEND_HWM = 10_000
+DEFAULT_BIND = "tcp://127.0.0.1:0"
+SEND_HWM = 10_000  # messages queued per peer before send() reports "full"
+
+_WILDCARD_HOSTS = {"*", "0.0.0.0", "::", "[::]", "", "[*]"}
 
 
 def check_bind_address(addr: str, allow_wildcard: bool = False) -> None:
-    if not allow_wildcard and ("tcp://*" in addr or "0.0.0.0" in addr or "tcp://[::]" in addr):
+    """Raise ValueError for a wildcard tcp bind (all interfaces) unless explicitly allowed."""
+    scheme, sep, rest = addr.partition("://")
+    if not sep:
+        raise ValueError(f"bad ZMQ address {addr!r}: expected tcp://host:port, ipc://path or inproc://name")
+    if scheme != "tcp" or allow_wildcard:
+        return
+    # tcp://[source;]host:port ; host may be an IPv6 literal in brackets
+    host = rest.rsplit(";", 1)[-1].rpartition(":")[0]
+    if host.strip().lower() in _WILDCARD_HOSTS:
         raise ValueError(f"refusing wildcard bind {addr!r}: bind a specific interface "
-                         "(loopback by default) or pass allow_wildcard=True")
+                         "(127.0.0.1 by default) or pass allow_wildcard=True")
 
 
-def _bind(sock: zmq.Socket, addr: str, allow_wildcard: bool) -> str:
+def bind_socket(sock: zmq.Socket, addr: str | None, allow_wildcard: bool = False) -> str:
+    """Bind (loopback, any port when addr is None) and return the resolved endpoint."""
+    addr = addr or DEFAULT_BIND
     check_bind_address(addr, allow_wildcard)
     sock.bind(addr)
     return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
+Decoder = Callable[[bytes], Any]
+
+
 class _InboxBase:
-    def __init__(self, sock: zmq.Socket, auth: FrameAuth, bind_addr: str, allow_wildcard: bool) -> None:
+    def __init__(self, sock: zmq.Socket, auth: FrameAuth, bind_addr: str | None, allow_wildcard: bool,
+                 decoder: Decoder, max_message_bytes: int) -> None:
         self.socket = sock
         self.auth = auth
-        self.addr = _bind(sock, bind_addr, allow_wildcard)
+        self._decode = decoder
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.LINGER, 0)
+        if max_message_bytes > 0:
+            sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)  # peers exceeding it are disconnected
+        try:
+            self.addr = bind_socket(sock, bind_addr, allow_wildcard)
+        except BaseException:
+            sock.close(linger=0)
+            raise
         self.dropped: collections.Counter[str] = collections.Counter()
+        self.received = 0
 
-    def _parse(self, frames: Sequence) -> tuple[Message, list] | None:
+    def drop(self, reason: str, detail: object = "") -> None:
+        """Count a dropped message; log the 1st, 2nd, 4th, 8th ... of each reason (a flood of
+        garbage must not flood the log)."""
+        self.dropped[reason] += 1
+        n = self.dropped[reason]
+        if n & (n - 1) == 0:
+            log.warning("dropped message on %s (%s, %d so far): %s", self.addr, reason, n, detail)
+
+    def _parse(self, frames: Sequence) -> tuple[Any, list[memoryview]] | None:
         try:
             header, payloads = self.auth.verify(frames)
-            return decode(header), payloads
         except AuthError as e:
-            self.dropped["auth"] += 1
-            log.warning("dropped unauthenticated frame on %s: %s", self.addr, e)
+            self.drop("auth", e)
+            return None
+        try:
+            msg = self._decode(header)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            self.dropped["decode"] += 1
-            log.warning("dropped undecodable message on %s: %s", self.addr, e)
-        return None
+            self.drop("decode", e)
+            return None
+        except Exception as e:  # a decoder must never take the receiver down
+            self.drop("decode", repr(e))
+            return None
+        self.received += 1
+        return msg, payloads
+
+    @property
+    def closed(self) -> bool:
+        return self.socket.closed
 
     def close(self) -> None:
-        self.socket.close(linger=0)
+        if not self.socket.closed:
+            self.socket.close(linger=0)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _remaining_ms(deadline: float | None) -> int | None:
+    if deadline is None:
+        return None
+    return max(0, int((deadline - time.monotonic()) * 1000))
 
 
 class Inbox(_InboxBase):
-    def __init__(self, ctx: zmq.Context, auth: FrameAuth, bind_addr: str, allow_wildcard: bool = False) -> None:
-        sock = ctx.socket(zmq.PULL)
-        sock.setsockopt(zmq.RCVHWM, 0)
-        super().__init__(sock, auth, bind_addr, allow_wildcard)
+    """PULL socket bound at `bind_addr`; yields valid messages, drops and counts the rest.
 
-    def recv_raw(self, timeout_ms: int | None = 0) -> tuple[Message, list] | None:
-        """Next valid (message, payload frames), or None when nothing valid arrived in time."""
-        while self.socket.poll(timeout_ms):
+    `timeout_ms`: None blocks until a valid message arrives, 0 returns at once."""
+
+    def __init__(self, ctx: zmq.Context, auth: FrameAuth, bind_addr: str | None = DEFAULT_BIND,
+                 allow_wildcard: bool = False, *, decoder: Decoder = decode, max_message_bytes: int = -1) -> None:
+        super().__init__(ctx.socket(zmq.PULL), auth, bind_addr, allow_wildcard, decoder, max_message_bytes)
+
+    def poll(self, timeout_ms: int | None = 0) -> bool:
+        """True when a message (valid or not) is waiting."""
+        return bool(self.socket.poll(timeout_ms, zmq.POLLIN))
+
+    def recv_raw(self, timeout_ms: int | None = 0) -> tuple[Any, list[memoryview]] | None:
+        """Next valid (message, payload buffers), or None when none arrived within the timeout."""
+        deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000
+        while self.socket.poll(_remaining_ms(deadline), zmq.POLLIN):
             parsed = self._parse(self.socket.recv_multipart(copy=False))
             if parsed is not None:
                 return parsed
-            timeout_ms = 0
         return None
 
     def recv_one(self, timeout_ms: int | None = 0) -> Message | None:
         parsed = self.recv_raw(timeout_ms)
         return parsed[0] if parsed else None
 
+    def recv(self, timeout_ms: int | None = 0, max_messages: int = 1000) -> list[Message]:
+        """Everything waiting (up to max_messages); waits up to timeout_ms for the first one."""
+        out: list[Message] = []
+        msg = self.recv_one(timeout_ms)
+        while msg is not None:
+            out.append(msg)
+            if len(out) >= max_messages:
+                break
+            msg = self.recv_one(0)
+        return out
+
 
 class AsyncInbox(_InboxBase):
-    def __init__(self, ctx: zmq.asyncio.Context, auth: FrameAuth, bind_addr: str,
-                 allow_wildcard: bool = False) -> None:
-        sock = ctx.socket(zmq.PULL)
-        sock.setsockopt(zmq.RCVHWM, 0)
-        super().__init__(sock, auth, bind_addr, allow_wildcard)
+    """Inbox for asyncio code (zmq.asyncio context). `timeout_ms=None` waits for a valid message."""
 
-    async def recv_one(self) -> Message | None:
-        parsed = self._parse(await self.socket.recv_multipart(copy=False))
+    def __init__(self, ctx: zmq.asyncio.Context, auth: FrameAuth, bind_addr: str | None = DEFAULT_BIND,
+                 allow_wildcard: bool = False, *, decoder: Decoder = decode, max_message_bytes: int = -1) -> None:
+        super().__init__(ctx.socket(zmq.PULL), auth, bind_addr, allow_wildcard, decoder, max_message_bytes)
+
+    async def poll(self, timeout_ms: int | None = 0) -> bool:
+        return bool(await self.socket.poll(timeout_ms, zmq.POLLIN))
+
+    async def recv_raw(self, timeout_ms: int | None = None) -> tuple[Any, list[memoryview]] | None:
+        deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000
+        while await self.socket.poll(_remaining_ms(deadline), zmq.POLLIN):
+            parsed = self._parse(await self.socket.recv_multipart(copy=False))
+            if parsed is not None:
+                return parsed
+        return None
+
+    async def recv_one(self, timeout_ms: int | None = None) -> Message | None:
+        parsed = await self.recv_raw(timeout_ms)
         return parsed[0] if parsed else None
+
+    async def recv(self, timeout_ms: int | None = 0, max_messages: int = 1000) -> list[Message]:
+        out: list[Message] = []
+        msg = await self.recv_one(timeout_ms)
+        while msg is not None:
+            out.append(msg)
+            if len(out) >= max_messages:
+                break
+            msg = await self.recv_one(0)
+        return out
 
 
 class _OutboxBase:
-    def __init__(self, sock: zmq.Socket, auth: FrameAuth, connect_addr: str) -> None:
-        sock.setsockopt(zmq.SNDHWM, SEND_HWM)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(connect_addr)
+    def __init__(self, sock: zmq.Socket, auth: FrameAuth, connect_addr: str, sndhwm: int) -> None:
+        try:
+            sock.setsockopt(zmq.SNDHWM, sndhwm)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(connect_addr)
+        except BaseException:
+            sock.close(linger=0)
+            raise
         self.socket = sock
         self.auth = auth
         self.addr = connect_addr
+        self.full = 0  # sends refused because the queue was full
 
-    def send(self, msg: Message, payloads: Sequence = ()) -> bool:
-        """Queue a message without blocking; False if the peer's queue is full (caller decides)."""
-        frames = self.auth.sign(encode(msg), payloads)
+    def _frames(self, msg: Any, payloads: Sequence) -> list:
+        return self.auth.sign(encode(msg), payloads)
+
+    def _try_send(self, frames: list, copy: bool) -> bool:
         try:
-            self.socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            self.socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=copy)
             return True
         except zmq.Again:
-            log.warning("send queue to %s full; dropped %s", self.addr, type(msg).__name__)
             return False
 
-    def send_tracked(self, msg: Message, payloads: Sequence) -> zmq.MessageTracker:
-        """Zero-copy send that reports when ZMQ no longer needs the payload buffers (blocks
-        while the peer's queue is full: KV frames must not be dropped)."""
-        frames = self.auth.sign(encode(msg), payloads)
-        return self.socket.send_multipart(frames, copy=False, track=True)
+    def _refused(self, msg: Any) -> bool:
+        self.full += 1
+        log.warning("send queue to %s full; not sent: %s", self.addr, type(msg).__name__)
+        return False
+
+    @property
+    def closed(self) -> bool:
+        return self.socket.closed
 
     def close(self) -> None:
-        self.socket.close(linger=0)
+        if not self.socket.closed:
+            self.socket.close(linger=0)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 class Outbox(_OutboxBase):
-    def __init__(self, ctx: zmq.Context, auth: FrameAuth, connect_addr: str) -> None:
-        super().__init__(ctx.socket(zmq.PUSH), auth, connect_addr)
+    """PUSH socket connected to `connect_addr`.
+
+    `send` never blocks longer than `timeout_ms` (0: not at all) and returns False when the
+    message could not be queued. Payloads are sent zero-copy (`copy=False`): pyzmq keeps each
+    payload object alive until libzmq is done with it, so do not modify them in place after."""
+
+    def __init__(self, ctx: zmq.Context, auth: FrameAuth, connect_addr: str, *, sndhwm: int = SEND_HWM) -> None:
+        super().__init__(ctx.socket(zmq.PUSH), auth, connect_addr, sndhwm)
+
+    def send(self, msg: Any, payloads: Sequence = (), timeout_ms: int = 0) -> bool:
+        return self._send(msg, payloads, timeout_ms, track=False) is not None
+
+    def send_tracked(self, msg: Any, payloads: Sequence, timeout_ms: int = 0) -> zmq.MessageTracker | None:
+        """Zero-copy send that reports (MessageTracker.done) when ZMQ no longer needs the payload
+        buffers, so the caller may reuse them; None when the queue stayed full."""
+        if not payloads:
+            raise ValueError("send_tracked needs payload frames to track")
+        return self._send(msg, payloads, timeout_ms, track=True)
+
+    def _send(self, msg: Any, payloads: Sequence, timeout_ms: int, track: bool):
+        frames = self._frames(msg, payloads)
+        copy = not payloads
+        deadline = time.monotonic() + timeout_ms / 1000
+        while True:
+            try:
+                sent = self.socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=copy, track=track and not copy)
+                return sent if track and not copy else True
+            except zmq.Again:
+                pass
+            if timeout_ms <= 0 or time.monotonic() >= deadline:
+                break
+            if not self.socket.poll(_remaining_ms(deadline), zmq.POLLOUT):
+                break
+        self._refused(msg)
+        return None
 
 
 class AsyncOutbox(_OutboxBase):
-    """An Outbox for asyncio code: a plain socket on a sync shadow of the asyncio context, so
-    `send` stays synchronous and non-blocking (never an un-awaited future)."""
+    """Outbox for asyncio code. `send` is synchronous and non-blocking (safe to call from a
+    callback, never an un-awaited future: the socket lives on a sync shadow of the asyncio
+    context); `await send_async(..., timeout_ms)` waits for room without blocking the loop."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, auth: FrameAuth, connect_addr: str) -> None:
-        super().__init__(zmq.Context.shadow(ctx).socket(zmq.PUSH), auth, connect_addr)
+    def __init__(self, ctx: zmq.asyncio.Context, auth: FrameAuth, connect_addr: str, *,
+                 sndhwm: int = SEND_HWM) -> None:
+        super().__init__(zmq.Context.shadow(ctx).socket(zmq.PUSH), auth, connect_addr, sndhwm)
+
+    def send(self, msg: Any, payloads: Sequence = ()) -> bool:
+        if self._try_send(self._frames(msg, payloads), copy=not payloads):
+            return True
+        return self._refused(msg)
+
+    async def send_async(self, msg: Any, payloads: Sequence = (), timeout_ms: int = 0) -> bool:
+        frames = self._frames(msg, payloads)
+        deadline = time.monotonic() + timeout_ms / 1000
+        while True:
+            if self._try_send(frames, copy=not payloads):
+                return True
+            if time.monotonic() >= deadline:
+                return self._refused(msg)
+            await asyncio.sleep(0.005)  # sync socket: poll for room without blocking the loop

@@ -12,7 +12,7 @@ Who sends what (G = gateway, P = prefill worker, D = decode worker, C = colocate
     D -> G  ReserveReply                     lease (epoch, block ids, deadline) or refusal
     G -> P  PrefillRequest                   prompt + sampling + KV destination/lease
     G -> C  GenerateRequest                  whole request on one colocated worker
-    P -> D  KvLayer (+ raw tensor frame)     one layer's KV for some blocks, on the KV stream
+    P -> D  KvFrameHeader (+ raw frame)      one layer's KV for some blocks (kvtransfer/wire.py)
     P -> D  KvDone (on the KV stream)        all layers written; first token; D admits
     P,D,C -> G  TokenOutput                  new tokens / finish / error for one request
     G -> P,D,C  Abort                        client went away or stop string hit
@@ -148,25 +148,6 @@ class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
     top_logprobs: list[float]
 
 
-class KvLayer(_Msg):
-    """Header of one layer's KV for some of a request's blocks (P -> D on the KV stream).
-
-    Followed by one raw payload frame `[2, len(block_ids), block_size, kv_heads, head_dim]`
-    (K then V), unless `in_place`: then P already wrote the blocks through shared memory and
-    this only tells D the layer is there.
-    """
-
-    request_id: str = ""
-    lease_epoch: int = 0
-    layer: int = 0
-    block_ids: list[int] = []  # destination (D's) block ids
-    kv_head_start: int = 0
-    kv_head_end: int = 0
-    dtype: str = ""
-    nbytes: int = 0
-    in_place: bool = False
-
-
 class KvDone(_Msg):
     """Sent by P on the KV stream after the last layer frame: D verifies and admits."""
 
@@ -201,7 +182,7 @@ class Abort(_Msg):
 
 
 Message = Union[Register, Heartbeat, Welcome, ReserveRequest, ReserveReply, PrefillRequest,
-                GenerateRequest, KvLayer, KvDone, TokenOutput, Abort]
+                GenerateRequest, KvDone, TokenOutput, Abort]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -1,0 +1,81 @@
+"""What travels on a decode worker's KV stream (P -> D, one PULL socket per decode worker).
+
+Each ZMQ message is authenticated like every other (`[mac, header, *payloads]`, protocol/auth.py);
+its msgpack header is a tagged union told apart by the msgspec tag field `"type"`:
+
+    {"type": "KvFrameHeader", ...} + 1 raw payload frame   one layer's K and V for some blocks,
+                                                           [2, n_blocks, block_size, heads, head_dim],
+                                                           C-contiguous, native byte order, `dtype`
+    {"type": "KvFrameHeader", ..., "in_place": true}       same, no payload: P already wrote the
+                                                           blocks into D's shared-memory pool
+    {"type": "KvDone", ...}                                protocol.messages.KvDone: all layers sent
+
+Decoding accepts only these two tags (anything else -> msgspec.ValidationError, dropped).
+`seq` numbers a request's frames 0, 1, 2 ... in send order, so D rejects replayed or reordered
+frames. A layer may legitimately arrive more than once (chunked prefill re-sends a block that
+the previous chunk only partly filled), each time with a new `seq`.
+"""
+from __future__ import annotations
+
+import math
+from typing import Union
+
+import msgspec
+import torch
+
+from protocol.messages import KvDone
+
+
+class KvFrameHeader(msgspec.Struct, tag="KvFrameHeader", frozen=True, forbid_unknown_fields=True):
+    request_id: str
+    lease_epoch: int
+    layer: int
+    block_ids: list[int]  # destination (D's) block ids, in payload order
+    kv_head_start: int
+    kv_head_end: int
+    dtype: str  # torch dtype name without "torch.", e.g. "float32"
+    shape: list[int]  # [2, len(block_ids), block_size, kv_head_end - kv_head_start, head_dim]
+    nbytes: int
+    seq: int
+    in_place: bool = False
+
+
+KvStreamMessage = Union[KvFrameHeader, KvDone]
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(KvStreamMessage)
+
+
+def encode_kv(msg: KvFrameHeader | KvDone) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_kv(data: bytes | memoryview) -> KvFrameHeader | KvDone:
+    """Raises msgspec.DecodeError / ValidationError on anything else."""
+    return _decoder.decode(data)
+
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+           "float64": torch.float64}
+if hasattr(torch, "float8_e4m3fn"):
+    _DTYPES["float8_e4m3fn"] = torch.float8_e4m3fn
+    _DTYPES["float8_e5m2"] = torch.float8_e5m2
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unsupported KV dtype {name!r} (known: {sorted(_DTYPES)})") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def element_size(name: str) -> int:
+    return torch.empty((), dtype=torch_dtype(name)).element_size()
+
+
+def payload_nbytes(shape: list[int] | tuple[int, ...], dtype: str) -> int:
+    return math.prod(shape) * element_size(dtype)

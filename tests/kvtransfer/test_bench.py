@@ -1,0 +1,26 @@
+"""bench-kv runs end to end at a tiny size and prints one valid JSON line."""
+from __future__ import annotations
+
+import json
+
+from kvtransfer.bench import bench_kv_main
+
+
+def test_bench_kv_json_tiny(capsys):
+    rc = bench_kv_main(["--json", "--tokens", "40", "--layers", "2", "--kv-heads", "2", "--head-dim", "8",
+                        "--block-size", "8", "--repeat", "2"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert rc == 0 and len(out) == 1
+    res = json.loads(out[0])
+    assert res["kv_bytes"] == 2 * 2 * 5 * 8 * 2 * 8 * 4 and res["memcpy_gbps"] > 0
+    assert set(res["transports"]) == {"zmq-tcp", "zmq-ipc", "shm"} == set(res["ratios"])
+    for t in res["transports"].values():
+        assert t["verified"] and t["gbps"] > 0 and t["seconds"] > 0 and t["dropped"] == 0
+
+
+def test_bench_kv_table_and_bad_args(capsys):
+    assert bench_kv_main(["--tokens", "16", "--layers", "1", "--kv-heads", "1", "--head-dim", "4",
+                          "--repeat", "1", "--transports", "shm", "--scattered", "--dtype", "bfloat16"]) == 0
+    assert "shm" in capsys.readouterr().out
+    assert bench_kv_main(["--transports", "pigeon", "--tokens", "16"]) == 2
+    assert bench_kv_main(["--repeat", "0"]) == 2
