@@ -44,6 +44,11 @@ class LLMEngine:
         self.device = torch.device(config.device)
         self.model_config = ModelConfig.from_folder(config.model)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        if config.dtype == "auto":
+            log.info("--dtype auto -> %s (%s)", str(self.dtype).removeprefix("torch."),
+                     "CUDA" if self.device.type == "cuda" else
+                     "CPU has bf16 matrix units" if self.dtype != torch.float32 else
+                     "CPU has no bf16 matrix units (AVX512-BF16/AMX)")
         mc = self.model_config
         self.max_model_len = min(config.scheduler.max_model_len or mc.max_context, mc.max_context)
         self.block_size = config.cache.block_size

@@ -144,3 +144,28 @@ def test_loader_rejects_missing_and_leftover_weights(tmp_path, tiny_llama):
         save_file(tensors, str(files[0]), metadata={"format": "pt"})
         with pytest.raises(ValueError, match=msg):
             make_engine(folder)
+
+
+@pytest.mark.parametrize("arch,overrides", [("llama", {"tie_word_embeddings": False}),
+                                            ("qwen2", {"tie_word_embeddings": False})])
+def test_untied_embeddings_match_hf(tmp_path, arch, overrides):
+    from engine.make_model import make_model
+    model = make_model(tmp_path / arch, "tiny", arch, seed=7, quiet=True, **overrides)
+    engine = make_engine(model)
+    prompts = prompts_for(engine)
+    assert engine.generate(prompts, GREEDY) == expected(model, prompts)
+
+
+def test_mistral_architecture_matches_hf(tmp_path, tiny_llama):
+    """Mistral = Llama without qkv bias plus a sliding window; within the window it is exact."""
+    import json
+    import shutil
+    folder = tmp_path / "mistral"
+    shutil.copytree(tiny_llama, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=512)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    engine = make_engine(folder)
+    assert engine.max_model_len <= 512
+    prompts = prompts_for(engine)
+    assert engine.generate(prompts, GREEDY) == expected(folder, prompts)
