@@ -1,0 +1,71 @@
+"""The bench's own arithmetic on synthetic timings."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from bench.arrivals import arrival_offsets
+from bench.metrics import RequestResult, compute_metrics
+from bench.plots import plot_sweep
+from bench.sweep import capacity
+
+
+def results():
+    return [
+        RequestResult(True, 10, 5, ttft=0.1, itl=[0.02, 0.02, 0.02, 0.02], latency=0.18),
+        RequestResult(True, 20, 1, ttft=0.3, itl=[], latency=0.3),  # one token: no TPOT
+        RequestResult(True, 30, 3, ttft=0.2, itl=[0.05, 0.05], latency=0.3),
+        RequestResult(False, 40, error="HTTP 503"),
+    ]
+
+
+def test_counts_throughput_and_percentiles():
+    m = compute_metrics(results(), duration_s=2.0)
+    assert m["completed"] == 3 and m["failed"] == 1
+    assert m["total_input_tokens"] == 60 and m["total_output_tokens"] == 9
+    assert m["request_throughput"] == pytest.approx(1.5) and m["output_throughput"] == pytest.approx(4.5)
+    assert m["mean_ttft_ms"] == pytest.approx(200.0) and m["median_ttft_ms"] == pytest.approx(200.0)
+    assert m["p99_ttft_ms"] == pytest.approx(float(np.percentile([100, 300, 200], 99)))
+    assert m["mean_e2el_ms"] == pytest.approx((180 + 300 + 300) / 3)
+
+
+def test_tpot_excludes_first_token_and_itl_is_pooled():
+    m = compute_metrics(results(), duration_s=1.0)
+    # (0.18 - 0.1) / 4 = 20 ms ; (0.3 - 0.2) / 2 = 50 ms ; the 1-token request has no TPOT
+    assert m["mean_tpot_ms"] == pytest.approx(35.0)
+    assert m["mean_itl_ms"] == pytest.approx((4 * 20 + 2 * 50) / 6)
+    assert m["median_itl_ms"] == pytest.approx(20.0)
+
+
+@pytest.mark.parametrize("slos,good", [({"ttft": 250}, 2), ({"tpot": 30}, 2), ({"e2el": 200}, 1),
+                                       ({"ttft": 250, "tpot": 30}, 1), ({"ttft": 1000}, 3)])
+def test_goodput_counts_requests_meeting_every_slo(slos, good):
+    m = compute_metrics(results(), duration_s=2.0, goodput_slos_ms=slos)
+    assert m["request_goodput"] == pytest.approx(good / 2.0)
+    assert m["goodput_attainment"] == pytest.approx(good / 4)  # failed requests count as missed
+
+
+def test_poisson_and_gamma_arrivals():
+    assert arrival_offsets(5, math.inf) == [0.0] * 5
+    poisson = np.diff(arrival_offsets(20000, rate=4.0, burstiness=1.0, seed=1))
+    assert poisson.mean() == pytest.approx(0.25, rel=0.03)
+    bursty = np.diff(arrival_offsets(20000, rate=4.0, burstiness=0.25, seed=1))
+    assert bursty.mean() == pytest.approx(0.25, rel=0.06)
+    assert bursty.std() > 1.8 * poisson.std()  # burstier: same mean, larger variance
+    assert arrival_offsets(10, 2.0, seed=3) == arrival_offsets(10, 2.0, seed=3)
+
+
+def test_capacity_is_highest_rate_before_attainment_drops():
+    assert capacity([(0.5, 1.0), (1, 0.95), (2, 0.91), (4, 0.5), (8, 0.95)]) == 2
+    assert capacity([(0.5, 0.8), (1, 0.95)]) is None
+
+
+def test_plots_are_written(tmp_path):
+    rows = [{"label": lbl, "request_rate": r, "goodput_attainment": a, "request_goodput": r * a,
+             "median_ttft_ms": 100 * r, "p99_ttft_ms": 150 * r, "median_tpot_ms": 20, "p99_tpot_ms": 30}
+            for lbl in ("pdserve", "peer") for r, a in ((0.5, 1.0), (1, 0.9), (2, 0.4))]
+    paths = plot_sweep(rows, tmp_path, "(ttft <= 2000 ms)")
+    assert {p.name for p in paths} == {"slo_attainment.png", "goodput.png", "ttft.png", "tpot.png"}
+    assert all(p.stat().st_size > 5000 and p.read_bytes()[:4] == b"\x89PNG" for p in paths)
