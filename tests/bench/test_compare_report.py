@@ -1,0 +1,24 @@
+"""`pdserve bench-compare` end to end on the tiny model: runs, skips a missing peer, writes the report."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.compare import main
+
+pytestmark = pytest.mark.slow
+
+
+def test_compare_writes_report_and_skips_missing_peers(tiny_llama, tmp_path):
+    out = tmp_path / "cmp"
+    rc = main(["--model", str(tiny_llama), "--out", str(out), "--servers", "pdserve-colocated,vllm-cpu",
+               "--rates", "16", "--sweep-prompts", "4", "--vllm-python", str(tmp_path / "no-such-python")])
+    assert rc == 0
+    results = json.loads((out / "results.json").read_text())
+    assert "no vLLM CPU venv" in results["vllm-cpu"]["skipped"]
+    ours = results["pdserve-colocated"]
+    assert ours["burst"]["completed"] == 32 and ours["burst"]["failed"] == 0
+    assert ours["burst"]["x_flop_bound"] > 0 and ours["sweep"][0]["request_rate"] == 16.0
+    report = (out / "README.md").read_text()
+    assert "| pdserve-colocated |" in report and (out / "slo_attainment.png").is_file()
