@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import json
 import os
-import time
 from pathlib import Path
 
 import httpx
@@ -61,7 +60,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoTokenizer
 
-    from bench.machine import measure_matmul_gflops
     from engine.config import ModelConfig
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

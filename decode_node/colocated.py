@@ -5,7 +5,6 @@ a deployment choice for small setups. Speaks the same protocol as the pools (Gen
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import time
 
@@ -13,10 +12,9 @@ import zmq
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.worker_runtime import WorkerRuntime, new_worker_id
+from engine.worker_runtime import WorkerRuntime, describe_worker, engine_stats
 from protocol.auth import FrameAuth
-from protocol.messages import (Abort, GenerateRequest, KvLayout, TokenOutput, Welcome,
-                               WorkerInfo, WorkerStats)
+from protocol.messages import Abort, GenerateRequest, TokenOutput, Welcome, WorkerStats
 
 log = logging.getLogger(__name__)
 
@@ -27,14 +25,7 @@ class ColocatedWorker:
         self.engine = LLMEngine(config)
         self.ctx = zmq.Context()
         self.rt = WorkerRuntime(self.ctx, auth, control_bind, gateway_addrs)
-        spec = self.engine.kv_spec
-        self.rt.info = WorkerInfo(
-            worker_id=new_worker_id("colocated"), role="colocated", control_addr=self.rt.control_addr,
-            host=host, pid=os.getpid(),
-            model_fingerprint=self.engine.model_config.fingerprint(self.engine.dtype),
-            kv_layout=KvLayout(spec.num_layers, self.engine.pool.num_blocks, spec.block_size,
-                               spec.num_kv_heads, spec.head_dim, str(spec.dtype).removeprefix("torch.")),
-            max_model_len=self.engine.max_model_len)
+        self.rt.info = describe_worker(self.engine, "colocated", self.rt.control_addr, host)
         self.gateway_of: dict[str, str] = {}
         self.received: dict[str, float] = {}
         self._stop = False
@@ -77,13 +68,7 @@ class ColocatedWorker:
         self._last_progress = time.monotonic()
 
     def stats(self) -> WorkerStats:
-        sch = self.engine.scheduler
-        return WorkerStats(kv_blocks_free=self.engine.pool.num_free, kv_blocks_total=self.engine.pool.num_blocks,
-                           num_running=len(sch.running), num_waiting=len(sch.waiting),
-                           steps=self.engine.num_steps,
-                           last_step_age_s=0.0 if not self.engine.has_work()
-                           else time.monotonic() - self._last_progress,
-                           dropped_frames=sum(self.rt.inbox.dropped.values()))
+        return engine_stats(self.engine, self._last_progress, sum(self.rt.inbox.dropped.values()))
 
     def run(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "_stop", True))

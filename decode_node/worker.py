@@ -9,7 +9,6 @@ transfer cannot land in blocks that belong to another request.
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import time
 
@@ -17,13 +16,13 @@ import zmq
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.worker_runtime import WorkerRuntime, new_worker_id
+from engine.worker_runtime import WorkerRuntime, describe_worker, engine_stats
 from kvtransfer.lease import LeaseTable
 from kvtransfer.receiver import KvReceiver
 from kvtransfer.shm import SharedTensor
 from protocol.auth import FrameAuth
-from protocol.messages import (Abort, KvDone, KvLayout, ReserveReply, ReserveRequest,
-                               TokenOutput, Welcome, WorkerInfo, WorkerStats)
+from protocol.messages import (Abort, KvDone, ReserveReply, ReserveRequest, TokenOutput, Welcome,
+                               WorkerStats)
 
 log = logging.getLogger(__name__)
 
@@ -46,15 +45,9 @@ class DecodeWorker:
         self.leases = LeaseTable(self.engine.model_config.num_layers)
         self.lease_ttl_s = lease_ttl_s
         self.receiver = KvReceiver(self.ctx, auth, kv_bind, self.engine.kv_cache, self.leases)
-        spec = self.engine.kv_spec
-        self.rt.info = WorkerInfo(
-            worker_id=new_worker_id("decode"), role="decode", control_addr=self.rt.control_addr,
-            host=host, pid=os.getpid(),
-            model_fingerprint=self.engine.model_config.fingerprint(self.engine.dtype),
-            kv_layout=KvLayout(spec.num_layers, self.engine.pool.num_blocks, spec.block_size,
-                               spec.num_kv_heads, spec.head_dim, str(spec.dtype).removeprefix("torch.")),
-            kv_addr=self.receiver.addr, shm_name=self._shm.name if self._shm else None,
-            max_model_len=self.engine.max_model_len)
+        self.rt.info = describe_worker(self.engine, "decode", self.rt.control_addr, host,
+                                       kv_addr=self.receiver.addr,
+                                       shm_name=self._shm.name if self._shm else None)
         self.gateway_of: dict[str, str] = {}  # request id -> gateway id
         self.admitted_at: dict[str, float] = {}
         self._stop = False
@@ -146,13 +139,8 @@ class DecodeWorker:
         self._last_progress = time.monotonic()
 
     def stats(self) -> WorkerStats:
-        sch = self.engine.scheduler
-        return WorkerStats(kv_blocks_free=self.engine.pool.num_free, kv_blocks_total=self.engine.pool.num_blocks,
-                           num_running=len(sch.running), num_waiting=len(sch.waiting) + self.leases.num_active,
-                           steps=self.engine.num_steps,
-                           last_step_age_s=0.0 if not self.engine.has_work()
-                           else time.monotonic() - self._last_progress,
-                           dropped_frames=sum(self.rt.inbox.dropped.values()) + sum(self.receiver.dropped.values()))
+        dropped = sum(self.rt.inbox.dropped.values()) + sum(self.receiver.dropped.values())
+        return engine_stats(self.engine, self._last_progress, dropped, extra_waiting=self.leases.num_active)
 
     def run(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "_stop", True))

@@ -18,7 +18,8 @@ import zmq
 
 from protocol.auth import FrameAuth
 from protocol.channel import Inbox, Outbox
-from protocol.messages import Heartbeat, Message, Register, Welcome, WorkerInfo, WorkerStats
+from protocol.messages import (Heartbeat, KvLayout, Message, Register, Welcome, WorkerInfo,
+                               WorkerStats)
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +29,26 @@ REGISTER_INTERVAL_S = 1.0
 
 def new_worker_id(role: str) -> str:
     return f"{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+def describe_worker(engine, role: str, control_addr: str, host: str, **extra) -> WorkerInfo:
+    """The WorkerInfo a worker registers with: identity, addresses, model and KV pool shape."""
+    spec = engine.kv_spec
+    layout = KvLayout(spec.num_layers, engine.pool.num_blocks, spec.block_size, spec.num_kv_heads,
+                      spec.head_dim, str(spec.dtype).removeprefix("torch."))
+    return WorkerInfo(worker_id=new_worker_id(role), role=role, control_addr=control_addr, host=host,
+                      pid=os.getpid(), model_fingerprint=engine.model_config.fingerprint(engine.dtype),
+                      kv_layout=layout, max_model_len=engine.max_model_len, **extra)
+
+
+def engine_stats(engine, last_progress: float, dropped_frames: int, extra_waiting: int = 0) -> WorkerStats:
+    """Heartbeat stats; `last_step_age_s` grows only while there is work and no step completes."""
+    sch = engine.scheduler
+    return WorkerStats(kv_blocks_free=engine.pool.num_free, kv_blocks_total=engine.pool.num_blocks,
+                       num_running=len(sch.running), num_waiting=len(sch.waiting) + extra_waiting,
+                       steps=engine.num_steps,
+                       last_step_age_s=time.monotonic() - last_progress if engine.has_work() else 0.0,
+                       dropped_frames=dropped_frames)
 
 
 class WorkerRuntime:

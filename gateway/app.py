@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import time
@@ -57,7 +58,6 @@ class _ApiKeyMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
             auth = dict(scope.get("headers", [])).get(b"authorization", b"")
-            import hmac
             if not hmac.compare_digest(auth, self.expected):
                 resp = error_response(401, "invalid or missing API key", type_="authentication_error",
                                       code="invalid_api_key")

@@ -4,7 +4,6 @@ sends each request's first token to its gateway (that is TTFT) and `KvDone` to i
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import time
 from dataclasses import dataclass
@@ -13,12 +12,11 @@ import zmq
 
 from engine.config import EngineConfig
 from engine.llm_engine import PREFILLED, LLMEngine
-from engine.worker_runtime import WorkerRuntime, new_worker_id
+from engine.worker_runtime import WorkerRuntime, describe_worker, engine_stats
 from kvtransfer.sender import KvSender, make_kv_sender
 from prefill_node.kv_streamer import KvStreamer, TransferStats
 from protocol.auth import FrameAuth
-from protocol.messages import (Abort, KvDestination, KvDone, KvLayout, PrefillRequest,
-                               TokenOutput, Welcome, WorkerInfo, WorkerStats)
+from protocol.messages import Abort, KvDestination, KvDone, PrefillRequest, TokenOutput, Welcome, WorkerStats
 
 log = logging.getLogger(__name__)
 
@@ -37,13 +35,7 @@ class PrefillWorker:
         self.auth = auth
         self.ctx = zmq.Context()
         self.rt = WorkerRuntime(self.ctx, auth, control_bind, gateway_addrs)
-        spec = self.engine.kv_spec
-        self.rt.info = WorkerInfo(
-            worker_id=new_worker_id("prefill"), role="prefill", control_addr=self.rt.control_addr,
-            host=host, pid=os.getpid(), model_fingerprint=self.engine.model_config.fingerprint(self.engine.dtype),
-            kv_layout=KvLayout(spec.num_layers, self.engine.pool.num_blocks, spec.block_size,
-                               spec.num_kv_heads, spec.head_dim, str(spec.dtype).removeprefix("torch.")),
-            max_model_len=self.engine.max_model_len)
+        self.rt.info = describe_worker(self.engine, "prefill", self.rt.control_addr, host)
         self.pending: dict[str, _Pending] = {}
         self.routes: dict[str, tuple[KvDestination, KvSender]] = {}
         self.transfer_stats: dict[str, TransferStats] = {}
@@ -140,13 +132,7 @@ class PrefillWorker:
             self._forget(out.request_id)
 
     def stats(self) -> WorkerStats:
-        sch = self.engine.scheduler
-        return WorkerStats(kv_blocks_free=self.engine.pool.num_free, kv_blocks_total=self.engine.pool.num_blocks,
-                           num_running=len(sch.running), num_waiting=len(sch.waiting),
-                           steps=self.engine.num_steps,
-                           last_step_age_s=0.0 if not self.engine.has_work()
-                           else time.monotonic() - self._last_progress,
-                           dropped_frames=sum(self.rt.inbox.dropped.values()))
+        return engine_stats(self.engine, self._last_progress, sum(self.rt.inbox.dropped.values()))
 
     def run(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "_stop", True))

@@ -18,7 +18,7 @@ from kvtransfer.lease import LeaseTable
 from kvtransfer.receiver import KvReceiver
 from kvtransfer.sender import make_kv_sender
 from kvtransfer.shm import SharedTensor
-from prefill_node.kv_streamer import KvStreamer, TransferStats
+from prefill_node.kv_streamer import KvStreamer
 from protocol.auth import FrameAuth
 from protocol.messages import KvDestination, KvDone, KvLayout
 from tests.conftest import random_prompts
