@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -66,12 +65,12 @@ def llamacpp_spec(port: int, server: str | None, gguf: str | None, slots: int, c
 
 
 def hf_spec(model: str, port: int, python: str | None) -> ServerSpec:
-    exe = shutil.which("transformers", path=str(Path(python).parent)) if python else None
-    if not exe:
-        return ServerSpec("transformers-serve", [], skip_reason="no `transformers` CLI with [serving] extras "
+    if not python or not Path(python).exists():
+        return ServerSpec("transformers-serve", [], skip_reason="no python with transformers[serving] "
                                                                "(--hf-python / PDSERVE_HF_PYTHON)")
-    return ServerSpec("transformers-serve", [exe, "serve", "--continuous-batching", "--host", "127.0.0.1",
-                                             "--port", str(port), "--force-model", model],
+    return ServerSpec("transformers-serve", [python, "-m", "transformers.cli.transformers", "serve",
+                                             "--continuous-batching", "--dtype", "float32", "--host", "127.0.0.1",
+                                             "--port", str(port), model],
                       model_field=model)
 
 
