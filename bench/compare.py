@@ -26,12 +26,13 @@ from bench.sweep import capacity
 
 SLOS = {"ttft": 2000.0, "tpot": 60.0}
 BURST = ["--num-prompts", "32", "--random-input-len", "320", "--random-range-ratio", "0.6",
-         "--random-output-len", "96", "--request-rate", "inf", "--ignore-eos"]
+         "--random-output-len", "96", "--request-rate", "inf"]
 
 
-def _burst_args(tokenizer_dir: str, base: str, extra: list[str]):
+def _burst_args(tokenizer_dir: str, base: str, extra: list[str], ignore_eos: bool):
     # output 64-128 with input 128-512: two ranges, so the output length gets its own draw below
-    return build_parser().parse_args(["--base-url", base, "--tokenizer", tokenizer_dir, "--disable-tqdm", *BURST, *extra])
+    return build_parser().parse_args(["--base-url", base, "--tokenizer", tokenizer_dir, "--disable-tqdm", *BURST,
+                                      *(["--ignore-eos"] if ignore_eos else []), *extra])
 
 
 def _bench(args, model_name, tokenizer, rate, seed, out_range=None):
@@ -56,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-server", default=os.environ.get("PDSERVE_LLAMA_SERVER"))
     ap.add_argument("--gguf", default=os.environ.get("PDSERVE_GGUF"))
     ap.add_argument("--hf-python", default=os.environ.get("PDSERVE_HF_PYTHON"))
+    ap.add_argument("--reuse", action="store_true",
+                    help="keep results already in OUT/results.json for servers not run now")
     args = ap.parse_args(argv)
 
     from transformers import AutoTokenizer
@@ -80,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     specs["transformers-serve"] = hf_spec(args.model, port_of("transformers-serve"), args.hf_python)
     workloads = args.workloads.split(",")
     results: dict[str, dict] = {}
+    if args.reuse and (out / "results.json").is_file():
+        results = json.loads((out / "results.json").read_text())
     for label in args.servers.split(","):
         spec = specs[label]
         if spec.skip_reason:
@@ -91,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             with running(spec, base, out / f"{label}.log"):
                 model_name = spec.model_field or httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
-                results[label] = run_server(label, base, model_name, tokenizer, args, workloads, params)
+                results[label] = run_server(label, base, model_name, tokenizer, args, workloads, params,
+                                            spec.accepts_ignore_eos)
         except (RuntimeError, TimeoutError) as e:
             print(f"{label} failed: {e}", flush=True)
             results[label] = {"failed": str(e)}
@@ -101,18 +107,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def run_server(label, base, model_name, tokenizer, args, workloads, params) -> dict:
+def run_server(label, base, model_name, tokenizer, args, workloads, params, ignore_eos: bool) -> dict:
     from bench.machine import measure_matmul_gflops
     res: dict = {}
-    warm = _burst_args(args.model, base, ["--num-prompts", "8", "--label", label])
+    warm = _burst_args(args.model, base, ["--num-prompts", "8", "--label", label], ignore_eos)
     _bench(warm, model_name, tokenizer, float("inf"), 99, (64, 128))  # untimed warm-up burst
     if "burst" in workloads:
-        burst = _burst_args(args.model, base, ["--label", label])
+        burst = _burst_args(args.model, base, ["--label", label], ignore_eos)
         r = _bench(burst, model_name, tokenizer, float("inf"), 1, (64, 128))
         gflops = measure_matmul_gflops()  # same run, between bursts
         tokens = r["total_input_tokens"] + r["total_output_tokens"]
         r["flop_bound_s"] = 2 * params * tokens / (gflops * 1e9)
-        r["x_flop_bound"] = r["duration"] / r["flop_bound_s"]
+        r["x_flop_bound"] = r["duration"] / r["flop_bound_s"] if tokens else float("inf")
         r["matmul_gflops"] = gflops
         res["burst"] = r
         print(f"{label} burst: {r['output_throughput']:.1f} output tok/s, {r['x_flop_bound']:.2f}x FLOP bound, "
@@ -122,7 +128,8 @@ def run_server(label, base, model_name, tokenizer, args, workloads, params) -> d
         for i, rate in enumerate(float(x) for x in args.rates.split(",")):
             sw = build_parser().parse_args(["--base-url", base, "--tokenizer", args.model, "--disable-tqdm",
                                             "--num-prompts", str(args.sweep_prompts), "--random-input-len", "640",
-                                            "--random-range-ratio", "0.6", "--ignore-eos", "--label", label])
+                                            "--random-range-ratio", "0.6", "--label", label,
+                                            *(["--ignore-eos"] if ignore_eos else [])])
             r = _bench(sw, model_name, tokenizer, rate, 1000 * (i + 1), (32, 64))
             runs.append(r)
             print(f"{label} rate {rate:g}: attainment {r['goodput_attainment']:.2f}, p99 TTFT {r['p99_ttft_ms']:.0f} ms, "

@@ -25,6 +25,7 @@ class ServerSpec:
     env: dict[str, str] = field(default_factory=dict)
     model_field: str | None = None  # the "model" value requests must carry (None: ask /v1/models)
     skip_reason: str | None = None
+    accepts_ignore_eos: bool = True  # False: the server rejects ignore_eos/min_tokens fields
 
 
 def free_port() -> int:
@@ -71,7 +72,15 @@ def hf_spec(model: str, port: int, python: str | None) -> ServerSpec:
     return ServerSpec("transformers-serve", [python, "-m", "transformers.cli.transformers", "serve",
                                              "--continuous-batching", "--dtype", "float32", "--host", "127.0.0.1",
                                              "--port", str(port), model],
-                      model_field=model)
+                      model_field=model, accepts_ignore_eos=False,
+                      # its /v1/models scans the hub cache and fails when the folder is missing
+                      env={"HF_HUB_CACHE": str(_ensure_dir(Path.home() / ".cache/huggingface/hub")),
+                           "HF_HUB_OFFLINE": "1"})
+
+
+def _ensure_dir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 @contextlib.contextmanager

@@ -17,6 +17,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prefill-workers", type=int, default=1)
     s.add_argument("--decode-workers", type=int, default=1)
     s.add_argument("--colocated", action="store_true", help="one worker doing both phases (baseline)")
+    s.add_argument("--prefill-threads", type=int, default=None,
+                   help="torch threads per prefill worker (default: --threads, else cores / workers)")
+    s.add_argument("--decode-threads", type=int, default=None,
+                   help="torch threads per decode worker (default: --threads, else cores / workers)")
     s.add_argument("--host", default="127.0.0.1", help="HTTP bind address (loopback by default)")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--kv-transport", default="auto", choices=["auto", "shm", "zmq-ipc", "zmq-tcp"])

@@ -41,8 +41,9 @@ def plan_children(args: argparse.Namespace, run_dir: str) -> list[Child]:
     n_workers = 1 if args.colocated else args.prefill_workers + args.decode_workers
     threads = args.threads or max(1, (os.cpu_count() or 1) // n_workers)
     engine_argv = engine_args_to_argv(args)
-    if "--threads" not in engine_argv:
-        engine_argv += ["--threads", str(threads)]
+
+    def role_threads(role_value: int | None) -> list[str]:
+        return ["--threads", str(role_value or args.threads or threads)]
     gw_transport = {"auto": "auto", "shm": "shm", "zmq-ipc": "zmq", "zmq-tcp": "zmq"}[args.kv_transport]
     gateway = py + ["gateway", "--model", args.model, "--host", args.host, "--port", str(args.port),
                     "--worker-bind", gw_inbox, "--kv-transport", gw_transport,
@@ -54,15 +55,18 @@ def plan_children(args: argparse.Namespace, run_dir: str) -> list[Child]:
     children = [Child("gateway", gateway)]
     common = ["--gateway", gw_inbox] + engine_argv
     if args.colocated:
-        children.append(Child("colocated-0", py + ["colocated", "--bind", f"ipc://{run_dir}/colocated-0.sock"] + common))
+        children.append(Child("colocated-0", py + ["colocated", "--bind", f"ipc://{run_dir}/colocated-0.sock"]
+                              + common + role_threads(None)))
         return children
     for i in range(args.prefill_workers):
-        children.append(Child(f"prefill-{i}", py + ["prefill", "--bind", f"ipc://{run_dir}/prefill-{i}.sock"] + common))
+        children.append(Child(f"prefill-{i}", py + ["prefill", "--bind", f"ipc://{run_dir}/prefill-{i}.sock"]
+                              + common + role_threads(args.prefill_threads)))
     for i in range(args.decode_workers):
         kv_bind = "tcp://127.0.0.1:0" if args.kv_transport == "zmq-tcp" else f"ipc://{run_dir}/decode-{i}-kv.sock"
         extra = ["--no-shm"] if args.kv_transport in ("zmq-ipc", "zmq-tcp") else []
         children.append(Child(f"decode-{i}", py + ["decode", "--bind", f"ipc://{run_dir}/decode-{i}.sock",
-                                                  "--kv-bind", kv_bind] + extra + common))
+                                                  "--kv-bind", kv_bind] + extra + common
+                              + role_threads(args.decode_threads)))
     return children
 
 
