@@ -138,9 +138,8 @@ class ClusterBackend(Backend):
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        sampling: SamplingParams) -> AsyncIterator[TokenOutput]:
-        prefills, decodes = self.table.live("prefill"), self.table.live("decode")
-        if prefills and decodes:
-            stream = self._generate_disaggregated(request_id, prompt_token_ids, sampling, prefills, decodes)
+        if self.table.live("prefill") and self.table.live("decode"):
+            stream = self._generate_disaggregated(request_id, prompt_token_ids, sampling)
         elif self.table.live("colocated"):
             stream = self._generate_colocated(request_id, prompt_token_ids, sampling)
         else:
@@ -177,7 +176,7 @@ class ClusterBackend(Backend):
             log.warning("shm transport asked for but %s and %s do not share a host", p.worker_id, d.worker_id)
         return "shm" if can_shm and self.kv_transport in ("auto", "shm") else "zmq"
 
-    async def _generate_disaggregated(self, request_id, prompt, sampling, prefills, decodes):
+    async def _generate_disaggregated(self, request_id, prompt, sampling):
         """Reserve on D, prefill on P, stream. If a worker dies mid-request: a prefill worker
         before the first token -> retried on another pair; a decode worker -> with
         `on_decode_failure="migrate"` the prompt plus the tokens already streamed are prefilled
@@ -218,10 +217,12 @@ class ClusterBackend(Backend):
 
     async def _one_pair(self, request_id, prompt, sampling):
         d, reply = await self._reserve(request_id, len(prompt), sampling, self.table.live("decode"))
-        prefills = self.table.live("prefill")
+        # KV is only exchanged between workers running the same model, dtype and shapes.
+        prefills = [w for w in self.table.live("prefill")
+                    if w.info.model_fingerprint == d.info.model_fingerprint]
         if not prefills:
             self._send(d.worker_id, Abort(request_id=request_id, reason="no prefill worker"))
-            raise BackendUnavailable("no live prefill worker", retry_after_s=2.0)
+            raise BackendUnavailable(f"no live prefill worker for {d.info.model_fingerprint}", retry_after_s=2.0)
         p = pick_least_loaded(prefills)
         dest = KvDestination(worker_id=d.worker_id, kv_addr=d.info.kv_addr or "", shm_name=d.info.shm_name,
                              transport=self._transport_for(p, d), lease=reply.lease, layout=d.info.kv_layout)
