@@ -47,6 +47,7 @@ class _Choice:
     error: str | None = None
     first_token_at: float | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    timed_out: bool = False
 
 
 class _ApiKeyMiddleware:
@@ -201,6 +202,10 @@ class _Run:
                                   headers={"Retry-After": str(max(1, round(item.retry_after_s)))})
         return choice, item
 
+    def _remaining(self) -> float | None:
+        timeout = self.app.limits.request_timeout_s
+        return None if timeout is None else max(0.0, self.arrival + timeout - time.monotonic())
+
     async def cancel(self) -> None:
         for t in self.tasks:
             t.cancel()
@@ -210,7 +215,18 @@ class _Run:
         """Yields (choice, text delta, logprob entries, finish_reason) until all choices end."""
         pending = first
         while self.open:
-            choice, item = pending if pending is not None else await self.queue.get()
+            if pending is None:
+                try:
+                    pending = await asyncio.wait_for(self.queue.get(), self._remaining())
+                except asyncio.TimeoutError:  # --request-timeout: abort upstream, end every choice
+                    await self.cancel()
+                    for c in self.choices:
+                        if c.finish_reason is None:
+                            c.finish_reason, c.error = "error", "request timed out (--request-timeout)"
+                            c.timed_out = True
+                            yield c, "", [], "error"
+                    return
+            choice, item = pending
             pending = None
             if item is None:
                 self.open -= 1
@@ -353,6 +369,10 @@ class _Run:
             task.result()
         finally:
             await self.cancel()
+        if any(c.timed_out for c in self.choices):
+            self.app.metrics.http_errors.labels(status="504").inc()
+            return error_response(504, "request timed out (--request-timeout)", type_="server_error",
+                                  code="timeout")
         errors = [c.error for c in self.choices if c.finish_reason == "error"]
         if errors:
             self.app.metrics.http_errors.labels(status="500").inc()

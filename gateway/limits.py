@@ -12,7 +12,10 @@ class GatewayLimits:
     max_stop: int = 16
     max_stop_len: int = 256
     max_queued_requests: int = 1024  # in flight at this gateway; 503 + Retry-After above
+    request_timeout_s: float | None = None  # end (and abort) a request running longer than this
 
     def __post_init__(self) -> None:
         if min(self.max_body_bytes, self.max_n, self.max_stop, self.max_stop_len) < 1:
             raise ValueError("gateway limits must be positive")
+        if self.request_timeout_s is not None and self.request_timeout_s <= 0:
+            raise ValueError("request_timeout_s must be > 0")

@@ -28,6 +28,8 @@ class GatewayOptions:
     max_model_len: int | None = None
     served_model_name: str | None = None
     on_decode_failure: str = "migrate"
+    request_timeout_s: float | None = None
+    max_queued_requests: int = 1024
 
 
 def serve_gateway(opts: GatewayOptions, auth: FrameAuth) -> None:
@@ -39,7 +41,9 @@ def serve_gateway(opts: GatewayOptions, auth: FrameAuth) -> None:
     backend = ClusterBackend(auth, opts.worker_bind, kv_transport=opts.kv_transport,
                              on_decode_failure=opts.on_decode_failure)
     app = create_app(backend, tokenizer, model_name=opts.served_model_name or Path(opts.model).name,
-                     max_model_len=max_len, limits=GatewayLimits(), api_key=opts.api_key)
+                     max_model_len=max_len, limits=GatewayLimits(request_timeout_s=opts.request_timeout_s,
+                                         max_queued_requests=opts.max_queued_requests),
+                     api_key=opts.api_key)
 
     async def main() -> None:
         await backend.start()

@@ -26,6 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--kv-transport", default="auto", choices=["auto", "shm", "zmq-ipc", "zmq-tcp"])
     s.add_argument("--api-key", default=None)
     s.add_argument("--served-model-name", default=None)
+    s.add_argument("--request-timeout", type=float, default=None, help="seconds; longer requests end with an error")
+    s.add_argument("--max-queued-requests", type=int, default=1024, help="in flight; 503 + Retry-After above")
     s.add_argument("--on-decode-failure", default="migrate", choices=["migrate", "fail"],
                    help="a dead decode worker's requests: re-prefill elsewhere and continue, or end with an error")
 
@@ -39,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--served-model-name", default=None)
     g.add_argument("--on-decode-failure", default="migrate", choices=["migrate", "fail"])
+    g.add_argument("--request-timeout", type=float, default=None, help="seconds; longer requests end with an error")
+    g.add_argument("--max-queued-requests", type=int, default=1024, help="in flight; 503 + Retry-After above")
 
     for role, fn in (("prefill", roles.run_prefill), ("decode", roles.run_decode),
                      ("colocated", roles.run_colocated)):

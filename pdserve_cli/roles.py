@@ -65,7 +65,9 @@ def run_gateway(args: argparse.Namespace) -> int:
                                  worker_bind=args.worker_bind, kv_transport=args.kv_transport,
                                  api_key=args.api_key or os.environ.get("PDSERVE_API_KEY"),
                                  max_model_len=args.max_model_len, served_model_name=args.served_model_name,
-                                 on_decode_failure=args.on_decode_failure),
+                                 on_decode_failure=args.on_decode_failure,
+                                 request_timeout_s=args.request_timeout,
+                                 max_queued_requests=args.max_queued_requests),
                   _auth())
     return 0
 

@@ -47,7 +47,10 @@ def plan_children(args: argparse.Namespace, run_dir: str) -> list[Child]:
     gw_transport = {"auto": "auto", "shm": "shm", "zmq-ipc": "zmq", "zmq-tcp": "zmq"}[args.kv_transport]
     gateway = py + ["gateway", "--model", args.model, "--host", args.host, "--port", str(args.port),
                     "--worker-bind", gw_inbox, "--kv-transport", gw_transport,
-                    "--on-decode-failure", args.on_decode_failure]
+                    "--on-decode-failure", args.on_decode_failure,
+                    "--max-queued-requests", str(args.max_queued_requests)]
+    if args.request_timeout:
+        gateway += ["--request-timeout", str(args.request_timeout)]
     if args.served_model_name:
         gateway += ["--served-model-name", args.served_model_name]
     if args.max_model_len:

@@ -197,3 +197,26 @@ def test_concurrent_requests_all_finish(backend, tokenizer):
     rs = run(go())
     assert all(r.status_code == 200 for r in rs)
     assert len(backend.finished) == 20 and backend.aborted == []
+
+
+def test_request_timeout_aborts_upstream(backend, tokenizer):
+    backend.delay_s = 0.02  # 50 tokens would take ~1 s
+    limits = GatewayLimits(max_body_bytes=4096, request_timeout_s=0.15)
+    r = run(post(backend, tokenizer, "/v1/completions", {"prompt": [5, 6], "max_tokens": 50}, limits=limits))
+    assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
+    r = run(post(backend, tokenizer, "/v1/completions", {"prompt": [5, 6], "max_tokens": 50, "stream": True},
+                 limits=limits))
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]" and "timed out" in events[-2]["error"]["message"]
+    assert len(backend.aborted) == 2 and backend.finished == []
+
+
+def test_queue_cap_answers_503(backend, tokenizer):
+    backend.delay_s = 0.05
+
+    async def go():
+        async with client_for(backend, tokenizer, limits=GatewayLimits(max_queued_requests=2)) as c:
+            return await asyncio.gather(*[c.post("/v1/completions", json={"prompt": [5], "max_tokens": 5})
+                                          for _ in range(5)])
+    codes = sorted(r.status_code for r in run(go()))
+    assert codes.count(200) == 2 and codes.count(503) == 3
