@@ -140,7 +140,9 @@ class DecodeWorker:
 
     def stats(self) -> WorkerStats:
         dropped = sum(self.rt.inbox.dropped.values()) + sum(self.receiver.dropped.values())
-        return engine_stats(self.engine, self._last_progress, dropped, extra_waiting=self.leases.num_active)
+        return engine_stats(self.engine, self._last_progress, dropped, extra_waiting=self.leases.num_active,
+                            leases_active=self.leases.num_active,
+                            kv_blocks_quarantined=self.leases.num_quarantined_blocks)
 
     def run(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "_stop", True))
@@ -162,6 +164,9 @@ class DecodeWorker:
                         self.rt.handle_welcome(msg)
                 for done in self.receiver.poll(0):
                     self._on_kv_done(done)
+                if self.receiver.released:  # leases P gave back early: reusable now
+                    self.engine.pool.free(self.receiver.released)
+                    self.receiver.released.clear()
                 self._reclaim()
                 if self.engine.has_work():
                     self.step()

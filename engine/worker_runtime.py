@@ -41,14 +41,15 @@ def describe_worker(engine, role: str, control_addr: str, host: str, **extra) ->
                       kv_layout=layout, max_model_len=engine.max_model_len, **extra)
 
 
-def engine_stats(engine, last_progress: float, dropped_frames: int, extra_waiting: int = 0) -> WorkerStats:
+def engine_stats(engine, last_progress: float, dropped_frames: int, extra_waiting: int = 0,
+                 **lease_stats: int) -> WorkerStats:
     """Heartbeat stats; `last_step_age_s` grows only while there is work and no step completes."""
     sch = engine.scheduler
     return WorkerStats(kv_blocks_free=engine.pool.num_free, kv_blocks_total=engine.pool.num_blocks,
                        num_running=len(sch.running), num_waiting=len(sch.waiting) + extra_waiting,
                        steps=engine.num_steps,
                        last_step_age_s=time.monotonic() - last_progress if engine.has_work() else 0.0,
-                       dropped_frames=dropped_frames)
+                       dropped_frames=dropped_frames, **lease_stats)
 
 
 class WorkerRuntime:

@@ -26,6 +26,11 @@ class _WorkerCollector:
             "num_waiting": GaugeMetricFamily("pdserve_num_requests_waiting", "Queued requests", labels=["node"]),
             "dropped_frames": GaugeMetricFamily("pdserve_dropped_frames", "Bad internal frames dropped",
                                                 labels=["node"]),
+            "leases_active": GaugeMetricFamily("pdserve_kv_leases_active", "Reservations awaiting KV",
+                                               labels=["node"]),
+            "kv_blocks_quarantined": GaugeMetricFamily("pdserve_kv_blocks_quarantined",
+                                                       "Blocks of ended leases held until their deadline",
+                                                       labels=["node"]),
         }
         for node, st in self._stats().items():
             for attr, fam in fams.items():

@@ -53,7 +53,8 @@ class LeaseTable:
         self._clock = clock
         self._next_epoch = secrets.randbits(62)
         self._active: dict[str, _Active] = {}
-        self._quarantine: list[tuple[float, list[int]]] = []  # (reclaimable after, blocks)
+        # (reclaimable after, blocks, request id, epoch)
+        self._quarantine: list[tuple[float, list[int], str, int]] = []
 
     def _now(self, now: float | None) -> float:
         return self._clock() if now is None else now
@@ -85,7 +86,7 @@ class LeaseTable:
 
     @property
     def num_quarantined_blocks(self) -> int:
-        return sum(len(b) for _, b in self._quarantine)
+        return sum(len(q[1]) for q in self._quarantine)
 
     # --- checking writes --------------------------------------------------------------------
     def _entry(self, request_id: str, epoch: int, now: float) -> tuple[_Active | None, str | None]:
@@ -156,8 +157,22 @@ class LeaseTable:
         entry = self._active.pop(request_id, None)
         if entry is None:
             return False
-        self._quarantine.append((entry.lease.deadline + self.grace_s, list(entry.lease.block_ids)))
+        self._quarantine.append((entry.lease.deadline + self.grace_s, list(entry.lease.block_ids),
+                                 request_id, entry.lease.epoch))
         return True
+
+    def release_early(self, request_id: str, epoch: int) -> list[int]:
+        """The writer (P) promises, on the FIFO KV stream, never to write this lease again: its
+        blocks are safe to reuse now, whether the lease is still active or quarantined."""
+        entry = self._active.get(request_id)
+        if entry is not None and entry.lease.epoch == epoch:
+            del self._active[request_id]
+            return list(entry.lease.block_ids)
+        for i, (_, blocks, rid, ep) in enumerate(self._quarantine):
+            if rid == request_id and ep == epoch:
+                del self._quarantine[i]
+                return blocks
+        return []
 
     def expired(self, now: float | None = None) -> list[str]:
         """Request ids whose active lease is past its deadline (nothing changes)."""
@@ -174,7 +189,7 @@ class LeaseTable:
     def reclaimable(self, now: float | None = None) -> list[int]:
         """Quarantined blocks now safe to reuse (removed from the quarantine; each returned once)."""
         now = self._now(now)
-        ready = [blocks for until, blocks in self._quarantine if now > until]
+        ready = [q[1] for q in self._quarantine if now > q[0]]
         if ready:
-            self._quarantine = [(u, b) for u, b in self._quarantine if now <= u]
+            self._quarantine = [q for q in self._quarantine if now <= q[0]]
         return [b for blocks in ready for b in blocks]

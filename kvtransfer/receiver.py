@@ -24,7 +24,7 @@ from kvtransfer.sender import copy_blocks
 from kvtransfer.wire import KvFrameHeader, decode_kv, dtype_name
 from protocol.auth import FrameAuth
 from protocol.channel import Inbox
-from protocol.messages import KvDone
+from protocol.messages import KvDone, KvRelease
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,7 @@ class KvReceiver:
         self._block_shape = list(kv_cache.shape[3:])  # [bs, Hkv, D]
         self._block_bytes = 2 * math.prod(kv_cache.shape[3:]) * kv_cache.element_size()  # K+V of one block
         self.bytes_received = 0
+        self.released: list[int] = []  # blocks of leases P released early; the owner frees them
         self.frames_received = 0
         self.dropped: collections.Counter[str] = self.inbox.dropped  # auth/decode + lease/layout reasons
 
@@ -75,6 +76,16 @@ class KvReceiver:
                     reason = "unexpected_payload" if payloads else self.leases.check_done(msg)
                     if reason is None:
                         done.append(msg)
+                    elif reason == "unknown_lease":
+                        # Revoked (aborted) before its KV completed. KvDone is P's last message for
+                        # the lease, as good as a release: the quarantined blocks are safe now.
+                        blocks = self.leases.release_early(msg.request_id, msg.lease_epoch)
+                        if blocks:
+                            self.released.extend(blocks)
+                            reason = None
+                elif isinstance(msg, KvRelease):
+                    self.released.extend(self.leases.release_early(msg.request_id, msg.lease_epoch))
+                    reason = None
                 else:  # pragma: no cover - the decoder admits only the two kinds
                     reason = "unexpected_message"
             except Exception:  # never let one frame take the decode worker down

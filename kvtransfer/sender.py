@@ -34,7 +34,7 @@ from kvtransfer.shm import SharedTensor
 from kvtransfer.wire import KvFrameHeader, dtype_name, torch_dtype
 from protocol.auth import FrameAuth
 from protocol.channel import Outbox
-from protocol.messages import KvDone, KvLayout, Lease
+from protocol.messages import KvDone, KvLayout, KvRelease, Lease
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +141,12 @@ class KvSender(ABC):
         if not ok:
             log.error("KvDone for %s not sent: queue to %s full", done.request_id, self.outbox.addr)
         return ok
+
+    def send_release(self, request_id: str, lease_epoch: int) -> bool:
+        """Tell D this lease will never be written again (after any frames already queued)."""
+        self._seq.pop((request_id, lease_epoch), None)
+        return self.outbox.send(KvRelease(request_id=request_id, lease_epoch=lease_epoch),
+                                timeout_ms=self.send_timeout_ms)
 
     def close(self) -> None:
         if self._closed:

@@ -23,7 +23,7 @@ from typing import Union
 import msgspec
 import torch
 
-from protocol.messages import KvDone
+from protocol.messages import KvDone, KvRelease
 
 
 class KvFrameHeader(msgspec.Struct, tag="KvFrameHeader", frozen=True, forbid_unknown_fields=True):
@@ -40,7 +40,7 @@ class KvFrameHeader(msgspec.Struct, tag="KvFrameHeader", frozen=True, forbid_unk
     in_place: bool = False
 
 
-KvStreamMessage = Union[KvFrameHeader, KvDone]
+KvStreamMessage = Union[KvFrameHeader, KvDone, KvRelease]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(KvStreamMessage)
@@ -50,7 +50,7 @@ def encode_kv(msg: KvFrameHeader | KvDone) -> bytes:
     return _encoder.encode(msg)
 
 
-def decode_kv(data: bytes | memoryview) -> KvFrameHeader | KvDone:
+def decode_kv(data: bytes | memoryview) -> KvFrameHeader | KvDone | KvRelease:
     """Raises msgspec.DecodeError / ValidationError on anything else."""
     return _decoder.decode(data)
 

@@ -28,6 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", default=None)
     s.add_argument("--request-timeout", type=float, default=None, help="seconds; longer requests end with an error")
     s.add_argument("--max-queued-requests", type=int, default=1024, help="in flight; 503 + Retry-After above")
+    s.add_argument("--lease-ttl", type=float, default=30.0,
+                   help="seconds a decode worker's KV reservation stays valid (and quarantined after an abort)")
     s.add_argument("--on-decode-failure", default="migrate", choices=["migrate", "fail"],
                    help="a dead decode worker's requests: re-prefill elsewhere and continue, or end with an error")
 

@@ -68,7 +68,8 @@ def plan_children(args: argparse.Namespace, run_dir: str) -> list[Child]:
         kv_bind = "tcp://127.0.0.1:0" if args.kv_transport == "zmq-tcp" else f"ipc://{run_dir}/decode-{i}-kv.sock"
         extra = ["--no-shm"] if args.kv_transport in ("zmq-ipc", "zmq-tcp") else []
         children.append(Child(f"decode-{i}", py + ["decode", "--bind", f"ipc://{run_dir}/decode-{i}.sock",
-                                                  "--kv-bind", kv_bind] + extra + common
+                                                  "--kv-bind", kv_bind, "--lease-ttl", str(args.lease_ttl)]
+                              + extra + common
                               + role_threads(args.decode_threads)))
     return children
 

@@ -62,6 +62,7 @@ class PrefillWorker:
             self._on_prefill(msg)
         elif isinstance(msg, Abort):
             self.engine.abort(msg.request_id)
+            self._release(msg.request_id)
             self._forget(msg.request_id)
         elif isinstance(msg, Welcome):
             self.rt.handle_welcome(msg)
@@ -78,9 +79,18 @@ class PrefillWorker:
         except ValueError as e:
             self.rt.to_gateway(req.gateway_id, TokenOutput(request_id=req.request_id, worker_id=self.worker_id,
                                                            finish_reason="error", error=str(e)))
+            if req.dest is not None:
+                self._sender(req.dest).send_release(req.request_id, req.dest.lease.epoch)
             return
         self.pending[req.request_id] = _Pending(req, time.monotonic())
         self.routes[req.request_id] = (req.dest, self._sender(req.dest))
+
+    def _release(self, request_id: str) -> None:
+        """This request will never hand its KV over: let its decode worker reclaim the lease now."""
+        route = self.routes.get(request_id)
+        if route is not None:
+            dest, sender = route
+            sender.send_release(request_id, dest.lease.epoch)
 
     def _forget(self, request_id: str) -> None:
         self.pending.pop(request_id, None)
@@ -124,6 +134,8 @@ class PrefillWorker:
                                         first_token=out.new_token_ids[0], first_logprob=lp,
                                         sampling=req.sampling, num_layers=self.engine.model_config.num_layers,
                                         kv_bytes=ts.bytes, timings=timings))
+            else:  # ended at its first token (stop/length): D's lease is not needed
+                self._release(out.request_id)
             reason = None if out.finish_reason == PREFILLED else out.finish_reason
             self.rt.to_gateway(req.gateway_id, TokenOutput(
                 request_id=req.request_id, worker_id=self.worker_id, index=0,

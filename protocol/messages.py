@@ -14,6 +14,7 @@ Who sends what (G = gateway, P = prefill worker, D = decode worker, C = colocate
     G -> C  GenerateRequest                  whole request on one colocated worker
     P -> D  KvFrameHeader (+ raw frame)      one layer's KV for some blocks (kvtransfer/wire.py)
     P -> D  KvDone (on the KV stream)        all layers written; first token; D admits
+    P -> D  KvRelease (on the KV stream)     P dropped the request: D reclaims the lease now
     P,D,C -> G  TokenOutput                  new tokens / finish / error for one request
     G -> P,D,C  Abort                        client went away or stop string hit
 """
@@ -56,6 +57,8 @@ class WorkerStats(msgspec.Struct, frozen=True):
     steps: int = 0
     last_step_age_s: float = 0.0  # seconds since the engine loop last made progress
     dropped_frames: int = 0  # unauthenticated / undecodable / fenced-off frames dropped so far
+    leases_active: int = 0  # decode: reservations waiting for their KV
+    kv_blocks_quarantined: int = 0  # decode: blocks of ended leases held until their deadline
 
 
 class WorkerInfo(msgspec.Struct, frozen=True):
@@ -161,6 +164,15 @@ class KvDone(_Msg):
     num_layers: int = 0
     kv_bytes: int = 0
     timings: dict[str, float] = {}
+
+
+class KvRelease(_Msg):
+    """P -> D on the KV stream: P has dropped this request (aborted, or it ended at its first
+    token) and will never write its lease again. The stream is FIFO, so nothing of it can
+    follow: D reclaims the leased blocks at once instead of waiting out the deadline."""
+
+    request_id: str = ""
+    lease_epoch: int = 0
 
 
 class TokenOutput(_Msg):

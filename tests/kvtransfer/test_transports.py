@@ -266,3 +266,14 @@ def test_zmq_staging_ring_isolates_the_source_and_bounds_frames_in_flight(ctx, t
         assert time.monotonic() - t0 < 2.0
     finally:
         stuck.close()
+
+
+def test_writer_release_returns_blocks_at_once_active_or_quarantined():
+    leases = LeaseTable(L)
+    a = leases.grant("a", [1, 2], ttl_s=30)
+    b = leases.grant("b", [3], ttl_s=30)
+    assert leases.release_early("a", a.epoch - 1) == []  # wrong epoch: nothing
+    assert sorted(leases.release_early("a", a.epoch)) == [1, 2]  # still active
+    assert leases.revoke("b") and leases.reclaimable() == []  # quarantined until the deadline
+    assert leases.release_early("b", b.epoch) == [3]  # the writer's promise frees it now
+    assert leases.release_early("b", b.epoch) == [] and leases.reclaimable(time.time() + 60) == []
