@@ -59,6 +59,9 @@ class DecodeWorker:
 
     # --- reservations -----------------------------------------------------------------------
     def _on_reserve(self, req: ReserveRequest) -> None:
+        if req.to_worker and req.to_worker != self.worker_id:
+            log.info("ignoring reservation %s meant for %s", req.request_id, req.to_worker)
+            return  # queued for a previous worker on this address
         eng = self.engine
         n_blocks = -(-req.num_prompt_tokens // eng.block_size)
         seats = eng.config.scheduler.max_num_seqs - len(eng.scheduler.running) - self.leases.num_active
@@ -97,8 +100,11 @@ class DecodeWorker:
         if finished is not None:
             self._emit(done.request_id, [], None, finished.finish_reason, 1)
 
-    def _on_abort(self, request_id: str) -> None:
-        if not self.engine.abort(request_id):
+    def _on_abort(self, request_id: str, lease_unused: bool = False) -> None:
+        lease = self.leases.get(request_id)
+        if lease_unused and lease is not None:  # never handed to a prefill worker: free now
+            self.engine.pool.free(self.leases.release_early(request_id, lease.epoch))
+        elif not self.engine.abort(request_id):
             self.leases.revoke(request_id)  # its blocks wait out the deadline in quarantine
         self.gateway_of.pop(request_id, None)
         self.admitted_at.pop(request_id, None)
@@ -159,7 +165,7 @@ class DecodeWorker:
                     if isinstance(msg, ReserveRequest):
                         self._on_reserve(msg)
                     elif isinstance(msg, Abort):
-                        self._on_abort(msg.request_id)
+                        self._on_abort(msg.request_id, msg.lease_unused)
                     elif isinstance(msg, Welcome):
                         self.rt.handle_welcome(msg)
                 for done in self.receiver.poll(0):

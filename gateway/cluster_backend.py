@@ -102,6 +102,9 @@ class ClusterBackend(Backend):
             fut = self._reserve_waiters.pop(msg.request_id, None)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
+            elif msg.lease is not None:  # nobody waits for it any more: hand the lease back
+                self._send(msg.worker_id, Abort(request_id=msg.request_id, reason="lease not used",
+                                                lease_unused=True))
         elif isinstance(msg, (Register, Heartbeat)):
             info = msg.info
             if info is None:
@@ -109,10 +112,22 @@ class ClusterBackend(Backend):
             stats = msg.stats if isinstance(msg, Heartbeat) else None
             if self.table.upsert(info, stats) or info.worker_id not in self._outboxes:
                 assert self._ctx is not None
+                self._forget_replaced(info)
                 self._outboxes[info.worker_id] = AsyncOutbox(self._ctx, self.auth, info.control_addr)
                 log.info("worker %s (%s) joined at %s", info.worker_id, info.role, info.control_addr)
             if isinstance(msg, Register):
                 self._send(info.worker_id, Welcome(gateway_id=self.gateway_id, inbox_addr=self.inbox_addr))
+
+    def _forget_replaced(self, info) -> None:
+        """A worker restarted on the same control address replaces the old entry: stop routing
+        to the dead id (its outbox would now reach the new process)."""
+        for old_id, entry in list(self.table.workers.items()):
+            if old_id != info.worker_id and entry.info.control_addr == info.control_addr:
+                del self.table.workers[old_id]
+                box = self._outboxes.pop(old_id, None)
+                if box is not None:
+                    box.close()
+                log.info("worker %s replaced by %s at %s", old_id, info.worker_id, info.control_addr)
 
     def _send(self, worker_id: str, msg) -> bool:
         box = self._outboxes.get(worker_id)
@@ -155,12 +170,14 @@ class ClusterBackend(Backend):
             fut = asyncio.get_running_loop().create_future()
             self._reserve_waiters[request_id] = fut
             self._send(d.worker_id, ReserveRequest(request_id=request_id, gateway_id=self.gateway_id,
-                                                   num_prompt_tokens=n_prompt, max_tokens=sampling.max_tokens))
+                                                   to_worker=d.worker_id, num_prompt_tokens=n_prompt,
+                                                   max_tokens=sampling.max_tokens))
             try:
                 reply = await asyncio.wait_for(fut, self.reserve_timeout_s)
             except asyncio.TimeoutError:
                 reasons.append(f"{d.worker_id}: no answer")
-                self._send(d.worker_id, Abort(request_id=request_id, reason="reservation timed out"))
+                self._send(d.worker_id, Abort(request_id=request_id, reason="reservation timed out",
+                                              lease_unused=True))
                 continue
             finally:
                 self._reserve_waiters.pop(request_id, None)

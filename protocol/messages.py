@@ -105,6 +105,7 @@ class Lease(msgspec.Struct, frozen=True):
 class ReserveRequest(_Msg):
     request_id: str = ""
     gateway_id: str = ""
+    to_worker: str = ""  # the intended decode worker: a restarted worker on the same address ignores it
     num_prompt_tokens: int = 0
     max_tokens: int = 0
     # Prefix-aware transfer later: chained hashes of the prompt's full blocks.
@@ -191,6 +192,9 @@ class TokenOutput(_Msg):
 class Abort(_Msg):
     request_id: str = ""
     reason: str = ""
+    # The gateway never sent the lease to any prefill worker (reservation it gave up on): nobody
+    # can write it, so the decode worker reclaims the blocks at once instead of quarantining them.
+    lease_unused: bool = False
 
 
 Message = Union[Register, Heartbeat, Welcome, ReserveRequest, ReserveReply, PrefillRequest,

@@ -1,9 +1,8 @@
 """Soak: 240 requests, ~25% abandoned by their clients at random, a busy decode worker SIGKILLed
 midway. No request hangs, the rest finish, no KV block leaks, worker memory stays flat.
 
-Blocks of a lease aborted before its KV completed may stay quarantined until the lease deadline
-(the fence against late writers; usually a KvRelease or the final KvDone frees them at once), so
-the cluster runs with a 4 s lease TTL and the ledger must balance within that bound."""
+The ledger must balance within 5 s (heartbeat lag), far inside the 30 s lease deadline: aborted
+leases come back through KvRelease / KvDone / unused-lease aborts, not by waiting out quarantine."""
 from __future__ import annotations
 
 import asyncio
@@ -72,7 +71,7 @@ async def soak(base: str, kill_at: int) -> tuple[dict[str, int], int | None]:
 
 
 def test_soak_with_aborts_and_a_killed_worker(tiny_llama):
-    with running_server(tiny_llama, "--decode-workers", "2", "--lease-ttl", "4") as base:
+    with running_server(tiny_llama, "--decode-workers", "2") as base:
         before = {node: rss_mib(pid) for node, pid in worker_pids(base).items()}
         t0 = time.monotonic()
         outcomes, killed = asyncio.run(soak(base, kill_at=N // 2))
@@ -80,7 +79,7 @@ def test_soak_with_aborts_and_a_killed_worker(tiny_llama):
         assert sum(outcomes.values()) == N  # nobody hung (the whole soak is bounded too)
         ok = sum(v for k, v in outcomes.items() if k in ("finish length", "finish stop", "http 200"))
         assert ok + outcomes.get("abandoned", 0) == N, outcomes  # the kill cost no request
-        free, total, running = wait_all_idle(base, timeout_s=4 + 1 + 5)  # TTL + grace + heartbeats
+        free, total, running = wait_all_idle(base, timeout_s=5)  # heartbeat lag only
         leases = (node_gauges(base, "pdserve_kv_leases_active"), node_gauges(base, "pdserve_kv_blocks_quarantined"))
         assert free == total and not any(running.values()), (free, total, running, leases)
         after = {node: rss_mib(pid) for node, pid in worker_pids(base).items() if node in before}
