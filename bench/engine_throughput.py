@@ -61,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=256, help="decode context length")
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--dtype", default="float32")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if args.threads:
@@ -69,15 +71,24 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     max_b = max(batches)
     engine = LLMEngine(EngineConfig(
-        model=resolve_model(args.model), dtype="float32",
+        model=resolve_model(args.model), dtype=args.dtype, device=args.device,
         cache=CacheConfig(num_blocks=max_b * (max(args.prompt_len, args.context) + args.decode_steps + 64) // 16 + 64),
-        scheduler=SchedulerConfig(max_num_seqs=max_b, max_num_batched_tokens=max_b * max(args.prompt_len, args.context))))
+        scheduler=SchedulerConfig(max_num_seqs=max_b, max_num_batched_tokens=max_b * max(args.prompt_len, args.context),
+                                  max_model_len=max(args.prompt_len, args.context) + args.decode_steps + 16)))
     mc = engine.model_config
     params = sum(p.numel() for n, p in engine.runner.model.named_parameters() if "embed_tokens" not in n)
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
     kv_bytes_per_token = engine.kv_spec.bytes_per_block // engine.block_size
-    flops = measure_matmul_gflops() * 1e9
-    memcpy = measure_memcpy_gbps() * 1e9
+    if engine.device.type == "cuda":  # the device's own ceilings (copy counted read + write)
+        from bench.gpu_kernels import device_copy_gbps, matmul_tflops
+        flops = matmul_tflops(dtype=engine.dtype) * 1e12
+        memcpy = device_copy_gbps() / 2 * 1e9
+    else:
+        flops = measure_matmul_gflops() * 1e9
+        memcpy = measure_memcpy_gbps() * 1e9
+    if engine.device.type == "cuda":  # compile the Triton kernels before anything is timed
+        bench_prefill(engine, max_b, args.prompt_len)
+        bench_decode(engine, max_b, args.context, 2)
     rows = []
     for b in batches:
         t_pre = bench_prefill(engine, b, args.prompt_len)
@@ -96,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result))
         return 0
     print(f"model {mc.path}: {params / 1e6:.1f}M non-embedding params, {torch.get_num_threads()} threads")
-    print(f"machine: matmul {flops / 1e9:.1f} GFLOP/s fp32, memcpy {memcpy / 1e9:.2f} GB/s (same run)")
+    print(f"{engine.device}: matmul {flops / 1e9:.1f} GFLOP/s {engine.dtype}, memcpy {memcpy / 1e9:.2f} GB/s (same run)")
     print(f"{'batch':>5} {'prefill tok/s':>14} {'MFU':>6} {'decode tok/s':>13} {'step ms':>8} {'BW util':>8}")
     for r in rows:
         print(f"{r['batch']:>5} {r['prefill_tokens_per_s']:>14.0f} {r['prefill_mfu']:>6.1%} "

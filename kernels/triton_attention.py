@@ -1,9 +1,11 @@
 """Triton twins of `kernels.torch_attention` (same signatures): KV scatter and paged attention.
 
 - `store_kv`: one program per token scatters its [Hkv, D] key and value rows to their slot.
-- decode kernel: one program per (decode sequence, KV head). The G query heads sharing that KV
-  head are the rows of one tile (padded to 16 for `tl.dot`), so each KV block is read once per
-  KV head; loops over the sequence's block table `BLOCK_N` tokens at a time with online softmax.
+- decode kernel: one program per (decode sequence, KV head, KV split). The G query heads sharing
+  that KV head are the rows of one tile (padded to 16 for `tl.dot`), so each KV block is read
+  once per KV head; loops over the block table `BLOCK_N` tokens at a time with online softmax.
+  With few sequences the context is split (flash-decoding) so the whole GPU reads KV; each split
+  writes a partial output and its log-sum-exp, and a small kernel combines them.
 - prefill kernel: programs over (prefill sequence, query tile, query head); loops over KV tokens
   of the paged cache up to the tile's causal limit (bottom-right aligned), online softmax.
 
@@ -60,16 +62,23 @@ def _store_kv_kernel(key_ptr, value_ptr, kv_ptr, slot_ptr,
 
 
 @triton.jit
-def _decode_kernel(q_ptr, kv_ptr, out_ptr, cu_ptr, ctx_ptr, bt_ptr, qk_scale,
+def _decode_kernel(q_ptr, kv_ptr, out_ptr, cu_ptr, ctx_ptr, bt_ptr, qk_scale, chunk,
+                   part_ptr, lse_ptr,
                    sq_t, sq_h, sq_d, so_t, so_h, so_d,
                    skv_kv, skv_blk, skv_off, skv_h, skv_d, sbt_b,
                    G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                   FP32: tl.constexpr):
+                   FP32: tl.constexpr, SPLIT: tl.constexpr):
+    """One (decode sequence, KV head, KV split). SPLIT: this program covers KV positions
+    [split * chunk, (split + 1) * chunk) and writes its normalised partial output to
+    part [nd, Hq, S, D] and its log2-sum-exp to lse [nd, Hq, S] (combined by `_combine_splits`)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
+    split = tl.program_id(2)
     row = tl.load(cu_ptr + b).to(tl.int64)  # the sequence's only query token
     ctx = tl.load(ctx_ptr + b)
+    kv_lo = split * chunk
+    kv_hi = tl.minimum(ctx, kv_lo + chunk)
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
@@ -82,9 +91,9 @@ def _decode_kernel(q_ptr, kv_ptr, out_ptr, cu_ptr, ctx_ptr, bt_ptr, qk_scale,
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     bt_row = bt_ptr + b.to(tl.int64) * sbt_b
-    for start in range(0, ctx, BLOCK_N):
+    for start in range(kv_lo, kv_hi, BLOCK_N):
         n = start + offs_n  # [BLOCK_N] token positions
-        n_mask = n < ctx
+        n_mask = n < kv_hi
         blk = tl.load(bt_row + n // BS, mask=n_mask, other=0).to(tl.int64)
         base = blk * skv_blk + (n % BS) * skv_off + kvh * skv_h  # [BLOCK_N]
         kv_off = base[:, None] + offs_d[None, :] * skv_d  # [BLOCK_N, BLOCK_D]
@@ -99,9 +108,39 @@ def _decode_kernel(q_ptr, kv_ptr, out_ptr, cu_ptr, ctx_ptr, bt_ptr, qk_scale,
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, FP32)
         m_i = m_new
-    acc = acc / l_i[:, None]
-    tl.store(out_ptr + row * so_t + heads[:, None] * so_h + offs_d[None, :] * so_d,
-             acc.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+    out_mask = g_mask[:, None] & d_mask[None, :]
+    if SPLIT:
+        num_splits = tl.num_programs(2)
+        empty = kv_lo >= kv_hi  # a split past this sequence's end: weight 0 in the combine
+        acc = tl.where(empty, 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])
+        lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))  # [BLOCK_G]
+        slot = (b.to(tl.int64) * (G * tl.num_programs(1)) + heads) * num_splits + split  # [BLOCK_G]
+        tl.store(part_ptr + slot[:, None] * D + offs_d[None, :], acc, mask=out_mask)
+        tl.store(lse_ptr + slot, lse, mask=g_mask)
+    else:
+        acc = acc / l_i[:, None]
+        tl.store(out_ptr + row * so_t + heads[:, None] * so_h + offs_d[None, :] * so_d,
+                 acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _combine_splits_kernel(part_ptr, lse_ptr, out_ptr, so_t, so_h, so_d, S,
+                           D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One (decode row, query head): out = sum_s 2^(lse_s - lse) * part_s over the KV splits."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < S
+    slot = (b.to(tl.int64) * tl.num_programs(1) + h) * S + offs_s  # [BLOCK_S]
+    lse = tl.load(lse_ptr + slot, mask=s_mask, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, 0))  # split 0 is never empty, so the max is finite
+    w = w / tl.sum(w, 0)
+    part = tl.load(part_ptr + slot[:, None] * D + offs_d[None, :],
+                   mask=s_mask[:, None] & (offs_d[None, :] < D), other=0.0)  # [BLOCK_S, BLOCK_D]
+    acc = tl.sum(part * w[:, None], 0)  # [BLOCK_D]
+    tl.store(out_ptr + b.to(tl.int64) * so_t + h * so_h + offs_d * so_d, acc.to(out_ptr.dtype.element_ty),
+             mask=offs_d < D)
 
 
 @triton.jit
@@ -178,9 +217,47 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor,
         HKV=hkv, D=d, BS=kv_layer.shape[2], BLOCK_H=_pow2(hkv), BLOCK_D=_pow2(d))
 
 
+def decode_block_n(head_dim: int) -> int:
+    """KV positions per decode-loop iteration."""
+    return 64 if _pow2(head_dim, 16) <= 64 else 32
+
+
+def plan_decode_splits(max_ctx: int, block_n: int, wanted: int) -> tuple[int, int]:
+    """(splits, chunk): `chunk` KV positions per split, a multiple of `block_n`; as many splits
+    as `wanted` allows at that granularity (fewer for short contexts)."""
+    chunk = triton.cdiv(triton.cdiv(max_ctx, max(1, wanted)), block_n) * block_n
+    return triton.cdiv(max_ctx, chunk), chunk
+
+
+def _auto_splits(programs: int, max_ctx: int, device: torch.device) -> int:
+    """KV splits per decode sequence (flash-decoding): enough programs to fill the GPU twice
+    over when there are few sequences, none below 512 KV positions per split (below that the
+    extra launch costs more than the parallelism gains; measured in docs/benchmarks/gpu.md)."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if programs >= sms:
+        return 1
+    return max(1, min(triton.cdiv(2 * sms, programs), max_ctx // 512))
+
+
+def default_prefill_tiles(block_d: int, max_q: int, fp32: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the prefill kernel. 16-bit: 64x64 tiles in 3
+    stages (3.6x the old 32x16 on an H100 at D=128, docs/benchmarks/gpu.md); fp32 tiles are
+    twice the bytes, so narrower KV tiles in 2 stages."""
+    block_m = 64 if max_q > 32 else (32 if max_q > 16 else 16)
+    if fp32:
+        return block_m, (32 if block_d <= 64 else 16), 4, 2
+    return block_m, 64, 4, 3
+
+
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """query [T, Hq, D]; key/value [T, Hkv, D] (already stored, unused here) -> out [T, Hq, D]."""
+                    kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    decode_splits: int | None = None,
+                    prefill_tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """query [T, Hq, D]; key/value [T, Hkv, D] (already stored, unused here) -> out [T, Hq, D].
+    `decode_splits`: KV splits per decode sequence (None: chosen from the GPU's size);
+    `prefill_tiles`: (BLOCK_M, BLOCK_N, num_warps, num_stages) instead of the defaults."""
     t, hq, d = query.shape
     out = torch.empty((t, hq, d), dtype=query.dtype, device=query.device)  # [T, Hq, D]
     if t == 0:
@@ -196,17 +273,28 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                kv_layer.stride(4), meta.block_tables.stride(0))
     nd, num_seqs = meta.num_decode_seqs, meta.num_seqs
     if nd:
-        _decode_kernel[(nd, hkv)](
-            query, kv_layer, out, meta.cu_seqlens_q, meta.context_lens, meta.block_tables, qk_scale,
-            *strides, G=groups, D=d, BS=bs, BLOCK_G=_pow2(groups, 16), BLOCK_D=block_d,
-            BLOCK_N=64 if block_d <= 64 else 32, FP32=fp32_dot)
+        block_n = decode_block_n(d)
+        max_ctx = max(meta.context_lens_cpu[:nd])
+        wanted = decode_splits if decode_splits is not None else _auto_splits(nd * hkv, max_ctx, query.device)
+        splits, chunk = plan_decode_splits(max_ctx, block_n, wanted)
+        part = lse = out  # unused unless split
+        if splits > 1:
+            part = torch.empty((nd, hq, splits, d), dtype=torch.float32, device=query.device)  # [nd, Hq, S, D]
+            lse = torch.empty((nd, hq, splits), dtype=torch.float32, device=query.device)  # [nd, Hq, S]
+        _decode_kernel[(nd, hkv, splits)](
+            query, kv_layer, out, meta.cu_seqlens_q, meta.context_lens, meta.block_tables, qk_scale, chunk,
+            part, lse, *strides, G=groups, D=d, BS=bs, BLOCK_G=_pow2(groups, 16), BLOCK_D=block_d,
+            BLOCK_N=block_n, FP32=fp32_dot, SPLIT=splits > 1)
+        if splits > 1:  # decodes are the first nd rows of `out`
+            _combine_splits_kernel[(nd, hq)](part, lse, out, *out.stride(), splits, D=d,
+                                             BLOCK_S=_pow2(splits), BLOCK_D=block_d)
     if num_seqs > nd:
         max_q = max(meta.cu_seqlens_q_cpu[b + 1] - meta.cu_seqlens_q_cpu[b] for b in range(nd, num_seqs))
-        block_m = 64 if max_q > 32 and block_d <= 64 else (32 if max_q > 16 else 16)
+        block_m, block_n, warps, stages = prefill_tiles or default_prefill_tiles(block_d, max_q, fp32_dot)
         grid = (num_seqs - nd, triton.cdiv(max_q, block_m), hq)
         _prefill_kernel[grid](
             query, kv_layer, out, meta.cu_seqlens_q, meta.context_lens, meta.block_tables, qk_scale, nd,
             *strides, G=groups, D=d, BS=bs, BLOCK_M=block_m, BLOCK_D=block_d,
-            BLOCK_N=32 if block_d <= 64 else 16, FP32=fp32_dot)
+            BLOCK_N=block_n, FP32=fp32_dot, num_warps=warps, num_stages=stages)
     return out
 

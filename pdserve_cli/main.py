@@ -60,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
                             ("bench", "SLO load generator for any OpenAI-compatible server"),
                             ("bench-kv", "KV transfer bandwidth per transport vs memcpy"),
                             ("bench-engine", "engine prefill/decode tokens/s vs machine FLOP/s and GB/s"),
+                            ("bench-gpu", "Triton paged attention on CUDA vs the device's copy GB/s and SDPA"),
                             ("bench-compare", "pdserve vs vLLM CPU, llama.cpp, transformers serve: report")):
         sub.add_parser(name, help=help_text, add_help=False)
     s.set_defaults(func=_serve)
@@ -87,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "bench-engine":
         from bench.engine_throughput import main as bench_engine_main
         return bench_engine_main(argv[1:])
+    if argv and argv[0] == "bench-gpu":
+        from bench.gpu_kernels import main as bench_gpu_main
+        return bench_gpu_main(argv[1:])
     if argv and argv[0] == "bench-kv":
         from kvtransfer.bench import bench_kv_main
         return bench_kv_main(argv[1:])

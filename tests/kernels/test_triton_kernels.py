@@ -29,11 +29,16 @@ CASES: dict[str, tuple] = {
     "decode_long_contexts": ([(1, 1), (1, 70), (1, 130), (1, 64)], 4, 4, 2, 32, 16, "float32", False),
     "prefill_many_q_tiles": ([(70, 100), (65, 65), (2, 90)], 0, 4, 2, 16, 16, "float32", False),
     "mixed_bf16": (MIXED, 3, 8, 2, 64, 16, "bfloat16", False),
+    "decode_split_fp32": ([(1, 200), (1, 5), (1, 129), (6, 30)], 3, 4, 2, 16, 16, "float32", False),
+    "decode_split_bf16": ([(1, 300), (1, 70), (1, 3)], 3, 8, 2, 64, 16, "bfloat16", False),
 }
 TOL = {"float32": 1e-4, "bfloat16": 3e-2}
 
 
-def _case_errors(spec: tuple) -> dict[str, float]:
+SPLIT_CASES = {"decode_long_contexts": 3, "decode_split_fp32": 4, "decode_split_bf16": 3}  # name -> splits
+
+
+def _case_errors(spec: tuple, decode_splits: int | None = None) -> dict[str, float]:
     """Run one case through triton and torch; max abs errors (subprocess side)."""
     import torch
 
@@ -47,7 +52,8 @@ def _case_errors(spec: tuple) -> dict[str, float]:
         t = q.shape[0]
         qkv = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], 1)
         q, k, v = (x.view(t, -1, d) for x in qkv.split([hq * d, hkv * d, hkv * d], dim=-1))
-    out = triton_attention.paged_attention(q, k, v, case.kv_layer, case.meta, case.scale)
+    out = triton_attention.paged_attention(q, k, v, case.kv_layer, case.meta, case.scale,
+                                           decode_splits=decode_splits)
     ref_torch = torch_attention.paged_attention(q, k, v, case.kv_layer, case.meta, case.scale)
     dense = reference(case)
     return {"vs_torch": (out.double() - ref_torch.double()).abs().max().item(),
@@ -93,6 +99,7 @@ def _dispatch_ok() -> float:
 def main(argv: list[str]) -> None:
     names = json.loads(argv[0])
     report = {"cases": {name: _case_errors(CASES[name]) for name in names},
+              "split_cases": {name: _case_errors(CASES[name], splits) for name, splits in SPLIT_CASES.items()},
               "store_kv": _store_errors(), "dispatch": _dispatch_ok()}
     print(json.dumps(report))
 
@@ -113,6 +120,20 @@ def test_paged_attention_matches_torch(report, name):
     errs = report["cases"][name]
     tol = TOL[CASES[name][6]]
     assert errs["dtype_ok"] == 1.0
+    assert errs["vs_torch"] < tol, errs
+    assert errs["vs_reference"] < tol, errs
+
+
+@pytest.mark.parametrize("name", list(SPLIT_CASES))
+def test_split_kv_decode_matches_torch(report, name):
+    """Flash-decoding: the context split over several programs, partials combined by log-sum-exp
+    (some splits land past a short sequence's end and must weigh nothing)."""
+    from kernels.triton_attention import decode_block_n, plan_decode_splits
+    seqs, nd, d = CASES[name][0], CASES[name][1], CASES[name][4]
+    splits, _ = plan_decode_splits(max(c for _, c in seqs[:nd]), decode_block_n(d), SPLIT_CASES[name])
+    assert splits == SPLIT_CASES[name]  # the context really is split that many ways
+    errs = report["split_cases"][name]
+    tol = TOL[CASES[name][6]]
     assert errs["vs_torch"] < tol, errs
     assert errs["vs_reference"] < tol, errs
 
