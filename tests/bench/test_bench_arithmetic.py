@@ -69,3 +69,17 @@ def test_plots_are_written(tmp_path):
     paths = plot_sweep(rows, tmp_path, "(ttft <= 2000 ms)")
     assert {p.name for p in paths} == {"slo_attainment.png", "goodput.png", "ttft.png", "tpot.png"}
     assert all(p.stat().st_size > 5000 and p.read_bytes()[:4] == b"\x89PNG" for p in paths)
+
+
+def test_goal2_verdict_compares_capacity_and_tpot():
+    from bench.compare import goal2_verdict
+
+    def server(cap, tpot):
+        return {"capacity_req_s": cap, "sweep": [{"p99_tpot_ms": tpot}]}
+    met = goal2_verdict({"pdserve-1P1D": server(1.25, 9.0), "llama.cpp": server(1.0, 10.0),
+                         "pdserve-colocated": server(0.75, 30.0)})[1]
+    assert "1.25x -> **met**" in met and "lower than every other -> **met**" in met
+    missed = goal2_verdict({"pdserve-1P1D": server(1.0, 12.0), "llama.cpp": server(1.0, 8.0)})[1]
+    assert "1.00x -> **not met**" in missed and "(not lower than llama.cpp)" in missed
+    nobody = goal2_verdict({"pdserve-1P1D": server(None, 9.0), "vllm-cpu": server(None, 20.0)})[1]
+    assert "capacity 0 req/s" in nobody and "-> **not met**; p99" in nobody  # no capacity is no win
