@@ -4,16 +4,24 @@ A worker binds one control inbox (PULL), connects one outbox (PUSH) to each conf
 announces itself with `Register` until a gateway answers `Welcome`, then heartbeats with its
 stats. Replies for a request go to the gateway named in it (by id, mapped to a configured
 address: never an address taken from a request).
+
+Heartbeats come from a thread of their own (own sockets), so a long engine step (a 2048-token
+prefill on one core takes seconds) never looks like a dead worker; the engine loop only
+publishes a stats snapshot. A stuck loop still shows: `last_step_age_s` keeps growing while
+work is pending, and the gateway treats a worker stuck past its limit as dead. A stopped or
+killed process sends nothing, which the gateway notices within ~2 s.
 """
 from __future__ import annotations
 
 import logging
 import os
 import socket
+import threading
 import time
 import uuid
 from typing import Callable
 
+import msgspec
 import zmq
 
 from protocol.auth import FrameAuth
@@ -25,6 +33,25 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 0.5
 REGISTER_INTERVAL_S = 1.0
+
+
+STALL_ENV = "PDSERVE_TEST_STALL_STEP_S"
+_stall_done = False
+
+
+def stall_for_tests(role: str) -> None:
+    """TEST-ONLY fault injection, never set in production: PDSERVE_TEST_STALL_STEP_S="<role>:<seconds>"
+    makes the first busy engine step of each worker of that role sleep that long, once per process
+    (a stuck engine loop; heartbeats stop with it, as they are sent from the loop's thread)."""
+    global _stall_done
+    spec = os.environ.get(STALL_ENV)
+    if _stall_done or not spec:
+        return
+    _stall_done = True
+    stall_role, _, seconds = spec.partition(":")
+    if stall_role == role:
+        log.warning("%s=%s: stalling this %s worker's engine loop (test-only fault)", STALL_ENV, spec, role)
+        time.sleep(float(seconds))
 
 
 def new_worker_id(role: str) -> str:
@@ -52,6 +79,54 @@ def engine_stats(engine, last_progress: float, dropped_frames: int, extra_waitin
                        dropped_frames=dropped_frames, **lease_stats)
 
 
+class Heartbeater:
+    """Sends `Heartbeat(latest stats)` to every gateway every HEARTBEAT_INTERVAL_S from a daemon
+    thread with its own PUSH sockets (ZMQ sockets are not shared across threads)."""
+
+    def __init__(self, ctx: zmq.Context, auth: FrameAuth, gateway_addrs: list[str]) -> None:
+        self._ctx, self._auth, self._addrs = ctx, auth, list(gateway_addrs)
+        self._lock = threading.Lock()
+        self._snapshot: tuple[WorkerInfo, WorkerStats, float] | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+
+    def publish(self, info: WorkerInfo, stats: WorkerStats) -> None:
+        """Called by the engine loop: the stats to send until the next publish."""
+        with self._lock:
+            self._snapshot = (info, stats, time.monotonic())
+
+    def ensure_started(self) -> None:
+        if self._thread.ident is None and not self._stop.is_set():  # a thread starts once
+            self._thread.start()
+
+    def _current(self) -> Heartbeat | None:
+        with self._lock:
+            snap = self._snapshot
+        if snap is None:
+            return None
+        info, stats, taken = snap
+        if stats.last_step_age_s > 0:  # work was pending: the loop's silence since counts too
+            stats = msgspec.structs.replace(stats, last_step_age_s=stats.last_step_age_s + time.monotonic() - taken)
+        return Heartbeat(worker_id=info.worker_id, stats=stats, info=info)
+
+    def _run(self) -> None:
+        boxes = [Outbox(self._ctx, self._auth, addr) for addr in self._addrs]
+        try:
+            while not self._stop.wait(HEARTBEAT_INTERVAL_S):
+                hb = self._current()
+                if hb is not None:
+                    for box in boxes:
+                        box.send(hb)
+        finally:
+            for box in boxes:
+                box.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2)
+
+
 class WorkerRuntime:
     def __init__(self, ctx: zmq.Context, auth: FrameAuth, control_bind: str,
                  gateway_addrs: list[str]) -> None:
@@ -63,7 +138,8 @@ class WorkerRuntime:
         self._by_id: dict[str, Outbox] = {}
         self._welcomed: set[str] = set()
         self._last_register = 0.0
-        self._last_heartbeat = 0.0
+        self._last_publish = 0.0
+        self._heartbeater = Heartbeater(ctx, auth, gateway_addrs)
         self.info: WorkerInfo | None = None
 
     @property
@@ -86,7 +162,8 @@ class WorkerRuntime:
         return box.send(msg)
 
     def tick(self, stats: Callable[[], WorkerStats]) -> None:
-        """Register with gateways that have not welcomed us; heartbeat all of them."""
+        """Register with gateways that have not welcomed us; publish stats for the heartbeat
+        thread (started on the first tick)."""
         assert self.info is not None, "set runtime.info before the loop"
         now = time.monotonic()
         if now - self._last_register >= REGISTER_INTERVAL_S:
@@ -94,11 +171,10 @@ class WorkerRuntime:
             for addr, box in self._by_addr.items():
                 if addr not in self._welcomed:
                     box.send(Register(info=self.info))
-        if now - self._last_heartbeat >= HEARTBEAT_INTERVAL_S:
-            self._last_heartbeat = now
-            hb = Heartbeat(worker_id=self.info.worker_id, stats=stats(), info=self.info)
-            for box in self._by_addr.values():
-                box.send(hb)
+        if now - self._last_publish >= HEARTBEAT_INTERVAL_S / 5:
+            self._last_publish = now
+            self._heartbeater.publish(self.info, stats())
+            self._heartbeater.ensure_started()
 
     def drain(self, timeout_ms: int) -> list[Message]:
         """Messages now waiting; blocks up to `timeout_ms` for the first one."""
@@ -110,6 +186,7 @@ class WorkerRuntime:
         return msgs
 
     def close(self) -> None:
+        self._heartbeater.close()
         self.inbox.close()
         for box in self._by_addr.values():
             box.close()

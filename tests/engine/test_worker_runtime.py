@@ -1,0 +1,51 @@
+"""Heartbeats flow from their own thread while the engine loop is busy, and carry the loop's
+silence as a growing `last_step_age_s` (how the gateway tells a long step from a stuck loop)."""
+from __future__ import annotations
+
+import time
+
+import zmq
+
+from engine.worker_runtime import WorkerRuntime
+from protocol.auth import FrameAuth
+from protocol.channel import Inbox
+from protocol.messages import Heartbeat, KvLayout, WorkerInfo, WorkerStats
+
+
+def _info() -> WorkerInfo:
+    return WorkerInfo(worker_id="decode-test-1", role="decode", control_addr="ipc://unused", host="127.0.0.1",
+                      pid=1, model_fingerprint="fp", kv_layout=KvLayout(1, 8, 16, 1, 8, "float32"), max_model_len=64)
+
+
+def _heartbeats(inbox: Inbox, seconds: float) -> list[Heartbeat]:
+    got, deadline = [], time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        msg = inbox.recv_one(50)
+        if isinstance(msg, Heartbeat):
+            got.append(msg)
+    return got
+
+
+def test_heartbeats_continue_while_the_loop_blocks(tmp_path):
+    ctx = zmq.Context()
+    auth = FrameAuth(b"k" * 32)
+    gateway = Inbox(ctx, auth, f"ipc://{tmp_path}/gw.sock")
+    rt = WorkerRuntime(ctx, auth, f"ipc://{tmp_path}/w.sock", [gateway.addr])
+    rt.info = _info()
+    try:
+        busy = WorkerStats(kv_blocks_free=8, kv_blocks_total=8, num_running=1, last_step_age_s=0.01)
+        rt.tick(lambda: busy)  # the loop publishes once, then "blocks" in a long step
+        beats = _heartbeats(gateway, 1.8)
+        assert len(beats) >= 2, "no heartbeats while the engine loop was blocked"
+        ages = [b.stats.last_step_age_s for b in beats]
+        assert ages == sorted(ages) and ages[-1] > 1.0  # the silence is reported, growing
+
+        idle = WorkerStats(kv_blocks_free=8, kv_blocks_total=8)  # no work: age stays 0
+        time.sleep(0.1)
+        rt.tick(lambda: idle)
+        beats = _heartbeats(gateway, 1.2)
+        assert beats and beats[-1].stats.last_step_age_s == 0.0
+    finally:
+        rt.close()
+        gateway.close()
+        ctx.term()
