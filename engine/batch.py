@@ -7,6 +7,7 @@ import torch
 
 from engine.scheduler import ScheduledChunk
 from kernels import AttentionMetadata
+from kernels.metadata import run_start
 
 
 @dataclass
@@ -57,6 +58,7 @@ def build_batch(chunks: list[ScheduledChunk], num_decodes: int, block_size: int,
         max_context_len=max(context_lens),
         cu_seqlens_q_cpu=cu_seqlens,
         context_lens_cpu=context_lens,
+        kv_run_start_cpu=[run_start(c.seq.block_table) for c in chunks],
     )
     return ForwardBatch(
         input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),

@@ -100,7 +100,7 @@ class Scheduler:
             if not self.pool.can_allocate(need):
                 break  # FCFS: the head waits for blocks; nobody overtakes it
             self.waiting.popleft()
-            seq.block_table.extend(self.pool.allocate(need))
+            seq.block_table.extend(self._allocate_for(seq, need))
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             out.prefills.append(ScheduledChunk(seq, n))
@@ -123,8 +123,12 @@ class Scheduler:
                 return False
             self.preempt(victim)
             out.preempted.append(victim)
-        seq.block_table.extend(self.pool.allocate(need))
+        seq.block_table.extend(self._allocate_for(seq, need))
         return True
+
+    def _allocate_for(self, seq: Sequence, n: int) -> list[int]:
+        """Blocks that continue `seq`'s run when they can (attention reads a run in place)."""
+        return self.pool.allocate(n, after=seq.block_table[-1] if seq.block_table else None)
 
     # --- outcomes -------------------------------------------------------------------------
     def preempt(self, seq: Sequence) -> None:

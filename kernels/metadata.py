@@ -23,6 +23,9 @@ class AttentionMetadata:
     max_context_len: int
     cu_seqlens_q_cpu: list[int]  # python copies: loop bounds without device syncs
     context_lens_cpu: list[int]
+    # Per sequence: its first block id when its block table is one run of consecutive blocks
+    # (its KV is one contiguous stretch of the pool, readable in place), else -1. None: unknown.
+    kv_run_start_cpu: list[int] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -53,4 +56,15 @@ class AttentionMetadata:
             max_context_len=max(context_lens, default=0),
             cu_seqlens_q_cpu=cu,
             context_lens_cpu=list(context_lens),
+            kv_run_start_cpu=[run_start(t) for t in block_tables],
         )
+
+
+def run_start(table: Sequence[int]) -> int:
+    """First block of `table` when it is one run of consecutive block ids, else -1."""
+    if not table:
+        return -1
+    first = table[0]
+    if table[-1] - first != len(table) - 1:
+        return -1
+    return first if all(b == first + i for i, b in enumerate(table)) else -1

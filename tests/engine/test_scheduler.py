@@ -38,6 +38,35 @@ def test_block_pool_refcounts_and_integrity():
         pool.free([0])  # double free
 
 
+def test_block_pool_keeps_sequences_in_runs():
+    """New sequences start in the middle of the largest gap; growth continues the run; with no
+    run left, any free blocks are handed out."""
+    pool = BlockPool(64)
+    a = pool.allocate(3)
+    assert a == [0, 1, 2]  # the gap at the start has nobody before it
+    b = pool.allocate(3)
+    assert b[0] > a[-1] + 8  # room left for `a` to grow
+    assert pool.allocate(2, after=a[-1]) == [3, 4]  # growth continues a's run
+    assert pool.allocate(1, after=b[-1]) == [b[-1] + 1]
+    rest = pool.allocate(pool.num_free - 2)
+    pool.free(rest[::2])  # fragment the pool: no run of 3 left
+    scattered = pool.allocate(3)
+    assert len(set(scattered)) == 3 and all(pool.ref_count(x) == 1 for x in scattered)
+    pool.check_integrity()
+
+
+def test_scheduler_grows_sequences_in_runs():
+    from kernels.metadata import run_start
+    pool = BlockPool(64)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=6), pool, block_size=4)
+    seqs = [make_seq(f"r{i}", 9) for i in range(3)]
+    for s in seqs:
+        sched.add(s)
+    for _ in range(12):  # chunked prefills, then decodes, all interleaved
+        run_step(sched)
+    assert all(len(s.block_table) >= 4 and run_start(s.block_table) >= 0 for s in seqs)
+
+
 def test_decode_first_then_prefill_under_budget():
     pool = BlockPool(64)
     s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=10), pool, block_size=4)

@@ -30,17 +30,24 @@ class Case:
 
 
 def make_case(seqs: list[tuple[int, int]], num_decode: int, hq: int, hkv: int, d: int, bs: int,
-              dtype: torch.dtype = torch.float32, seed: int = 0, spare_blocks: int = 5) -> Case:
+              dtype: torch.dtype = torch.float32, seed: int = 0, spare_blocks: int = 5,
+              runs: tuple[int, ...] = ()) -> Case:
     """`seqs` = (q_len, context_len) per sequence, decodes first. Block ids are shuffled across
-    sequences; unused slots of the pool hold large random garbage (catches masking bugs)."""
+    sequences, except that the sequences listed in `runs` get one run of consecutive blocks each
+    (separated by a garbage block); unused slots of the pool hold large random garbage (catches
+    masking bugs)."""
     g = torch.Generator().manual_seed(seed)
     counts = [-(-c // bs) for _, c in seqs]
-    num_blocks = sum(counts) + spare_blocks
-    perm = torch.randperm(num_blocks, generator=g).tolist()
-    tables, at = [], 0
-    for n in counts:
-        tables.append(perm[at:at + n])
-        at += n
+    num_blocks = sum(counts) + spare_blocks + len(runs)
+    tables: list[list[int]] = [[] for _ in seqs]
+    at = 0
+    for i in runs:
+        tables[i] = list(range(at, at + counts[i]))
+        at += counts[i] + 1  # a gap block: reading past the run hits garbage
+    rest = torch.randperm(num_blocks - at, generator=g).add(at).tolist()
+    for i, n in enumerate(counts):
+        if i not in runs:
+            tables[i], rest = rest[:n], rest[n:]
     kv_layer = (torch.randn(2, num_blocks, bs, hkv, d, generator=g) * 10).to(dtype)
     hist_k = [torch.randn(c, hkv, d, generator=g).to(dtype) for _, c in seqs]
     hist_v = [torch.randn(c, hkv, d, generator=g).to(dtype) for _, c in seqs]
@@ -111,6 +118,21 @@ def test_decode_in_small_chunks(monkeypatch):
         monkeypatch.setattr(torch_attention, "DECODE_CHUNK_BYTES", budget)
         torch.testing.assert_close(run_torch(case), full, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(full.double(), reference(case), atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_chunks_on_block_runs_are_read_in_place(monkeypatch):
+    """A prefill chunk with earlier context whose blocks form one run is attended on a view of
+    the pool (no gather), beside gathered ones: same result as the reference."""
+    seqs = [(1, 33), (1, 2), (7, 40), (33, 33), (5, 37), (9, 30)]
+    case = make_case(seqs, 2, 8, 2, 16, 16, seed=11, runs=(2, 4))
+    starts = case.meta.kv_run_start_cpu
+    assert [starts[i] for i in (2, 4)] == [0, 4] and starts[5] == -1  # both prefill paths run
+    torch.testing.assert_close(run_torch(case).double(), reference(case), atol=1e-5, rtol=1e-5)
+    prefills = make_case([s for s in seqs if s[0] > 1], 0, 8, 2, 16, 16, seed=12, runs=(0, 1, 2, 3))
+    calls, gather = [], torch_attention.gather_kv
+    monkeypatch.setattr(torch_attention, "gather_kv", lambda *a: calls.append(a) or gather(*a))
+    torch.testing.assert_close(run_torch(prefills).double(), reference(prefills), atol=1e-5, rtol=1e-5)
+    assert not calls, "a run of blocks was gathered"
 
 
 def test_strided_inputs_and_noncontiguous_pool():
