@@ -12,7 +12,7 @@ import zmq
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.worker_runtime import WorkerRuntime, describe_worker, engine_stats
+from engine.worker_runtime import WorkerRuntime, describe_worker, engine_stats, stall_for_tests
 from protocol.auth import FrameAuth
 from protocol.messages import Abort, GenerateRequest, TokenOutput, Welcome, WorkerStats
 
@@ -46,6 +46,8 @@ class ColocatedWorker:
         self.received[req.request_id] = time.monotonic()
 
     def step(self) -> None:
+        self.rt.mark_step()
+        stall_for_tests("colocated")
         sched = self.engine.schedule()
         now = time.monotonic()
         first_seen = {c.seq.request_id: now - self.received.pop(c.seq.request_id)

@@ -4,7 +4,14 @@ Block ownership on this worker:
     pool --allocate--> lease (ReserveRequest) --KvDone ok--> running sequence --finish--> pool
                          +--abort/expiry--> quarantine until the lease deadline --> pool
 A quarantined block is never handed out before its lease deadline, so a late or replayed
-transfer cannot land in blocks that belong to another request.
+transfer cannot land in blocks that belong to another request. A KvDone that arrives while
+frames are missing (dropped, late, tampered: the receiver refused them) ends the request with an
+error at once and frees its lease: KvDone is P's last message for it.
+
+`kv_advertise`: the KV address put in the registration for prefill workers to connect to
+(default: the bound one), e.g. a NAT/forwarded address or a test's fault-injection relay.
+`kv_payload_mac` ("auto", "on", "off"): require an HMAC tag over each KV payload's bytes
+(kvtransfer/wire.py); auto = on when the KV inbox is tcp://.
 """
 from __future__ import annotations
 
@@ -16,10 +23,11 @@ import zmq
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.worker_runtime import WorkerRuntime, describe_worker, engine_stats
+from engine.worker_runtime import WorkerRuntime, describe_worker, engine_stats, stall_for_tests
 from kvtransfer.lease import LeaseTable
 from kvtransfer.receiver import KvReceiver
 from kvtransfer.shm import SharedTensor
+from kvtransfer.wire import payload_mac_enabled
 from protocol.auth import FrameAuth
 from protocol.messages import (Abort, KvDone, ReserveReply, ReserveRequest, TokenOutput, Welcome,
                                WorkerStats)
@@ -32,7 +40,8 @@ DEFAULT_LEASE_TTL_S = 30.0
 class DecodeWorker:
     def __init__(self, config: EngineConfig, auth: FrameAuth, control_bind: str, kv_bind: str,
                  gateway_addrs: list[str], *, shared_memory: bool = True, host: str = "127.0.0.1",
-                 lease_ttl_s: float = DEFAULT_LEASE_TTL_S) -> None:
+                 lease_ttl_s: float = DEFAULT_LEASE_TTL_S, kv_advertise: str | None = None,
+                 kv_payload_mac: str = "auto") -> None:
         self._shm: SharedTensor | None = None
 
         def shm_allocator(shape, dtype):
@@ -44,11 +53,16 @@ class DecodeWorker:
         self.rt = WorkerRuntime(self.ctx, auth, control_bind, gateway_addrs)
         self.leases = LeaseTable(self.engine.model_config.num_layers)
         self.lease_ttl_s = lease_ttl_s
-        self.receiver = KvReceiver(self.ctx, auth, kv_bind, self.engine.kv_cache, self.leases)
+        self.receiver = KvReceiver(self.ctx, auth, kv_bind, self.engine.kv_cache, self.leases,
+                                   payload_mac=payload_mac_enabled(kv_payload_mac, kv_bind, kv_advertise))
         self.rt.info = describe_worker(self.engine, "decode", self.rt.control_addr, host,
-                                       kv_addr=self.receiver.addr,
+                                       kv_addr=kv_advertise or self.receiver.addr,
                                        shm_name=self._shm.name if self._shm else None)
         self.gateway_of: dict[str, str] = {}  # request id -> gateway id
+        # leases revoked by an abort, quarantined until their deadline: request id -> (epoch,
+        # deadline). An `Abort(lease_unused)` (the gateway knows their writer is gone) frees them now.
+        self._revoked: dict[str, tuple[int, float]] = {}
+        self._revoked_pruned = 0.0
         self.admitted_at: dict[str, float] = {}
         self._stop = False
         self._last_progress = time.monotonic()
@@ -100,12 +114,26 @@ class DecodeWorker:
         if finished is not None:
             self._emit(done.request_id, [], None, finished.finish_reason, 1)
 
+    def _on_kv_failed(self, done: KvDone, reason: str) -> None:
+        """P finished the transfer but some of it never landed (frames dropped, late or
+        rejected): free the lease now (P writes it no more) and end the request with an error."""
+        blocks = self.leases.release_early(done.request_id, done.lease_epoch)
+        if not blocks:
+            return  # not this lease's epoch (a stale or replayed KvDone): nothing to end
+        self.engine.pool.free(blocks)
+        self._emit(done.request_id, [], None, "error", 1,
+                   error=f"KV transfer failed on the decode worker ({reason}: frames missing or rejected)")
+
     def _on_abort(self, request_id: str, lease_unused: bool = False) -> None:
         lease = self.leases.get(request_id)
         if lease_unused and lease is not None:  # never handed to a prefill worker: free now
             self.engine.pool.free(self.leases.release_early(request_id, lease.epoch))
-        elif not self.engine.abort(request_id):
+        elif lease_unused and request_id in self._revoked:  # its writer is gone for good
+            epoch, _ = self._revoked.pop(request_id)
+            self.engine.pool.free(self.leases.release_early(request_id, epoch))
+        elif not self.engine.abort(request_id) and lease is not None:
             self.leases.revoke(request_id)  # its blocks wait out the deadline in quarantine
+            self._revoked[request_id] = (lease.epoch, lease.deadline)
         self.gateway_of.pop(request_id, None)
         self.admitted_at.pop(request_id, None)
 
@@ -120,6 +148,9 @@ class DecodeWorker:
         blocks = self.leases.reclaimable(now)
         if blocks:
             self.engine.pool.free(blocks)
+        if self._revoked and now > self._revoked_pruned + 1.0:  # past the deadline: settled anyway
+            self._revoked_pruned = now
+            self._revoked = {r: v for r, v in self._revoked.items() if now <= v[1] + self.leases.grace_s}
 
     # --- outputs ----------------------------------------------------------------------------
     def _emit(self, request_id, tokens, logprobs, reason, index, timings=None, error=None) -> None:
@@ -134,6 +165,8 @@ class DecodeWorker:
             self.admitted_at.pop(request_id, None)
 
     def step(self) -> None:
+        self.rt.mark_step()
+        stall_for_tests("decode")
         now = time.monotonic()
         for out in self.engine.step():
             timings = None
@@ -152,8 +185,9 @@ class DecodeWorker:
 
     def run(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "_stop", True))
-        log.info("decode worker %s on %s (kv %s, shm %s)", self.worker_id, self.rt.control_addr,
-                 self.receiver.addr, self._shm.name if self._shm else None)
+        log.info("decode worker %s on %s (kv %s, advertised %s, payload mac %s, shm %s)", self.worker_id,
+                 self.rt.control_addr, self.receiver.addr, self.rt.info.kv_addr, self.receiver.payload_mac,
+                 self._shm.name if self._shm else None)
         poller = zmq.Poller()
         poller.register(self.rt.inbox.socket, zmq.POLLIN)
         poller.register(self.receiver.socket, zmq.POLLIN)
@@ -170,6 +204,9 @@ class DecodeWorker:
                         self.rt.handle_welcome(msg)
                 for done in self.receiver.poll(0):
                     self._on_kv_done(done)
+                for done, reason in self.receiver.failed_done:
+                    self._on_kv_failed(done, reason)
+                self.receiver.failed_done.clear()
                 if self.receiver.released:  # leases P gave back early: reusable now
                     self.engine.pool.free(self.receiver.released)
                     self.receiver.released.clear()

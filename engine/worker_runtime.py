@@ -41,8 +41,8 @@ _stall_done = False
 
 def stall_for_tests(role: str) -> None:
     """TEST-ONLY fault injection, never set in production: PDSERVE_TEST_STALL_STEP_S="<role>:<seconds>"
-    makes the first busy engine step of each worker of that role sleep that long, once per process
-    (a stuck engine loop; heartbeats stop with it, as they are sent from the loop's thread)."""
+    makes the first busy engine step of each worker of that role sleep that long, once per process:
+    a stuck engine loop. Heartbeats go on (their own thread) and carry the step's growing age."""
     global _stall_done
     spec = os.environ.get(STALL_ENV)
     if _stall_done or not spec:
@@ -87,6 +87,7 @@ class Heartbeater:
         self._ctx, self._auth, self._addrs = ctx, auth, list(gateway_addrs)
         self._lock = threading.Lock()
         self._snapshot: tuple[WorkerInfo, WorkerStats, float] | None = None
+        self._step_at = 0.0  # when the loop last began an engine step (monotonic)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
 
@@ -94,6 +95,11 @@ class Heartbeater:
         """Called by the engine loop: the stats to send until the next publish."""
         with self._lock:
             self._snapshot = (info, stats, time.monotonic())
+
+    def mark_step(self) -> None:
+        """Called by the engine loop as it begins a step: a step that began after the latest
+        snapshot and has not let the loop publish since is in progress (maybe stuck)."""
+        self._step_at = time.monotonic()  # one float store: atomic, no lock needed
 
     def ensure_started(self) -> None:
         if self._thread.ident is None and not self._stop.is_set():  # a thread starts once
@@ -105,8 +111,15 @@ class Heartbeater:
         if snap is None:
             return None
         info, stats, taken = snap
-        if stats.last_step_age_s > 0:  # work was pending: the loop's silence since counts too
-            stats = msgspec.structs.replace(stats, last_step_age_s=stats.last_step_age_s + time.monotonic() - taken)
+        now = time.monotonic()
+        age = stats.last_step_age_s
+        if age > 0:  # work was pending: the loop's silence since counts too
+            age += now - taken
+        step_at = self._step_at
+        if step_at > taken:  # a step began after the snapshot (work arrived while idle) and runs on
+            age = max(age, now - step_at)
+        if age != stats.last_step_age_s:
+            stats = msgspec.structs.replace(stats, last_step_age_s=age)
         return Heartbeat(worker_id=info.worker_id, stats=stats, info=info)
 
     def _run(self) -> None:
@@ -175,6 +188,11 @@ class WorkerRuntime:
             self._last_publish = now
             self._heartbeater.publish(self.info, stats())
             self._heartbeater.ensure_started()
+
+    def mark_step(self) -> None:
+        """The loop is about to run an engine step: lets heartbeats report a step that never
+        returns even when the last published stats said idle (work arrived, then the loop stuck)."""
+        self._heartbeater.mark_step()
 
     def drain(self, timeout_ms: int) -> list[Message]:
         """Messages now waiting; blocks up to `timeout_ms` for the first one."""

@@ -38,7 +38,7 @@ class WorkerLost(Exception):
 
 class ClusterBackend(Backend):
     def __init__(self, auth: FrameAuth, inbox_bind: str, *, kv_transport: str = "auto",
-                 dead_after_s: float = 2.0, reserve_timeout_s: float = 5.0,
+                 dead_after_s: float = 2.0, stuck_after_s: float = 30.0, reserve_timeout_s: float = 5.0,
                  on_decode_failure: str = "migrate", max_attempts: int = 3) -> None:
         if kv_transport not in ("auto", "shm", "zmq"):
             raise ValueError("kv_transport must be auto, shm or zmq")
@@ -51,10 +51,13 @@ class ClusterBackend(Backend):
         self.gateway_id = f"gw-{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
         self.kv_transport = kv_transport
         self.reserve_timeout_s = reserve_timeout_s
-        self.table = WorkerTable(dead_after_s=dead_after_s)
+        self.table = WorkerTable(dead_after_s=dead_after_s, stuck_after_s=stuck_after_s)
         self._outboxes: dict[str, AsyncOutbox] = {}
         self._reserve_waiters: dict[str, asyncio.Future[ReserveReply]] = {}
         self._streams: dict[str, asyncio.Queue[TokenOutput]] = {}
+        # leases handed to a prefill worker that was lost before it resolved them (no first token):
+        # prefill worker id -> {request id: (decode worker id, lease deadline)}
+        self._orphaned_leases: dict[str, dict[str, tuple[str, float]]] = {}
         self._ctx: zmq.asyncio.Context | None = None
         self._inbox: AsyncInbox | None = None
         self._task: asyncio.Task | None = None
@@ -120,7 +123,8 @@ class ClusterBackend(Backend):
 
     def _forget_replaced(self, info) -> None:
         """A worker restarted on the same control address replaces the old entry: stop routing
-        to the dead id (its outbox would now reach the new process)."""
+        to the dead id (its outbox would now reach the new process). A replaced prefill worker
+        will never write the leases it was lost with: hand them back to their decode workers."""
         for old_id, entry in list(self.table.workers.items()):
             if old_id != info.worker_id and entry.info.control_addr == info.control_addr:
                 del self.table.workers[old_id]
@@ -128,6 +132,28 @@ class ClusterBackend(Backend):
                 if box is not None:
                     box.close()
                 log.info("worker %s replaced by %s at %s", old_id, info.worker_id, info.control_addr)
+                self._release_orphans(old_id)
+
+    def _orphan_leases(self, prefill_id: str, request_id: str, decode_id: str, deadline: float) -> None:
+        """Remember a lease handed to a prefill worker we lost before its first token. If that
+        worker comes back it releases the lease itself (it gets our Abort); if it is replaced (it
+        died), `_release_orphans` tells the decode worker nobody will write it."""
+        now = time.time()
+        for pid in list(self._orphaned_leases):  # forget what the lease deadline has settled
+            live = {r: v for r, v in self._orphaned_leases[pid].items() if v[1] > now}
+            if live:
+                self._orphaned_leases[pid] = live
+            else:
+                del self._orphaned_leases[pid]
+        self._orphaned_leases.setdefault(prefill_id, {})[request_id] = (decode_id, deadline)
+        if prefill_id not in self.table.workers:  # already replaced while we waited
+            self._release_orphans(prefill_id)
+
+    def _release_orphans(self, prefill_id: str) -> None:
+        for request_id, (decode_id, _) in self._orphaned_leases.pop(prefill_id, {}).items():
+            log.info("lease of %s on %s: prefill worker %s is gone, handing it back", request_id,
+                     decode_id, prefill_id)
+            self._send(decode_id, Abort(request_id=request_id, reason="prefill worker gone", lease_unused=True))
 
     def _send(self, worker_id: str, msg) -> bool:
         box = self._outboxes.get(worker_id)
@@ -248,11 +274,11 @@ class ClusterBackend(Backend):
         d.inflight += 1
         p.inflight += 1
         finished = False
+        got_first = False
         try:
             self._send(p.worker_id, PrefillRequest(request_id=request_id, gateway_id=self.gateway_id,
                                                    prompt_token_ids=prompt, sampling=sampling, dest=dest,
                                                    arrival_time=time.time()))
-            got_first = False
             async for out in self._ordered(request_id, queue, lambda: (d,) if got_first else (p, d)):
                 got_first = True
                 if out.finish_reason is not None:
@@ -264,6 +290,10 @@ class ClusterBackend(Backend):
                 yield out
                 if out.finish_reason is not None:
                     return
+        except WorkerLost as lost:
+            if not got_first and p.worker_id in lost.worker_ids:
+                self._orphan_leases(p.worker_id, request_id, d.worker_id, reply.lease.deadline)
+            raise
         finally:
             d.inflight -= 1
             p.inflight -= 1

@@ -30,6 +30,8 @@ class GatewayOptions:
     on_decode_failure: str = "migrate"
     request_timeout_s: float | None = None
     max_queued_requests: int = 1024
+    # a worker with work pending whose engine step has not completed for this long counts as dead
+    stuck_after_s: float = 30.0
 
 
 def serve_gateway(opts: GatewayOptions, auth: FrameAuth) -> None:
@@ -39,7 +41,7 @@ def serve_gateway(opts: GatewayOptions, auth: FrameAuth) -> None:
     model_cfg = ModelConfig.from_folder(opts.model)
     max_len = min(opts.max_model_len or model_cfg.max_context, model_cfg.max_context)
     backend = ClusterBackend(auth, opts.worker_bind, kv_transport=opts.kv_transport,
-                             on_decode_failure=opts.on_decode_failure)
+                             on_decode_failure=opts.on_decode_failure, stuck_after_s=opts.stuck_after_s)
     app = create_app(backend, tokenizer, model_name=opts.served_model_name or Path(opts.model).name,
                      max_model_len=max_len, limits=GatewayLimits(request_timeout_s=opts.request_timeout_s,
                                          max_queued_requests=opts.max_queued_requests),

@@ -10,6 +10,8 @@ accepted the KvDone. Every repeat's destination blocks are checked to equal the 
     gbps         kv_bytes / seconds, best of --repeat (after one warm-up)
     ratios       gbps / memcpy_gbps  (targets: shm >= 0.5, zmq-ipc >= 0.2)
 Rounds alternate memcpy and every transport, so a noisy machine affects all of them alike.
+`--kv-payload-mac` as the workers take it (auto: on for zmq-tcp only); each transport's result
+says whether its payloads were MACed (`payload_mac`). Compare zmq-tcp with `on` and `off`.
 Sender and receiver share one process (receiver in a thread, one ZMQ context): on a machine with
 few cores they compete for them, as P and D on one host would.
 """
@@ -34,7 +36,7 @@ from kvtransfer.malloc_tuning import keep_large_allocations_in_heap
 from kvtransfer.receiver import KvReceiver
 from kvtransfer.sender import ShmKvSender, ZmqKvSender
 from kvtransfer.shm import SharedTensor
-from kvtransfer.wire import torch_dtype
+from kvtransfer.wire import PAYLOAD_MAC_MODES, payload_mac_enabled, torch_dtype
 from protocol.auth import FrameAuth, generate_cluster_secret
 from protocol.messages import KvDone, KvLayout
 
@@ -60,6 +62,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="torch threads (default: half the cores, what `pdserve serve` gives each worker "
                         "of a 1P1D pair; memcpy is measured with the same setting)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-payload-mac", default="auto", choices=PAYLOAD_MAC_MODES,
+                   help="HMAC over payload bytes (zmq transports), as the workers' flag: auto = tcp only")
     return p
 
 
@@ -116,18 +120,19 @@ class _Transport:
     """One transport's sender, receiver (polled by its own thread) and lease table."""
 
     def __init__(self, name: str, ctx: zmq.Context, auth: FrameAuth, pool: SharedTensor, layout: KvLayout,
-                 tmpdir: str) -> None:
+                 tmpdir: str, payload_mac: str = "auto") -> None:
         self.name, self.pool, self.layout = name, pool, layout
         bind = f"ipc://{tmpdir}/kv-{name}.sock" if name == "zmq-ipc" else "tcp://127.0.0.1:0"
+        self.payload_mac = name != "shm" and payload_mac_enabled(payload_mac, bind)
         self.leases = LeaseTable(layout.num_layers)
-        self.receiver = KvReceiver(ctx, auth, bind, pool.tensor, self.leases)
+        self.receiver = KvReceiver(ctx, auth, bind, pool.tensor, self.leases, payload_mac=self.payload_mac)
         self.thread = _ReceiverThread(self.receiver)
         self.sender = None
         try:
             if name == "shm":
                 self.sender = ShmKvSender(auth, self.receiver.addr, pool.name, layout, ctx=ctx)
             else:
-                self.sender = ZmqKvSender(ctx, auth, self.receiver.addr)
+                self.sender = ZmqKvSender(ctx, auth, self.receiver.addr, payload_mac=self.payload_mac)
         except BaseException:
             self.receiver.close()
             raise
@@ -191,7 +196,7 @@ def run_bench(args: argparse.Namespace) -> dict:
     runs: dict[str, _Transport] = {}
     try:
         for name in transports:
-            runs[name] = _Transport(name, ctx, auth, pool, layout, tmpdir)
+            runs[name] = _Transport(name, ctx, auth, pool, layout, tmpdir, args.kv_payload_mac)
         # Round robin (memcpy, then each transport) so that all share the machine's state of the
         # moment; round 0 is a warm-up (connections, first touches) and is not counted.
         for r in range(args.repeat + 1):
@@ -207,7 +212,8 @@ def run_bench(args: argparse.Namespace) -> dict:
             best = min(run.times)
             result["transports"][name] = {
                 "gbps": kv_bytes / best / 1e9, "seconds": best, "median_seconds": statistics.median(run.times),
-                "verified": run.verified, "dropped": sum(run.receiver.dropped.values())}
+                "verified": run.verified, "dropped": sum(run.receiver.dropped.values()),
+                "payload_mac": run.payload_mac}
     finally:
         for run in runs.values():
             run.close()
@@ -219,7 +225,7 @@ def run_bench(args: argparse.Namespace) -> dict:
     result["meets_targets"] = all(result["ratios"][k] >= v for k, v in result["targets"].items())
     result["config"] = {"tokens": args.tokens, "layers": L, "kv_heads": H, "head_dim": D, "block_size": bs,
                         "dtype": args.dtype, "blocks": n, "repeat": args.repeat, "scattered": args.scattered,
-                        "threads": torch.get_num_threads()}
+                        "threads": torch.get_num_threads(), "kv_payload_mac": args.kv_payload_mac}
     return result
 
 
@@ -231,11 +237,12 @@ def _table(res: dict) -> str:
              f"torch threads {c['threads']}",
              f"memcpy of the same size (best, interleaved with the transfers): {res['memcpy_gbps']:.2f} GB/s",
              f"each transport: best of {c['repeat']} transfers, first send_layer -> KvDone accepted by D", "",
-             f"{'transport':<10} {'GB/s':>8} {'ms':>9} {'x memcpy':>9} {'target':>7} {'verified':>9}"]
+             f"{'transport':<10} {'GB/s':>8} {'ms':>9} {'x memcpy':>9} {'target':>7} {'verified':>9} {'mac':>4}"]
     for name, t in res["transports"].items():
         target = TARGETS.get(name)
         lines.append(f"{name:<10} {t['gbps']:>8.2f} {t['seconds'] * 1e3:>9.2f} {res['ratios'][name]:>9.2f} "
-                     f"{'>= %.1f' % target if target else '-':>7} {str(t['verified']):>9}")
+                     f"{'>= %.1f' % target if target else '-':>7} {str(t['verified']):>9} "
+                     f"{'on' if t['payload_mac'] else 'off':>4}")
     return "\n".join(lines)
 
 

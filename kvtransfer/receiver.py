@@ -3,11 +3,17 @@
 Frames arrive on one PULL socket per decode worker (kvtransfer/wire.py), in order per prefill
 worker: a request's layer frames, then its KvDone. A layer frame is written only if it is
 authenticated, decodes, its lease is active (request, epoch, deadline, blocks, layer, fresh seq:
-LeaseTable.check_frame), and its dtype, head range, shape and byte count match this pool and the
-payload. The payload is copied once, from the received ZMQ frame into `kv_cache[layer][:, blocks]`.
+LeaseTable.check_frame), its dtype, head range, shape and byte count match this pool and the
+payload, and (with `payload_mac=True`) the payload's HMAC tag in the header matches its bytes.
+The received ZMQ frame is the staging buffer: private to this process, verified in full, then
+copied once into `kv_cache[layer][:, blocks]`; a frame failing any check never touches a block.
 In-place (shared-memory) headers only mark the layer: P already wrote it. A KvDone is returned
 by `poll` only when LeaseTable.check_done passes (all layers of all leased blocks, same epoch).
 Everything else is dropped and counted in `dropped[reason]`; the receiver never raises on input.
+A KvDone refused for a lease that is still active (a frame went missing: "incomplete",
+"bytes_mismatch", "layer_count", "expired") is also put in `failed_done` for the owner: it is
+P's last message for that lease, so the owner can end the request and reclaim the blocks now
+instead of waiting for the lease deadline.
 """
 from __future__ import annotations
 
@@ -28,11 +34,14 @@ from protocol.messages import KvDone, KvRelease
 
 log = logging.getLogger(__name__)
 
+# check_done reasons meaning "P is done with this lease, but its KV did not all land"
+_DONE_FAILURES = frozenset({"incomplete", "bytes_mismatch", "layer_count", "expired"})
+
 
 class KvReceiver:
     def __init__(self, ctx: zmq.Context, auth: FrameAuth, bind_addr: str, kv_cache: torch.Tensor,
                  lease_table: LeaseTable, *, allow_wildcard: bool = False, kv_head_start: int = 0,
-                 allow_in_place: bool = True) -> None:
+                 allow_in_place: bool = True, payload_mac: bool = False) -> None:
         if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
             raise ValueError(f"kv_cache must be [L, 2, N, bs, Hkv, D], got {list(kv_cache.shape)}")
         if kv_cache.shape[0] != lease_table.num_layers:
@@ -42,11 +51,14 @@ class KvReceiver:
         self.leases = lease_table
         self.kv_head_start = kv_head_start
         self.allow_in_place = allow_in_place
+        self.payload_mac = payload_mac  # require and check each payload's HMAC tag
+        self._auth = auth
         self._dtype = dtype_name(kv_cache.dtype)
         self._block_shape = list(kv_cache.shape[3:])  # [bs, Hkv, D]
         self._block_bytes = 2 * math.prod(kv_cache.shape[3:]) * kv_cache.element_size()  # K+V of one block
         self.bytes_received = 0
         self.released: list[int] = []  # blocks of leases P released early; the owner frees them
+        self.failed_done: list[tuple[KvDone, str]] = []  # refused KvDone of active leases; the owner drains it
         self.frames_received = 0
         self.dropped: collections.Counter[str] = self.inbox.dropped  # auth/decode + lease/layout reasons
 
@@ -76,6 +88,8 @@ class KvReceiver:
                     reason = "unexpected_payload" if payloads else self.leases.check_done(msg)
                     if reason is None:
                         done.append(msg)
+                    elif reason in _DONE_FAILURES:
+                        self.failed_done.append((msg, reason))
                     elif reason == "unknown_lease":
                         # Revoked (aborted) before its KV completed. KvDone is P's last message for
                         # the lease, as good as a release: the quarantined blocks are safe now.
@@ -113,6 +127,10 @@ class KvReceiver:
         else:
             if len(payloads) != 1 or payloads[0].nbytes != h.nbytes:
                 return "size_mismatch"
+            if self.payload_mac and h.payload_mac is None:
+                return "payload_mac_missing"
+            if self.payload_mac and not self._auth.check_payload_mac(h.payload_mac, payloads[0]):
+                return "payload_mac"
             with warnings.catch_warnings():  # read-only ZMQ buffer: we only read from it
                 warnings.simplefilter("ignore", UserWarning)
                 data = torch.frombuffer(payloads[0], dtype=torch.uint8)

@@ -5,6 +5,8 @@
                  buffer is reused only after ZMQ reports it sent (MessageTracker), so the source
                  pool may change right after send_layer returns. A layer bigger than
                  `max_frame_bytes` goes as several frames, each for some of its blocks.
+                 With `payload_mac=True` the staging buffer is MACed after the gather and the
+                 tag travels in the header (kvtransfer/wire.py), so D can authenticate the bytes.
     ShmKvSender  map D's shared KV pool [L, 2, N, bs, Hkv, D] once, write the blocks in place
                  (one copy, straight into D's leased blocks), then send only the header
                  (`in_place=True`) so D can account for the layer.
@@ -210,8 +212,11 @@ class ZmqKvSender(KvSender):
 
     def __init__(self, ctx: zmq.Context, auth: FrameAuth, kv_addr: str, *,
                  send_timeout_ms: int = SEND_TIMEOUT_MS, sndhwm: int = KV_SNDHWM,
-                 max_frame_bytes: int = MAX_FRAME_BYTES, ring_size: int = STAGING_RING) -> None:
+                 max_frame_bytes: int = MAX_FRAME_BYTES, ring_size: int = STAGING_RING,
+                 payload_mac: bool = False) -> None:
         self.ctx = ctx
+        self.auth = auth
+        self.payload_mac = payload_mac
         self.max_frame_bytes = max_frame_bytes
         self._ring: list[tuple[torch.Tensor | None, zmq.MessageTracker | None]] = [(None, None)] * max(1, ring_size)
         self._next_slot = 0
@@ -253,11 +258,12 @@ class ZmqKvSender(KvSender):
             torch.index_select(src_kv_layer, 1, torch.as_tensor(src_ids, dtype=torch.long), out=data)
         else:
             copy_blocks(data, list(range(n)), src_kv_layer, src_ids)  # slices (or a device gather)
+        payload = data.reshape(-1).view(torch.uint8).numpy()  # any dtype (bf16 too) as raw bytes
         header = KvFrameHeader(request_id=request_id, lease_epoch=epoch, layer=layer,
                                block_ids=dst_ids, kv_head_start=0, kv_head_end=data.shape[3],
                                dtype=dtype_name(data.dtype), shape=list(data.shape), nbytes=data.nbytes,
-                               seq=self._next_seq(request_id, epoch))
-        payload = data.reshape(-1).view(torch.uint8).numpy()  # any dtype (bf16 too) as raw bytes
+                               seq=self._next_seq(request_id, epoch),
+                               payload_mac=self.auth.payload_mac(payload) if self.payload_mac else None)
         if self._closed:
             raise KvSendError("sender is closed")
         tracker = self.outbox.send_tracked(header, [payload], timeout_ms=self.send_timeout_ms)
@@ -326,16 +332,17 @@ _cache_lock = threading.Lock()
 
 def make_kv_sender(transport: str, *, ctx: zmq.Context, auth: FrameAuth, kv_addr: str,
                    shm_name: str | None = None, layout: KvLayout | None = None, cache: bool = True,
-                   **kwargs) -> KvSender:
+                   payload_mac: bool = False, **kwargs) -> KvSender:
     """A sender to one decode worker: `transport` "zmq" (tcp/ipc per kv_addr) or "shm" (needs the
-    worker's shm_name and its pool `layout`). With `cache`, the same open sender is returned for
-    the same (ctx, transport, kv_addr, shm_name, layout) until it is closed."""
+    worker's shm_name and its pool `layout`). `payload_mac`: zmq only, MAC each payload's bytes
+    (shm writes in place: nothing travels to authenticate). With `cache`, the same open sender is
+    returned for the same (ctx, transport, kv_addr, shm_name, layout, payload_mac) until closed."""
     if transport not in ("zmq", "shm"):
         raise ValueError(f"unknown KV transport {transport!r} (zmq or shm)")
     if transport == "shm" and (not shm_name or layout is None):
         raise ValueError("shm transport needs the decode worker's shared-memory name and KV layout")
     key = (id(ctx), transport, kv_addr, shm_name if transport == "shm" else None,
-           layout if transport == "shm" else None, id(auth))
+           layout if transport == "shm" else None, id(auth), payload_mac and transport == "zmq")
     with _cache_lock:
         sender = _cache.get(key) if cache else None
         if sender is not None and not sender.closed and sender.ctx is ctx:
@@ -343,7 +350,7 @@ def make_kv_sender(transport: str, *, ctx: zmq.Context, auth: FrameAuth, kv_addr
         if transport == "shm":
             sender = ShmKvSender(auth, kv_addr, shm_name, layout, ctx=ctx, **kwargs)
         else:
-            sender = ZmqKvSender(ctx, auth, kv_addr, **kwargs)
+            sender = ZmqKvSender(ctx, auth, kv_addr, payload_mac=payload_mac, **kwargs)
         if cache:
             _cache[key] = sender
             sender._on_close.append(lambda: _forget(key, sender))

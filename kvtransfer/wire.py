@@ -10,10 +10,17 @@ its msgpack header is a tagged union told apart by the msgspec tag field `"type"
                                                            blocks into D's shared-memory pool
     {"type": "KvDone", ...}                                protocol.messages.KvDone: all layers sent
 
-Decoding accepts only these two tags (anything else -> msgspec.ValidationError, dropped).
+Decoding accepts only these tags (anything else -> msgspec.ValidationError, dropped).
 `seq` numbers a request's frames 0, 1, 2 ... in send order, so D rejects replayed or reordered
 frames. A layer may legitimately arrive more than once (chunked prefill re-sends a block that
 the previous chunk only partly filled), each time with a new `seq`.
+
+`payload_mac`: 32-byte HMAC of the payload bytes (protocol/auth.py FrameAuth.payload_mac), set by
+a sender with payload authentication on. The frame MAC covers the header (so this tag) but only
+the payload's length; the tag closes that gap for networks where frames can be modified in
+flight. Policy `--kv-payload-mac {auto,on,off}` (`payload_mac_enabled`): auto = on for tcp://,
+off for ipc:// and shared memory (same host, private 0700 runtime directory). A receiver with it
+on drops frames whose tag is missing or wrong before their bytes reach a KV block.
 """
 from __future__ import annotations
 
@@ -38,6 +45,7 @@ class KvFrameHeader(msgspec.Struct, tag="KvFrameHeader", frozen=True, forbid_unk
     nbytes: int
     seq: int
     in_place: bool = False
+    payload_mac: bytes | None = None  # HMAC of the payload bytes (payload authentication on)
 
 
 KvStreamMessage = Union[KvFrameHeader, KvDone, KvRelease]
@@ -79,3 +87,16 @@ def element_size(name: str) -> int:
 
 def payload_nbytes(shape: list[int] | tuple[int, ...], dtype: str) -> int:
     return math.prod(shape) * element_size(dtype)
+
+
+PAYLOAD_MAC_MODES = ("auto", "on", "off")
+
+
+def payload_mac_enabled(mode: str, *addrs: str | None) -> bool:
+    """Whether KV payloads are authenticated: "on"/"off" as given; "auto" = on when any of the
+    ZMQ addresses involved (bound, advertised or connected to) is tcp://."""
+    if mode not in PAYLOAD_MAC_MODES:
+        raise ValueError(f"kv payload mac mode must be one of {PAYLOAD_MAC_MODES}, got {mode!r}")
+    if mode != "auto":
+        return mode == "on"
+    return any(a is not None and a.startswith("tcp://") for a in addrs)

@@ -32,6 +32,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a decode worker's KV reservation stays valid (and quarantined after an abort)")
     s.add_argument("--on-decode-failure", default="migrate", choices=["migrate", "fail"],
                    help="a dead decode worker's requests: re-prefill elsewhere and continue, or end with an error")
+    s.add_argument("--kv-payload-mac", default="auto", choices=["auto", "on", "off"],
+                   help="HMAC over KV payload bytes: auto = on for zmq-tcp, off for zmq-ipc and shm")
+    s.add_argument("--stuck-after", type=float, default=30.0,
+                   help="seconds a worker with work pending may go without finishing an engine step "
+                        "before the gateway counts it as dead")
+    s.add_argument("--prefill-max-num-batched-tokens", type=int, default=None,
+                   help="token budget of a prefill worker's step (default: --max-num-batched-tokens); "
+                        "on CPU a smaller one gives the first prompts of a queue their first token sooner")
 
     g = sub.add_parser("gateway", help="the HTTP gateway alone")
     g.add_argument("--model", default=None, help="model folder (tokenizer, chat template, config)")
@@ -45,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--on-decode-failure", default="migrate", choices=["migrate", "fail"])
     g.add_argument("--request-timeout", type=float, default=None, help="seconds; longer requests end with an error")
     g.add_argument("--max-queued-requests", type=int, default=1024, help="in flight; 503 + Retry-After above")
+    g.add_argument("--stuck-after", type=float, default=30.0,
+                   help="seconds a worker with work pending may go without finishing an engine step "
+                        "before it counts as dead (heartbeats alone do not keep it alive)")
 
     for role, fn in (("prefill", roles.run_prefill), ("decode", roles.run_decode),
                      ("colocated", roles.run_colocated)):
@@ -54,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
             w.add_argument("--kv-bind", default="tcp://127.0.0.1:0", help="inbox for KV frames")
             w.add_argument("--no-shm", action="store_true", help="plain (not shared) KV memory")
             w.add_argument("--lease-ttl", type=float, default=30.0, help="seconds a KV lease stays valid")
+        if role in ("prefill", "decode"):
+            roles.add_kv_args(w, role)
         w.set_defaults(func=fn)
 
     for name, help_text in (("make-model", "write a random-initialised HF model folder"),

@@ -36,10 +36,22 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="host name peers use to decide on shared memory (default: this host)")
 
 
+def add_kv_args(p: argparse.ArgumentParser, role: str) -> None:
+    """KV data-path flags of prefill and decode workers."""
+    p.add_argument("--kv-payload-mac", default="auto", choices=["auto", "on", "off"],
+                   help="HMAC over every KV payload's bytes, checked before they land in KV blocks: "
+                        "auto = on for tcp://, off for ipc:// and shared memory (same host)")
+    if role == "decode":
+        p.add_argument("--kv-advertise", default=None,
+                       help="KV address sent in the registration for prefill workers to connect to "
+                            "(default: the bound --kv-bind address)")
+
+
 def run_prefill(args: argparse.Namespace) -> int:
     _setup("prefill", args.threads)
     from prefill_node.worker import PrefillWorker
-    PrefillWorker(engine_config(args), _auth(), args.bind, args.gateway, host=_host(args)).run()
+    PrefillWorker(engine_config(args), _auth(), args.bind, args.gateway, host=_host(args),
+                  kv_payload_mac=args.kv_payload_mac).run()
     return 0
 
 
@@ -47,7 +59,8 @@ def run_decode(args: argparse.Namespace) -> int:
     _setup("decode", args.threads)
     from decode_node.worker import DecodeWorker
     DecodeWorker(engine_config(args), _auth(), args.bind, args.kv_bind, args.gateway,
-                 shared_memory=not args.no_shm, host=_host(args), lease_ttl_s=args.lease_ttl).run()
+                 shared_memory=not args.no_shm, host=_host(args), lease_ttl_s=args.lease_ttl,
+                 kv_advertise=args.kv_advertise, kv_payload_mac=args.kv_payload_mac).run()
     return 0
 
 
@@ -67,7 +80,8 @@ def run_gateway(args: argparse.Namespace) -> int:
                                  max_model_len=args.max_model_len, served_model_name=args.served_model_name,
                                  on_decode_failure=args.on_decode_failure,
                                  request_timeout_s=args.request_timeout,
-                                 max_queued_requests=args.max_queued_requests),
+                                 max_queued_requests=args.max_queued_requests,
+                                 stuck_after_s=args.stuck_after),
                   _auth())
     return 0
 

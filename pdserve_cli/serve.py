@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve_cli.engine_args import engine_args_to_argv, resolve_model
@@ -48,7 +49,8 @@ def plan_children(args: argparse.Namespace, run_dir: str) -> list[Child]:
     gateway = py + ["gateway", "--model", args.model, "--host", args.host, "--port", str(args.port),
                     "--worker-bind", gw_inbox, "--kv-transport", gw_transport,
                     "--on-decode-failure", args.on_decode_failure,
-                    "--max-queued-requests", str(args.max_queued_requests)]
+                    "--max-queued-requests", str(args.max_queued_requests),
+                    "--stuck-after", str(args.stuck_after)]
     if args.request_timeout:
         gateway += ["--request-timeout", str(args.request_timeout)]
     if args.served_model_name:
@@ -57,26 +59,30 @@ def plan_children(args: argparse.Namespace, run_dir: str) -> list[Child]:
         gateway += ["--max-model-len", str(args.max_model_len)]
     children = [Child("gateway", gateway)]
     common = ["--gateway", gw_inbox] + engine_argv
+    kv_mac = ["--kv-payload-mac", getattr(args, "kv_payload_mac", "auto")]
     if args.colocated:
         children.append(Child("colocated-0", py + ["colocated", "--bind", f"ipc://{run_dir}/colocated-0.sock"]
                               + common + role_threads(None)))
         return children
     for i in range(args.prefill_workers):
+        budget = ["--max-num-batched-tokens", str(args.prefill_max_num_batched_tokens)] \
+            if args.prefill_max_num_batched_tokens else []  # later flags win
         children.append(Child(f"prefill-{i}", py + ["prefill", "--bind", f"ipc://{run_dir}/prefill-{i}.sock"]
-                              + common + role_threads(args.prefill_threads)))
+                              + common + kv_mac + budget + role_threads(args.prefill_threads)))
     for i in range(args.decode_workers):
         kv_bind = "tcp://127.0.0.1:0" if args.kv_transport == "zmq-tcp" else f"ipc://{run_dir}/decode-{i}-kv.sock"
         extra = ["--no-shm"] if args.kv_transport in ("zmq-ipc", "zmq-tcp") else []
         children.append(Child(f"decode-{i}", py + ["decode", "--bind", f"ipc://{run_dir}/decode-{i}.sock",
                                                   "--kv-bind", kv_bind, "--lease-ttl", str(args.lease_ttl)]
-                              + extra + common
+                              + extra + common + kv_mac
                               + role_threads(args.decode_threads)))
     return children
 
 
-def wait_healthy(url: str, children: list[Child], timeout_s: float) -> bool:
+def wait_healthy(url: str, children: list[Child], timeout_s: float,
+                 stopping: Callable[[], bool] = lambda: False) -> bool:
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and not stopping():
         if any(c.proc is not None and c.proc.poll() is not None for c in children):
             return False
         try:
@@ -102,7 +108,14 @@ def serve(args: argparse.Namespace) -> int:
 
     def stop(*_):
         nonlocal stopping
+        if stopping:
+            return
         stopping = True
+        # The gateway stops taking requests now (uvicorn closes its listener and drains the
+        # in-flight ones), not only at the supervisor's next tick.
+        gateway = children[0]
+        if gateway.proc is not None and gateway.proc.poll() is None:
+            gateway.proc.terminate()
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
@@ -110,9 +123,9 @@ def serve(args: argparse.Namespace) -> int:
         for c in children:
             c.start(env)
         url = f"http://{args.host}:{args.port}"
-        if wait_healthy(f"{url}/health", children, timeout_s=300):
+        if wait_healthy(f"{url}/health", children, timeout_s=300, stopping=lambda: stopping):
             print(f"pdserve ready: {url}/v1 (model {args.model})", flush=True)
-        else:
+        elif not stopping:
             log.error("the server did not become healthy; see the logs above")
         while not stopping:
             for c in children:

