@@ -14,6 +14,25 @@ from collections.abc import Iterator
 from pathlib import Path
 
 
+def all_workers_joined(base: str, extra: tuple[str, ...]) -> bool:
+    """/health answers 200 and lists as many live workers per pool as `serve` was asked for
+    (health turns 200 with one worker per pool; the others may still be loading)."""
+    import json
+
+    def count(flag: str) -> int:
+        return int(extra[extra.index(flag) + 1]) if flag in extra else 1
+    try:
+        with urllib.request.urlopen(f"{base}/health", timeout=1) as r:
+            if r.status != 200:
+                return False
+            live = json.loads(r.read()).get("live_workers", {})
+    except OSError:
+        return False
+    if "--colocated" in extra:
+        return live.get("colocated", 0) >= 1
+    return live.get("prefill", 0) >= count("--prefill-workers") and live.get("decode", 0) >= count("--decode-workers")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -33,12 +52,8 @@ def running_server(model: Path, *extra: str, timeout_s: float = 180.0,
         while True:
             if proc.poll() is not None:
                 raise RuntimeError(f"pdserve serve exited early with {proc.returncode}")
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
+            if all_workers_joined(base, extra):
+                break
             if time.monotonic() > deadline:
                 raise TimeoutError("pdserve serve did not become healthy")
             time.sleep(0.25)

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.e2e.cluster import free_port
+from tests.e2e.cluster import all_workers_joined, free_port
 
 
 @dataclass
@@ -36,7 +36,7 @@ def served(model: Path, *extra: str, timeout_s: float = 180.0,
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout_s
-        while health_status(base) != 200:
+        while not all_workers_joined(base, extra):
             if proc.poll() is not None:
                 raise RuntimeError(f"pdserve serve exited early with {proc.returncode}")
             if time.monotonic() > deadline:

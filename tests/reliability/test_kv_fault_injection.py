@@ -144,6 +144,18 @@ def _stop(procs: dict[str, subprocess.Popen]) -> None:
             p.wait(timeout=10)
 
 
+def _warm_up(base: str, timeout_s: float = 60.0) -> None:
+    """One request end to end before any test: a cold first prefill (thread pools, first matmuls)
+    can outlast the short lease TTL used here on a loaded machine."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        r = httpx.post(f"{base}/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 2}, timeout=30)
+        if r.status_code == 200:
+            wait_ledger_balanced(base, timeout_s=LEASE_TTL_S + 4)
+            return
+    raise TimeoutError(f"no request went through the relay cluster within {timeout_s}s")
+
+
 @pytest.fixture(scope="module")
 def cluster(tiny_llama, tmp_path_factory) -> Iterator[Cluster]:
     tmp = tmp_path_factory.mktemp("kv-relay")
@@ -170,6 +182,7 @@ def cluster(tiny_llama, tmp_path_factory) -> Iterator[Cluster]:
                                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         base = f"http://127.0.0.1:{http}"
         _wait_healthy(base, procs, timeout_s=120)
+        _warm_up(base)
         yield Cluster(base, relay, procs, logs, tiny_llama)
     finally:
         _stop(procs)

@@ -126,7 +126,7 @@ def test_sigstop_decode_mid_stream_migrates_and_sigcont_is_harmless(tiny_llama):
     later = random_prompts(tok.vocab_size, [7, 8, 10, 11], seed=22)
     later_want = [hf_text(tok, tiny_llama, p, 24) for p in later]
     with served(tiny_llama, "--decode-workers", "2", "--max-model-len", "1024") as s:
-        assert len(live_workers(s.base, "decode")) == 2
+        assert wait_until(lambda: len(live_workers(s.base, "decode")) == 2, 60) is not None  # both joined
         stopped = None
         try:
             # logprobs: one SSE event per token (the tiny model's text comes out in few pieces)
