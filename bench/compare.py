@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 from pathlib import Path
 
 import httpx
@@ -57,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-server", default=os.environ.get("PDSERVE_LLAMA_SERVER"))
     ap.add_argument("--gguf", default=os.environ.get("PDSERVE_GGUF"))
     ap.add_argument("--hf-python", default=os.environ.get("PDSERVE_HF_PYTHON"))
+    ap.add_argument("--pdserve-1p1d-args", default="",
+                    help="extra `pdserve serve` flags for the 1P1D server, e.g. \"--prefill-max-num-batched-tokens 512\"")
     ap.add_argument("--reuse", action="store_true",
                     help="keep results already in OUT/results.json for servers not run now")
     args = ap.parse_args(argv)
@@ -76,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     def port_of(label):
         return ports.setdefault(label, free_port())
 
-    specs = {s.label: s for s in pdserve_specs(args.model, port_of)}
+    specs = {s.label: s for s in pdserve_specs(args.model, port_of, shlex.split(args.pdserve_1p1d_args))}
     specs["vllm-cpu"] = vllm_spec(args.model, port_of("vllm-cpu"), args.vllm_python)
     specs["llama.cpp"] = llamacpp_spec(port_of("llama.cpp"), args.llama_server, args.gguf, slots=32, ctx=32 * 1280,
                                        threads=os.cpu_count() or 2)

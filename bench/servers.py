@@ -35,9 +35,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def pdserve_specs(model: str, port_of) -> list[ServerSpec]:
+def pdserve_specs(model: str, port_of, extra_1p1d: list[str] = ()) -> list[ServerSpec]:
     py = [sys.executable, "-m", "pdserve_cli", "serve", "--model", model, "--dtype", "float32"]
-    return [ServerSpec("pdserve-1P1D", py + ["--port", str(port_of("pdserve-1P1D"))], "/health"),
+    return [ServerSpec("pdserve-1P1D", py + ["--port", str(port_of("pdserve-1P1D")), *extra_1p1d], "/health"),
             ServerSpec("pdserve-colocated", py + ["--colocated", "--port", str(port_of("pdserve-colocated"))], "/health")]
 
 

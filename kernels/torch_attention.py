@@ -94,6 +94,13 @@ def _decode(query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata
         out[i:j] = o.reshape(j - i, hq, d)
 
 
+def _sdpa4d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, gqa: bool, **kw) -> torch.Tensor:
+    """SDPA on [H, L, D] inputs given a batch axis: on CPU only 4-D inputs reach the flash kernel;
+    3-D ones fall back to the math path (materialised [Hq, q, kv] scores), 3-4x slower for a
+    640-token prompt."""
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], scale=scale, enable_gqa=gqa, **kw)[0]
+
+
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """query [T, Hq, D]; key/value [T, Hkv, D] (this step's, already stored) -> out [T, Hq, D]."""
@@ -111,7 +118,7 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         if c == q_len:  # whole prompt in this chunk: its own K/V, plain causal, no gather
             k = key[s:e].transpose(0, 1)  # [Hkv, q, D]
             v = value[s:e].transpose(0, 1)  # [Hkv, q, D]
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+            o = _sdpa4d(q, k, v, scale, gqa, is_causal=True)
         else:
             run = meta.kv_run_start_cpu[b] if meta.kv_run_start_cpu is not None else -1
             flat = flat_pool(kv_layer) if run >= 0 else None
@@ -125,6 +132,6 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             i = torch.arange(q_len, device=query.device)[:, None]  # [q, 1]
             j = torch.arange(c, device=query.device)[None, :]  # [1, c]
             mask = j <= i + (c - q_len)  # [q, c] bottom-right causal
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+            o = _sdpa4d(q, k, v, scale, gqa, attn_mask=mask)
         out[s:e] = o.transpose(0, 1)  # [q, Hq, D]
     return out

@@ -37,9 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--stuck-after", type=float, default=30.0,
                    help="seconds a worker with work pending may go without finishing an engine step "
                         "before the gateway counts it as dead")
+    s.add_argument("--prefill-nice", type=int, default=0,
+                   help="lower the prefill workers' CPU priority by this much, so that on shared cores a "
+                        "decode step never waits behind a prefill (use with --prefill-threads = all cores)")
     s.add_argument("--prefill-max-num-batched-tokens", type=int, default=None,
-                   help="token budget of a prefill worker's step (default: --max-num-batched-tokens); "
-                        "on CPU a smaller one gives the first prompts of a queue their first token sooner")
+                   help="token budget of a prefill worker's step (default: 512 on CPU, where a smaller step "
+                        "gives a queue's first prompts their first token sooner; else --max-num-batched-tokens)")
 
     g = sub.add_parser("gateway", help="the HTTP gateway alone")
     g.add_argument("--model", default=None, help="model folder (tokenizer, chat template, config)")

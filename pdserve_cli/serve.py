@@ -31,9 +31,22 @@ class Child:
     argv: list[str]
     proc: subprocess.Popen | None = None
     restarts: int = 0
+    nice: int = 0  # added to the process's niceness (lower CPU priority) when > 0
 
     def start(self, env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen(self.argv, env=env)
+        nice = self.nice
+        self.proc = subprocess.Popen(self.argv, env=env, preexec_fn=(lambda: os.nice(nice)) if nice > 0 else None)
+
+
+def prefill_budget(args: argparse.Namespace) -> int:
+    """Token budget of a prefill worker's step. On CPU, 512 tokens a step: matmuls of 512 rows
+    already run at full speed, and a queue's first prompts get their first token without waiting
+    for the prompts batched behind them (p99 TTFT 8.2 -> 4.3 s at 1 req/s in the 1P1D SLO sweep)."""
+    if args.prefill_max_num_batched_tokens:
+        return args.prefill_max_num_batched_tokens
+    if args.device == "cpu":
+        return min(512, args.max_num_batched_tokens)
+    return args.max_num_batched_tokens
 
 
 def plan_children(args: argparse.Namespace, run_dir: str) -> list[Child]:
@@ -65,10 +78,10 @@ def plan_children(args: argparse.Namespace, run_dir: str) -> list[Child]:
                               + common + role_threads(None)))
         return children
     for i in range(args.prefill_workers):
-        budget = ["--max-num-batched-tokens", str(args.prefill_max_num_batched_tokens)] \
-            if args.prefill_max_num_batched_tokens else []  # later flags win
+        budget = ["--max-num-batched-tokens", str(prefill_budget(args))]  # later flags win
         children.append(Child(f"prefill-{i}", py + ["prefill", "--bind", f"ipc://{run_dir}/prefill-{i}.sock"]
-                              + common + kv_mac + budget + role_threads(args.prefill_threads)))
+                              + common + kv_mac + budget + role_threads(args.prefill_threads),
+                              nice=args.prefill_nice))
     for i in range(args.decode_workers):
         kv_bind = "tcp://127.0.0.1:0" if args.kv_transport == "zmq-tcp" else f"ipc://{run_dir}/decode-{i}-kv.sock"
         extra = ["--no-shm"] if args.kv_transport in ("zmq-ipc", "zmq-tcp") else []
