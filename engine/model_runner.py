@@ -22,6 +22,8 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_p
         model = LlamaForCausalLM(cfg, max_positions)
     model.materialize(device, dtype)
     load_weights(model, cfg.path, show_progress=show_progress)
+    if device.type == "cpu":
+        model.use_transposed_weights()
     return model.eval()
 
 
