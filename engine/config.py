@@ -174,15 +174,26 @@ class CacheConfig:
             raise ValueError("num_blocks must be >= 1")
 
 
+SCHEDULING_POLICIES = ("fcfs", "shortest-first")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048  # per-step token budget (decode tokens + prefill chunks)
     max_model_len: int | None = None  # default: the model's max context
+    # Which waiting prompt starts next: arrival order, or the fewest tokens left to prefill, where
+    # each second of waiting counts as `aging_tokens_per_s` fewer tokens (nothing starves).
+    policy: str = "fcfs"
+    aging_tokens_per_s: float = 1000.0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling policy must be one of {SCHEDULING_POLICIES}, got {self.policy!r}")
+        if not self.aging_tokens_per_s >= 0:
+            raise ValueError("aging_tokens_per_s must be >= 0")
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,9 @@
 Every step, under a token budget:
   1. running sequences that decode (one uncomputed token) -- decode first, FCFS;
   2. running sequences mid-prompt (chunked prefill) -- next chunk;
-  3. waiting sequences, FCFS, while seats (`max_num_seqs`), budget and blocks last.
+  3. waiting sequences, in policy order, while seats (`max_num_seqs`), budget and blocks last:
+     FCFS, or shortest-first (fewest prompt tokens left, minus `aging_tokens_per_s` per second
+     waited, so a long prompt is not starved); preempted sequences always go first.
 When a running sequence needs a block and none is free, the latest-arriving running sequence
 not yet in this step's batch is preempted (recompute: blocks freed, requeued at the front with
 its tokens so far, so it later resumes with identical output); if there is none, the sequence
@@ -11,6 +13,7 @@ preempts itself.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -93,6 +96,8 @@ class Scheduler:
                 in_batch.add(id(seq))
                 budget -= n
 
+        if self.cfg.policy == "shortest-first" and len(self.waiting) > 1:
+            self._order_shortest_first()
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
             n = min(seq.num_uncomputed, budget)
@@ -107,6 +112,14 @@ class Scheduler:
             in_batch.add(id(seq))
             budget -= n
         return out
+
+    def _order_shortest_first(self) -> None:
+        now = time.monotonic()
+        aging = self.cfg.aging_tokens_per_s
+
+        def key(seq: Sequence) -> tuple[int, float]:
+            return (0 if seq.num_preemptions else 1, seq.num_uncomputed - aging * (now - seq.arrival_time))
+        self.waiting = deque(sorted(self.waiting, key=key))
 
     def _blocks_needed(self, seq: Sequence, n: int) -> int:
         total = -(-(seq.num_computed_tokens + n) // self.block_size)

@@ -27,6 +27,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "shortest-first"],
+                   help="which waiting prompt is prefilled next: arrival order, or the shortest "
+                        "(aged by its wait, so none starves): more requests within a TTFT SLO under load")
     g.add_argument("--threads", type=int, default=None, help="torch threads for this worker")
     g.add_argument("--seed", type=int, default=None)
 
@@ -35,7 +38,8 @@ def engine_args_to_argv(args: argparse.Namespace) -> list[str]:
     """Re-emit the engine flags (serve passes them on to the worker processes)."""
     out = ["--dtype", args.dtype, "--device", args.device, "--block-size", str(args.block_size),
            "--kv-cache-memory", str(args.kv_cache_memory), "--max-num-seqs", str(args.max_num_seqs),
-           "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+           "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+           "--scheduling-policy", args.scheduling_policy]
     for flag, value in (("--model", args.model), ("--num-blocks", args.num_blocks),
                         ("--max-model-len", args.max_model_len), ("--seed", args.seed)):
         if value is not None:
@@ -57,4 +61,4 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                           memory_bytes=args.kv_cache_memory),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
-                                  max_model_len=args.max_model_len))
+                                  max_model_len=args.max_model_len, policy=args.scheduling_policy))

@@ -143,3 +143,23 @@ def test_self_preemption_when_no_victim():
             break
     assert not s.has_work()
     pool.assert_all_free()
+
+
+def test_shortest_first_policy_with_aging():
+    """shortest-first admits the fewest-tokens-left prompt first; waiting ages a long prompt
+    (aging_tokens_per_s per second) until it goes ahead of fresh short ones; FCFS keeps arrival order."""
+    def admitted_first(policy: str, long_waited_s: float) -> str:
+        pool = BlockPool(64)
+        cfg = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, policy=policy, aging_tokens_per_s=100.0)
+        sched = Scheduler(cfg, pool, block_size=4)
+        long, short = make_seq("long", 40), make_seq("short", 8)
+        long.arrival_time -= long_waited_s
+        sched.add(long)
+        sched.add(short)
+        return sched.schedule().prefills[0].seq.request_id
+    assert admitted_first("fcfs", 0.0) == "long"
+    assert admitted_first("shortest-first", 0.0) == "short"
+    assert admitted_first("shortest-first", 0.2) == "short"  # 40 - 20 > 8
+    assert admitted_first("shortest-first", 0.5) == "long"  # 40 - 50 < 8: aged past the short one
+    with pytest.raises(ValueError):
+        SchedulerConfig(policy="random")
