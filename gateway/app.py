@@ -76,7 +76,7 @@ class GatewayApp:
         self.limits = limits
         self.chat_template = chat_template
         self.vocab_size = len(tokenizer)
-        self.metrics = GatewayMetrics(backend.worker_stats)
+        self.metrics = GatewayMetrics(backend.worker_stats, backend.routed_requests)
         self.in_flight = 0
 
     # --- plumbing ---------------------------------------------------------------------------

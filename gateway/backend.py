@@ -31,3 +31,8 @@ class Backend(ABC):
 
     @abstractmethod
     def worker_stats(self) -> dict[str, WorkerStats]: ...
+
+    def routed_requests(self) -> dict[str, int]:
+        """Requests this gateway has routed to each worker and not yet seen end: its own count,
+        current at every call (worker stats lag by up to a heartbeat)."""
+        return {}

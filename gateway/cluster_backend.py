@@ -171,6 +171,9 @@ class ClusterBackend(Backend):
             stats[self.gateway_id] = WorkerStats(dropped_frames=sum(self._inbox.dropped.values()))
         return stats
 
+    def routed_requests(self) -> dict[str, int]:
+        return {wid: w.inflight for wid, w in self.table.workers.items() if self.table.is_live(w)}
+
     async def abort(self, request_id: str) -> None:
         # generate()'s finally block does the work; this is for callers holding only an id.
         queue = self._streams.get(request_id)

@@ -15,8 +15,9 @@ _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.25, 0.5, 1
 class _WorkerCollector:
     """Per-worker gauges read from the backend at scrape time."""
 
-    def __init__(self, stats: Callable[[], dict[str, WorkerStats]]) -> None:
-        self._stats = stats
+    def __init__(self, stats: Callable[[], dict[str, WorkerStats]],
+                 routed: Callable[[], dict[str, int]]) -> None:
+        self._stats, self._routed = stats, routed
 
     def collect(self):
         fams = {
@@ -35,11 +36,18 @@ class _WorkerCollector:
         for node, st in self._stats().items():
             for attr, fam in fams.items():
                 fam.add_metric([node], getattr(st, attr))
+        routed = GaugeMetricFamily("pdserve_worker_requests_routed",
+                                   "Requests this gateway has routed to the worker and not seen end",
+                                   labels=["node"])
+        for node, count in self._routed().items():
+            routed.add_metric([node], count)
         yield from fams.values()
+        yield routed
 
 
 class GatewayMetrics:
-    def __init__(self, worker_stats: Callable[[], dict[str, WorkerStats]]) -> None:
+    def __init__(self, worker_stats: Callable[[], dict[str, WorkerStats]],
+                 routed_requests: Callable[[], dict[str, int]] = dict) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram("pdserve_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r)
@@ -53,7 +61,7 @@ class GatewayMetrics:
         self.finished = Counter("pdserve_requests", "Finished requests (per choice)", ["finish_reason"], registry=r)
         self.http_errors = Counter("pdserve_http_errors", "Error responses", ["status"], registry=r)
         self.in_flight = Gauge("pdserve_gateway_requests_in_flight", "HTTP requests in flight", registry=r)
-        r.register(_WorkerCollector(worker_stats))
+        r.register(_WorkerCollector(worker_stats, routed_requests))
 
     def observe_timings(self, timings: dict[str, float]) -> None:
         for key, value in timings.items():
