@@ -23,7 +23,8 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_p
     model.materialize(device, dtype)
     load_weights(model, cfg.path, show_progress=show_progress)
     if device.type == "cpu":
-        model.use_transposed_weights()
+        kind = model.use_cpu_weight_layout()
+        log.info("CPU linear weights: %s", kind)
     return model.eval()
 
 

@@ -14,6 +14,7 @@ from torch import nn
 
 import kernels
 from engine.config import ModelConfig
+from engine.models.cpu_linear import cpu_linear_kind, relayout_linears
 from engine.models.rotary import RotaryEmbedding
 
 
@@ -26,31 +27,6 @@ class ForwardContext:
     kv_cache: torch.Tensor  # [L, 2, N, bs, Hkv, D]
     # Called after layer l stored its KV (prefill workers stream KV from here).
     on_layer_stored: Callable[[int], None] | None = None
-
-
-class TransposedLinear(nn.Module):
-    """y = x @ weight_t (+ bias) with the weight stored [in, out]: on CPU the same GEMM for long
-    inputs, and 1.5-1.6x faster for 1-3 rows (decode steps of small batches), where MKL's GEMV
-    on the usual [out, in] layout reads weights at ~11 GB/s of the ~25 GB/s a core can read."""
-
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        self.weight_t = nn.Parameter(linear.weight.detach().t().contiguous(), requires_grad=False)  # [in, out]
-        self.bias = linear.bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.bias is None:
-            return x @ self.weight_t  # [T, out]
-        return torch.addmm(self.bias, x, self.weight_t)  # [T, out]
-
-
-def transpose_linears(model: nn.Module, skip: tuple[nn.Module, ...] = ()) -> None:
-    """Swap every nn.Linear (but those in `skip`) for a TransposedLinear holding the same weights."""
-    for name, child in list(model.named_children()):
-        if isinstance(child, nn.Linear) and child not in skip:
-            setattr(model, name, TransposedLinear(child))
-        else:
-            transpose_linears(child, skip)
 
 
 class RMSNorm(nn.Module):
@@ -139,11 +115,14 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary.build_tables(device)  # kept in fp32 whatever the model dtype
 
-    def use_transposed_weights(self) -> None:
-        """CPU layout (after loading): linear weights stored [in, out] (see TransposedLinear).
-        A tied LM head gets its own transposed copy of the embedding table (the lookup needs the
-        [V, H] rows): vocab x hidden more memory, for a decode step that reads it at GEMM speed."""
-        transpose_linears(self)
+    def use_cpu_weight_layout(self) -> str:
+        """CPU layout (after loading): linear weights prepacked for oneDNN, or stored [in, out]
+        where it is unavailable (see engine/models/cpu_linear.py); returns which. A tied LM
+        head gets its own copy of the embedding table (the lookup needs the [V, H] rows):
+        vocab x hidden more memory, for a decode step that reads it at GEMM speed."""
+        kind = cpu_linear_kind(self.embed_tokens.weight.dtype)
+        relayout_linears(self, kind)
+        return kind
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
                 logits_indices: torch.Tensor) -> torch.Tensor:
