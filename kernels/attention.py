@@ -1,7 +1,10 @@
-"""Dispatch: Triton kernels for CUDA tensors (when triton imports), pure torch otherwise.
+"""Dispatch: Triton kernels for CUDA tensors (when triton imports); on the CPU, decode
+sequences go to the C kernel (kernels/cpu_native.py: reads KV in place) when it built, and
+prefill chunks, or everything when it did not, to pure torch.
 
-`PDSERVE_ATTENTION=torch|triton` overrides (`auto` or unset: the default). Triton on CPU
-tensors needs TRITON_INTERPRET=1 set before triton is first imported.
+`PDSERVE_ATTENTION=torch|triton` overrides (`auto` or unset: the default; `torch`: pure torch
+everywhere, the reference). Triton on CPU tensors needs TRITON_INTERPRET=1 set before triton is
+first imported.
 """
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ import os
 
 import torch
 
-from kernels import torch_attention
+from kernels import cpu_native, torch_attention
 from kernels.metadata import AttentionMetadata
 
 _CHOICES = ("", "auto", "torch", "triton")
@@ -26,16 +29,31 @@ def triton_available() -> bool:
     return True
 
 
-def use_triton(t: torch.Tensor) -> bool:
-    """The backend for tensor `t`: env override, else Triton on CUDA when triton is installed."""
+def _choice() -> str:
     choice = os.environ.get("PDSERVE_ATTENTION", "").strip().lower()
     if choice not in _CHOICES:
         raise ValueError(f"PDSERVE_ATTENTION={choice!r}: expected one of torch, triton, auto")
+    return choice
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """The backend for tensor `t`: env override, else Triton on CUDA when triton is installed."""
+    choice = _choice()
     if choice == "torch":
         return False
     if choice == "triton":
         return True
     return t.is_cuda and triton_available()
+
+
+def _native_decode(query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata,
+                   scale: float, out: torch.Tensor) -> bool:
+    """Decode sequences through the C kernel when allowed and it can take them."""
+    nd = meta.num_decode_seqs
+    if not nd or _choice() not in ("", "auto") or not cpu_native.can_run(query, kv_layer):
+        return False
+    return cpu_native.paged_decode_attention(query[:nd], kv_layer, meta.block_tables, meta.context_lens,
+                                             scale, out[:nd])
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor,
@@ -53,4 +71,8 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if use_triton(query):
         from kernels import triton_attention
         return triton_attention.paged_attention(query, key, value, kv_layer, meta, scale)
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # [T, Hq, D]
+    if _native_decode(query, kv_layer, meta, scale, out):
+        torch_attention.attend_prefills(query, key, value, kv_layer, meta, scale, out)
+        return out
     return torch_attention.paged_attention(query, key, value, kv_layer, meta, scale)

@@ -108,6 +108,14 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     nd = meta.num_decode_seqs
     if nd:
         _decode(query[:nd], kv_layer, meta, scale, out[:nd])
+    attend_prefills(query, key, value, kv_layer, meta, scale, out)
+    return out
+
+
+def attend_prefills(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+    """The prefill chunks (sequences after the decodes) of paged_attention, into out [T, Hq, D]."""
+    nd = meta.num_decode_seqs
     cu, ctx = meta.cu_seqlens_q_cpu, meta.context_lens_cpu
     bs = kv_layer.shape[2]
     gqa = query.shape[1] != kv_layer.shape[3]
@@ -134,4 +142,3 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             mask = j <= i + (c - q_len)  # [q, c] bottom-right causal
             o = _sdpa4d(q, k, v, scale, gqa, attn_mask=mask)
         out[s:e] = o.transpose(0, 1)  # [q, Hq, D]
-    return out
