@@ -15,6 +15,7 @@ import torch
 from bench.machine import measure_matmul_gflops, measure_memcpy_gbps
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
+from engine.models.llama import LlamaForCausalLM
 from engine.sampling_params import SamplingParams
 
 
@@ -76,8 +77,10 @@ def main(argv: list[str] | None = None) -> int:
         scheduler=SchedulerConfig(max_num_seqs=max_b, max_num_batched_tokens=max_b * max(args.prompt_len, args.context),
                                   max_model_len=max(args.prompt_len, args.context) + args.decode_steps + 16)))
     mc = engine.model_config
-    params = sum(p.numel() for n, p in engine.runner.model.named_parameters() if "embed_tokens" not in n)
-    weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+    with torch.device("meta"):  # the dense model's counts (CPU layouts may hold extra weight copies)
+        dense = LlamaForCausalLM(mc, 16)
+    params = sum(p.numel() for n, p in dense.named_parameters() if "embed_tokens" not in n)
+    weight_bytes = sum(p.numel() for p in dense.parameters()) * engine.dtype.itemsize  # tied LM head: once
     kv_bytes_per_token = engine.kv_spec.bytes_per_block // engine.block_size
     if engine.device.type == "cuda":  # the device's own ceilings (copy counted read + write)
         from bench.gpu_kernels import device_copy_gbps, matmul_tflops

@@ -4,9 +4,11 @@ them fastest.
 `PackedLinear` (fp32, the default on CPU): oneDNN with its weight prepacked into oneDNN's
 blocked layout. torch's own fp32 `mm` goes to MKL, which on this machine's AMD EPYC reaches
 51-63 GFLOP/s at 32-512 rows against oneDNN's 86-105 (one thread, the bench model's shapes, all
-layers' weights in turn so they stream from memory as in a real step). oneDNN's 1-3 row case is a
-GEMV slower than its 4-row GEMM, so fewer rows are padded to 4: a decode step at batch 1 reads
-the weights at ~19 GB/s instead of ~13.
+layers' weights in turn so they stream from memory as in a real step). oneDNN's 2-3 row case is
+slower than its 4-row GEMM, so such inputs are padded to 4 rows. One row (a decode step at batch
+1) is fastest as MKL's GEMV on an `[in, out]` copy of the weight (engine A/B: 11.4 vs 12.5 ms a
+step at one thread, 15.1 vs 19.0 at two), so that copy is kept too unless the linear weights
+are over 1/8 of the machine's memory (then one-row steps pad to 4 and read the packed weight).
 
 `TransposedLinear` (fallback: other dtypes, or a torch built without oneDNN): the weight stored
 [in, out], `x @ W_t`; MKL's GEMV on the usual [out, in] layout reads weights at ~11 GB/s.
@@ -14,6 +16,7 @@ the weights at ~19 GB/s instead of ~13.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -37,18 +40,22 @@ def onednn_linear_available() -> bool:
 
 
 class PackedLinear(nn.Module):
-    """y = x W^T (+ b) on oneDNN with W [out, in] prepacked (an opaque oneDNN tensor)."""
+    """y = x W^T (+ b) on oneDNN with W [out, in] prepacked (an opaque oneDNN tensor); one-row
+    inputs on an [in, out] copy when `gemv_copy`."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, gemv_copy: bool = True) -> None:
         super().__init__()
         w = linear.weight.detach()  # [out, in]
         self.in_features, self.out_features = w.shape[1], w.shape[0]
         self.weight_packed = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT),
                                           requires_grad=False)
         self.bias = linear.bias
+        self.gemv = TransposedLinear(linear) if gemv_copy else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]  # x [T, in]
+        if rows == 1 and self.gemv is not None:
+            return self.gemv(x)  # [1, out]
         if rows < MIN_ROWS:
             x = F.pad(x, (0, 0, 0, MIN_ROWS - rows))  # [4, in]
         y = torch.ops.mkldnn._linear_pointwise(x, self.weight_packed, self.bias, "none", [], "")  # [T', out]
@@ -74,12 +81,22 @@ def cpu_linear_kind(dtype: torch.dtype) -> str:
     return "packed" if dtype == torch.float32 and onednn_linear_available() else "transposed"
 
 
-def relayout_linears(model: nn.Module, kind: str) -> None:
+def gemv_copy_fits(model: nn.Module) -> bool:
+    """Whether an extra [in, out] copy of every linear weight stays under 1/8 of physical memory."""
+    linear_bytes = sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
+                       if isinstance(m, nn.Linear))
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return False
+    return linear_bytes * 8 <= ram
+
+
+def relayout_linears(model: nn.Module, kind: str, gemv_copy: bool = True) -> None:
     """Swap every nn.Linear in `model` for a `kind` ('packed' or 'transposed') layer holding the
     same weights; the dense originals are dropped (a tied LM head gets its own copy)."""
-    make = {"packed": PackedLinear, "transposed": TransposedLinear}[kind]
     for name, child in list(model.named_children()):
         if isinstance(child, nn.Linear):
-            setattr(model, name, make(child))
+            setattr(model, name, PackedLinear(child, gemv_copy) if kind == "packed" else TransposedLinear(child))
         else:
-            relayout_linears(child, kind)
+            relayout_linears(child, kind, gemv_copy)

@@ -14,7 +14,7 @@ from torch import nn
 
 import kernels
 from engine.config import ModelConfig
-from engine.models.cpu_linear import cpu_linear_kind, relayout_linears
+from engine.models.cpu_linear import cpu_linear_kind, gemv_copy_fits, relayout_linears
 from engine.models.rotary import RotaryEmbedding
 
 
@@ -121,8 +121,9 @@ class LlamaForCausalLM(nn.Module):
         head gets its own copy of the embedding table (the lookup needs the [V, H] rows):
         vocab x hidden more memory, for a decode step that reads it at GEMM speed."""
         kind = cpu_linear_kind(self.embed_tokens.weight.dtype)
-        relayout_linears(self, kind)
-        return kind
+        gemv_copy = kind == "packed" and gemv_copy_fits(self)
+        relayout_linears(self, kind, gemv_copy)
+        return kind + (" (+ [in, out] copies for one-row steps)" if gemv_copy else "")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
                 logits_indices: torch.Tensor) -> torch.Tensor:
