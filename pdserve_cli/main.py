@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="lower the prefill workers' CPU priority by this much, so that on shared cores a "
                         "decode step never waits behind a prefill (use with --prefill-threads = all cores)")
     s.add_argument("--prefill-max-num-batched-tokens", type=int, default=None,
-                   help="token budget of a prefill worker's step (default: 512 on CPU, where a smaller step "
+                   help="token budget of a prefill (or --colocated) worker's step (default: 512 on CPU, where a smaller step "
                         "gives a queue's first prompts their first token sooner; else --max-num-batched-tokens)")
 
     g = sub.add_parser("gateway", help="the HTTP gateway alone")

@@ -39,9 +39,10 @@ class Child:
 
 
 def prefill_budget(args: argparse.Namespace) -> int:
-    """Token budget of a prefill worker's step. On CPU, 512 tokens a step: matmuls of 512 rows
-    already run at full speed, and a queue's first prompts get their first token without waiting
-    for the prompts batched behind them (p99 TTFT 8.2 -> 4.3 s at 1 req/s in the 1P1D SLO sweep)."""
+    """Token budget of a prefill (or colocated) worker's step. On CPU, 512 tokens a step: matmuls
+    of 512 rows already run at full speed, and a queue's first prompts get their first token
+    without waiting for the prompts batched behind them (p99 TTFT 8.2 -> 4.3 s at 1 req/s in the
+    1P1D SLO sweep); a colocated worker's decodes wait behind at most 512 prompt tokens."""
     if args.prefill_max_num_batched_tokens:
         return args.prefill_max_num_batched_tokens
     if args.device == "cpu":
@@ -74,8 +75,9 @@ def plan_children(args: argparse.Namespace, run_dir: str) -> list[Child]:
     common = ["--gateway", gw_inbox] + engine_argv
     kv_mac = ["--kv-payload-mac", getattr(args, "kv_payload_mac", "auto")]
     if args.colocated:
+        budget = ["--max-num-batched-tokens", str(prefill_budget(args))]  # later flags win
         children.append(Child("colocated-0", py + ["colocated", "--bind", f"ipc://{run_dir}/colocated-0.sock"]
-                              + common + role_threads(None)))
+                              + common + budget + role_threads(None)))
         return children
     for i in range(args.prefill_workers):
         budget = ["--max-num-batched-tokens", str(prefill_budget(args))]  # later flags win
