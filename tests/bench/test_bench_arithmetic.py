@@ -83,3 +83,9 @@ def test_goal2_verdict_compares_capacity_and_tpot():
     assert "1.00x -> **not met**" in missed and "(not lower than llama.cpp)" in missed
     nobody = goal2_verdict({"pdserve-1P1D": server(None, 9.0), "vllm-cpu": server(None, 20.0)})[1]
     assert "capacity 0 req/s" in nobody and "-> **not met**; p99" in nobody  # no capacity is no win
+    # 2P1D is reported beside 1P1D, measured against colocated and the peers, never against 1P1D
+    both = goal2_verdict({"pdserve-1P1D": server(1.0, 9.0), "pdserve-2P1D": server(1.5, 12.0),
+                          "llama.cpp": server(1.0, 10.0)})
+    assert both[1].startswith("Goal 2: pdserve 1P1D") and "1.00x -> **not met**" in both[1]
+    assert both[3].startswith("Beside it, pdserve 2P1D") and "1.50x -> **met**" in both[3]
+    assert "(not lower than llama.cpp)" in both[3]
