@@ -23,14 +23,22 @@ import torch.nn.functional as F
 from torch import nn
 
 MIN_ROWS = 4  # oneDNN: a 4-row GEMM beats the 1-3 row GEMV on the same weights
+# oneDNN (primitive cache) and torch's ideep layer (LRU_CACHE_CAPACITY) each keep ~0.6 MB per
+# (rows, weight shape) seen, 1024 of them by default: prefill steps of every length grew a worker
+# by ~2.5 MB per new length, up to GBs. 64 entries keep decode's few shapes hot and cost a new
+# prefill length ~2 ms per weight shape (~3% of a 512-token step).
+ONEDNN_CACHE_ENTRIES = "64"
 PACK_ROWS_HINT = 32  # rows oneDNN blocks the weight for (hints 4, 32, 512 measured alike; 1 is 2x slower at 8 rows)
 
 
 @functools.lru_cache(maxsize=None)
 def onednn_linear_available() -> bool:
-    """Whether this torch has oneDNN's prepacked linear (a CPU build with mkldnn)."""
+    """Whether this torch has oneDNN's prepacked linear (a CPU build with mkldnn). Bounds its
+    shape caches first: both read their capacity from the environment at first use."""
     if not torch.backends.mkldnn.is_available():
         return False
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", ONEDNN_CACHE_ENTRIES)
+    os.environ.setdefault("LRU_CACHE_CAPACITY", ONEDNN_CACHE_ENTRIES)
     try:
         w = torch.ops.mkldnn._reorder_linear_weight(torch.ones(8, 4), PACK_ROWS_HINT)
         y = torch.ops.mkldnn._linear_pointwise(torch.ones(2, 4), w, None, "none", [], "")

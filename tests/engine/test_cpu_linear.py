@@ -39,3 +39,37 @@ def test_relayout_swaps_every_linear_and_picks_by_dtype():
     with torch.inference_mode():
         torch.testing.assert_close(model(x), want, atol=1e-5, rtol=1e-5)
     assert cpu_linear_kind(torch.bfloat16) == "transposed"  # oneDNN packing here is fp32 only
+
+
+def test_new_row_counts_do_not_grow_memory_without_bound():
+    """Every prefill step has a new token count; oneDNN's shape caches must stay bounded
+    (unbounded, 200 lengths x 2 weights grew a process by ~240 MB)."""
+    import os
+    import subprocess
+    import sys
+    if not onednn_linear_available():
+        pytest.skip("this torch has no oneDNN linear")
+    code = (
+        "import ctypes, torch\n"
+        "from torch import nn\n"
+        "from engine.models.cpu_linear import PackedLinear, onednn_linear_available\n"
+        "assert onednn_linear_available()\n"
+        "torch.set_num_threads(1)\n"
+        "rss = lambda: int(open('/proc/self/statm').read().split()[1]) * 4096 / 2**20\n"
+        "layers = [PackedLinear(nn.Linear(512, 1536)), PackedLinear(nn.Linear(1536, 512))]\n"
+        "with torch.inference_mode():\n"
+        "    for rows in range(300, 320):\n"  # warm up: allocator and caches at steady state
+        "        x = torch.randn(rows, 512)\n"
+        "        layers[1](layers[0](x))\n"
+        "    ctypes.CDLL('libc.so.6').malloc_trim(0)\n"
+        "    before = rss()\n"
+        "    for rows in range(320, 520):\n"
+        "        layers[1](layers[0](torch.randn(rows, 512)))\n"
+        "    ctypes.CDLL('libc.so.6').malloc_trim(0)\n"
+        "print(rss() - before)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env,
+                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert float(proc.stdout.strip()) < 120, f"grew {proc.stdout.strip()} MiB over 200 new row counts"
