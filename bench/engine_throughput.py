@@ -1,7 +1,7 @@
 """`pdserve bench-engine`: prefill and decode tokens/s of the engine at batch 1, 8, 32, each
 beside the machine's matmul FLOP/s and memcpy GB/s measured in the same run.
 
-    prefill MFU      = 2 * params * tokens / time / matmul FLOP/s
+    prefill MFU      = 2 * decoder-layer params * tokens / time / matmul FLOP/s
     decode bandwidth = (weight bytes + KV bytes read) per step / step time / memcpy GB/s
 """
 from __future__ import annotations
@@ -79,8 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     mc = engine.model_config
     with torch.device("meta"):  # the dense model's counts (CPU layouts may hold extra weight copies)
         dense = LlamaForCausalLM(mc, 16)
-    params = sum(p.numel() for n, p in dense.named_parameters() if "embed_tokens" not in n)
-    weight_bytes = sum(p.numel() for p in dense.parameters()) * engine.dtype.itemsize  # tied LM head: once
+    # FLOPs per prompt token: the decoder layers (logits are computed only where a token is sampled)
+    params = sum(p.numel() for n, p in dense.named_parameters() if not n.startswith(("embed_tokens", "lm_head")))
+    # bytes a decode step reads: the layers and the LM head (the embedding lookup reads a few rows)
+    weight_bytes = (params + mc.vocab_size * mc.hidden_size) * engine.dtype.itemsize
     kv_bytes_per_token = engine.kv_spec.bytes_per_block // engine.block_size
     if engine.device.type == "cuda":  # the device's own ceilings (copy counted read + write)
         from bench.gpu_kernels import device_copy_gbps, matmul_tflops
@@ -103,13 +105,13 @@ def main(argv: list[str] | None = None) -> int:
                      "decode_tokens_per_s": dec_tps, "decode_step_ms": t_dec * 1e3,
                      "decode_bw_util": step_bytes / t_dec / memcpy})
         engine.pool.assert_all_free()
-    result = {"model": mc.path, "params_non_embedding": params, "threads": torch.get_num_threads(),
+    result = {"model": mc.path, "params_decoder_layers": params, "threads": torch.get_num_threads(),
               "matmul_gflops": flops / 1e9, "memcpy_gbps": memcpy / 1e9,
               "prompt_len": args.prompt_len, "decode_context": args.context, "rows": rows}
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"model {mc.path}: {params / 1e6:.1f}M non-embedding params, {torch.get_num_threads()} threads")
+    print(f"model {mc.path}: {params / 1e6:.1f}M decoder-layer params, {torch.get_num_threads()} threads")
     print(f"{engine.device}: matmul {flops / 1e9:.1f} GFLOP/s {engine.dtype}, memcpy {memcpy / 1e9:.2f} GB/s (same run)")
     print(f"{'batch':>5} {'prefill tok/s':>14} {'MFU':>6} {'decode tok/s':>13} {'step ms':>8} {'BW util':>8}")
     for r in rows:
