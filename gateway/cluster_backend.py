@@ -113,12 +113,16 @@ class ClusterBackend(Backend):
             if info is None:
                 return
             stats = msg.stats if isinstance(msg, Heartbeat) else None
-            if self.table.upsert(info, stats) or info.worker_id not in self._outboxes:
+            joined = self.table.upsert(info, stats) or info.worker_id not in self._outboxes
+            if joined:
                 assert self._ctx is not None
                 self._forget_replaced(info)
                 self._outboxes[info.worker_id] = AsyncOutbox(self._ctx, self.auth, info.control_addr)
                 log.info("worker %s (%s) joined at %s", info.worker_id, info.role, info.control_addr)
-            if isinstance(msg, Register):
+            # Welcome goes out before any request can be routed to a new worker (same socket, so in
+            # order): a worker first heard by heartbeat (its heartbeat thread does not wait for a
+            # Welcome) would otherwise take requests with no route back for their outputs.
+            if joined or isinstance(msg, Register):
                 self._send(info.worker_id, Welcome(gateway_id=self.gateway_id, inbox_addr=self.inbox_addr))
 
     def _forget_replaced(self, info) -> None:
