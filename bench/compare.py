@@ -148,10 +148,10 @@ def goal2_verdict(results: dict) -> list[str]:
     """Goal 2: 1P1D capacity >= 1.25x the best of colocated and the peers, and a lower p99 TPOT
     than each of them at the lowest rate."""
     lines = []
+    others = {k: v for k, v in results.items()
+              if (k == "pdserve-colocated" or not k.startswith("pdserve")) and v.get("sweep")}
     for mine in ("pdserve-1P1D", "pdserve-2P1D"):  # the goal is 1P1D's; 2P1D is reported beside it
         ours = results.get(mine, {})
-        others = {k: v for k, v in results.items()
-                  if (k == "pdserve-colocated" or not k.startswith("pdserve")) and v.get("sweep")}
         if not ours.get("sweep") or not others:
             continue
         best_label, best = max(((k, v.get("capacity_req_s") or 0.0) for k, v in others.items()), key=lambda kv: kv[1])

@@ -47,7 +47,7 @@ class _WorkerCollector:
 
 class GatewayMetrics:
     def __init__(self, worker_stats: Callable[[], dict[str, WorkerStats]],
-                 routed_requests: Callable[[], dict[str, int]] = dict) -> None:
+                 routed_requests: Callable[[], dict[str, int]]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram("pdserve_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r)

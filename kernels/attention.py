@@ -72,7 +72,7 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         from kernels import triton_attention
         return triton_attention.paged_attention(query, key, value, kv_layer, meta, scale)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # [T, Hq, D]
-    if _native_decode(query, kv_layer, meta, scale, out):
-        torch_attention.attend_prefills(query, key, value, kv_layer, meta, scale, out)
-        return out
-    return torch_attention.paged_attention(query, key, value, kv_layer, meta, scale)
+    if not _native_decode(query, kv_layer, meta, scale, out):
+        torch_attention.attend_decodes(query, kv_layer, meta, scale, out)
+    torch_attention.attend_prefills(query, key, value, kv_layer, meta, scale, out)
+    return out

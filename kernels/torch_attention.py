@@ -105,11 +105,17 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """query [T, Hq, D]; key/value [T, Hkv, D] (this step's, already stored) -> out [T, Hq, D]."""
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # [T, Hq, D]
+    attend_decodes(query, kv_layer, meta, scale, out)
+    attend_prefills(query, key, value, kv_layer, meta, scale, out)
+    return out
+
+
+def attend_decodes(query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float,
+                   out: torch.Tensor) -> None:
+    """The decode sequences (the first num_decode_seqs) of paged_attention, into out [T, Hq, D]."""
     nd = meta.num_decode_seqs
     if nd:
         _decode(query[:nd], kv_layer, meta, scale, out[:nd])
-    attend_prefills(query, key, value, kv_layer, meta, scale, out)
-    return out
 
 
 def attend_prefills(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

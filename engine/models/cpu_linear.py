@@ -11,7 +11,7 @@ step at one thread, 15.1 vs 19.0 at two), so that copy is kept too unless the li
 are over 1/8 of the machine's memory (then one-row steps pad to 4 and read the packed weight).
 
 `TransposedLinear` (fallback: other dtypes, or a torch built without oneDNN): the weight stored
-[in, out], `x @ W_t`; MKL's GEMV on the usual [out, in] layout reads weights at ~11 GB/s.
+[in, out], `x @ W_t` (MKL's GEMV is slower on the usual [out, in] layout; docs/benchmarks/engine.md).
 """
 from __future__ import annotations
 
