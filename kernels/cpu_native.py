@@ -32,8 +32,12 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
 # -ffast-math for the compile step only (vectorised expf and dot-product reductions); linking
 # without it keeps crtfastmath.o (which would flush denormals process-wide) out of the library.
-COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-std=c11"]
-LINK_FLAGS = ["-shared", "-lm", "-lpthread"]
+# gnu11, not c11: ISO C mode turns off FMA contraction.
+COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-std=gnu11"]
+LINK_FLAGS = ["-shared", "-lm"]
+# OpenMP threads come from torch's own libgomp (same soname, already loaded); a compiler
+# without OpenMP still builds the kernel, single-threaded.
+OPENMP_FLAGS = ["-fopenmp"]
 
 
 def _cpu_id() -> str:
@@ -50,20 +54,31 @@ def _cache_dir() -> Path:
     return Path(root) / "pdserve" / "kernels"
 
 
-def _build(cc: str) -> Path:
+def _build(cc: str, openmp: bool) -> Path:
     src = SOURCE.read_bytes()
-    key = hashlib.sha256(src + " ".join([cc, *COMPILE_FLAGS, *LINK_FLAGS]).encode() + _cpu_id().encode())
+    extra = OPENMP_FLAGS if openmp else []
+    key = hashlib.sha256(src + " ".join([cc, *COMPILE_FLAGS, *LINK_FLAGS, *extra]).encode() + _cpu_id().encode())
     out = _cache_dir() / f"{SOURCE.stem}-{key.hexdigest()[:16]}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:  # workers may build at once: rename is atomic
         obj, lib = Path(tmp) / "k.o", Path(tmp) / "k.so"
-        subprocess.run([cc, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(obj)], check=True,
+        subprocess.run([cc, *COMPILE_FLAGS, *extra, "-c", str(SOURCE), "-o", str(obj)], check=True,
                        capture_output=True, timeout=120)
-        subprocess.run([cc, str(obj), "-o", str(lib), *LINK_FLAGS], check=True, capture_output=True, timeout=120)
+        subprocess.run([cc, str(obj), "-o", str(lib), *LINK_FLAGS, *extra], check=True, capture_output=True,
+                       timeout=120)
         os.replace(lib, out)
     return out
+
+
+def _build_any(cc: str) -> Path:
+    try:
+        return _build(cc, openmp=True)
+    except subprocess.SubprocessError as e:
+        log.warning("no OpenMP with %s (%s): the CPU decode-attention kernel runs on one thread", cc,
+                    (getattr(e, "stderr", b"") or b"").decode(errors="replace")[-300:])
+        return _build(cc, openmp=False)
 
 
 @functools.lru_cache(maxsize=None)
@@ -73,7 +88,7 @@ def _library() -> ctypes.CDLL | None:
         log.warning("no C compiler found: CPU decode attention stays on the torch path (gathers KV)")
         return None
     try:
-        lib = ctypes.CDLL(str(_build(cc)))
+        lib = ctypes.CDLL(str(_build_any(cc)))
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", b"") or b""
         log.warning("building the CPU decode-attention kernel failed (%s %s): using the torch path",

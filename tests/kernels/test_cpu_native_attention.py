@@ -79,9 +79,11 @@ def test_threads_split_the_work_identically(ctx):
 
 
 @needs_kernel
-def test_shapes_over_the_limits_fall_back_to_torch():
-    """More than 32 query heads per KV head: the kernel refuses, dispatch still answers."""
-    case = make_case([(1, 9), (1, 20)], 2, 40, 1, 16, 16, seed=23)
+@pytest.mark.parametrize("hq,hkv,d", [(40, 1, 16), (4, 2, 20)])
+def test_shapes_over_the_limits_fall_back_to_torch(hq, hkv, d):
+    """More than 32 query heads per KV head, or a head_dim not a multiple of 8: the kernel
+    refuses, dispatch still answers."""
+    case = make_case([(1, 9), (1, 20)], 2, hq, hkv, d, 16, seed=23)
     out = torch.empty_like(case.query)
     assert not cpu_native.paged_decode_attention(case.query, case.kv_layer, case.meta.block_tables,
                                                  case.meta.context_lens, case.scale, out)
