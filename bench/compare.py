@@ -4,7 +4,8 @@ Starts each server in turn on the same model folder (pdserve 1P1D, 2P1D and colo
 llama.cpp, transformers serve), warms each up with an untimed burst, runs the same workloads,
 and writes JSON, PNG plots and a Markdown report with each goal marked met or not.
 
-  burst  : 32 requests at once, input 128-512, output 64-128 tokens, greedy, ignore_eos.
+  burst  : 32 requests at once, input 128-512, output 64-128 tokens, greedy, ignore_eos; the
+           median of --burst-repeats runs (fresh prompts each) is reported.
            FLOP bound = 2 x params x (input + output tokens) / matmul FLOP/s of this run.
   sweep  : Poisson arrivals, input 256-1024, output 32-64, SLOs TTFT <= 2 s and TPOT <= 60 ms;
            capacity = highest rate with >= 90% of requests meeting both (fresh prompts per rate).
@@ -54,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", default="burst,sweep")
     ap.add_argument("--rates", default="0.5,0.75,1,1.25,1.5,2")
     ap.add_argument("--sweep-prompts", type=int, default=32, help="requests per sweep rate")
+    ap.add_argument("--burst-repeats", type=int, default=3, help="bursts per server; the median is reported")
     ap.add_argument("--vllm-python", default=os.environ.get("PDSERVE_VLLM_PYTHON"))
     ap.add_argument("--llama-server", default=os.environ.get("PDSERVE_LLAMA_SERVER"))
     ap.add_argument("--gguf", default=os.environ.get("PDSERVE_GGUF"))
@@ -116,16 +118,19 @@ def run_server(label, base, model_name, tokenizer, args, workloads, params, igno
     warm = _burst_args(args.model, base, ["--num-prompts", "8", "--label", label], ignore_eos)
     _bench(warm, model_name, tokenizer, float("inf"), 99, (64, 128))  # untimed warm-up burst
     if "burst" in workloads:
-        burst = _burst_args(args.model, base, ["--label", label], ignore_eos)
-        r = _bench(burst, model_name, tokenizer, float("inf"), 1, (64, 128))
-        gflops = measure_matmul_gflops()  # same run, between bursts
-        tokens = r["total_input_tokens"] + r["total_output_tokens"]
-        r["flop_bound_s"] = 2 * params * tokens / (gflops * 1e9)
-        r["x_flop_bound"] = r["duration"] / r["flop_bound_s"] if tokens else float("inf")
-        r["matmul_gflops"] = gflops
-        res["burst"] = r
-        print(f"{label} burst: {r['output_throughput']:.1f} output tok/s, {r['x_flop_bound']:.2f}x FLOP bound, "
-              f"{r['failed']} failed", flush=True)
+        runs = []
+        for k in range(args.burst_repeats):  # fresh prompts each time: no prefix cache helps
+            burst = _burst_args(args.model, base, ["--label", label], ignore_eos)
+            r = _bench(burst, model_name, tokenizer, float("inf"), 1 + k, (64, 128))
+            gflops = measure_matmul_gflops()  # same run, between bursts
+            tokens = r["total_input_tokens"] + r["total_output_tokens"]
+            r["flop_bound_s"] = 2 * params * tokens / (gflops * 1e9)
+            r["x_flop_bound"] = r["duration"] / r["flop_bound_s"] if tokens else float("inf")
+            r["matmul_gflops"] = gflops
+            runs.append(r)
+            print(f"{label} burst {k + 1}/{args.burst_repeats}: {r['output_throughput']:.1f} output tok/s, "
+                  f"{r['x_flop_bound']:.2f}x FLOP bound, {r['failed']} failed", flush=True)
+        res["burst"] = median_burst(runs)
     if "sweep" in workloads:
         runs = []
         for i, rate in enumerate(float(x) for x in args.rates.split(",")):
@@ -142,6 +147,15 @@ def run_server(label, base, model_name, tokenizer, args, workloads, params, igno
         res["sweep"] = runs
         res["capacity_req_s"] = capacity([(r["request_rate"], r["goodput_attainment"]) for r in runs])
     return res
+
+
+def median_burst(runs: list[dict]) -> dict:
+    """The run with the median output tokens/s, carrying every run's figures in `runs`: on a
+    shared VM one burst moves by +-10% from run to run, more than the gaps being judged."""
+    ranked = sorted(runs, key=lambda r: r["output_throughput"])
+    med = dict(ranked[len(ranked) // 2])
+    med["runs"] = [{k: r[k] for k in ("output_throughput", "duration", "x_flop_bound", "failed")} for r in runs]
+    return med
 
 
 def goal2_verdict(results: dict) -> list[str]:
@@ -175,16 +189,20 @@ def write_report(out: Path, results: dict, args) -> None:
              f"Model: `{args.model}`. Command: `pdserve bench-compare --model MODEL --out {args.out}` "
              "(peers from PDSERVE_VLLM_PYTHON, PDSERVE_LLAMA_SERVER + PDSERVE_GGUF, PDSERVE_HF_PYTHON).", "",
              "## Burst: 32 requests, input 128-512, output 64-128, greedy", "",
-             "| server | output tok/s | duration s | x FLOP bound | failed |", "|---|---:|---:|---:|---:|"]
+             f"Median of {args.burst_repeats} bursts (fresh prompts each), every run listed.", "",
+             "| server | output tok/s | duration s | x FLOP bound | failed | every run, tok/s |",
+             "|---|---:|---:|---:|---:|---|"]
     best_peer = 0.0
     for label, res in results.items():
         b = res.get("burst")
         if b:
-            lines.append(f"| {label} | {b['output_throughput']:.1f} | {b['duration']:.2f} | {b['x_flop_bound']:.2f} | {b['failed']} |")
+            every = ", ".join(f"{r['output_throughput']:.0f}" for r in b.get("runs", [b]))
+            lines.append(f"| {label} | {b['output_throughput']:.1f} | {b['duration']:.2f} | {b['x_flop_bound']:.2f} "
+                         f"| {b['failed']} | {every} |")
             if not label.startswith("pdserve"):
                 best_peer = max(best_peer, b["output_throughput"])
         else:
-            lines.append(f"| {label} | - | - | - | {res.get('skipped') or res.get('failed', '')} |")
+            lines.append(f"| {label} | - | - | - | {res.get('skipped') or res.get('failed', '')} | |")
     for mine in ("pdserve-1P1D", "pdserve-2P1D", "pdserve-colocated"):
         ours = results.get(mine, {}).get("burst")
         if ours and best_peer:
