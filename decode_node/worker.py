@@ -12,6 +12,8 @@ error at once and frees its lease: KvDone is P's last message for it.
 (default: the bound one), e.g. a NAT/forwarded address or a test's fault-injection relay.
 `kv_payload_mac` ("auto", "on", "off"): require an HMAC tag over each KV payload's bytes
 (kvtransfer/wire.py); auto = on when the KV inbox is tcp://.
+`idle_threads`: torch threads for steps taken while no prefill for this worker is in flight
+(decode_node/thread_lending.py); default: the worker's thread count, i.e. no lending.
 """
 from __future__ import annotations
 
@@ -19,8 +21,10 @@ import logging
 import signal
 import time
 
+import torch
 import zmq
 
+from decode_node.thread_lending import ThreadLending
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.worker_runtime import WorkerRuntime, describe_worker, engine_stats, stall_for_tests
@@ -41,7 +45,7 @@ class DecodeWorker:
     def __init__(self, config: EngineConfig, auth: FrameAuth, control_bind: str, kv_bind: str,
                  gateway_addrs: list[str], *, shared_memory: bool = True, host: str = "127.0.0.1",
                  lease_ttl_s: float = DEFAULT_LEASE_TTL_S, kv_advertise: str | None = None,
-                 kv_payload_mac: str = "auto") -> None:
+                 kv_payload_mac: str = "auto", idle_threads: int | None = None) -> None:
         self._shm: SharedTensor | None = None
 
         def shm_allocator(shape, dtype):
@@ -66,6 +70,8 @@ class DecodeWorker:
         self.admitted_at: dict[str, float] = {}
         self._stop = False
         self._last_progress = time.monotonic()
+        busy = torch.get_num_threads()
+        self.threads = ThreadLending(busy, max(busy, idle_threads or busy))
 
     @property
     def worker_id(self) -> str:
@@ -167,6 +173,7 @@ class DecodeWorker:
     def step(self) -> None:
         self.rt.mark_step()
         stall_for_tests("decode")
+        self.threads.update(prefills_in_flight=self.leases.num_active)
         now = time.monotonic()
         for out in self.engine.step():
             timings = None

@@ -21,6 +21,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch threads per prefill worker (default: --threads, else cores / workers)")
     s.add_argument("--decode-threads", type=int, default=None,
                    help="torch threads per decode worker (default: --threads, else cores / workers)")
+    s.add_argument("--decode-idle-threads", type=int, default=None,
+                   help="torch threads per decode worker while no prefill for it is in flight: it borrows "
+                        "the prefill cores then (default: cores / decode workers; = --decode-threads: off)")
     s.add_argument("--host", default="127.0.0.1", help="HTTP bind address (loopback by default)")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--kv-transport", default="auto", choices=["auto", "shm", "zmq-ipc", "zmq-tcp"])
@@ -68,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
             w.add_argument("--kv-bind", default="tcp://127.0.0.1:0", help="inbox for KV frames")
             w.add_argument("--no-shm", action="store_true", help="plain (not shared) KV memory")
             w.add_argument("--lease-ttl", type=float, default=30.0, help="seconds a KV lease stays valid")
+            w.add_argument("--idle-threads", type=int, default=None,
+                           help="torch threads while no prefill for this worker is in flight, borrowing "
+                                "the prefill pool's cores on a shared machine (default: --threads)")
         if role in ("prefill", "decode"):
             roles.add_kv_args(w, role)
         w.set_defaults(func=fn)

@@ -60,7 +60,8 @@ def run_decode(args: argparse.Namespace) -> int:
     from decode_node.worker import DecodeWorker
     DecodeWorker(engine_config(args), _auth(), args.bind, args.kv_bind, args.gateway,
                  shared_memory=not args.no_shm, host=_host(args), lease_ttl_s=args.lease_ttl,
-                 kv_advertise=args.kv_advertise, kv_payload_mac=args.kv_payload_mac).run()
+                 kv_advertise=args.kv_advertise, kv_payload_mac=args.kv_payload_mac,
+                 idle_threads=args.idle_threads).run()
     return 0
 
 

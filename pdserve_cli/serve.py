@@ -84,13 +84,15 @@ def plan_children(args: argparse.Namespace, run_dir: str) -> list[Child]:
         children.append(Child(f"prefill-{i}", py + ["prefill", "--bind", f"ipc://{run_dir}/prefill-{i}.sock"]
                               + common + kv_mac + budget + role_threads(args.prefill_threads),
                               nice=args.prefill_nice))
+    decode_threads = int(role_threads(args.decode_threads)[1])
+    idle_threads = args.decode_idle_threads or max(decode_threads, (os.cpu_count() or 1) // args.decode_workers)
     for i in range(args.decode_workers):
         kv_bind = "tcp://127.0.0.1:0" if args.kv_transport == "zmq-tcp" else f"ipc://{run_dir}/decode-{i}-kv.sock"
         extra = ["--no-shm"] if args.kv_transport in ("zmq-ipc", "zmq-tcp") else []
         children.append(Child(f"decode-{i}", py + ["decode", "--bind", f"ipc://{run_dir}/decode-{i}.sock",
                                                   "--kv-bind", kv_bind, "--lease-ttl", str(args.lease_ttl)]
                               + extra + common + kv_mac
-                              + role_threads(args.decode_threads)))
+                              + role_threads(args.decode_threads) + ["--idle-threads", str(idle_threads)]))
     return children
 
 

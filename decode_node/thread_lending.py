@@ -1,0 +1,38 @@
+"""Decode threads that borrow the prefill pool's cores while no prefill is in flight for them.
+
+On one machine shared by both pools (`pdserve serve`), a decode worker pinned to its share of
+the cores leaves the prefill share idle whenever nothing is being prefilled: the tail of a burst,
+or any lull between arrivals. Every prefill for this worker holds a KV lease on it from the
+reservation until its KV has landed, so "no lease active" means no prefill here needs the cores
+now; the worker then steps with `idle` threads, and goes back to `busy` at its next step once a
+reservation arrives (an OpenMP step split over a core a prefill is also using waits at every
+barrier for the slower half, so lending only while the cores are free is what makes it pay).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class ThreadLending:
+    def __init__(self, busy: int, idle: int) -> None:
+        if busy < 1 or idle < busy:
+            raise ValueError(f"idle threads ({idle}) must be >= busy threads ({busy}) >= 1")
+        self.busy, self.idle = busy, idle
+        self.current = torch.get_num_threads()
+        self.switches = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.idle > self.busy
+
+    def update(self, prefills_in_flight: int) -> None:
+        """Before a step: `idle` threads when no prefill for this worker is in flight, else `busy`."""
+        want = self.idle if prefills_in_flight == 0 else self.busy
+        if want != self.current:
+            torch.set_num_threads(want)
+            self.current = want
+            self.switches += 1

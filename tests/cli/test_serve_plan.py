@@ -1,0 +1,32 @@
+"""`pdserve serve` splits the machine's cores between the pools it starts."""
+from __future__ import annotations
+
+import pytest
+
+from pdserve_cli import serve
+from pdserve_cli.main import build_parser
+
+
+def plan(tmp_path, monkeypatch, cores: int, *flags: str) -> dict[str, list[str]]:
+    monkeypatch.setattr(serve.os, "cpu_count", lambda: cores)
+    args = build_parser().parse_args(["serve", "--model", str(tmp_path), *flags])
+    return {c.name: c.argv for c in serve.plan_children(args, str(tmp_path))}
+
+
+def flag(argv: list[str], name: str) -> str | None:
+    return argv[len(argv) - 1 - argv[::-1].index(name) + 1] if name in argv else None  # the last one wins
+
+
+@pytest.mark.parametrize("cores,threads,idle", [(2, "1", "2"), (8, "4", "8")])
+def test_1p1d_splits_cores_and_decode_borrows_them_when_idle(tmp_path, monkeypatch, cores, threads, idle):
+    children = plan(tmp_path, monkeypatch, cores)
+    assert flag(children["prefill-0"], "--threads") == threads
+    assert flag(children["decode-0"], "--threads") == threads
+    assert flag(children["decode-0"], "--idle-threads") == idle
+
+
+def test_lending_can_be_turned_off_and_is_per_decode_worker(tmp_path, monkeypatch):
+    children = plan(tmp_path, monkeypatch, 8, "--decode-idle-threads", "2", "--decode-threads", "2")
+    assert flag(children["decode-0"], "--idle-threads") == "2"
+    children = plan(tmp_path, monkeypatch, 8, "--decode-workers", "2")
+    assert flag(children["decode-1"], "--idle-threads") == "4"  # 8 cores / 2 decode workers
