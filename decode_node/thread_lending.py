@@ -33,6 +33,7 @@ class ThreadLending:
         """Before a step: `idle` threads when no prefill for this worker is in flight, else `busy`."""
         want = self.idle if prefills_in_flight == 0 else self.busy
         if want != self.current:
+            log.debug("decode step threads %d -> %d (%d prefills in flight)", self.current, want, prefills_in_flight)
             torch.set_num_threads(want)
             self.current = want
             self.switches += 1
