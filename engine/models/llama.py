@@ -27,6 +27,7 @@ class ForwardContext:
     kv_cache: torch.Tensor  # [L, 2, N, bs, Hkv, D]
     # Called after layer l stored its KV (prefill workers stream KV from here).
     on_layer_stored: Callable[[int], None] | None = None
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [T, 1, D]; set by the model per step
 
 
 class RMSNorm(nn.Module):
@@ -57,11 +58,11 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         T = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (Hq + 2Hkv) * D]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)  # [T, Hq, D]
-        k = k.view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = qk.view(T, self.num_heads + self.num_kv_heads, self.head_dim)  # [T, Hq + Hkv, D]
         v = v.view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        q, k = self.rotary(positions, q, k)
+        cos, sin = ctx.rope if ctx.rope is not None else self.rotary.tables(positions, x.dtype)
+        q, k = self.rotary.rotate(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)  # q and k in one go
         kv_layer = ctx.kv_cache[self.layer]  # [2, N, bs, Hkv, D]
         kernels.store_kv(k, v, kv_layer, ctx.slot_mapping)
         if ctx.on_layer_stored is not None:
@@ -129,6 +130,7 @@ class LlamaForCausalLM(nn.Module):
                 logits_indices: torch.Tensor) -> torch.Tensor:
         """input_ids/positions [T] -> logits [S, V] for the S rows in `logits_indices`."""
         x = self.embed_tokens(input_ids)  # [T, H]
+        ctx.rope = self.rotary.tables(positions, x.dtype)
         for layer in self.layers:
             x = layer(x, positions, ctx)
         x = self.norm(x[logits_indices])  # [S, H]; norm is per-token, so select first
