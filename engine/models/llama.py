@@ -15,7 +15,7 @@ from torch import nn
 import kernels
 from engine.config import ModelConfig
 from engine.models.cpu_linear import cpu_linear_kind, gemv_copy_fits, relayout_linears
-from engine.models.rotary import RotaryEmbedding
+from engine.models.rotary import RotaryEmbedding, rotate
 
 
 @dataclass
@@ -27,7 +27,8 @@ class ForwardContext:
     kv_cache: torch.Tensor  # [L, 2, N, bs, Hkv, D]
     # Called after layer l stored its KV (prefill workers stream KV from here).
     on_layer_stored: Callable[[int], None] | None = None
-    rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [T, 1, D]; set by the model per step
+
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, 1, D]: this step's tokens, shared by every layer
 
 
 class RMSNorm(nn.Module):
@@ -44,7 +45,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -52,17 +53,15 @@ class Attention(nn.Module):
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.rotary = rotary
         self.scale = cfg.head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, ctx: ForwardContext) -> torch.Tensor:
         T = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (Hq + 2Hkv) * D]
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = qk.view(T, self.num_heads + self.num_kv_heads, self.head_dim)  # [T, Hq + Hkv, D]
         v = v.view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        cos, sin = ctx.rope if ctx.rope is not None else self.rotary.tables(positions, x.dtype)
-        q, k = self.rotary.rotate(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)  # q and k in one go
+        q, k = rotate(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)  # q and k in one go
         kv_layer = ctx.kv_cache[self.layer]  # [2, N, bs, Hkv, D]
         kernels.store_kv(k, v, kv_layer, ctx.slot_mapping)
         if ctx.on_layer_stored is not None:
@@ -84,15 +83,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer, rotary)
+        self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, ctx)
+    def forward(self, x: torch.Tensor, rope: Rope, ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -100,9 +99,9 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.cfg = cfg
-        self.rotary = rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -130,8 +129,8 @@ class LlamaForCausalLM(nn.Module):
                 logits_indices: torch.Tensor) -> torch.Tensor:
         """input_ids/positions [T] -> logits [S, V] for the S rows in `logits_indices`."""
         x = self.embed_tokens(input_ids)  # [T, H]
-        ctx.rope = self.rotary.tables(positions, x.dtype)
+        rope = self.rotary.tables(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, positions, ctx)
+            x = layer(x, rope, ctx)
         x = self.norm(x[logits_indices])  # [S, H]; norm is per-token, so select first
         return self.lm_head(x).float()  # [S, V]

@@ -50,15 +50,10 @@ class RotaryEmbedding(nn.Module):
         """cos, sin [T, 1, D] for positions [T]: gathered once per step, shared by every layer."""
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
-    @staticmethod
-    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, H, D] (any heads: q and k together) rotated by its tokens' cos, sin [T, 1, D]."""
-        return x * cos + _rotate_half(x) * sin
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.tables(positions, q.dtype)
-        return self.rotate(q, cos, sin), self.rotate(k, cos, sin)
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] (any heads: q and k together) rotated by its tokens' cos, sin [T, 1, D]."""
+    return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
