@@ -36,9 +36,10 @@ def _choice() -> str:
     return choice
 
 
-def use_triton(t: torch.Tensor) -> bool:
-    """The backend for tensor `t`: env override, else Triton on CUDA when triton is installed."""
-    choice = _choice()
+def use_triton(t: torch.Tensor, choice: str | None = None) -> bool:
+    """The backend for tensor `t`: env override (`choice`, read now if not given), else Triton on
+    CUDA when triton is installed."""
+    choice = _choice() if choice is None else choice
     if choice == "torch":
         return False
     if choice == "triton":
@@ -47,10 +48,10 @@ def use_triton(t: torch.Tensor) -> bool:
 
 
 def _native_decode(query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata,
-                   scale: float, out: torch.Tensor) -> bool:
+                   scale: float, out: torch.Tensor, choice: str) -> bool:
     """Decode sequences through the C kernel when allowed and it can take them."""
     nd = meta.num_decode_seqs
-    if not nd or _choice() not in ("", "auto") or not cpu_native.can_run(query, kv_layer):
+    if not nd or choice not in ("", "auto") or not cpu_native.can_run(query, kv_layer):
         return False
     return cpu_native.paged_decode_attention(query[:nd], kv_layer, meta.block_tables, meta.context_lens,
                                              scale, out[:nd])
@@ -68,11 +69,12 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor,
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """query [T, Hq, D], this step's key/value [T, Hkv, D] (already stored) -> out [T, Hq, D]."""
-    if use_triton(query):
+    choice = _choice()  # read once per call
+    if use_triton(query, choice):
         from kernels import triton_attention
         return triton_attention.paged_attention(query, key, value, kv_layer, meta, scale)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # [T, Hq, D]
-    if not _native_decode(query, kv_layer, meta, scale, out):
+    if not _native_decode(query, kv_layer, meta, scale, out, choice):
         torch_attention.attend_decodes(query, kv_layer, meta, scale, out)
     torch_attention.attend_prefills(query, key, value, kv_layer, meta, scale, out)
     return out

@@ -40,13 +40,13 @@ static inline float hsum8(v8 a) {
 }
 
 typedef struct {
-    const float *q;            /* [n, Hq, D] */
+    const float *q;            /* [n, Hq, D], rows q_stride floats apart */
     const float *k;            /* [N*bs, Hkv, D] token rows */
     const float *v;            /* [N*bs, Hkv, D] token rows */
     const int32_t *tables;     /* [n, table_stride] block ids */
     const int32_t *ctx_lens;   /* [n] tokens to attend, this step's included */
     float *out;                /* [n, Hq, D] */
-    int64_t table_stride;
+    int64_t q_stride, table_stride;
     int hq, hkv, d, bs;
     float scale;
 } Job;
@@ -62,7 +62,7 @@ static inline __attribute__((always_inline)) void attend(const Job *j, int i, in
     float qs[MAX_H * MAX_D] __attribute__((aligned(32))), acc[MAX_H * MAX_D] __attribute__((aligned(32)));
     float s[MAX_H * MAX_BS], m[MAX_H], l[MAX_H], corr[MAX_H];
 
-    const float *qh = j->q + ((int64_t)i * j->hq + (int64_t)h0 * G) * D; /* [H, D] */
+    const float *qh = j->q + (int64_t)i * j->q_stride + (int64_t)h0 * G * D; /* [H, D] */
     for (int x = 0; x < H * D; x++) {
         qs[x] = qh[x] * j->scale;
         acc[x] = 0.0f;
@@ -130,7 +130,7 @@ static void attend_128(const Job *j, int i, int h0, int nh) { attend(j, i, h0, n
 static void attend_any(const Job *j, int i, int h0, int nh) { attend(j, i, h0, nh, j->d); }
 
 /* Returns 0, or -1 when a shape is over this kernel's limits (the caller falls back). */
-int paged_decode_attention_f32(const float *q, const float *kv, int64_t num_tokens_in_pool,
+int paged_decode_attention_f32(const float *q, int64_t q_stride, const float *kv, int64_t num_tokens_in_pool,
                                const int32_t *tables, int64_t table_stride, const int32_t *ctx_lens,
                                float *out, int n, int hq, int hkv, int d, int bs, float scale,
                                int nthreads) {
@@ -139,7 +139,8 @@ int paged_decode_attention_f32(const float *q, const float *kv, int64_t num_toke
     int per = hkv;
     while (per > 1 && (per * (hq / hkv) > MAX_H || (int64_t)n * (hkv / per) < nthreads || hkv % per))
         per--;
-    const Job job = {q, kv, kv + num_tokens_in_pool * hkv * d, tables, ctx_lens, out, table_stride, hq, hkv, d, bs, scale};
+    const Job job = {q, kv, kv + num_tokens_in_pool * hkv * d, tables, ctx_lens, out, q_stride, table_stride,
+                     hq, hkv, d, bs, scale};
     void (*fn)(const Job *, int, int, int) = d == 64 ? attend_64 : d == 128 ? attend_128 : attend_any;
     const int per_seq = hkv / per, items = n * per_seq;
     if (nthreads > items) nthreads = items;

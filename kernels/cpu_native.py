@@ -96,7 +96,7 @@ def _library() -> ctypes.CDLL | None:
         return None
     fn = lib.paged_decode_attention_f32
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                    ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int]
     return lib
@@ -108,7 +108,7 @@ def available() -> bool:
 
 
 def can_run(query: torch.Tensor, kv_layer: torch.Tensor) -> bool:
-    """fp32 CPU tensors, the pool contiguous (queries are copied to contiguous rows if need be)."""
+    """fp32 CPU tensors, the pool contiguous (query rows may lie apart, as in the model's fused qkv; heads and head_dim must be dense, else they are copied)."""
     return (query.device.type == "cpu" and query.dtype == torch.float32 and kv_layer.dtype == torch.float32
             and kv_layer.is_contiguous() and available())
 
@@ -118,13 +118,14 @@ def paged_decode_attention(query: torch.Tensor, kv_layer: torch.Tensor, block_ta
     """query [n, Hq, D], kv_layer [2, N, bs, Hkv, D], block_tables [>=n, W] int32,
     context_lens [>=n] int32 -> out [n, Hq, D]. False when the kernel refuses the shapes
     (over its limits); the caller then takes the torch path. Runs without the GIL."""
-    query = query.contiguous()  # a view of the fused qkv projection in the model: [n, Hq, D] rows
     n, hq, d = query.shape
+    if query.stride(2) != 1 or query.stride(1) != d:  # rows may be apart (the model's fused qkv view)
+        query = query.contiguous()
     _, num_blocks, bs, hkv, _ = kv_layer.shape
     assert block_tables.dtype == torch.int32 and context_lens.dtype == torch.int32
     assert block_tables.is_contiguous() and context_lens.is_contiguous() and out.is_contiguous()
     rc = _library().paged_decode_attention_f32(
-        query.data_ptr(), kv_layer.data_ptr(), num_blocks * bs, block_tables.data_ptr(),
+        query.data_ptr(), query.stride(0), kv_layer.data_ptr(), num_blocks * bs, block_tables.data_ptr(),
         block_tables.stride(0), context_lens.data_ptr(), out.data_ptr(), n, hq, hkv, d, bs, scale,
         torch.get_num_threads())
     return rc == 0

@@ -45,6 +45,22 @@ def test_decode_matches_reference(bs, hq, hkv, d):
 
 
 @needs_kernel
+def test_query_rows_apart_as_in_the_fused_qkv():
+    """The model hands over q as a view of its qkv projection ([n, Hq, D] rows Hq + 2Hkv heads
+    apart): read in place, same result as contiguous rows."""
+    case = make_case([(1, c) for c in (9, 40, 17)], 3, 8, 2, 64, 16, seed=24)
+    nd = case.meta.num_decode_seqs
+    fused = torch.randn(nd, 8 + 2 * 2, 64)
+    fused[:, :8] = case.query[:nd]
+    strided = fused[:, :8]
+    assert not strided.is_contiguous()
+    out = torch.full_like(case.query[:nd], float("nan"))
+    assert cpu_native.paged_decode_attention(strided, case.kv_layer, case.meta.block_tables,
+                                             case.meta.context_lens, case.scale, out)
+    assert torch.equal(out, native_decode(case))
+
+
+@needs_kernel
 def test_mixed_batch_through_dispatch(monkeypatch):
     """kernels.paged_attention on the CPU: decodes through the kernel, prefill chunks through
     torch, one output."""
