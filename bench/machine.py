@@ -27,12 +27,13 @@ def measure_matmul_gflops(n: int = 2048, dtype: torch.dtype = torch.float32, rep
     """Dense square matmul FLOP/s (GFLOP/s) at the dtype the model runs in: the faster of torch's
     `mm` (MKL for fp32) and oneDNN with a prepacked weight (what the engine's CPU linears use;
     on AMD CPUs MKL falls well short of it), so MFU is taken against the best this machine does."""
-    from engine.models.cpu_linear import PACK_ROWS_HINT, onednn_linear_available
+    from engine.models.cpu_linear import PackedLinear, cpu_linear_kind
     a = torch.randn(n, n, dtype=dtype)
     b = torch.randn(n, n, dtype=dtype)
     best = _best_of(lambda: a @ b, repeat)
-    if dtype == torch.float32 and onednn_linear_available():
-        packed = torch.ops.mkldnn._reorder_linear_weight(b, PACK_ROWS_HINT)
-        best = min(best, _best_of(lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""),
-                                  repeat))
+    if cpu_linear_kind(dtype) == "packed":
+        dense = torch.nn.Linear(n, n, bias=False, dtype=dtype)
+        packed = PackedLinear(dense, gemv_copy=False)  # the engine's own CPU linear
+        with torch.inference_mode():
+            best = min(best, _best_of(lambda: packed(a), repeat))
     return 2 * n**3 / best / 1e9

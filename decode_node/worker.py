@@ -192,9 +192,10 @@ class DecodeWorker:
 
     def run(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "_stop", True))
-        log.info("decode worker %s on %s (kv %s, advertised %s, payload mac %s, shm %s)", self.worker_id,
-                 self.rt.control_addr, self.receiver.addr, self.rt.info.kv_addr, self.receiver.payload_mac,
-                 self._shm.name if self._shm else None)
+        log.info("decode worker %s on %s (kv %s, advertised %s, payload mac %s, shm %s, threads %d%s)",
+                 self.worker_id, self.rt.control_addr, self.receiver.addr, self.rt.info.kv_addr,
+                 self.receiver.payload_mac, self._shm.name if self._shm else None, self.threads.busy,
+                 f", {self.threads.idle} while no prefill is in flight" if self.threads.enabled else "")
         poller = zmq.Poller()
         poller.register(self.rt.inbox.socket, zmq.POLLIN)
         poller.register(self.receiver.socket, zmq.POLLIN)

