@@ -23,6 +23,7 @@ import httpx
 
 from bench.cli import build_parser, load_requests, run_once
 from bench.plots import plot_sweep
+from bench.server_cpu import CpuMeter, cpu_figures
 from bench.servers import free_port, hf_spec, llamacpp_spec, pdserve_specs, running, vllm_spec
 from bench.sweep import capacity
 
@@ -99,10 +100,11 @@ def main(argv: list[str] | None = None) -> int:
         base = f"http://127.0.0.1:{port_of(label)}"
         print(f"== {label}: starting", flush=True)
         try:
-            with running(spec, base, out / f"{label}.log"):
+            with running(spec, base, out / f"{label}.log") as proc:
                 model_name = spec.model_field or httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
+                meter = CpuMeter(proc.pid)  # the server runs in a session of its own: its sid is its pid
                 results[label] = run_server(label, base, model_name, tokenizer, args, workloads, params,
-                                            spec.accepts_ignore_eos)
+                                            spec.accepts_ignore_eos, meter)
         except (RuntimeError, TimeoutError) as e:
             print(f"{label} failed: {e}", flush=True)
             results[label] = {"failed": str(e)}
@@ -112,16 +114,24 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def run_server(label, base, model_name, tokenizer, args, workloads, params, ignore_eos: bool) -> dict:
+def run_server(label, base, model_name, tokenizer, args, workloads, params, ignore_eos: bool,
+               meter: CpuMeter) -> dict:
     from bench.machine import measure_matmul_gflops
     res: dict = {}
+    cores = os.cpu_count() or 1
+
+    def measured(bench_args, rate, seed, out_range):  # one run, with the server's CPU time beside it
+        meter.start()
+        r = _bench(bench_args, model_name, tokenizer, rate, seed, out_range)
+        r.update(cpu_figures(meter.stop(), r["completed"], r["duration"], cores))
+        return r
     warm = _burst_args(args.model, base, ["--num-prompts", "8", "--label", label], ignore_eos)
     _bench(warm, model_name, tokenizer, float("inf"), 99, (64, 128))  # untimed warm-up burst
     if "burst" in workloads:
         runs = []
         for k in range(args.burst_repeats):  # fresh prompts each time: no prefix cache helps
             burst = _burst_args(args.model, base, ["--label", label], ignore_eos)
-            r = _bench(burst, model_name, tokenizer, float("inf"), 1 + k, (64, 128))
+            r = measured(burst, float("inf"), 1 + k, (64, 128))
             gflops = measure_matmul_gflops()  # same run, between bursts
             tokens = r["total_input_tokens"] + r["total_output_tokens"]
             r["flop_bound_s"] = 2 * params * tokens / (gflops * 1e9)
@@ -138,10 +148,11 @@ def run_server(label, base, model_name, tokenizer, args, workloads, params, igno
                                             "--num-prompts", str(args.sweep_prompts), "--random-input-len", "640",
                                             "--random-range-ratio", "0.6", "--label", label,
                                             *(["--ignore-eos"] if ignore_eos else [])])
-            r = _bench(sw, model_name, tokenizer, rate, 1000 * (i + 1), (32, 64))
+            r = measured(sw, rate, 1000 * (i + 1), (32, 64))
             runs.append(r)
             print(f"{label} rate {rate:g}: attainment {r['goodput_attainment']:.2f}, p99 TTFT {r['p99_ttft_ms']:.0f} ms, "
-                  f"p99 TPOT {r['p99_tpot_ms']:.1f} ms", flush=True)
+                  f"p99 TPOT {r['p99_tpot_ms']:.1f} ms, server CPU {r['server_cpu_utilization']:.0%} of the machine, "
+                  f"{r['server_cpu_s_per_request']:.2f} core-s/request", flush=True)
             if r["goodput_attainment"] < 0.5:
                 break  # past capacity: higher rates only queue up
         res["sweep"] = runs
@@ -178,9 +189,18 @@ def goal1_verdict(results: dict) -> list[str]:
                         + (f"**met** by {', '.join(meeting)}." if meeting else "**not met**.")]
 
 
-def goal2_verdict(results: dict) -> list[str]:
+def least_cpu_per_request(runs: list[dict]) -> float | None:
+    """The least server CPU seconds per request over a sweep's runs (None: not measured). At low
+    rates idle threads and heartbeats weigh on few requests, so the busiest rate is usually least."""
+    costs = [r["server_cpu_s_per_request"] for r in runs if r.get("completed") and "server_cpu_s_per_request" in r]
+    return min(costs) if costs else None
+
+
+def goal2_verdict(results: dict, cores: int | None = None) -> list[str]:
     """Goal 2: 1P1D capacity >= 1.25x the best of colocated and the peers, and a lower p99 TPOT
-    than each of them at the lowest rate."""
+    than each of them at the lowest rate. Where CPU time was measured, it adds how many of the
+    machine's `cores` the target rate would keep busy at the server's own cost per request."""
+    cores = cores or os.cpu_count() or 1
     lines = []
     others = {k: v for k, v in results.items()
               if (k == "pdserve-colocated" or not k.startswith("pdserve")) and v.get("sweep")}
@@ -198,6 +218,12 @@ def goal2_verdict(results: dict) -> list[str]:
                       f"{ratio:.2f}x -> **{'met' if ratio >= 1.25 else 'not met'}**; p99 TPOT at the lowest rate "
                       f"{tpot:.1f} ms, lower than every other -> **{'met' if not worse else 'not met'}**"
                       + (f" (not lower than {', '.join(worse)})" if worse else "") + "."]
+        cost = least_cpu_per_request(ours["sweep"])
+        if cost and best:
+            need = 1.25 * best * cost  # cores busy at the target rate, at this server's own cost per request
+            lines += [f"At its least measured cost of {cost:.2f} core-s per request, 1.25x {best:g} req/s keeps "
+                      f"{need:.2f} cores busy; this machine has {cores}"
+                      + (" (the target is beyond this machine at that cost)." if need > cores else ".")]
     return lines
 
 
@@ -222,10 +248,17 @@ def write_report(out: Path, results: dict, args) -> None:
             lines.append(f"| {label} | - | - | - | {res.get('skipped') or res.get('failed', '')} | |")
     lines += goal1_verdict(results)
     lines += ["", "## Poisson sweep: input 256-1024, output 32-64, SLOs TTFT <= 2 s and TPOT <= 60 ms", "",
-              "| server | capacity req/s | p99 TPOT at lowest rate (ms) |", "|---|---:|---:|"]
+              "CPU-bound rate: the machine's cores over the server's least CPU seconds per request at any "
+              "rate of the sweep (all its processes, from /proc): no higher rate fits on this machine at "
+              "that cost, however the work is scheduled.", "",
+              "| server | capacity req/s | p99 TPOT at lowest rate (ms) | core-s per request | CPU-bound req/s |",
+              "|---|---:|---:|---:|---:|"]
     for label, res in results.items():
         if res.get("sweep"):
-            lines.append(f"| {label} | {res.get('capacity_req_s')} | {res['sweep'][0]['p99_tpot_ms']:.1f} |")
+            cost = least_cpu_per_request(res["sweep"])
+            cost_cells = f"{cost:.2f} | {(os.cpu_count() or 1) / cost:.2f}" if cost else "- | -"
+            lines.append(f"| {label} | {res.get('capacity_req_s')} | {res['sweep'][0]['p99_tpot_ms']:.1f} "
+                         f"| {cost_cells} |")
     lines += goal2_verdict(results)
     if rows:
         lines += ["", "![SLO attainment](slo_attainment.png) ![goodput](goodput.png)", "",

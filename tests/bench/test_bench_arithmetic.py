@@ -104,3 +104,20 @@ def test_goal1_verdict_needs_both_parts_from_one_configuration():
                            "llama.cpp": burst(100.0, 3.0)})
     assert split[-1].endswith("**not met**.")  # throughput from one, the bound from another: no
     assert goal1_verdict({"pdserve-1P1D": burst(130.0, 1.5)}) == []  # no peer measured: no verdict
+
+
+def test_goal2_verdict_weighs_the_target_against_the_machine():
+    from bench.compare import goal2_verdict, least_cpu_per_request
+
+    def server(cap, costs):
+        return {"capacity_req_s": cap, "sweep": [{"p99_tpot_ms": 20.0, "completed": 8, "server_cpu_s_per_request": c}
+                                                 for c in costs]}
+    sweep = server(1.0, [1.2, 0.9, 1.0])["sweep"]
+    assert least_cpu_per_request(sweep) == 0.9  # the busiest rate spreads idle overhead thinnest
+    assert least_cpu_per_request([{"completed": 0, "server_cpu_s_per_request": 0.1}]) is None
+    lines = goal2_verdict({"pdserve-1P1D": server(1.0, [1.0, 0.9]), "pdserve-colocated": server(2.0, [0.8])}, cores=2)
+    # 1.25 x 2.0 req/s x 0.9 core-s per request = 2.25 cores busy, more than 2
+    assert lines[2] == ("At its least measured cost of 0.90 core-s per request, 1.25x 2 req/s keeps 2.25 cores busy; "
+                        "this machine has 2 (the target is beyond this machine at that cost).")
+    fits = goal2_verdict({"pdserve-1P1D": server(1.0, [0.5]), "pdserve-colocated": server(1.0, [0.8])}, cores=2)
+    assert fits[2].endswith("keeps 0.62 cores busy; this machine has 2.")

@@ -22,5 +22,7 @@ def test_compare_writes_report_and_skips_missing_peers(tiny_llama, tmp_path):
     assert ours["burst"]["x_flop_bound"] > 0 and ours["sweep"][0]["request_rate"] == 16.0
     runs = ours["burst"]["runs"]  # every burst kept; the reported one is the median (upper of two)
     assert len(runs) == 2 and ours["burst"]["output_throughput"] == max(r["output_throughput"] for r in runs)
+    # the server's own processes (gateway + worker) took CPU, measured from /proc beside each run
+    assert ours["burst"]["server_cpu_s_per_request"] > 0 and 0 < ours["sweep"][0]["server_cpu_utilization"] <= 1.05
     report = (out / "README.md").read_text()
-    assert "| pdserve-colocated |" in report and (out / "slo_attainment.png").is_file()
+    assert "| pdserve-colocated |" in report and "core-s per request" in report and (out / "slo_attainment.png").is_file()

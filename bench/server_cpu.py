@@ -1,0 +1,64 @@
+"""CPU time a server spends, read from /proc: how much of the machine a workload really takes.
+
+`bench-compare` starts every server in a session of its own (start_new_session), so every
+process the server forks (pdserve's gateway and workers, a vLLM engine core) shares that session
+id; their user + system times summed give the server's CPU seconds. Divided by the requests
+served, that is its cost per request, and `cores / cost` the request rate at which it would keep
+every core busy: no server of that cost can hold a higher rate on this machine, whatever its
+scheduling. The time includes OpenMP threads spinning at barriers, which is CPU the server
+really took from the machine.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def _stat_fields(stat: str) -> list[str]:
+    """Fields of /proc/PID/stat after the command name (which may hold spaces and parentheses):
+    index 0 is field 3 (state) of proc(5)."""
+    return stat[stat.rindex(")") + 2:].split()
+
+
+def session_cpu_seconds(sid: int, proc: Path = Path("/proc")) -> float:
+    """User + system CPU seconds of every live process in session `sid`."""
+    total = 0
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = _stat_fields((entry / "stat").read_text())
+        except (OSError, ValueError):
+            continue  # exited between listing and reading
+        if int(fields[3]) == sid:  # field 6: session id
+            total += int(fields[11]) + int(fields[12])  # fields 14, 15: utime, stime (clock ticks)
+    return total / _CLK_TCK
+
+
+class CpuMeter:
+    """CPU seconds a session's processes take between `start()` and `stop()`.
+
+    A process that exits in between loses its time from the sum (its parent reaps it), so the
+    figure is for servers whose processes live through the measurement, as they do in a bench."""
+
+    def __init__(self, sid: int, proc: Path = Path("/proc")):
+        self.sid, self.proc = sid, proc
+        self._t0 = 0.0
+
+    def start(self) -> None:
+        self._t0 = session_cpu_seconds(self.sid, self.proc)
+
+    def stop(self) -> float:
+        return session_cpu_seconds(self.sid, self.proc) - self._t0
+
+
+def cpu_figures(cpu_s: float, completed: int, duration_s: float, cores: int) -> dict[str, float]:
+    """Result keys for one run: CPU seconds in all, per completed request, the share of the
+    machine taken, and the rate at which this cost per request would fill every core."""
+    per_request = cpu_s / completed if completed else float("inf")
+    return {"server_cpu_s": cpu_s,
+            "server_cpu_s_per_request": per_request,
+            "server_cpu_utilization": cpu_s / (duration_s * cores) if duration_s > 0 else 0.0,
+            "cpu_bound_req_s": cores / per_request if per_request > 0 else float("inf")}
