@@ -1,16 +1,19 @@
-"""The CPU decode-attention kernel in C (kernels/cpu_decode_attention.c): built with the
-machine's C compiler at first use, cached, loaded with ctypes.
+"""The CPU kernels in C, built with the machine's C compiler at first use, cached, loaded with
+ctypes:
+- kernels/cpu_decode_attention.c, decode attention. Batched decode attention in torch must first
+  gather each sequence's KV out of the paged pool into a dense tensor (SDPA takes no block
+  table), so every KV byte is read, written and read again; the kernel reads each K/V row once,
+  in place. At batch 32 x ~270 tokens of the bench model the gather alone was 8.5 of the 19 ms
+  of attention in a step (torch profiler, one thread); the kernel does the whole attention in
+  ~12 ms (docs/benchmarks/engine.md).
+- kernels/cpu_gemv.c, the one-row linear of a decode step at batch 1: MKL's GEMV does not go
+  faster with a second thread on this machine; this one splits the output columns between
+  threads (docs/benchmarks/engine.md).
 
-Why C: batched decode attention in torch must first gather each sequence's KV out of the
-paged pool into a dense tensor (SDPA takes no block table), so every KV byte is read, written
-and read again; the kernel reads each K/V row once, in place. At batch 32 x ~270 tokens of the
-bench model the gather alone was 8.5 of the 19 ms of attention in a step (torch profiler, one
-thread); the kernel does the whole attention in ~12 ms (docs/benchmarks/engine.md).
-
-Built as `<cache>/pdserve/kernels/cpu_decode_attention-<hash>.so`, the hash covering the source,
-the flags and this machine's CPU (the code is compiled for it: -march=native). With no compiler,
-or a failed build, `available()` is False and attention stays on the pure-torch path.
-`PDSERVE_ATTENTION=torch` also keeps it off.
+Each is built as `<cache>/pdserve/kernels/<name>-<hash>.so`, the hash covering the source, the
+flags and this machine's CPU (the code is compiled for it: -march=native). With no compiler, or
+a failed build, its `available()` is False and the torch path runs instead.
+`PDSERVE_ATTENTION=torch` keeps the attention kernel off.
 """
 from __future__ import annotations
 
@@ -29,7 +32,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
+ATTENTION_SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
+GEMV_SOURCE = Path(__file__).with_name("cpu_gemv.c")
 # -ffast-math for the compile step only (vectorised expf and dot-product reductions); linking
 # without it keeps crtfastmath.o (which would flush denormals process-wide) out of the library.
 # gnu11, not c11: ISO C mode turns off FMA contraction.
@@ -54,17 +58,17 @@ def _cache_dir() -> Path:
     return Path(root) / "pdserve" / "kernels"
 
 
-def _build(cc: str, openmp: bool) -> Path:
-    src = SOURCE.read_bytes()
+def _build(source: Path, cc: str, openmp: bool) -> Path:
+    src = source.read_bytes()
     extra = OPENMP_FLAGS if openmp else []
     key = hashlib.sha256(src + " ".join([cc, *COMPILE_FLAGS, *LINK_FLAGS, *extra]).encode() + _cpu_id().encode())
-    out = _cache_dir() / f"{SOURCE.stem}-{key.hexdigest()[:16]}.so"
+    out = _cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:  # workers may build at once: rename is atomic
         obj, lib = Path(tmp) / "k.o", Path(tmp) / "k.so"
-        subprocess.run([cc, *COMPILE_FLAGS, *extra, "-c", str(SOURCE), "-o", str(obj)], check=True,
+        subprocess.run([cc, *COMPILE_FLAGS, *extra, "-c", str(source), "-o", str(obj)], check=True,
                        capture_output=True, timeout=120)
         subprocess.run([cc, str(obj), "-o", str(lib), *LINK_FLAGS, *extra], check=True, capture_output=True,
                        timeout=120)
@@ -72,34 +76,65 @@ def _build(cc: str, openmp: bool) -> Path:
     return out
 
 
-def _build_any(cc: str) -> Path:
+def _build_any(source: Path, cc: str) -> Path:
     try:
-        return _build(cc, openmp=True)
+        return _build(source, cc, openmp=True)
     except subprocess.SubprocessError as e:
-        log.warning("no OpenMP with %s (%s): the CPU decode-attention kernel runs on one thread", cc,
-                    (getattr(e, "stderr", b"") or b"").decode(errors="replace")[-300:])
-        return _build(cc, openmp=False)
+        log.warning("no OpenMP with %s (%s): %s runs on one thread", cc,
+                    (getattr(e, "stderr", b"") or b"").decode(errors="replace")[-300:], source.name)
+        return _build(source, cc, openmp=False)
+
+
+@functools.lru_cache(maxsize=None)
+def _load(source: Path) -> ctypes.CDLL | None:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        log.warning("no C compiler found: %s is not built, its torch twin runs instead", source.name)
+        return None
+    try:
+        return ctypes.CDLL(str(_build_any(source, cc)))
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", b"") or b""
+        log.warning("building %s failed (%s %s): its torch twin runs instead",
+                    source.name, e, detail.decode(errors="replace")[-500:])
+        return None
 
 
 @functools.lru_cache(maxsize=None)
 def _library() -> ctypes.CDLL | None:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        log.warning("no C compiler found: CPU decode attention stays on the torch path (gathers KV)")
-        return None
-    try:
-        lib = ctypes.CDLL(str(_build_any(cc)))
-    except (OSError, subprocess.SubprocessError) as e:
-        detail = getattr(e, "stderr", b"") or b""
-        log.warning("building the CPU decode-attention kernel failed (%s %s): using the torch path",
-                    e, detail.decode(errors="replace")[-500:])
-        return None
-    fn = lib.paged_decode_attention_f32
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                   ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int]
+    lib = _load(ATTENTION_SOURCE)
+    if lib is not None:
+        fn = lib.paged_decode_attention_f32
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                       ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int]
     return lib
+
+
+@functools.lru_cache(maxsize=None)
+def _gemv_library() -> ctypes.CDLL | None:
+    lib = _load(GEMV_SOURCE)
+    if lib is not None:
+        lib.gemv_f32.restype = ctypes.c_int
+        lib.gemv_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    return lib
+
+
+def gemv_available() -> bool:
+    """Whether the one-row linear is built and loaded (tried once per process)."""
+    return _gemv_library() is not None
+
+
+def gemv(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [1, in] . weight_t [in, out] (+ bias [out]) -> [1, out]; fp32, contiguous, CPU
+    (callers check `gemv_available()` first). Runs without the GIL."""
+    n_in, n_out = weight_t.shape
+    assert x.shape == (1, n_in) and x.is_contiguous() and weight_t.is_contiguous()
+    y = torch.empty(1, n_out, dtype=torch.float32)
+    _gemv_library().gemv_f32(x.data_ptr(), weight_t.data_ptr(), None if bias is None else bias.data_ptr(),
+                             y.data_ptr(), n_in, n_out, torch.get_num_threads())
+    return y
 
 
 def available() -> bool:

@@ -6,9 +6,10 @@ blocked layout. torch's own fp32 `mm` goes to MKL, which on this machine's AMD E
 51-63 GFLOP/s at 32-512 rows against oneDNN's 86-105 (one thread, the bench model's shapes, all
 layers' weights in turn so they stream from memory as in a real step). oneDNN's 2-3 row case is
 slower than its 4-row GEMM, so such inputs are padded to 4 rows. One row (a decode step at batch
-1) is fastest as MKL's GEMV on an `[in, out]` copy of the weight (engine A/B: 11.4 vs 12.5 ms a
-step at one thread, 15.1 vs 19.0 at two), so that copy is kept too unless the linear weights
-are over 1/8 of the machine's memory (then one-row steps pad to 4 and read the packed weight).
+1) is fastest as a GEMV on an `[in, out]` copy of the weight (engine A/B: 11.4 vs 12.5 ms a step
+at one thread, 15.1 vs 19.0 at two, with MKL's GEMV; the C GEMV of kernels/cpu_gemv.c now runs
+it), so that copy is kept too unless the linear weights are over 1/8 of the machine's memory
+(then one-row steps pad to 4 and read the packed weight).
 
 `TransposedLinear` (fallback: other dtypes, or a torch built without oneDNN): the weight stored
 [in, out], `x @ W_t` (MKL's GEMV is slower on the usual [out, in] layout; docs/benchmarks/engine.md).
@@ -21,6 +22,8 @@ import os
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kernels import cpu_native
 
 MIN_ROWS = 4  # oneDNN: a 4-row GEMM beats the 1-3 row GEMV on the same weights
 # oneDNN (primitive cache) and torch's ideep layer (LRU_CACHE_CAPACITY) each keep ~0.6 MB per
@@ -71,14 +74,21 @@ class PackedLinear(nn.Module):
 
 
 class TransposedLinear(nn.Module):
-    """y = x @ weight_t (+ bias) with the weight stored [in, out]."""
+    """y = x @ weight_t (+ bias) with the weight stored [in, out]. One fp32 row goes to the C GEMV
+    (kernels/cpu_gemv.c: MKL's does not go faster with a second thread here, it does) when it
+    built and PDSERVE_CPU_GEMV is not `torch`."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.weight_t = nn.Parameter(linear.weight.detach().t().contiguous(), requires_grad=False)  # [in, out]
         self.bias = linear.bias
+        self.native_gemv = (self.weight_t.dtype == torch.float32 and self.weight_t.device.type == "cpu"
+                            and os.environ.get("PDSERVE_CPU_GEMV", "auto") != "torch" and cpu_native.gemv_available()
+                            and (self.bias is None or self.bias.is_contiguous()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native_gemv and x.shape[0] == 1 and x.dtype == torch.float32 and x.is_contiguous():
+            return cpu_native.gemv(x, self.weight_t, self.bias)  # [1, out]
         if self.bias is None:
             return x @ self.weight_t  # [T, out]
         return torch.addmm(self.bias, x, self.weight_t)  # [T, out]
