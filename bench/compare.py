@@ -189,11 +189,24 @@ def goal1_verdict(results: dict) -> list[str]:
                         + (f"**met** by {', '.join(meeting)}." if meeting else "**not met**.")]
 
 
-def least_cpu_per_request(runs: list[dict]) -> float | None:
-    """The least server CPU seconds per request over a sweep's runs (None: not measured). At low
-    rates idle threads and heartbeats weigh on few requests, so the busiest rate is usually least."""
-    costs = [r["server_cpu_s_per_request"] for r in runs if r.get("completed") and "server_cpu_s_per_request" in r]
-    return min(costs) if costs else None
+def cpu_per_request(runs: list[dict], role: str | None = None) -> float | None:
+    """Server CPU seconds per request (all processes, or one pdserve role's), the median over a
+    sweep's runs; None where not measured."""
+    key = "server_cpu_s_per_request"
+    costs = sorted(r[key] if role is None else r[key + "_by_role"].get(role, 0.0)
+                   for r in runs if r.get("completed") and key in r)
+    return costs[len(costs) // 2] if costs else None
+
+
+def pool_cores(label: str, cores: int) -> tuple[int, int] | None:
+    """(prefill, decode) cores `pdserve serve` gives a `pdserve-<n>P<m>D` server: each worker
+    pins max(1, cores / workers) threads."""
+    try:
+        n, m = (int(x) for x in label.removeprefix("pdserve-").removesuffix("D").split("P"))
+    except ValueError:
+        return None
+    each = max(1, cores // (n + m))
+    return n * each, m * each
 
 
 def goal2_verdict(results: dict, cores: int | None = None) -> list[str]:
@@ -218,12 +231,15 @@ def goal2_verdict(results: dict, cores: int | None = None) -> list[str]:
                       f"{ratio:.2f}x -> **{'met' if ratio >= 1.25 else 'not met'}**; p99 TPOT at the lowest rate "
                       f"{tpot:.1f} ms, lower than every other -> **{'met' if not worse else 'not met'}**"
                       + (f" (not lower than {', '.join(worse)})" if worse else "") + "."]
-        cost = least_cpu_per_request(ours["sweep"])
-        if cost and best:
-            need = 1.25 * best * cost  # cores busy at the target rate, at this server's own cost per request
-            lines += [f"At its least measured cost of {cost:.2f} core-s per request, 1.25x {best:g} req/s keeps "
-                      f"{need:.2f} cores busy; this machine has {cores}"
-                      + (" (the target is beyond this machine at that cost)." if need > cores else ".")]
+        cost, prefill = cpu_per_request(ours["sweep"]), cpu_per_request(ours["sweep"], "prefill")
+        split = pool_cores(mine, cores)
+        if cost and best and split:
+            target = 1.25 * best
+            lines += [f"At its measured cost (median over the sweep) of {cost:.2f} core-s per request, "
+                      f"{prefill:.2f} of them in the prefill pool, the target {target:g} req/s keeps "
+                      f"{target * cost:.2f} of the machine's {cores} cores busy, and its prefill pool's "
+                      f"{split[0]} core(s) {target * prefill / split[0]:.0%} busy"
+                      + (" (beyond the pool)." if target * prefill > split[0] else ".")]
     return lines
 
 
@@ -248,15 +264,18 @@ def write_report(out: Path, results: dict, args) -> None:
             lines.append(f"| {label} | - | - | - | {res.get('skipped') or res.get('failed', '')} | |")
     lines += goal1_verdict(results)
     lines += ["", "## Poisson sweep: input 256-1024, output 32-64, SLOs TTFT <= 2 s and TPOT <= 60 ms", "",
-              "CPU-bound rate: the machine's cores over the server's least CPU seconds per request at any "
-              "rate of the sweep (all its processes, from /proc): no higher rate fits on this machine at "
-              "that cost, however the work is scheduled.", "",
-              "| server | capacity req/s | p99 TPOT at lowest rate (ms) | core-s per request | CPU-bound req/s |",
-              "|---|---:|---:|---:|---:|"]
+              "Core-s per request: the server's CPU seconds (all its processes, from /proc) over the "
+              "requests served, the median over the sweep's rates; pdserve's split by role. CPU-bound "
+              "rate: the machine's cores over that cost, the rate at which it would keep every core busy.", "",
+              "| server | capacity req/s | p99 TPOT at lowest rate (ms) | core-s per request | by role | CPU-bound req/s |",
+              "|---|---:|---:|---:|---|---:|"]
     for label, res in results.items():
         if res.get("sweep"):
-            cost = least_cpu_per_request(res["sweep"])
-            cost_cells = f"{cost:.2f} | {(os.cpu_count() or 1) / cost:.2f}" if cost else "- | -"
+            cost = cpu_per_request(res["sweep"])
+            roles = ", ".join(f"{r} {cpu_per_request(res['sweep'], r):.2f}"
+                              for r in ("prefill", "decode", "colocated", "gateway")
+                              if cost and r in res["sweep"][0].get("server_cpu_s_per_request_by_role", {}))
+            cost_cells = f"{cost:.2f} | {roles or '-'} | {(os.cpu_count() or 1) / cost:.2f}" if cost else "- | - | -"
             lines.append(f"| {label} | {res.get('capacity_req_s')} | {res['sweep'][0]['p99_tpot_ms']:.1f} "
                          f"| {cost_cells} |")
     lines += goal2_verdict(results)

@@ -106,18 +106,25 @@ def test_goal1_verdict_needs_both_parts_from_one_configuration():
     assert goal1_verdict({"pdserve-1P1D": burst(130.0, 1.5)}) == []  # no peer measured: no verdict
 
 
-def test_goal2_verdict_weighs_the_target_against_the_machine():
-    from bench.compare import goal2_verdict, least_cpu_per_request
+def test_goal2_verdict_weighs_the_target_against_the_prefill_pool():
+    from bench.compare import cpu_per_request, goal2_verdict, pool_cores
 
-    def server(cap, costs):
-        return {"capacity_req_s": cap, "sweep": [{"p99_tpot_ms": 20.0, "completed": 8, "server_cpu_s_per_request": c}
-                                                 for c in costs]}
-    sweep = server(1.0, [1.2, 0.9, 1.0])["sweep"]
-    assert least_cpu_per_request(sweep) == 0.9  # the busiest rate spreads idle overhead thinnest
-    assert least_cpu_per_request([{"completed": 0, "server_cpu_s_per_request": 0.1}]) is None
-    lines = goal2_verdict({"pdserve-1P1D": server(1.0, [1.0, 0.9]), "pdserve-colocated": server(2.0, [0.8])}, cores=2)
-    # 1.25 x 2.0 req/s x 0.9 core-s per request = 2.25 cores busy, more than 2
-    assert lines[2] == ("At its least measured cost of 0.90 core-s per request, 1.25x 2 req/s keeps 2.25 cores busy; "
-                        "this machine has 2 (the target is beyond this machine at that cost).")
-    fits = goal2_verdict({"pdserve-1P1D": server(1.0, [0.5]), "pdserve-colocated": server(1.0, [0.8])}, cores=2)
-    assert fits[2].endswith("keeps 0.62 cores busy; this machine has 2.")
+    def server(cap, costs):  # costs: (all processes, prefill) core-s per request, one per rate
+        return {"capacity_req_s": cap,
+                "sweep": [{"p99_tpot_ms": 20.0, "completed": 8, "server_cpu_s_per_request": c,
+                           "server_cpu_s_per_request_by_role": {"prefill": p, "decode": c - p}} for c, p in costs]}
+    sweep = server(1.0, [(1.2, 0.5), (0.9, 0.4), (1.0, 0.45)])["sweep"]
+    assert cpu_per_request(sweep) == 1.0 and cpu_per_request(sweep, "prefill") == 0.45  # medians
+    assert cpu_per_request(sweep, "gateway") == 0.0  # a role that took nothing
+    assert cpu_per_request([{"completed": 0, "server_cpu_s_per_request": 0.1}]) is None
+    assert pool_cores("pdserve-1P1D", 2) == (1, 1) and pool_cores("pdserve-2P1D", 2) == (2, 1)
+    assert pool_cores("pdserve-1P3D", 8) == (2, 6) and pool_cores("pdserve-colocated", 2) is None
+    lines = goal2_verdict({"pdserve-1P1D": server(1.0, [(1.0, 0.5)]), "pdserve-colocated": server(2.0, [(0.8, 0.0)])},
+                          cores=2)
+    # target 1.25 x 2 = 2.5 req/s: 2.5 of the 2 cores, and the one prefill core 125% busy
+    assert lines[2] == ("At its measured cost (median over the sweep) of 1.00 core-s per request, 0.50 of them in the "
+                        "prefill pool, the target 2.5 req/s keeps 2.50 of the machine's 2 cores busy, and its prefill "
+                        "pool's 1 core(s) 125% busy (beyond the pool).")
+    fits = goal2_verdict({"pdserve-1P1D": server(1.0, [(0.5, 0.2)]), "pdserve-colocated": server(1.0, [(0.8, 0.0)])},
+                         cores=2)
+    assert fits[2].endswith("and its prefill pool's 1 core(s) 25% busy.")

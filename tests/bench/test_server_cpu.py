@@ -8,24 +8,29 @@ import time
 
 import pytest
 
-from bench.server_cpu import CpuMeter, cpu_figures, session_cpu_seconds
+from bench.server_cpu import CpuMeter, cpu_figures, session_cpu_by_role, session_cpu_seconds
 
 TCK = os.sysconf("SC_CLK_TCK")
 
 
-def _fake_proc(root, pid, comm, sid, utime, stime):
+def _fake_proc(root, pid, comm, sid, utime, stime, argv=("python",)):
     # proc(5): pid (comm) state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt utime stime ...
     d = root / str(pid)
     d.mkdir()
     (d / "stat").write_text(f"{pid} ({comm}) S 1 {sid} {sid} 0 -1 0 0 0 0 0 {utime} {stime} 0 0 20 0 1 0\n")
+    (d / "cmdline").write_bytes(b"\0".join(a.encode() for a in argv) + b"\0")
 
 
-def test_session_sum_counts_only_that_session(tmp_path):
-    _fake_proc(tmp_path, 100, "python", 100, 3 * TCK, 1 * TCK)
-    _fake_proc(tmp_path, 101, "odd) name (x", 100, 2 * TCK, 0)  # a command name with ") " in it
-    _fake_proc(tmp_path, 200, "other", 200, 50 * TCK, 50 * TCK)
+def test_session_sum_counts_only_that_session_by_role(tmp_path):
+    pd = ("python", "-m", "pdserve_cli")
+    _fake_proc(tmp_path, 100, "python", 100, 3 * TCK, 1 * TCK, pd + ("serve", "--model", "m"))
+    _fake_proc(tmp_path, 101, "odd) name (x", 100, 2 * TCK, 0, pd + ("prefill", "--bind", "x"))  # ") " in the name
+    _fake_proc(tmp_path, 102, "python", 100, 1 * TCK, 0, pd + ("prefill",))
+    _fake_proc(tmp_path, 103, "llama-server", 100, 5 * TCK, 0, ("llama-server", "-m", "prefill"))
+    _fake_proc(tmp_path, 200, "other", 200, 50 * TCK, 50 * TCK, pd + ("decode",))
     (tmp_path / "self").mkdir()  # not a pid: skipped
-    assert session_cpu_seconds(100, tmp_path) == pytest.approx(6.0)
+    assert session_cpu_by_role(100, tmp_path) == pytest.approx({"serve": 4.0, "prefill": 3.0, "server": 5.0})
+    assert session_cpu_seconds(100, tmp_path) == pytest.approx(12.0)
     assert session_cpu_seconds(300, tmp_path) == 0.0
 
 
@@ -43,14 +48,15 @@ def test_meter_sees_a_forked_child_burn_cpu(tmp_path):
         while not done.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         used = meter.stop()
-        assert done.exists() and 0.5 <= used <= 2.0, used  # the child's 0.6 s burn, nothing outside the session
+        assert set(used) == {"server"} and done.exists() and 0.5 <= used["server"] <= 2.0, used  # the child's 0.6 s burn, nothing outside the session
     finally:
         os.killpg(leader.pid, 9)
         leader.wait()
 
 
 def test_cpu_figures_arithmetic():
-    f = cpu_figures(cpu_s=12.0, completed=8, duration_s=10.0, cores=2)
-    assert f == {"server_cpu_s": 12.0, "server_cpu_s_per_request": 1.5, "server_cpu_utilization": 0.6,
-                 "cpu_bound_req_s": pytest.approx(2 / 1.5)}
-    assert cpu_figures(1.0, 0, 1.0, 2)["server_cpu_s_per_request"] == float("inf")
+    f = cpu_figures({"prefill": 4.0, "decode": 8.0}, completed=8, duration_s=10.0, cores=2)
+    assert f == {"server_cpu_s": 12.0, "server_cpu_s_per_request": 1.5,
+                 "server_cpu_s_per_request_by_role": {"decode": 1.0, "prefill": 0.5},
+                 "server_cpu_utilization": 0.6, "cpu_bound_req_s": pytest.approx(2 / 1.5)}
+    assert cpu_figures({"server": 1.0}, 0, 1.0, 2)["server_cpu_s_per_request"] == float("inf")
