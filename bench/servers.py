@@ -88,9 +88,10 @@ def _ensure_dir(path: Path) -> Path:
 
 
 @contextlib.contextmanager
-def running(spec: ServerSpec, base: str, log_path: Path, timeout_s: float = 600):
-    """Start `spec`, wait until it answers `ready_path` with 200, always stop it (process group)."""
-    log = open(log_path, "w")
+def running(spec: ServerSpec, base: str, log_path: Path, timeout_s: float = 600, mode: str = "w"):
+    """Start `spec`, wait until it answers `ready_path` with 200, always stop it (process group).
+    Its output goes to `log_path`, opened with `mode`."""
+    log = open(log_path, mode)
     proc = subprocess.Popen(spec.argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             env=dict(os.environ, **spec.env))
     try:

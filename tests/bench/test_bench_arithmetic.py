@@ -128,3 +128,8 @@ def test_goal2_verdict_weighs_the_target_against_the_prefill_pool():
     fits = goal2_verdict({"pdserve-1P1D": server(1.0, [(0.5, 0.2)]), "pdserve-colocated": server(1.0, [(0.8, 0.0)])},
                          cores=2)
     assert fits[2].endswith("and its prefill pool's 1 core(s) 25% busy.")
+
+
+def test_burst_rounds_alternate_the_order():
+    from bench.compare import round_order
+    assert [round_order(["a", "b", "c"], k) for k in range(3)] == [["a", "b", "c"], ["c", "b", "a"], ["a", "b", "c"]]
