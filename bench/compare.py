@@ -5,11 +5,12 @@ llama.cpp, transformers serve), each warmed up with an untimed burst, on the sam
 and writes JSON, PNG plots and a Markdown report with each goal marked met or not.
 
   burst  : 32 requests at once, input 128-512, output 64-128 tokens, greedy, ignore_eos. The
-           servers are up at once and take their bursts in turn, --burst-repeats rounds (fresh
-           prompts each round, the order reversed every other round): this shared VM drifts by
-           10-20% over minutes, and a server measured in a slow spell alone would carry it. The
-           median round is reported. transformers serve takes its rounds alone: beside the
-           others its continuous batching outgrew the free memory.
+           servers take their bursts in turn, --burst-repeats rounds (fresh prompts each round,
+           the order reversed every other round), each started and warmed up for its turn and
+           stopped after it, so it runs alone: this shared VM drifts by 10-20% over minutes, and
+           all of one server's bursts in one slow spell would carry it, while idle servers left
+           up beside the one measured cost it ~10% (their wake-ups preempt OpenMP threads at
+           barriers). The median round is reported.
            FLOP bound = 2 x params x (input + output tokens) / matmul FLOP/s of this run.
   sweep  : one server up at a time. Poisson arrivals, input 256-1024, output 32-64, SLOs TTFT
            <= 2 s and TPOT <= 60 ms; capacity = highest rate with >= 90% of requests meeting
@@ -23,7 +24,6 @@ import contextlib
 import json
 import os
 import shlex
-import time
 from pathlib import Path
 
 import httpx
@@ -105,17 +105,15 @@ def main(argv: list[str] | None = None) -> int:
             results[label] = {"skipped": specs[label].skip_reason}
         else:
             labels.append(label)
-            results[label] = {}
+            results[label] = results.get(label, {}) if args.reuse else {}  # --reuse keeps what is not re-run
             (out / f"{label}.log").write_text("")  # each server's output of this run, appended to
 
     def save():
         (out / "results.json").write_text(json.dumps(results, indent=2))
-    if "burst" in workloads:  # servers up at once, their bursts taken in turn, round after round
-        groups = [[x for x in labels if not specs[x].solo]] + [[x] for x in labels if specs[x].solo]
-        for group in filter(None, groups):
-            burst_rounds(group, specs, port_of, tokenizer, args, params, out, results)
+    if "burst" in workloads:  # one server up at a time, their bursts taken in turn, round after round
+        burst_rounds(labels, specs, port_of, tokenizer, args, params, out, results)
         save()
-    if "sweep" in workloads:  # one server at a time: a sweep's long queues would load the others
+    if "sweep" in workloads:  # one server up at a time, each through all its rates
         for label in labels:
             if "failed" in results[label]:
                 continue
@@ -131,36 +129,22 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def burst_rounds(group: list[str], specs: dict, port_of, tokenizer, args, params: int, out: Path,
+def burst_rounds(labels: list[str], specs: dict, port_of, tokenizer, args, params: int, out: Path,
                  results: dict) -> None:
-    """The servers of `group` up at once, each taking a burst in turn, --burst-repeats rounds;
-    each one's median round goes into `results`."""
-    with contextlib.ExitStack() as stack:
-        live = {}
-        for label in group:
+    """--burst-repeats rounds; in each, every server in turn is started, warmed up, takes one
+    burst and is stopped. Each one's median round goes into `results`."""
+    runs: dict[str, list] = {label: [] for label in labels}
+    for k in range(args.burst_repeats):  # fresh prompts each round: no prefix cache helps
+        for label in round_order([x for x in labels if "failed" not in results[x]], k):
             try:
-                live[label] = stack.enter_context(started(specs[label], port_of(label), tokenizer, args, params, out))
+                with started(specs[label], port_of(label), tokenizer, args, params, out) as server:
+                    runs[label].append(server.burst(k, args.burst_repeats))
             except (RuntimeError, TimeoutError) as e:
                 print(f"{label} failed: {e}", flush=True)
                 results[label] = {"failed": str(e)}
-        idle = idle_cpu_cores(live)  # what each costs the others' bursts by just being up
-        for label, cores_used in idle.items():
-            results[label]["idle_cpu_cores"] = cores_used
-        print("idle CPU, cores: " + ", ".join(f"{k} {v:.3f}" for k, v in idle.items()), flush=True)
-        runs: dict[str, list] = {label: [] for label in live}
-        for k in range(args.burst_repeats):  # fresh prompts each round: no prefix cache helps
-            for label in round_order(list(live), k):
-                runs[label].append(live[label].burst(k, args.burst_repeats))
-        for label in live:
-            results[label]["burst"] = median_burst(runs[label])
-
-
-def idle_cpu_cores(live: dict, seconds: float = 5.0) -> dict[str, float]:
-    """Cores each started, idle server keeps busy (CPU seconds over `seconds` of wall time)."""
-    for server in live.values():
-        server.meter.start()
-    time.sleep(seconds)
-    return {label: sum(server.meter.stop().values()) / seconds for label, server in live.items()}
+    for label, done in runs.items():
+        if done and "failed" not in results[label]:
+            results[label]["burst"] = median_burst(done)
 
 
 def round_order(labels: list[str], k: int) -> list[str]:
@@ -320,9 +304,8 @@ def write_report(out: Path, results: dict, args) -> None:
              f"Model: `{args.model}`. Command: `pdserve bench-compare --model MODEL --out {args.out}` "
              "(peers from PDSERVE_VLLM_PYTHON, PDSERVE_LLAMA_SERVER + PDSERVE_GGUF, PDSERVE_HF_PYTHON).", "",
              "## Burst: 32 requests, input 128-512, output 64-128, greedy", "",
-             f"Servers up at once, bursts taken in turn over {args.burst_repeats} rounds (fresh prompts each "
-             "round; transformers serve alone, its memory would not fit beside the others); the median round "
-             "is reported, every run listed.", "",
+             f"Servers take their bursts in turn over {args.burst_repeats} rounds, each alone on the machine "
+             "(fresh prompts each round); the median round is reported, every run listed.", "",
              "| server | output tok/s | duration s | x FLOP bound | failed | every run, tok/s |",
              "|---|---:|---:|---:|---:|---|"]
     for label, res in results.items():
@@ -333,10 +316,6 @@ def write_report(out: Path, results: dict, args) -> None:
                          f"| {b['failed']} | {every} |")
         else:
             lines.append(f"| {label} | - | - | - | {res.get('skipped') or res.get('failed', '')} | |")
-    idle = {k: v["idle_cpu_cores"] for k, v in results.items() if "idle_cpu_cores" in v}
-    if idle:
-        lines += ["", "Cores each server kept busy while idle, up beside the others: "
-                  + ", ".join(f"{k} {v:.3f}" for k, v in idle.items()) + "."]
     lines += goal1_verdict(results)
     lines += ["", "## Poisson sweep: input 256-1024, output 32-64, SLOs TTFT <= 2 s and TPOT <= 60 ms", "",
               "Core-s per request: the server's CPU seconds (all its processes, from /proc) over the "

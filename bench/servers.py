@@ -26,7 +26,6 @@ class ServerSpec:
     model_field: str | None = None  # the "model" value requests must carry (None: ask /v1/models)
     skip_reason: str | None = None
     accepts_ignore_eos: bool = True  # False: the server rejects ignore_eos/min_tokens fields
-    solo: bool = False  # True: it takes its bursts with no other server up (it sizes itself to the free memory)
 
 
 def free_port() -> int:
@@ -78,8 +77,6 @@ def hf_spec(model: str, port: int, python: str | None) -> ServerSpec:
                                              "--continuous-batching", "--dtype", "float32", "--host", "127.0.0.1",
                                              "--port", str(port), model],
                       model_field=model, accepts_ignore_eos=False,
-                      # its continuous batching grew to 7.5 GB beside the others and was OOM-killed
-                      solo=True,
                       # its /v1/models scans the hub cache and fails when the folder is missing
                       env={"HF_HUB_CACHE": str(_ensure_dir(Path.home() / ".cache/huggingface/hub")),
                            "HF_HUB_OFFLINE": "1"})

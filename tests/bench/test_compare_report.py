@@ -25,6 +25,5 @@ def test_compare_writes_report_and_skips_missing_peers(tiny_llama, tmp_path):
     # the server's own processes (gateway + worker) took CPU, measured from /proc beside each run
     assert ours["burst"]["server_cpu_s_per_request"] > 0 and 0 < ours["sweep"][0]["server_cpu_utilization"] <= 1.05
     assert ours["burst"]["server_cpu_s_per_request_by_role"]["colocated"] > 0  # its worker did the model's work
-    assert 0 <= ours["idle_cpu_cores"] < 0.5  # up and idle beside the others' bursts, it takes next to nothing
     report = (out / "README.md").read_text()
     assert "| pdserve-colocated |" in report and "core-s per request" in report and (out / "slo_attainment.png").is_file()
