@@ -105,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
             results[label] = {"skipped": specs[label].skip_reason}
         else:
             labels.append(label)
-            results[label] = results.get(label, {}) if args.reuse else {}  # --reuse keeps what is not re-run
+            kept = results.get(label, {}) if args.reuse else {}  # --reuse keeps the workloads not re-run
+            results[label] = {k: v for k, v in kept.items() if k not in ("failed", "skipped")}
             (out / f"{label}.log").write_text("")  # each server's output of this run, appended to
 
     def save():
