@@ -8,9 +8,9 @@ and writes JSON, PNG plots and a Markdown report with each goal marked met or no
            servers take their bursts in turn, --burst-repeats rounds (fresh prompts each round,
            the order reversed every other round), each started and warmed up for its turn and
            stopped after it, so it runs alone: this shared VM drifts by 10-20% over minutes, and
-           all of one server's bursts in one slow spell would carry it, while idle servers left
-           up beside the one measured wake up and preempt its threads at OpenMP barriers (and
-           together they outgrew the memory). The median round is reported.
+           all of one server's bursts in one slow spell would carry it. Keeping every server up
+           at once was tried: together they outgrew the memory, and the idle ones still took
+           0.01-0.04 cores each from the one measured. The median round is reported.
            FLOP bound = 2 x params x (input + output tokens) / matmul FLOP/s of this run.
   sweep  : one server up at a time. Poisson arrivals, input 256-1024, output 32-64, SLOs TTFT
            <= 2 s and TPOT <= 60 ms; capacity = highest rate with >= 90% of requests meeting

@@ -55,11 +55,6 @@ def session_cpu_by_role(sid: int, proc: Path = Path("/proc")) -> dict[str, float
     return totals
 
 
-def session_cpu_seconds(sid: int, proc: Path = Path("/proc")) -> float:
-    """User + system CPU seconds of every live process in session `sid`."""
-    return sum(session_cpu_by_role(sid, proc).values())
-
-
 class CpuMeter:
     """CPU seconds a session's processes take between `start()` and `stop()`, per role.
 

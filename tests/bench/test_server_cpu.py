@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from bench.server_cpu import CpuMeter, cpu_figures, session_cpu_by_role, session_cpu_seconds
+from bench.server_cpu import CpuMeter, cpu_figures, session_cpu_by_role
 
 TCK = os.sysconf("SC_CLK_TCK")
 
@@ -30,8 +30,8 @@ def test_session_sum_counts_only_that_session_by_role(tmp_path):
     _fake_proc(tmp_path, 200, "other", 200, 50 * TCK, 50 * TCK, pd + ("decode",))
     (tmp_path / "self").mkdir()  # not a pid: skipped
     assert session_cpu_by_role(100, tmp_path) == pytest.approx({"serve": 4.0, "prefill": 3.0, "server": 5.0})
-    assert session_cpu_seconds(100, tmp_path) == pytest.approx(12.0)
-    assert session_cpu_seconds(300, tmp_path) == 0.0
+    assert sum(session_cpu_by_role(100, tmp_path).values()) == pytest.approx(12.0)
+    assert sum(session_cpu_by_role(300, tmp_path).values()) == 0.0
 
 
 def test_meter_sees_a_forked_child_burn_cpu(tmp_path):
