@@ -16,7 +16,7 @@ import torch
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig, ModelConfig, resolve_dtype
 from engine.kv_cache import KVCacheSpec, KvAllocator, allocate_kv_cache, plan_num_blocks
-from engine.model_runner import ModelRunner, load_model
+from engine.model_runner import ForwardPass, ModelRunner, load_model
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -130,10 +130,25 @@ class LLMEngine:
                 on_layer_stored: Callable[[int], None] | None = None) -> list[StepOutput]:
         if sched.is_empty:
             return []
-        sampled, out = self.runner.execute(sched, on_layer_stored)
+        fp = self.launch(sched, on_layer_stored)
+        while fp.next_layer < self.runner.num_layers:
+            self.runner.run_layer(fp)
+        return self.finish_step(fp, self.runner.logits(fp))
+
+    # execute() in parts, for a caller that runs the layers elsewhere (prefill lanes)
+    def launch(self, sched: SchedulerOutput,
+               on_layer_stored: Callable[[int], None] | None = None) -> ForwardPass:
+        """Start a step: its batch is built and its chunks count as computed from now on, so the
+        next schedule() already plans the chunks after them (the caller runs the layers)."""
+        fp = self.runner.begin(sched, on_layer_stored)
         for chunk in sched.chunks:
             chunk.seq.num_computed_tokens += chunk.num_tokens
         self.num_steps += 1
+        return fp
+
+    def finish_step(self, fp: ForwardPass, logits: torch.Tensor | None) -> list[StepOutput]:
+        """Sample from a launched step's logits (`ModelRunner.logits`) and account the tokens."""
+        sampled, out = self.runner.sample(fp, logits)
         if out is None:
             return []
         results = []

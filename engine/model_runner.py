@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from engine.batch import build_batch
+from engine.batch import ForwardBatch, build_batch
 from engine.config import ModelConfig
-from engine.models.llama import ForwardContext, LlamaForCausalLM
+from engine.models.llama import ForwardContext, LlamaForCausalLM, Rope
 from engine.sampler import Sampler, SamplerOutput
 from engine.scheduler import ScheduledChunk, SchedulerOutput
 from engine.weights import load_weights
@@ -30,6 +31,18 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_p
     return model.eval()
 
 
+@dataclass
+class ForwardPass:
+    """One step's forward pass, run a stage at a time: `begin`, `run_layer` x L, `logits`.
+    Each stage may run on a different thread (prefill lanes); only one at a time."""
+
+    batch: ForwardBatch
+    ctx: ForwardContext
+    x: torch.Tensor  # [T, H] hidden states after `next_layer` layers
+    rope: Rope
+    next_layer: int = 0
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int,
                  sampler: Sampler) -> None:
@@ -38,18 +51,35 @@ class ModelRunner:
         self.block_size = block_size
         self.sampler = sampler
         self.device = kv_cache.device
+        self.num_layers = len(model.layers)
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput,
-                on_layer_stored: Callable[[int], None] | None = None
-                ) -> tuple[list[ScheduledChunk], SamplerOutput | None]:
-        """Run one forward pass; returns the chunks that sampled and what they sampled."""
+    def begin(self, sched: SchedulerOutput,
+              on_layer_stored: Callable[[int], None] | None = None) -> ForwardPass:
+        """Build the step's batch (from the chunks' current `num_computed_tokens`) and embed it."""
         batch = build_batch(sched.chunks, len(sched.decodes), self.block_size, self.device)
         ctx = ForwardContext(batch.attn, batch.slot_mapping, self.kv_cache, on_layer_stored)
-        logits = self.model(batch.input_ids, batch.positions, ctx, batch.logits_indices)  # [S, V]
-        if not batch.sampled:
+        x, rope = self.model.embed(batch.input_ids, batch.positions)
+        return ForwardPass(batch, ctx, x, rope)
+
+    @torch.inference_mode()
+    def run_layer(self, fp: ForwardPass) -> None:
+        fp.x = self.model.layers[fp.next_layer](fp.x, fp.rope, fp.ctx)
+        fp.next_layer += 1
+
+    @torch.inference_mode()
+    def logits(self, fp: ForwardPass) -> torch.Tensor | None:
+        """[S, V] for the chunks that complete their sequence; None when none does."""
+        if not fp.batch.sampled:
+            return None
+        return self.model.head(fp.x, fp.batch.logits_indices)
+
+    @torch.inference_mode()
+    def sample(self, fp: ForwardPass, logits: torch.Tensor | None
+               ) -> tuple[list[ScheduledChunk], SamplerOutput | None]:
+        if logits is None:
             return [], None
-        seqs = [c.seq for c in batch.sampled]
+        seqs = [c.seq for c in fp.batch.sampled]
         out = self.sampler(logits, [s.sampling for s in seqs],
                            [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs])
-        return batch.sampled, out
+        return fp.batch.sampled, out

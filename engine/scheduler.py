@@ -59,6 +59,7 @@ class Scheduler:
         self.block_size = block_size
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # arrival (admission) order
+        self._in_flight: frozenset[int] = frozenset()  # this schedule()'s argument
 
     # --- intake -------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -75,22 +76,25 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # --- the step -------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, in_flight: frozenset[int] = frozenset()) -> SchedulerOutput:
+        """`in_flight`: ids of sequences with a launched step still computing (prefill lanes);
+        they get their next chunk if any, but are never preempted (their blocks are in use)."""
         out = SchedulerOutput()
         budget = self.cfg.max_num_batched_tokens
         in_batch: set[int] = set()
+        self._in_flight = in_flight
 
         for want_decode in (True, False):
             for seq in list(self.running):
                 if budget == 0:
                     break
-                if seq.status is not SeqStatus.RUNNING or id(seq) in in_batch:
-                    continue
+                if seq.status is not SeqStatus.RUNNING or id(seq) in in_batch or seq.num_uncomputed == 0:
+                    continue  # (none left: its last chunk is in flight)
                 if (seq.num_uncomputed == 1) != want_decode:
                     continue
                 n = min(seq.num_uncomputed, budget)
                 if not self._reserve_blocks(seq, n, in_batch, out):
-                    continue  # seq preempted itself
+                    continue  # preempted itself, or (in flight) waits for blocks
                 chunk = ScheduledChunk(seq, n)
                 (out.decodes if want_decode else out.prefills).append(chunk)
                 in_batch.add(id(seq))
@@ -129,7 +133,9 @@ class Scheduler:
         need = self._blocks_needed(seq, n)
         while not self.pool.can_allocate(need):
             victim = next((s for s in reversed(self.running)
-                           if id(s) not in in_batch and s is not seq), None)
+                           if id(s) not in in_batch and id(s) not in self._in_flight and s is not seq), None)
+            if victim is None and id(seq) in self._in_flight:
+                return False  # its blocks are being written: it waits for blocks instead
             if victim is None:
                 self.preempt(seq)
                 out.preempted.append(seq)

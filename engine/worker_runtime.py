@@ -147,6 +147,7 @@ class WorkerRuntime:
             raise ValueError("a worker needs at least one --gateway address")
         self.ctx = ctx
         self.inbox = Inbox(ctx, auth, control_bind)
+        self._poller: zmq.Poller | None = None  # inbox + a wake-up pipe (drain's wake_fd)
         self._by_addr = {addr: Outbox(ctx, auth, addr) for addr in gateway_addrs}
         self._by_id: dict[str, Outbox] = {}
         self._welcomed: set[str] = set()
@@ -194,8 +195,16 @@ class WorkerRuntime:
         returns even when the last published stats said idle (work arrived, then the loop stuck)."""
         self._heartbeater.mark_step()
 
-    def drain(self, timeout_ms: int) -> list[Message]:
-        """Messages now waiting; blocks up to `timeout_ms` for the first one."""
+    def drain(self, timeout_ms: int, wake_fd: int | None = None) -> list[Message]:
+        """Messages now waiting; blocks up to `timeout_ms` for the first one, or until `wake_fd`
+        (a pipe the caller's own threads write to) is readable."""
+        if wake_fd is not None and timeout_ms:
+            if self._poller is None:
+                self._poller = zmq.Poller()
+                self._poller.register(self.inbox.socket, zmq.POLLIN)
+                self._poller.register(wake_fd, zmq.POLLIN)
+            self._poller.poll(timeout_ms)
+            timeout_ms = 0
         msgs = []
         msg = self.inbox.recv_one(timeout_ms)
         while msg is not None:

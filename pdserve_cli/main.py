@@ -43,6 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prefill-nice", type=int, default=0,
                    help="lower the prefill workers' CPU priority by this much, so that on shared cores a "
                         "decode step never waits behind a prefill (use with --prefill-threads = all cores)")
+    s.add_argument("--prefill-idle-lanes", type=int, default=None,
+                   help="extra lanes per prefill worker at the kernel's idle priority (SCHED_IDLE): they run "
+                        "prefill steps on the cycles the decode pool leaves idle, and a decode step preempts "
+                        "them at once (default: the cores outside the prefill pool, in --prefill-threads lanes)")
     s.add_argument("--prefill-max-num-batched-tokens", type=int, default=None,
                    help="token budget of a prefill (or --colocated) worker's step (default: 512 on CPU, where a smaller step "
                         "gives a queue's first prompts their first token sooner; else --max-num-batched-tokens)")
@@ -74,6 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
             w.add_argument("--idle-threads", type=int, default=None,
                            help="torch threads while no prefill for this worker is in flight, borrowing "
                                 "the prefill pool's cores on a shared machine (default: --threads)")
+        if role == "prefill":
+            w.add_argument("--lanes", type=int, default=1,
+                           help="threads that each run a prefill step (of --threads torch threads), in parallel")
+            w.add_argument("--idle-lanes", type=int, default=0,
+                           help="more such lanes at SCHED_IDLE priority: they use only cycles no other "
+                                "process wants (the decode pool's idle cores on a shared machine)")
         if role in ("prefill", "decode"):
             roles.add_kv_args(w, role)
         w.set_defaults(func=fn)

@@ -51,7 +51,7 @@ def run_prefill(args: argparse.Namespace) -> int:
     _setup("prefill", args.threads)
     from prefill_node.worker import PrefillWorker
     PrefillWorker(engine_config(args), _auth(), args.bind, args.gateway, host=_host(args),
-                  kv_payload_mac=args.kv_payload_mac).run()
+                  kv_payload_mac=args.kv_payload_mac, lanes=args.lanes, idle_lanes=args.idle_lanes).run()
     return 0
 
 

@@ -50,6 +50,16 @@ def prefill_budget(args: argparse.Namespace) -> int:
     return args.max_num_batched_tokens
 
 
+def prefill_idle_lanes(args: argparse.Namespace, threads: int) -> int:
+    """Idle lanes per prefill worker: by default the machine's cores outside the prefill pool,
+    in lanes of the prefill workers' thread count, shared among them (1P1D on 2 cores: 1)."""
+    if args.prefill_idle_lanes is not None:
+        return args.prefill_idle_lanes
+    per_lane = args.prefill_threads or threads
+    spare = max(0, (os.cpu_count() or 1) - args.prefill_workers * per_lane)
+    return spare // per_lane // args.prefill_workers
+
+
 def plan_children(args: argparse.Namespace, run_dir: str) -> list[Child]:
     py = [sys.executable, "-m", "pdserve_cli"]
     gw_inbox = f"ipc://{run_dir}/gateway.sock"
@@ -79,10 +89,11 @@ def plan_children(args: argparse.Namespace, run_dir: str) -> list[Child]:
         children.append(Child("colocated-0", py + ["colocated", "--bind", f"ipc://{run_dir}/colocated-0.sock"]
                               + common + budget + role_threads(None)))
         return children
+    lanes = ["--idle-lanes", str(prefill_idle_lanes(args, threads))]
     for i in range(args.prefill_workers):
         budget = ["--max-num-batched-tokens", str(prefill_budget(args))]  # later flags win
         children.append(Child(f"prefill-{i}", py + ["prefill", "--bind", f"ipc://{run_dir}/prefill-{i}.sock"]
-                              + common + kv_mac + budget + role_threads(args.prefill_threads),
+                              + common + kv_mac + budget + role_threads(args.prefill_threads) + lanes,
                               nice=args.prefill_nice))
     # a decode worker with no prefill in flight borrows the prefill pool's cores
     idle_threads = args.decode_idle_threads or max(args.decode_threads or threads,

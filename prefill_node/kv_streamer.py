@@ -1,6 +1,6 @@
 """Ships KV to decode workers layer by layer, while the forward pass goes on.
 
-Installed as the model's `on_layer_stored` hook for one step. For every chunk in the step that
+`prepare` gives the model's `on_layer_stored` hook for one step. For every chunk in the step that
 belongs to a disaggregated request, after layer l stored its KV it sends the blocks the chunk
 touched, mapped onto the decode worker's leased blocks:
 
@@ -11,6 +11,7 @@ A block a chunk only partly fills is sent again with the next chunk (its old par
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -38,17 +39,40 @@ class _Job:
     stats: TransferStats = field(default_factory=TransferStats)
 
 
+class StepTransfers:
+    """One step's transfers; the model calls it after each layer stored its KV."""
+
+    def __init__(self, kv_cache: torch.Tensor, jobs: list[_Job], lock: threading.Lock) -> None:
+        self.kv_cache = kv_cache  # [L, 2, N, bs, Hkv, D]
+        self.jobs = jobs
+        self.lock = lock
+
+    def __call__(self, layer: int) -> None:
+        kv_layer = self.kv_cache[layer]  # [2, N, bs, Hkv, D]
+        for job in self.jobs:
+            if job.stats.error is not None:
+                continue
+            t0 = time.perf_counter()
+            try:
+                with self.lock:  # senders are shared by the worker's lanes and its loop
+                    job.stats.bytes += job.sender.send_layer(job.request_id, job.lease, layer, kv_layer,
+                                                             job.src_blocks, job.dst_blocks)
+            except KvTransferError as e:  # lease expired, decode worker gone: fail this request only
+                job.stats.error = f"KV transfer failed: {e}"
+            job.stats.seconds += time.perf_counter() - t0
+
+
 class KvStreamer:
-    def __init__(self, kv_cache: torch.Tensor, block_size: int) -> None:
+    def __init__(self, kv_cache: torch.Tensor, block_size: int, lock: threading.Lock | None = None) -> None:
         self.kv_cache = kv_cache  # [L, 2, N, bs, Hkv, D]
         self.block_size = block_size
-        self._jobs: list[_Job] = []
+        self.lock = lock or threading.Lock()  # held around every send to a decode worker
 
     def prepare(self, sched: SchedulerOutput, dests: dict[str, tuple[KvDestination, KvSender]],
-                stats: dict[str, TransferStats]) -> None:
-        """Plan this step's transfers (before the forward pass: block tables are final now)."""
+                stats: dict[str, TransferStats]) -> StepTransfers:
+        """Plan a step's transfers (before it launches: block tables and chunk starts are final)."""
         bs = self.block_size
-        self._jobs = []
+        jobs = []
         for chunk in sched.prefills:
             seq = chunk.seq
             route = dests.get(seq.request_id)
@@ -58,19 +82,7 @@ class KvStreamer:
             start = seq.num_computed_tokens
             end = start + chunk.num_tokens
             b0, b1 = start // bs, -(-end // bs)
-            self._jobs.append(_Job(seq.request_id, dest.lease, seq.block_table[b0:b1],
-                                   dest.lease.block_ids[b0:b1], sender,
-                                   stats.setdefault(seq.request_id, TransferStats())))
-
-    def __call__(self, layer: int) -> None:
-        kv_layer = self.kv_cache[layer]  # [2, N, bs, Hkv, D]
-        for job in self._jobs:
-            if job.stats.error is not None:
-                continue
-            t0 = time.perf_counter()
-            try:
-                job.stats.bytes += job.sender.send_layer(job.request_id, job.lease, layer, kv_layer,
-                                                         job.src_blocks, job.dst_blocks)
-            except KvTransferError as e:  # lease expired, decode worker gone: fail this request only
-                job.stats.error = f"KV transfer failed: {e}"
-            job.stats.seconds += time.perf_counter() - t0
+            jobs.append(_Job(seq.request_id, dest.lease, seq.block_table[b0:b1],
+                             dest.lease.block_ids[b0:b1], sender,
+                             stats.setdefault(seq.request_id, TransferStats())))
+        return StepTransfers(self.kv_cache, jobs, self.lock)

@@ -1,6 +1,10 @@
 """Prefill worker process: batches prompts (ragged, chunked), streams KV to decode workers,
 sends each request's first token to its gateway (that is TTFT) and `KvDone` to its decode worker.
 
+The loop (this thread) owns the sockets and the scheduler; it launches steps while a lane is
+free and its lanes (prefill_node/lanes.py) run them a layer at a time, the idle lanes on cycles
+no other process on the machine wants.
+
 `kv_payload_mac` ("auto", "on", "off"): MAC every KV payload sent over ZMQ (kvtransfer/wire.py);
 auto = on when the decode worker's KV address is tcp://, off for ipc:// and shared memory.
 """
@@ -8,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import threading
 import time
 from dataclasses import dataclass
 
@@ -19,6 +24,7 @@ from engine.worker_runtime import WorkerRuntime, describe_worker, engine_stats, 
 from kvtransfer.sender import KvSender, make_kv_sender
 from kvtransfer.wire import payload_mac_enabled
 from prefill_node.kv_streamer import KvStreamer, TransferStats
+from prefill_node.lanes import LaneJob, PrefillLanes
 from protocol.auth import FrameAuth
 from protocol.messages import Abort, KvDestination, KvDone, PrefillRequest, TokenOutput, Welcome, WorkerStats
 
@@ -34,7 +40,8 @@ class _Pending:
 
 class PrefillWorker:
     def __init__(self, config: EngineConfig, auth: FrameAuth, control_bind: str,
-                 gateway_addrs: list[str], host: str = "127.0.0.1", kv_payload_mac: str = "auto") -> None:
+                 gateway_addrs: list[str], host: str = "127.0.0.1", kv_payload_mac: str = "auto",
+                 lanes: int = 1, idle_lanes: int = 0) -> None:
         payload_mac_enabled(kv_payload_mac)  # validate the mode now, not at the first request
         self.kv_payload_mac = kv_payload_mac
         self.engine = LLMEngine(config)
@@ -46,7 +53,10 @@ class PrefillWorker:
         self.routes: dict[str, tuple[KvDestination, KvSender]] = {}
         self.transfer_stats: dict[str, TransferStats] = {}
         self._senders: dict[tuple[str, str], KvSender] = {}
-        self.streamer = KvStreamer(self.engine.kv_cache, self.engine.block_size)
+        self._send_lock = threading.Lock()  # senders are shared by this loop and the lanes
+        self.streamer = KvStreamer(self.engine.kv_cache, self.engine.block_size, self._send_lock)
+        self.lanes = PrefillLanes(self.engine.runner, lanes, idle_lanes)
+        self._abort_after: set[str] = set()  # aborted while a lane computes its chunk
         self._stop = False
         self._last_progress = time.monotonic()
 
@@ -68,9 +78,7 @@ class PrefillWorker:
         if isinstance(msg, PrefillRequest):
             self._on_prefill(msg)
         elif isinstance(msg, Abort):
-            self.engine.abort(msg.request_id)
-            self._release(msg.request_id)
-            self._forget(msg.request_id)
+            self._abort(msg.request_id)
         elif isinstance(msg, Welcome):
             self.rt.handle_welcome(msg)
         else:
@@ -87,7 +95,8 @@ class PrefillWorker:
             self.rt.to_gateway(req.gateway_id, TokenOutput(request_id=req.request_id, worker_id=self.worker_id,
                                                            finish_reason="error", error=str(e)))
             if req.dest is not None:
-                self._sender(req.dest).send_release(req.request_id, req.dest.lease.epoch)
+                with self._send_lock:
+                    self._sender(req.dest).send_release(req.request_id, req.dest.lease.epoch)
             return
         self.pending[req.request_id] = _Pending(req, time.monotonic())
         self.routes[req.request_id] = (req.dest, self._sender(req.dest))
@@ -97,32 +106,57 @@ class PrefillWorker:
         route = self.routes.get(request_id)
         if route is not None:
             dest, sender = route
-            sender.send_release(request_id, dest.lease.epoch)
+            with self._send_lock:
+                sender.send_release(request_id, dest.lease.epoch)
 
     def _forget(self, request_id: str) -> None:
         self.pending.pop(request_id, None)
         self.routes.pop(request_id, None)
         self.transfer_stats.pop(request_id, None)
 
-    # --- the loop ---------------------------------------------------------------------------
-    def step(self) -> None:
-        sched = self.engine.schedule()
-        if sched.is_empty:
+    def _in_flight(self, request_id: str) -> bool:
+        seq = self.engine.seqs.get(request_id)
+        return seq is not None and id(seq) in self.lanes.busy_sequences()
+
+    def _abort(self, request_id: str) -> None:
+        if self._in_flight(request_id):  # a lane is writing its blocks: abort once it is done
+            self._abort_after.add(request_id)
             return
-        self.rt.mark_step()
-        stall_for_tests("prefill")
-        now = time.monotonic()
-        for c in sched.prefills:
-            p = self.pending.get(c.seq.request_id)
-            if p is not None and p.first_scheduled is None:
-                p.first_scheduled = now
-        self.streamer.prepare(sched, self.routes, self.transfer_stats)
-        outputs = self.engine.execute(sched, self.streamer)
+        self._abort_after.discard(request_id)
+        self.engine.abort(request_id)
+        self._release(request_id)
+        self._forget(request_id)
+
+    # --- the loop ---------------------------------------------------------------------------
+    def launch(self) -> bool:
+        """Launch steps while a lane is free; returns whether any was launched."""
+        launched = False
+        while self.lanes.in_flight() < self.lanes.capacity:
+            sched = self.engine.scheduler.schedule(self.lanes.busy_sequences())
+            if sched.is_empty:
+                break
+            self.rt.mark_step()
+            stall_for_tests("prefill")
+            now = time.monotonic()
+            for c in sched.prefills:
+                p = self.pending.get(c.seq.request_id)
+                if p is not None and p.first_scheduled is None:
+                    p.first_scheduled = now
+            transfers = self.streamer.prepare(sched, self.routes, self.transfer_stats)
+            self.lanes.submit(sched, self.engine.launch(sched, transfers))
+            launched = True
+        return launched
+
+    def complete(self, job: LaneJob) -> None:
+        """A step's layers are done: sample, then first tokens to gateways and KvDone to decoders."""
+        if job.error is not None:
+            raise RuntimeError("prefill step failed in a lane") from job.error
+        outputs = self.engine.finish_step(job.fp, job.logits)
         done_at = time.monotonic()
         self._last_progress = done_at
         for out in outputs:
             p = self.pending.get(out.request_id)
-            if p is None:
+            if p is None or out.request_id in self._abort_after:
                 continue
             req = p.req
             ts = self.transfer_stats.get(out.request_id, TransferStats())
@@ -138,11 +172,12 @@ class PrefillWorker:
                 continue
             if out.finish_reason == PREFILLED:
                 dest, sender = self.routes[out.request_id]
-                sender.send_done(KvDone(request_id=req.request_id, gateway_id=req.gateway_id,
-                                        lease_epoch=dest.lease.epoch, prompt_token_ids=req.prompt_token_ids,
-                                        first_token=out.new_token_ids[0], first_logprob=lp,
-                                        sampling=req.sampling, num_layers=self.engine.model_config.num_layers,
-                                        kv_bytes=ts.bytes, timings=timings))
+                with self._send_lock:
+                    sender.send_done(KvDone(request_id=req.request_id, gateway_id=req.gateway_id,
+                                            lease_epoch=dest.lease.epoch, prompt_token_ids=req.prompt_token_ids,
+                                            first_token=out.new_token_ids[0], first_logprob=lp,
+                                            sampling=req.sampling, num_layers=self.engine.model_config.num_layers,
+                                            kv_bytes=ts.bytes, timings=timings))
             else:  # ended at its first token (stop/length): D's lease is not needed
                 self._release(out.request_id)
             reason = None if out.finish_reason == PREFILLED else out.finish_reason
@@ -151,24 +186,30 @@ class PrefillWorker:
                 token_ids=out.new_token_ids, logprobs=out.logprobs, finish_reason=reason,
                 timings=timings))
             self._forget(out.request_id)
+        for request_id in list(self._abort_after):
+            self._abort(request_id)
 
     def stats(self) -> WorkerStats:
         return engine_stats(self.engine, self._last_progress, sum(self.rt.inbox.dropped.values()))
 
     def run(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "_stop", True))
-        log.info("prefill worker %s on %s", self.worker_id, self.rt.control_addr)
+        log.info("prefill worker %s on %s (%d lanes, %d idle lanes)", self.worker_id, self.rt.control_addr,
+                 self.lanes.capacity - self.lanes.num_idle, self.lanes.num_idle)
         try:
             while not self._stop:
-                for msg in self.rt.drain(0 if self.engine.has_work() else 20):
+                launched = self.launch()
+                # sleep on the inbox and the lanes' wake-up pipe (a step finished)
+                for msg in self.rt.drain(0 if launched else 20, wake_fd=self.lanes.wake_fd):
                     self._on_message(msg)
-                if self.engine.has_work():
-                    self.step()
+                for job in self.lanes.collect():
+                    self.complete(job)
                 self.rt.tick(self.stats)
         finally:
             self.close()
 
     def close(self) -> None:
+        self.lanes.close()
         for s in self._senders.values():
             s.close()
         self.rt.close()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -125,7 +126,7 @@ class _InboxBase:
 def _remaining_ms(deadline: float | None) -> int | None:
     if deadline is None:
         return None
-    return max(0, int((deadline - time.monotonic()) * 1000))
+    return max(0, math.ceil((deadline - time.monotonic()) * 1000))  # rounded up: never a busy poll(0)
 
 
 class Inbox(_InboxBase):

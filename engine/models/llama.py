@@ -128,9 +128,18 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
                 logits_indices: torch.Tensor) -> torch.Tensor:
         """input_ids/positions [T] -> logits [S, V] for the S rows in `logits_indices`."""
-        x = self.embed_tokens(input_ids)  # [T, H]
-        rope = self.rotary.tables(positions, x.dtype)
+        x, rope = self.embed(input_ids, positions)
         for layer in self.layers:
             x = layer(x, rope, ctx)
+        return self.head(x, logits_indices)
+
+    # The pass in stages, for callers that run it a layer at a time (prefill lanes).
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, Rope]:
+        """input_ids/positions [T] -> hidden states [T, H] and this step's rotary tables."""
+        x = self.embed_tokens(input_ids)  # [T, H]
+        return x, self.rotary.tables(positions, x.dtype)
+
+    def head(self, x: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+        """Hidden states [T, H] -> logits [S, V] for the S rows in `logits_indices`."""
         x = self.norm(x[logits_indices])  # [S, H]; norm is per-token, so select first
         return self.lm_head(x).float()  # [S, V]

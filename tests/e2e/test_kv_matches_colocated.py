@@ -67,11 +67,7 @@ def test_received_kv_equals_colocated_kv(tiny_llama, tmp_path, transport):
                              transport="shm" if transport == "shm" else "zmq", lease=lease, layout=layout)
         streamer, stats = KvStreamer(prefill.kv_cache, prefill.block_size), {}
 
-        def hook(sched):
-            streamer.prepare(sched, {"r": (dest, sender)}, stats)
-            return streamer
-
-        prefill_keeping_kv(prefill, prompt, hook)
+        prefill_keeping_kv(prefill, prompt, lambda sched: streamer.prepare(sched, {"r": (dest, sender)}, stats))
         assert stats["r"].error is None
         sender.send_done(KvDone(request_id="r", lease_epoch=lease.epoch, num_layers=spec.num_layers,
                                 kv_bytes=stats["r"].bytes))
