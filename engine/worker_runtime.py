@@ -41,8 +41,9 @@ _stall_done = False
 
 def stall_for_tests(role: str) -> None:
     """TEST-ONLY fault injection, never set in production: PDSERVE_TEST_STALL_STEP_S="<role>:<seconds>"
-    makes the first busy engine step of each worker of that role sleep that long, once per process:
-    a stuck engine loop. Heartbeats go on (their own thread) and carry the step's growing age."""
+    makes the first busy engine step of each worker of that role (of a prefill worker: the first
+    layer one of its lanes runs) sleep that long, once per process: a stuck engine loop.
+    Heartbeats go on (their own thread) and carry the step's growing age."""
     global _stall_done
     spec = os.environ.get(STALL_ENV)
     if _stall_done or not spec:

@@ -32,6 +32,7 @@ import torch
 
 from engine.model_runner import ForwardPass, ModelRunner
 from engine.scheduler import SchedulerOutput
+from engine.worker_runtime import stall_for_tests
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +187,7 @@ class PrefillLanes:
     def _advance(self, job: LaneJob, lane: str) -> None:
         """One stage of `job`: its next layer, or the LM head after the last one."""
         try:
+            stall_for_tests("prefill")  # test-only: a lane stuck in its first layer
             if job.fp.next_layer < self.num_layers:
                 self.runner.run_layer(job.fp)
                 job.layers_by_lane[lane] = job.layers_by_lane.get(lane, 0) + 1

@@ -20,7 +20,7 @@ import zmq
 
 from engine.config import EngineConfig
 from engine.llm_engine import PREFILLED, LLMEngine
-from engine.worker_runtime import WorkerRuntime, describe_worker, engine_stats, stall_for_tests
+from engine.worker_runtime import WorkerRuntime, describe_worker, engine_stats
 from kvtransfer.sender import KvSender, make_kv_sender
 from kvtransfer.wire import payload_mac_enabled
 from prefill_node.kv_streamer import KvStreamer, TransferStats
@@ -136,7 +136,6 @@ class PrefillWorker:
             if sched.is_empty:
                 break
             self.rt.mark_step()
-            stall_for_tests("prefill")
             now = time.monotonic()
             for c in sched.prefills:
                 p = self.pending.get(c.seq.request_id)

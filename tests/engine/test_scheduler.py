@@ -163,3 +163,32 @@ def test_shortest_first_policy_with_aging():
     assert admitted_first("shortest-first", 0.5) == "long"  # 40 - 50 < 8: aged past the short one
     with pytest.raises(ValueError):
         SchedulerConfig(policy="random")
+
+
+def test_in_flight_sequences_get_next_chunks_but_are_never_preempted():
+    """Prefill lanes launch a step before the previous one finishes: a chunk counts as computed
+    when launched, so the next schedule plans the chunk after it; a sequence whose chunk is in
+    flight keeps its blocks (a lane is writing them), even when that means waiting for blocks."""
+    pool = BlockPool(4)  # 16 token slots
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=4), pool, block_size=4)
+    a, b = make_seq("a", 8), make_seq("b", 8)
+    s.add(a)
+    s.add(b)
+
+    def launch(in_flight):
+        out = s.schedule(frozenset(id(q) for q in in_flight))
+        for c in out.chunks:
+            c.seq.num_computed_tokens += c.num_tokens  # LLMEngine.launch
+        return [(c.seq.request_id, c.num_tokens) for c in out.chunks], out
+
+    assert launch([])[0] == [("a", 4)]
+    assert launch([a])[0] == [("a", 4)]  # a's second chunk, its first still in flight
+    assert launch([a])[0] == [("b", 4)]  # a has nothing left to compute: b is next
+    assert launch([a, b])[0] == [("b", 4)]
+    assert pool.num_free == 0
+    a.token_ids.append(7)  # a sampled its first token; a and b are both still in flight
+    chunks, out = launch([a, b])
+    assert chunks == [] and out.preempted == []  # a waits for a block: b is not preempted, a not either
+    assert a.block_table and b.block_table
+    chunks, out = launch([a])  # b's steps are done: b may now be preempted for a
+    assert [q.request_id for q in out.preempted] == ["b"] and chunks[0] == ("a", 1)

@@ -60,3 +60,19 @@ def test_disconnects_free_every_block(bench_model):
             # and the server still serves
             r = client.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 3})
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_disconnect_while_a_lane_computes_the_prompt(bench_model):
+    """The Abort reaches the prefill worker while a lane is writing the prompt's KV blocks: the
+    worker aborts once the lane is done with them, and the decode worker's lease comes back."""
+    prompt = list(range(5, 305))  # one 300-token chunk
+    with running_server(bench_model, env={"PDSERVE_TEST_STALL_STEP_S": "prefill:3"}) as base:
+        with httpx.Client(base_url=base, timeout=30) as client:
+            with pytest.raises(httpx.TimeoutException):  # gone while the lane is stuck in layer 0
+                client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 5}, timeout=0.5)
+            free, total, running = wait_all_idle(base, timeout_s=10)
+            assert free == total and not any(running.values()), (free, total, running)
+            r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 3})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+            free, total, running = wait_all_idle(base)
+            assert free == total and not any(running.values()), (free, total, running)
