@@ -30,3 +30,10 @@ def test_lending_can_be_turned_off_and_is_per_decode_worker(tmp_path, monkeypatc
     assert flag(children["decode-0"], "--idle-threads") == "2"
     children = plan(tmp_path, monkeypatch, 8, "--decode-workers", "2")
     assert flag(children["decode-1"], "--idle-threads") == "4"  # 8 cores / 2 decode workers
+
+
+@pytest.mark.parametrize("cores,flags,lanes", [(2, (), "1"), (8, (), "1"), (2, ("--prefill-workers", "2"), "0"),
+                                               (2, ("--prefill-idle-lanes", "0"), "0")])
+def test_prefill_idle_lanes_cover_the_cores_outside_the_prefill_pool(tmp_path, monkeypatch, cores, flags, lanes):
+    children = plan(tmp_path, monkeypatch, cores, *flags)
+    assert flag(children["prefill-0"], "--idle-lanes") == lanes
