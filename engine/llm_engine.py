@@ -131,8 +131,7 @@ class LLMEngine:
         if sched.is_empty:
             return []
         fp = self.launch(sched, on_layer_stored)
-        while fp.next_layer < self.runner.num_layers:
-            self.runner.run_layer(fp)
+        self.runner.run_layers(fp)
         return self.finish_step(fp, self.runner.logits(fp))
 
     # execute() in parts, for a caller that runs the layers elsewhere (prefill lanes)

@@ -33,7 +33,7 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_p
 
 @dataclass
 class ForwardPass:
-    """One step's forward pass, run a stage at a time: `begin`, `run_layer` x L, `logits`.
+    """One step's forward pass, run in stages: `begin`, `run_layers`, `logits`.
     Each stage may run on a different thread (prefill lanes); only one at a time."""
 
     batch: ForwardBatch
@@ -63,9 +63,12 @@ class ModelRunner:
         return ForwardPass(batch, ctx, x, rope)
 
     @torch.inference_mode()
-    def run_layer(self, fp: ForwardPass) -> None:
-        fp.x = self.model.layers[fp.next_layer](fp.x, fp.rope, fp.ctx)
-        fp.next_layer += 1
+    def run_layers(self, fp: ForwardPass, count: int | None = None) -> None:
+        """The pass's next `count` layers (default: all that are left)."""
+        stop = self.num_layers if count is None else min(self.num_layers, fp.next_layer + count)
+        while fp.next_layer < stop:
+            fp.x = self.model.layers[fp.next_layer](fp.x, fp.rope, fp.ctx)
+            fp.next_layer += 1
 
     @torch.inference_mode()
     def logits(self, fp: ForwardPass) -> torch.Tensor | None:

@@ -59,7 +59,6 @@ class Scheduler:
         self.block_size = block_size
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # arrival (admission) order
-        self._in_flight: frozenset[int] = frozenset()  # this schedule()'s argument
 
     # --- intake -------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -82,7 +81,6 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.cfg.max_num_batched_tokens
         in_batch: set[int] = set()
-        self._in_flight = in_flight
 
         for want_decode in (True, False):
             for seq in list(self.running):
@@ -93,7 +91,7 @@ class Scheduler:
                 if (seq.num_uncomputed == 1) != want_decode:
                     continue
                 n = min(seq.num_uncomputed, budget)
-                if not self._reserve_blocks(seq, n, in_batch, out):
+                if not self._reserve_blocks(seq, n, in_batch, in_flight, out):
                     continue  # preempted itself, or (in flight) waits for blocks
                 chunk = ScheduledChunk(seq, n)
                 (out.decodes if want_decode else out.prefills).append(chunk)
@@ -129,12 +127,13 @@ class Scheduler:
         total = -(-(seq.num_computed_tokens + n) // self.block_size)
         return max(0, total - len(seq.block_table))
 
-    def _reserve_blocks(self, seq: Sequence, n: int, in_batch: set[int], out: SchedulerOutput) -> bool:
+    def _reserve_blocks(self, seq: Sequence, n: int, in_batch: set[int], in_flight: frozenset[int],
+                        out: SchedulerOutput) -> bool:
         need = self._blocks_needed(seq, n)
         while not self.pool.can_allocate(need):
             victim = next((s for s in reversed(self.running)
-                           if id(s) not in in_batch and id(s) not in self._in_flight and s is not seq), None)
-            if victim is None and id(seq) in self._in_flight:
+                           if id(s) not in in_batch and id(s) not in in_flight and s is not seq), None)
+            if victim is None and id(seq) in in_flight:
                 return False  # its blocks are being written: it waits for blocks instead
             if victim is None:
                 self.preempt(seq)

@@ -1,7 +1,8 @@
 """Prefill lanes: threads of one prefill worker that run launched steps a layer at a time.
 
-A prefill worker pinned to its share of the cores leaves the decode pool's cores idle between
-decode steps. Lanes harvest that time without ever delaying a decode step:
+A prefill worker sized to its share of the cores leaves the decode pool's cores idle between
+decode steps. Lanes harvest that time without taking a core from a decode step (they still share
+caches and memory bandwidth with it):
 
 - `lanes` normal lanes run at the worker's own priority (its cores);
 - `idle_lanes` run under the kernel's SCHED_IDLE policy: they get a core only while nothing
@@ -26,7 +27,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -41,16 +42,13 @@ log = logging.getLogger(__name__)
 class LaneJob:
     """A launched step on its way through the layers (then the LM head)."""
 
-    sched: SchedulerOutput
     fp: ForwardPass
     seq_ids: frozenset[int]  # id() of the sequences it holds chunks of
     after: list[LaneJob]  # earlier jobs in flight sharing a sequence
-    context: object = None  # the caller's, handed back with the job
     logits: torch.Tensor | None = None
     error: BaseException | None = None
     held: bool = False
     done: bool = False
-    layers_by_lane: dict[str, int] = field(default_factory=dict)
 
 
 def make_idle_priority() -> str:
@@ -79,9 +77,9 @@ class PrefillLanes:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._num_idle = idle_lanes
-        self._threads = [threading.Thread(target=self._run, args=(f"lane{i}", False), daemon=True,
+        self._threads = [threading.Thread(target=self._run, args=(False,), daemon=True,
                                           name=f"prefill-lane{i}") for i in range(lanes)]
-        self._threads += [threading.Thread(target=self._run, args=(f"idle{i}", True), daemon=True,
+        self._threads += [threading.Thread(target=self._run, args=(True,), daemon=True,
                                            name=f"prefill-idle-lane{i}") for i in range(idle_lanes)]
         for t in self._threads:
             t.start()
@@ -109,11 +107,12 @@ class PrefillLanes:
         with self._cond:
             return frozenset().union(*(j.seq_ids for j in self._jobs)) if self._jobs else frozenset()
 
-    def submit(self, sched: SchedulerOutput, fp: ForwardPass, context: object = None) -> LaneJob:
+    def submit(self, sched: SchedulerOutput, fp: ForwardPass) -> LaneJob:
+        """Queue a launched step (`LLMEngine.launch`) for the lanes."""
         seq_ids = frozenset(id(c.seq) for c in sched.chunks)
         with self._cond:
             after = [j for j in self._jobs if not j.done and j.seq_ids & seq_ids]
-            job = LaneJob(sched, fp, seq_ids, after, context)
+            job = LaneJob(fp, seq_ids, after)
             self._jobs.append(job)
             self._cond.notify_all()
         return job
@@ -157,7 +156,7 @@ class PrefillLanes:
             return None  # a lane at full priority is free: the work is its
         return next((j for j in self._jobs if self._runnable(j)), None)
 
-    def _run(self, name: str, idle: bool) -> None:
+    def _run(self, idle: bool) -> None:
         if idle:
             self.idle_priority = make_idle_priority()
         while True:
@@ -174,7 +173,7 @@ class PrefillLanes:
                     return
                 job.held = True
                 self._cond.notify_all()  # fewer normal lanes free: an idle lane may take what is left
-            self._advance(job, name)
+            self._advance(job)
             with self._cond:
                 job.held = False
                 self._cond.notify_all()
@@ -184,13 +183,12 @@ class PrefillLanes:
                     except BlockingIOError:  # the pipe is full of wake-ups already
                         pass
 
-    def _advance(self, job: LaneJob, lane: str) -> None:
+    def _advance(self, job: LaneJob) -> None:
         """One stage of `job`: its next layer, or the LM head after the last one."""
         try:
             stall_for_tests("prefill")  # test-only: a lane stuck in its first layer
             if job.fp.next_layer < self.num_layers:
-                self.runner.run_layer(job.fp)
-                job.layers_by_lane[lane] = job.layers_by_lane.get(lane, 0) + 1
+                self.runner.run_layers(job.fp, 1)
                 return
             job.logits = self.runner.logits(job.fp)
         except BaseException as e:  # handed to the worker's loop, which owns the failure

@@ -106,9 +106,9 @@ def test_lane_failure_is_handed_back(tiny_llama, monkeypatch):
     engine = make_engine(tiny_llama, **BUDGET)
     lanes = PrefillLanes(engine.runner, lanes=1)
     try:
-        def broken(fp):
+        def broken(fp, count=None):
             raise RuntimeError("layer exploded")
-        monkeypatch.setattr(engine.runner, "run_layer", broken)
+        monkeypatch.setattr(engine.runner, "run_layers", broken)
         engine.add_request("r", [5, 6, 7], SP, prefill_only=True)
         sched = engine.scheduler.schedule()
         lanes.submit(sched, engine.launch(sched))

@@ -17,12 +17,12 @@ def test_abort_waits_for_the_lane_writing_the_blocks(tiny_llama):
     worker = PrefillWorker(config, FrameAuth(b"k" * 32), "tcp://127.0.0.1:0", ["tcp://127.0.0.1:9"])
     try:
         runner, gate = worker.engine.runner, threading.Event()
-        real_run_layer = runner.run_layer
+        real_run_layers = runner.run_layers
 
-        def gated(fp):
+        def gated(fp, count=None):
             assert gate.wait(10)
-            real_run_layer(fp)
-        runner.run_layer = gated
+            real_run_layers(fp, count)
+        runner.run_layers = gated
         pool = worker.engine.pool
         worker.engine.add_request("r", list(range(3, 23)), SamplingParams(max_tokens=2), prefill_only=True)
         assert worker.launch()
