@@ -1,6 +1,6 @@
 """Dispatch: Triton kernels for CUDA tensors (when triton imports); on the CPU, decode
-sequences go to the C kernel (kernels/cpu_native.py: reads KV in place) when it built, and
-prefill chunks, or everything when it did not, to pure torch.
+sequences and prefill chunks go to their C kernels (kernels/cpu_native.py: both read KV in
+place) when they built, and to pure torch when they did not.
 
 `PDSERVE_ATTENTION=torch|triton` overrides (`auto` or unset: the default; `torch`: pure torch
 everywhere, the reference). Triton on CPU tensors needs TRITON_INTERPRET=1 set before triton is
@@ -57,6 +57,18 @@ def _native_decode(query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionM
                                              scale, out[:nd])
 
 
+def _native_prefill(query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata,
+                    scale: float, out: torch.Tensor, choice: str) -> bool:
+    """Prefill chunks through the C kernel when allowed and it can take them (their K/V is
+    already in the pool: the model stores a layer's KV before attending)."""
+    if meta.num_decode_seqs == meta.num_seqs:
+        return True
+    if choice not in ("", "auto") or not cpu_native.can_run_prefill(query, kv_layer):
+        return False
+    return cpu_native.paged_prefill_attention(query, kv_layer, meta.block_tables, meta.cu_seqlens_q,
+                                              meta.context_lens, meta.num_decode_seqs, scale, out)
+
+
 def store_kv(key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Write key/value [T, Hkv, D] into kv_layer [2, N, bs, Hkv, D] at slots [T] int64 (-1 = skip)."""
@@ -76,5 +88,6 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # [T, Hq, D]
     if not _native_decode(query, kv_layer, meta, scale, out, choice):
         torch_attention.attend_decodes(query, kv_layer, meta, scale, out)
-    torch_attention.attend_prefills(query, key, value, kv_layer, meta, scale, out)
+    if not _native_prefill(query, kv_layer, meta, scale, out, choice):
+        torch_attention.attend_prefills(query, key, value, kv_layer, meta, scale, out)
     return out

@@ -6,6 +6,10 @@ ctypes:
   in place. At batch 32 x ~270 tokens of the bench model the gather alone was 8.5 of the 19 ms
   of attention in a step (torch profiler, one thread); the kernel does the whole attention in
   ~12 ms (docs/benchmarks/engine.md).
+- kernels/cpu_prefill_attention.c, prefill attention (prompt chunks, causal, any earlier
+  context) read in place from the pool, FlashAttention-style. torch's CPU flash SDPA ran a
+  512-token prompt of the bench model at 5x its FLOP time, and a chunk with earlier context had
+  its KV gathered first (docs/benchmarks/engine.md).
 - kernels/cpu_gemv.c, the one-row linear of a decode step at batch 1: MKL's GEMV does not go
   faster with a second thread on this machine; this one splits the output columns between
   threads (docs/benchmarks/engine.md).
@@ -33,6 +37,7 @@ import torch
 log = logging.getLogger(__name__)
 
 ATTENTION_SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
+PREFILL_SOURCE = Path(__file__).with_name("cpu_prefill_attention.c")
 GEMV_SOURCE = Path(__file__).with_name("cpu_gemv.c")
 # -ffast-math for the compile step only (vectorised expf and dot-product reductions); linking
 # without it keeps crtfastmath.o (which would flush denormals process-wide) out of the library.
@@ -113,6 +118,18 @@ def _library() -> ctypes.CDLL | None:
 
 
 @functools.lru_cache(maxsize=None)
+def _prefill_library() -> ctypes.CDLL | None:
+    lib = _load(PREFILL_SOURCE)
+    if lib is not None:
+        fn = lib.paged_prefill_attention_f32
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                       ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 6 + [
+                       ctypes.c_float, ctypes.c_int]
+    return lib
+
+
+@functools.lru_cache(maxsize=None)
 def _gemv_library() -> ctypes.CDLL | None:
     lib = _load(GEMV_SOURCE)
     if lib is not None:
@@ -148,6 +165,12 @@ def can_run(query: torch.Tensor, kv_layer: torch.Tensor) -> bool:
             and kv_layer.is_contiguous() and available())
 
 
+def can_run_prefill(query: torch.Tensor, kv_layer: torch.Tensor) -> bool:
+    """As `can_run`, for the prefill kernel."""
+    return (query.device.type == "cpu" and query.dtype == torch.float32 and kv_layer.dtype == torch.float32
+            and kv_layer.is_contiguous() and prefill_available())
+
+
 def paged_decode_attention(query: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
                            context_lens: torch.Tensor, scale: float, out: torch.Tensor) -> bool:
     """query [n, Hq, D], kv_layer [2, N, bs, Hkv, D], block_tables [>=n, W] int32,
@@ -163,4 +186,33 @@ def paged_decode_attention(query: torch.Tensor, kv_layer: torch.Tensor, block_ta
         query.data_ptr(), query.stride(0), kv_layer.data_ptr(), num_blocks * bs, block_tables.data_ptr(),
         block_tables.stride(0), context_lens.data_ptr(), out.data_ptr(), n, hq, hkv, d, bs, scale,
         torch.get_num_threads())
+    return rc == 0
+
+
+def prefill_available() -> bool:
+    """Whether the prefill attention kernel is built and loaded (tried once per process)."""
+    return _prefill_library() is not None
+
+
+def paged_prefill_attention(query: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
+                            cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, first: int, scale: float,
+                            out: torch.Tensor) -> bool:
+    """The chunks of sequences `first..` of a ragged batch: query [T, Hq, D] (all the batch's
+    rows), their K/V already stored in kv_layer [2, N, bs, Hkv, D]; block_tables [B, W],
+    cu_seqlens_q [B+1], context_lens [B] int32 -> out [T, Hq, D] at those sequences' rows.
+    False when the kernel refuses the shapes; the caller then takes the torch path."""
+    t, hq, d = query.shape
+    if query.stride(2) != 1 or query.stride(1) != d:  # rows may be apart (the model's fused qkv view)
+        query = query.contiguous()
+    _, num_blocks, bs, hkv, _ = kv_layer.shape
+    n = context_lens.shape[0] - first
+    for x in (block_tables, cu_seqlens_q, context_lens):
+        assert x.dtype == torch.int32 and x.is_contiguous()
+    assert out.is_contiguous() and out.shape == query.shape
+    if n <= 0:
+        return True
+    rc = _prefill_library().paged_prefill_attention_f32(
+        query.data_ptr(), query.stride(0), kv_layer.data_ptr(), num_blocks * bs, block_tables.data_ptr(),
+        block_tables.stride(0), cu_seqlens_q.data_ptr(), context_lens.data_ptr(), out.data_ptr(), first, n,
+        hq, hkv, d, bs, scale, torch.get_num_threads())
     return rc == 0

@@ -62,8 +62,8 @@ def test_query_rows_apart_as_in_the_fused_qkv():
 
 @needs_kernel
 def test_mixed_batch_through_dispatch(monkeypatch):
-    """kernels.paged_attention on the CPU: decodes through the kernel, prefill chunks through
-    torch, one output."""
+    """kernels.paged_attention on the CPU: decodes through the decode kernel (prefill chunks
+    through theirs: test_cpu_prefill_attention.py), one output."""
     monkeypatch.delenv("PDSERVE_ATTENTION", raising=False)
     calls = []
     real = cpu_native.paged_decode_attention
@@ -127,6 +127,7 @@ def test_no_compiler_means_torch_path(tmp_path):
     code = ("import torch, kernels\n"
             "from kernels import cpu_native\n"
             "assert not cpu_native.available() and not cpu_native.gemv_available()\n"
+            "assert not cpu_native.prefill_available()\n"
             "meta = kernels.AttentionMetadata.build([1, 2], [3, 2], [[1], [0]], 1)\n"
             "kv = torch.randn(2, 2, 4, 1, 8)\n"
             "k = torch.randn(3, 1, 8)\n"
