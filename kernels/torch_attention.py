@@ -1,4 +1,5 @@
-"""Pure-torch paged attention and KV store: the CPU path and the reference for Triton.
+"""Pure-torch paged attention and KV store: the reference for the C and Triton kernels, and the
+CPU path where the C kernels did not build (or past their limits).
 
 Decode sequences (one query each) are computed together, batched: their KV is gathered from the
 paged pool into `[n, S, Hkv, D]` and attended with one masked SDPA call. The gather is done in
