@@ -214,9 +214,9 @@ int paged_prefill_attention_f32(const float *q, int64_t q_stride, const float *k
                                 const int32_t *ctx_lens, float *out, int first, int n, int hq, int hkv, int d,
                                 int bs, float scale, int nthreads) {
     if (hkv <= 0 || hq % hkv != 0 || hq / hkv > MAX_G || d > MAX_D || d % 8 || bs <= 0) return -1;
-    int bq = ROW_FLOATS / (hq / hkv * d);
-    if (bq > BQ) bq = BQ;
-    if (bq * (hq / hkv) > MAX_ROWS) bq = MAX_ROWS / (hq / hkv);
+    int bq = BQ; /* rows (bq x G, padded to 16) must fit the item's buffers */
+    while (bq > 1 && ((((bq * (hq / hkv) + 15) & ~15) * d > ROW_FLOATS) || ((bq * (hq / hkv) + 15) & ~15) > MAX_ROWS))
+        bq--;
     int64_t items = 0;
     for (int b = first; b < first + n; b++) items += (int64_t)hkv * ((cu_q[b + 1] - cu_q[b] + bq - 1) / bq);
     if (items == 0) return 0;
