@@ -11,10 +11,13 @@
  *
  * Work item: one sequence, one KV head, one tile of up to BQ query positions. Its rows are the
  * G = Hq/Hkv query heads of that KV head at each position (row r = position i * G + head g), so
- * each tile of keys is read once for all of them. Per tile of 16 keys:
- *   kt[D][16]  <- the keys, transposed, so a row's 16 scores are 2 vectors of FMAs over D;
- *   s[r][16]   =  q_r . k_t, -inf past the row's causal limit;
- *   m, l, acc  <- online softmax: rescale acc by exp(m_old - m_new), acc += p V.
+ * each tile of keys is read once for all of them. The queries are transposed once per item
+ * (qt[D][rows], pre-scaled), so every step below is vectorised over 8 rows. Per tile of 16 keys:
+ *   st[16][rows] =  k_t . q_r, 8 keys x 16 rows a register tile; masked past each row's limit;
+ *   m, l, acc    <- online softmax: p = exp(s - max), rescale acc by exp(m_old - m_new),
+ *                   acc += p V (two rows share each load of a V row).
+ * Scores over rows beat scores over keys (a transposed K tile per item and tile, then a softmax
+ * across lanes), and 8 x 16 tiles beat 4 x 16 (docs/benchmarks/engine.md).
  * Heavy items (tiles late in long prompts) go first, so the threads finish together.
  */
 #include <math.h>
@@ -23,7 +26,7 @@
 
 #define MAX_D 256
 #define MAX_G 16       /* query heads per KV head */
-#define BQ 32          /* query positions per work item, fewer when G x D is large: */
+#define BQ 32          /* query positions per work item, fewer when G x D is large */
 #define ROW_FLOATS 16384 /* rows x D of one item's query and accumulator buffers (64 KiB each, on the stack) */
 #define KT 16          /* keys per tile */
 #define MAX_ROWS 256
@@ -49,7 +52,7 @@ static inline v8 sel(v8i mask, v8 a, v8 b) { /* mask ? a : b, lane by lane (C ha
 #define MASKED (-1e30f) /* a masked score; finite (-ffast-math assumes no infinities) */
 
 /* exp(x) for x <= 0 (scores minus their running max), inlined: exp(x) = 2^n exp(r), r = x - n ln2,
- * exp(r) by Cephes' degree-7 polynomial (about 1 ulp). Below -87 (masked scores): 0. */
+ * exp(r) by Cephes' expf polynomial (about 1 ulp). Below -87 (masked scores): 0. */
 static inline v8 exp8_nonpos(v8 x) {
     const v8 lo = splat8(-87.0f);
     const v8i under = x < lo;
@@ -101,15 +104,20 @@ static inline __attribute__((always_inline)) void attend(const Job *j, const Ite
     float st[KT * MAX_ROWS] __attribute__((aligned(32))); /* [KT, RP]: scores, then p */
     float m[MAX_ROWS] __attribute__((aligned(32))), l[MAX_ROWS] __attribute__((aligned(32)));
     float corr[MAX_ROWS] __attribute__((aligned(32)));
-    int32_t lim[MAX_ROWS] __attribute__((aligned(32))); /* keys [0, lim) visible to the row, counted from the item's first key */
+    int32_t lim[MAX_ROWS] __attribute__((aligned(32))); /* keys [0, lim) of the sequence visible to the row */
     const float *krow[KT], *vrow[KT];
     static const float zeros[MAX_D] __attribute__((aligned(32))) = {0};
 
     for (int r = 0; r < RP; r++) {
         const int i = r / G, g = r % G;
-        const float *src = j->q + (int64_t)(q0 + i0 + i) * j->q_stride + (int64_t)(h * G + g) * D;
-        for (int c = 0; c < D; c++) qt[c * RP + r] = r < R ? src[c] * j->scale : 0.0f;
-        lim[r] = r < R ? past + i0 + i + 1 : 1; /* padding rows see key 0 only: finite, never written */
+        if (r < R) {
+            const float *src = j->q + (int64_t)(q0 + i0 + i) * j->q_stride + (int64_t)(h * G + g) * D;
+            for (int c = 0; c < D; c++) qt[c * RP + r] = src[c] * j->scale;
+            lim[r] = past + i0 + i + 1;
+        } else { /* padding rows: see key 0 only, so they stay finite; never written out */
+            for (int c = 0; c < D; c++) qt[c * RP + r] = 0.0f;
+            lim[r] = 1;
+        }
         m[r] = MASKED;
         l[r] = 0.0f;
     }
