@@ -159,16 +159,21 @@ def available() -> bool:
     return _library() is not None
 
 
-def can_run(query: torch.Tensor, kv_layer: torch.Tensor) -> bool:
-    """fp32 CPU tensors, the pool contiguous (query rows may lie apart, as in the model's fused qkv; heads and head_dim must be dense, else they are copied)."""
+def _takes(query: torch.Tensor, kv_layer: torch.Tensor) -> bool:
+    """What both attention kernels take: fp32 CPU tensors, the pool contiguous (query rows may lie
+    apart, as in the model's fused qkv; heads and head_dim must be dense, else they are copied)."""
     return (query.device.type == "cpu" and query.dtype == torch.float32 and kv_layer.dtype == torch.float32
-            and kv_layer.is_contiguous() and available())
+            and kv_layer.is_contiguous())
+
+
+def can_run(query: torch.Tensor, kv_layer: torch.Tensor) -> bool:
+    """Whether the decode kernel is built and takes these tensors."""
+    return _takes(query, kv_layer) and available()
 
 
 def can_run_prefill(query: torch.Tensor, kv_layer: torch.Tensor) -> bool:
-    """As `can_run`, for the prefill kernel."""
-    return (query.device.type == "cpu" and query.dtype == torch.float32 and kv_layer.dtype == torch.float32
-            and kv_layer.is_contiguous() and prefill_available())
+    """Whether the prefill kernel is built and takes these tensors."""
+    return _takes(query, kv_layer) and prefill_available()
 
 
 def paged_decode_attention(query: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
@@ -201,7 +206,7 @@ def paged_prefill_attention(query: torch.Tensor, kv_layer: torch.Tensor, block_t
     rows), their K/V already stored in kv_layer [2, N, bs, Hkv, D]; block_tables [B, W],
     cu_seqlens_q [B+1], context_lens [B] int32 -> out [T, Hq, D] at those sequences' rows.
     False when the kernel refuses the shapes; the caller then takes the torch path."""
-    t, hq, d = query.shape
+    _, hq, d = query.shape
     if query.stride(2) != 1 or query.stride(1) != d:  # rows may be apart (the model's fused qkv view)
         query = query.contiguous()
     _, num_blocks, bs, hkv, _ = kv_layer.shape
