@@ -10,6 +10,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+import aiohttp
 import httpx
 from tqdm import tqdm
 
@@ -80,8 +81,10 @@ def load_requests(args, tokenizer, seed: int) -> list[BenchRequest]:
 async def run_once(args, model: str, tokenizer, requests: list[BenchRequest], rate: float,
                    slos: dict[str, float], seed: int) -> dict:
     url = args.base_url.rstrip("/") + args.endpoint
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=args.request_timeout, limits=limits) as client:
+    connector = aiohttp.TCPConnector(limit=0)  # no cap on connections: --max-concurrency caps
+    # per operation, as before with httpx: no chunk for --request-timeout s fails the request
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=args.request_timeout, sock_read=args.request_timeout)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
         if args.warmup_requests:
             warm = requests[: args.warmup_requests]
             await asyncio.gather(*[send(client, url, build_payload(r, model, args.endpoint, temperature=args.temperature,

@@ -60,13 +60,14 @@ class ColocatedWorker:
             if out.seq.num_output_tokens == 1 and out.request_id in first_seen:
                 timings = {"prefill_queue_s": first_seen[out.request_id],
                            "prefill_compute_s": time.monotonic() - now}
-            self.rt.to_gateway(gateway, TokenOutput(
+            self.rt.hold_output(gateway, TokenOutput(
                 request_id=out.request_id, worker_id=self.worker_id,
                 index=out.seq.num_output_tokens - len(out.new_token_ids),
                 token_ids=out.new_token_ids, logprobs=out.logprobs,
                 finish_reason=out.finish_reason, timings=timings))
             if out.finish_reason is not None:
                 self.gateway_of.pop(out.request_id, None)
+        self.rt.flush_outputs()  # the step's outputs, one frame a gateway
         self._last_progress = time.monotonic()
 
     def stats(self) -> WorkerStats:

@@ -158,14 +158,14 @@ class DecodeWorker:
             self._revoked_pruned = now
             self._revoked = {r: v for r, v in self._revoked.items() if now <= v[1] + self.leases.grace_s}
 
-    # --- outputs ----------------------------------------------------------------------------
+    # --- outputs (held, then sent one frame a gateway by rt.flush_outputs) --------------------
     def _emit(self, request_id, tokens, logprobs, reason, index, timings=None, error=None) -> None:
         gateway = self.gateway_of.get(request_id)
         if gateway is None:
             return
-        self.rt.to_gateway(gateway, TokenOutput(request_id=request_id, worker_id=self.worker_id,
-                                                index=index, token_ids=tokens, logprobs=logprobs,
-                                                finish_reason=reason, error=error, timings=timings or {}))
+        self.rt.hold_output(gateway, TokenOutput(request_id=request_id, worker_id=self.worker_id,
+                                                 index=index, token_ids=tokens, logprobs=logprobs,
+                                                 finish_reason=reason, error=error, timings=timings or {}))
         if reason is not None:
             self.gateway_of.pop(request_id, None)
             self.admitted_at.pop(request_id, None)
@@ -182,6 +182,7 @@ class DecodeWorker:
                 timings = {"decode_admission_s": now - admitted}
             self._emit(out.request_id, out.new_token_ids, out.logprobs, out.finish_reason,
                        out.seq.num_output_tokens - len(out.new_token_ids), timings)
+        self.rt.flush_outputs()
         self._last_progress = time.monotonic()
 
     def stats(self) -> WorkerStats:
@@ -219,6 +220,7 @@ class DecodeWorker:
                     self.engine.pool.free(self.receiver.released)
                     self.receiver.released.clear()
                 self._reclaim()
+                self.rt.flush_outputs()  # what the handlers above emitted (errors, early finishes)
                 if self.engine.has_work():
                     self.step()
                 self.rt.tick(self.stats)

@@ -24,8 +24,8 @@ from gateway.membership import WorkerEntry, WorkerTable, pick_decode_order, pick
 from protocol.auth import FrameAuth
 from protocol.channel import AsyncInbox, AsyncOutbox
 from protocol.messages import (Abort, GenerateRequest, Heartbeat, KvDestination, PrefillRequest,
-                               Register, ReserveReply, ReserveRequest, TokenOutput, Welcome,
-                               WorkerStats)
+                               Register, ReserveReply, ReserveRequest, TokenOutput, TokenOutputBatch,
+                               Welcome, WorkerStats)
 
 log = logging.getLogger(__name__)
 
@@ -98,9 +98,10 @@ class ClusterBackend(Backend):
 
     def _dispatch(self, msg) -> None:
         if isinstance(msg, TokenOutput):
-            queue = self._streams.get(msg.request_id)
-            if queue is not None:
-                queue.put_nowait(msg)
+            self._deliver(msg)
+        elif isinstance(msg, TokenOutputBatch):
+            for out in msg.outputs:
+                self._deliver(out)
         elif isinstance(msg, ReserveReply):
             fut = self._reserve_waiters.pop(msg.request_id, None)
             if fut is not None and not fut.done():
@@ -124,6 +125,11 @@ class ClusterBackend(Backend):
             # Welcome) would otherwise take requests with no route back for their outputs.
             if joined or isinstance(msg, Register):
                 self._send(info.worker_id, Welcome(gateway_id=self.gateway_id, inbox_addr=self.inbox_addr))
+
+    def _deliver(self, out: TokenOutput) -> None:
+        queue = self._streams.get(out.request_id)
+        if queue is not None:
+            queue.put_nowait(out)
 
     def _forget_replaced(self, info) -> None:
         """A worker restarted on the same control address replaces the old entry: stop routing

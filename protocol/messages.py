@@ -16,6 +16,7 @@ Who sends what (G = gateway, P = prefill worker, D = decode worker, C = colocate
     P -> D  KvDone (on the KV stream)        all layers written; first token; D admits
     P -> D  KvRelease (on the KV stream)     P dropped the request: D reclaims the lease now
     P,D,C -> G  TokenOutput                  new tokens / finish / error for one request
+    D,C -> G  TokenOutputBatch               one step's TokenOutputs for one gateway, in one frame
     G -> P,D,C  Abort                        client went away or stop string hit
 """
 from __future__ import annotations
@@ -189,6 +190,12 @@ class TokenOutput(_Msg):
     timings: dict[str, float] = {}
 
 
+class TokenOutputBatch(_Msg):
+    """A step's outputs for every request of one gateway: one frame (one HMAC, one send, one
+    receive) a step instead of one a request. Each entry is handled as if it came alone."""
+    outputs: list[TokenOutput] = []
+
+
 class Abort(_Msg):
     request_id: str = ""
     reason: str = ""
@@ -198,7 +205,7 @@ class Abort(_Msg):
 
 
 Message = Union[Register, Heartbeat, Welcome, ReserveRequest, ReserveReply, PrefillRequest,
-                GenerateRequest, KvDone, TokenOutput, Abort]
+                GenerateRequest, KvDone, TokenOutput, TokenOutputBatch, Abort]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -9,7 +9,8 @@ import zmq
 from engine.worker_runtime import WorkerRuntime
 from protocol.auth import FrameAuth
 from protocol.channel import Inbox
-from protocol.messages import Heartbeat, KvLayout, WorkerInfo, WorkerStats
+from protocol.messages import (Heartbeat, KvLayout, TokenOutput, TokenOutputBatch, Welcome, WorkerInfo,
+                               WorkerStats)
 
 
 def _info() -> WorkerInfo:
@@ -45,6 +46,33 @@ def test_heartbeats_continue_while_the_loop_blocks(tmp_path):
         rt.tick(lambda: idle)
         beats = _heartbeats(gateway, 1.2)
         assert beats and beats[-1].stats.last_step_age_s == 0.0
+    finally:
+        rt.close()
+        gateway.close()
+        ctx.term()
+
+
+def test_held_outputs_go_out_as_one_frame_per_gateway(tmp_path):
+    """A step's outputs for one gateway travel as one TokenOutputBatch (one HMAC, one send); a
+    lone output stays a plain TokenOutput; nothing is sent before the flush."""
+    ctx = zmq.Context()
+    auth = FrameAuth(b"k" * 32)
+    gateway = Inbox(ctx, auth, f"ipc://{tmp_path}/gw.sock")
+    rt = WorkerRuntime(ctx, auth, f"ipc://{tmp_path}/w.sock", [gateway.addr])
+    rt.info = _info()
+    try:
+        rt.handle_welcome(Welcome(gateway_id="g1", inbox_addr=gateway.addr))
+        outs = [TokenOutput(request_id=f"r{i}", index=3, token_ids=[i]) for i in range(3)]
+        for out in outs:
+            rt.hold_output("g1", out)
+        assert gateway.recv_one(100) is None  # held until the flush
+        rt.flush_outputs()
+        assert gateway.recv_one(2000) == TokenOutputBatch(outputs=outs)
+        rt.flush_outputs()  # nothing held: nothing sent
+        rt.hold_output("g1", outs[0])
+        rt.flush_outputs()
+        assert gateway.recv_one(2000) == outs[0]
+        assert gateway.recv_one(100) is None
     finally:
         rt.close()
         gateway.close()
