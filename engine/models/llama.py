@@ -9,10 +9,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import kernels
+from kernels import layer_ops
 from engine.config import ModelConfig
 from engine.models.cpu_linear import cpu_linear_kind, gemv_copy_fits, relayout_linears
 from engine.models.rotary import RotaryEmbedding, rotate
@@ -38,10 +38,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return layer_ops.rms_norm(x, self.weight, self.eps)  # [T, H]
+
+    def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual add before the norm, fused: (x + delta, norm(x + delta)), both [T, H]."""
+        return layer_ops.add_rms_norm(x, delta, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -58,12 +59,16 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: Rope, ctx: ForwardContext) -> torch.Tensor:
         T = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (Hq + 2Hkv) * D]
-        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        qk = qk.view(T, self.num_heads + self.num_kv_heads, self.head_dim)  # [T, Hq + Hkv, D]
-        v = v.view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        q, k = rotate(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)  # q and k in one go
         kv_layer = ctx.kv_cache[self.layer]  # [2, N, bs, Hkv, D]
-        kernels.store_kv(k, v, kv_layer, ctx.slot_mapping)
+        fused = layer_ops.rope_store(qkv, *rope, self.num_heads, self.num_kv_heads, kv_layer, ctx.slot_mapping)
+        if fused is not None:  # C: rotate q, k and store k, v in one pass
+            q, k, v = fused  # [T, Hq, D], [T, Hkv, D], [T, Hkv, D]
+        else:
+            qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+            qk = qk.view(T, self.num_heads + self.num_kv_heads, self.head_dim)  # [T, Hq + Hkv, D]
+            v = v.view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+            q, k = rotate(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)  # q and k in one go
+            kernels.store_kv(k, v, kv_layer, ctx.slot_mapping)
         if ctx.on_layer_stored is not None:
             ctx.on_layer_stored(self.layer)
         out = kernels.paged_attention(q, k, v, kv_layer, ctx.attn, self.scale)  # [T, Hq, D]
@@ -78,8 +83,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)  # [T, I] each
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(layer_ops.silu_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I] -> [T, H]
 
 
 class DecoderLayer(nn.Module):
@@ -91,8 +95,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, rope: Rope, ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, h = self.post_attention_layernorm.add_forward(x, self.self_attn(self.input_layernorm(x), rope, ctx))
+        return x + self.mlp(h)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,0 +1,106 @@
+/* A decoder layer's elementwise work on the CPU, one pass over the rows instead of torch's
+ * six to eight ops (each a separate sweep over memory, with its temporaries and dispatch):
+ *
+ *   rmsnorm_f32       out = w * x / sqrt(mean(x^2) + eps)                         (HF LlamaRMSNorm)
+ *   add_rmsnorm_f32   sum = x + delta; out = rmsnorm(sum)   (the residual add fused into the norm)
+ *   silu_mul_f32      out = silu(gate) * up, gate_up rows = [gate | up]        (Llama MLP input)
+ *                     silu(g) = g / (1 + e^-g), computed as g * e / (1 + e) with e = e^g for g < 0:
+ *                     e^-g overflows there, and fast-math's reciprocal of inf is NaN, not 0.
+ *   rope_store_f32    q and k of the fused qkv rows rotated (HF rotate-half), k and v written to
+ *                     their KV-pool slots (-1: not stored); rotated q and k also written out
+ *                     dense for the attention that follows.
+ *
+ * fp32, rows contiguous (`ld*` = floats between rows). Threads split rows (OpenMP on torch's
+ * own libgomp, see cpu_decode_attention.c); a row's result does not depend on the thread count.
+ */
+#include <math.h>
+#include <stdint.h>
+
+static float sum_squares(const float *x, int64_t n) {
+    float acc[8] = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) acc[j] += x[i + j] * x[i + j];
+    float s = 0.f;
+    for (int j = 0; j < 8; j++) s += acc[j];
+    for (; i < n; i++) s += x[i] * x[i];
+    return s;
+}
+
+static void norm_row(const float *x, const float *w, float *out, int64_t n, float eps) {
+    const float inv = 1.0f / sqrtf(sum_squares(x, n) / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) out[i] = w[i] * (x[i] * inv);
+}
+
+static int threads_for(int64_t rows, int nthreads) {
+    if (nthreads < 1) nthreads = 1;
+    return rows < nthreads ? (int)(rows > 0 ? rows : 1) : nthreads;
+}
+
+int rmsnorm_f32(const float *x, int64_t ldx, const float *w, float *out, int64_t rows, int64_t n, float eps,
+                int nthreads) {
+    const int parts = threads_for(rows, nthreads);
+#pragma omp parallel for num_threads(parts) schedule(static) if (parts > 1)
+    for (int64_t r = 0; r < rows; r++) norm_row(x + r * ldx, w, out + r * n, n, eps);
+    return 0;
+}
+
+int add_rmsnorm_f32(const float *x, const float *delta, int64_t ldd, const float *w, float *sum, float *out,
+                    int64_t rows, int64_t n, float eps, int nthreads) {
+    const int parts = threads_for(rows, nthreads);
+#pragma omp parallel for num_threads(parts) schedule(static) if (parts > 1)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * n, *dr = delta + r * ldd;
+        float *sr = sum + r * n;
+        for (int64_t i = 0; i < n; i++) sr[i] = xr[i] + dr[i];
+        norm_row(sr, w, out + r * n, n, eps);
+    }
+    return 0;
+}
+
+int silu_mul_f32(const float *gate_up, int64_t ld, float *out, int64_t rows, int64_t n, int nthreads) {
+    const int parts = threads_for(rows, nthreads);
+#pragma omp parallel for num_threads(parts) schedule(static) if (parts > 1)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gate_up + r * ld, *u = g + n;
+        float *o = out + r * n;
+        for (int64_t i = 0; i < n; i++) {  /* vectorised expf, of -|g| only: never overflows */
+            const float e = expf(-fabsf(g[i]));
+            o[i] = (g[i] >= 0.f ? g[i] : g[i] * e) / (1.0f + e) * u[i];
+        }
+    }
+    return 0;
+}
+
+/* x [D] rotated by cos, sin [D] (rotate-half: out[i] = x[i] cos[i] -+ x[i +- D/2] sin[i]) */
+static inline void rotate_row(const float *x, const float *c, const float *s, float *out, int64_t d) {
+    const int64_t h = d / 2;
+    for (int64_t i = 0; i < h; i++) out[i] = x[i] * c[i] - x[i + h] * s[i];
+    for (int64_t i = h; i < d; i++) out[i] = x[i] * c[i] + x[i - h] * s[i];
+}
+
+/* qkv [T, (hq + 2 hkv) d] rows ldq floats apart; cos, sin [T, d]; q_out [T, hq, d];
+ * k_out [T, hkv, d]; kv [2, slots, hkv, d] (K then V, slots = blocks x block size);
+ * slot [T] int64. Returns -1 (nothing written) when a slot lies past the pool, else 0. */
+int rope_store_f32(const float *qkv, int64_t ldq, const float *cos, const float *sin, float *q_out, float *k_out,
+                   float *kv, int64_t slots, const int64_t *slot, int64_t rows, int hq, int hkv, int d,
+                   int nthreads) {
+    for (int64_t t = 0; t < rows; t++)
+        if (slot[t] >= slots) return -1;  /* past the pool: refuse before writing anything */
+    const int parts = threads_for(rows, nthreads);
+    const int64_t kv_row = (int64_t)hkv * d;
+#pragma omp parallel for num_threads(parts) schedule(static) if (parts > 1)
+    for (int64_t t = 0; t < rows; t++) {
+        const float *row = qkv + t * ldq, *c = cos + t * d, *s = sin + t * d;
+        for (int h = 0; h < hq; h++) rotate_row(row + (int64_t)h * d, c, s, q_out + (t * hq + h) * d, d);
+        float *kr = k_out + t * kv_row;
+        for (int h = 0; h < hkv; h++) rotate_row(row + (int64_t)(hq + h) * d, c, s, kr + (int64_t)h * d, d);
+        const int64_t at = slot[t];
+        if (at < 0) continue;
+        const float *v = row + (int64_t)(hq + hkv) * d;
+        float *kd = kv + at * kv_row, *vd = kv + (slots + at) * kv_row;
+        for (int64_t i = 0; i < kv_row; i++) kd[i] = kr[i];
+        for (int64_t i = 0; i < kv_row; i++) vd[i] = v[i];
+    }
+    return 0;
+}
