@@ -5,11 +5,14 @@ them fastest.
 blocked layout. torch's own fp32 `mm` goes to MKL, which on this machine's AMD EPYC reaches
 51-63 GFLOP/s at 32-512 rows against oneDNN's 86-105 (one thread, the bench model's shapes, all
 layers' weights in turn so they stream from memory as in a real step). oneDNN's 2-3 row case is
-slower than its 4-row GEMM, so such inputs are padded to 4 rows. One row (a decode step at batch
-1) is fastest as a GEMV on an `[in, out]` copy of the weight (engine A/B: 11.4 vs 12.5 ms a step
-at one thread, 15.1 vs 19.0 at two, with MKL's GEMV; the C GEMV of kernels/cpu_gemv.c now runs
-it), so that copy is kept too unless the linear weights are over 1/8 of the machine's memory
-(then one-row steps pad to 4 and read the packed weight).
+slower than its 4-row GEMM, so such inputs are padded to 4 rows. Up to FEW_ROWS rows (decode
+steps at small batch) a second copy of the weight in panels of 16 columns serves them: the C
+few-row GEMM of kernels/cpu_panel_gemm.c, each thread streaming whole panels, ran all the bench
+model's linears at one row in 4.2 ms against 7.5-7.9 for the C GEMV on an `[in, out]` copy and
+6.7-9.1 for oneDNN, and at 2-4 rows 15-35% faster than oneDNN; from 8 rows on oneDNN is as fast
+or faster (docs/benchmarks/engine.md). The copy is kept unless the linear weights are over 1/8
+of the machine's memory (then small inputs pad to 4 and read the packed weight). Without the C
+kernel, one-row inputs use an `[in, out]` copy (GEMV).
 
 `TransposedLinear` (fallback: other dtypes, or a torch built without oneDNN): the weight stored
 [in, out], `x @ W_t` (MKL's GEMV is slower on the usual [out, in] layout; docs/benchmarks/engine.md).
@@ -23,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_native
+from kernels import cpu_native, panel_gemm
 
 MIN_ROWS = 4  # oneDNN: a 4-row GEMM beats the 1-3 row GEMV on the same weights
 # oneDNN (primitive cache) and torch's ideep layer (LRU_CACHE_CAPACITY) each keep ~0.6 MB per
@@ -31,6 +34,7 @@ MIN_ROWS = 4  # oneDNN: a 4-row GEMM beats the 1-3 row GEMV on the same weights
 # by ~2.5 MB per new length, up to GBs. 64 entries keep decode's few shapes hot and cost a new
 # prefill length ~2 ms per weight shape (~3% of a 512-token step).
 ONEDNN_CACHE_ENTRIES = "64"
+FEW_ROWS = 4  # up to this many rows the C panel GEMM beats oneDNN (and the GEMV) here
 PACK_ROWS_HINT = 32  # rows oneDNN blocks the weight for (hints 4, 32, 512 measured alike; 1 is 2x slower at 8 rows)
 
 
@@ -51,8 +55,9 @@ def onednn_linear_available() -> bool:
 
 
 class PackedLinear(nn.Module):
-    """y = x W^T (+ b) on oneDNN with W [out, in] prepacked (an opaque oneDNN tensor); one-row
-    inputs on an [in, out] copy when `gemv_copy`."""
+    """y = x W^T (+ b) on oneDNN with W [out, in] prepacked (an opaque oneDNN tensor). With
+    `gemv_copy`, a second copy serves few-row inputs: panels for the C few-row GEMM (up to
+    FEW_ROWS rows) when it built, else an [in, out] copy for one-row inputs."""
 
     def __init__(self, linear: nn.Linear, gemv_copy: bool = True) -> None:
         super().__init__()
@@ -61,10 +66,16 @@ class PackedLinear(nn.Module):
         self.weight_packed = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT),
                                           requires_grad=False)
         self.bias = linear.bias
-        self.gemv = TransposedLinear(linear) if gemv_copy else None
+        self.panels = self.gemv = None
+        if gemv_copy and few_row_kernel_enabled(w.dtype) and (self.bias is None or self.bias.is_contiguous()):
+            self.panels = nn.Parameter(panel_gemm.pack(w), requires_grad=False)  # [ceil(out/16), in, 16]
+        elif gemv_copy:
+            self.gemv = TransposedLinear(linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]  # x [T, in]
+        if self.panels is not None and rows <= FEW_ROWS and x.stride(-1) == 1:
+            return panel_gemm.linear(x, self.panels, self.bias, self.out_features)  # [T, out]
         if rows == 1 and self.gemv is not None:
             return self.gemv(x)  # [1, out]
         if rows < MIN_ROWS:
@@ -92,6 +103,12 @@ class TransposedLinear(nn.Module):
         if self.bias is None:
             return x @ self.weight_t  # [T, out]
         return torch.addmm(self.bias, x, self.weight_t)  # [T, out]
+
+
+def few_row_kernel_enabled(dtype: torch.dtype) -> bool:
+    """The C few-row GEMM for fp32 weights, when it built and PDSERVE_CPU_GEMV is not `torch`."""
+    return (dtype == torch.float32 and os.environ.get("PDSERVE_CPU_GEMV", "auto") != "torch"
+            and panel_gemm.available())
 
 
 def cpu_linear_kind(dtype: torch.dtype) -> str:

@@ -127,7 +127,7 @@ class LlamaForCausalLM(nn.Module):
         kind = cpu_linear_kind(self.embed_tokens.weight.dtype)
         gemv_copy = kind == "packed" and gemv_copy_fits(self)
         relayout_linears(self, kind, gemv_copy)
-        return kind + (" (+ [in, out] copies for one-row steps)" if gemv_copy else "")
+        return kind + (" (+ copies for few-row steps)" if gemv_copy else "")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
                 logits_indices: torch.Tensor) -> torch.Tensor:

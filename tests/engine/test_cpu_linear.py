@@ -1,16 +1,18 @@
-"""CPU linear layouts: prepacked oneDNN (fp32) and [in, out] (fallback) equal nn.Linear."""
+"""CPU linear layouts: prepacked oneDNN (fp32, with panels for few rows) and [in, out] (fallback)
+equal nn.Linear."""
 from __future__ import annotations
 
 import pytest
 import torch
 from torch import nn
 
-from engine.models.cpu_linear import (MIN_ROWS, PackedLinear, TransposedLinear, cpu_linear_kind,
+from engine.models.cpu_linear import (FEW_ROWS, MIN_ROWS, PackedLinear, TransposedLinear, cpu_linear_kind,
                                       onednn_linear_available, relayout_linears)
+from kernels import panel_gemm
 
 
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, MIN_ROWS - 1, MIN_ROWS, 17, 300])
+@pytest.mark.parametrize("rows", [1, MIN_ROWS - 1, MIN_ROWS, FEW_ROWS + 1, 17, 300])
 @pytest.mark.parametrize("kind", ["packed", "packed-no-gemv-copy", "transposed"])
 def test_layouts_equal_dense_linear(kind, rows, bias):
     if kind.startswith("packed") and not onednn_linear_available():
@@ -19,6 +21,8 @@ def test_layouts_equal_dense_linear(kind, rows, bias):
     dense = nn.Linear(96, 40, bias=bias)
     layer = (TransposedLinear(dense) if kind == "transposed"
              else PackedLinear(dense, gemv_copy=kind == "packed"))
+    if kind == "packed" and panel_gemm.available():
+        assert layer.panels is not None  # few-row inputs take the C panel GEMM
     x = torch.randn(rows, 96)
     with torch.inference_mode():
         y = layer(x)

@@ -1,0 +1,49 @@
+"""Few-row linear layers (a decode step's batch) in C, kernels/cpu_panel_gemm.c, on weights packed
+once into panels of 16 output columns. Callers check `available()`; fp32, CPU.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kernels.cpu_native import _load
+
+SOURCE = Path(__file__).with_name("cpu_panel_gemm.c")
+PANEL = 16  # output columns a panel (two 8-float vectors)
+
+
+@functools.lru_cache(maxsize=None)
+def _library() -> ctypes.CDLL | None:
+    lib = _load(SOURCE)
+    if lib is not None:
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        lib.panel_gemm_f32.restype = ctypes.c_int
+        lib.panel_gemm_f32.argtypes = [p, i64, p, p, p, i64, i64, i64, ctypes.c_int]
+    return lib
+
+
+def available() -> bool:
+    """Whether the kernel is built and loaded (tried once per process)."""
+    return _library() is not None
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """nn.Linear weight [out, in] -> panels [ceil(out / 16), in, 16], the last one zero-padded."""
+    out, n_in = weight.shape
+    w_t = F.pad(weight.detach().t(), (0, -out % PANEL))  # [in, out padded to 16]
+    return w_t.reshape(n_in, -1, PANEL).permute(1, 0, 2).contiguous()  # [P, in, 16]
+
+
+def linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """x [m, in] (rows may lie apart; the last dim dense) -> [m, out_features]. Runs without the GIL."""
+    m, n_in = x.shape
+    assert x.dtype == torch.float32 and x.stride(1) == 1 and panels.shape[1] == n_in and panels.is_contiguous()
+    assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())
+    y = torch.empty(m, out_features, dtype=torch.float32)
+    _library().panel_gemm_f32(x.data_ptr(), x.stride(0), panels.data_ptr(), None if bias is None else bias.data_ptr(),
+                              y.data_ptr(), m, n_in, out_features, torch.get_num_threads())
+    return y
