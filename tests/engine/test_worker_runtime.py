@@ -1,9 +1,11 @@
 """Heartbeats flow from their own thread while the engine loop is busy, and carry the loop's
-silence as a growing `last_step_age_s` (how the gateway tells a long step from a stuck loop)."""
+silence as a growing `last_step_age_s` (how the gateway tells a long step from a stuck loop).
+A step's outputs leave as one frame per gateway."""
 from __future__ import annotations
 
 import time
 
+import pytest
 import zmq
 
 from engine.worker_runtime import WorkerRuntime
@@ -27,53 +29,51 @@ def _heartbeats(inbox: Inbox, seconds: float) -> list[Heartbeat]:
     return got
 
 
-def test_heartbeats_continue_while_the_loop_blocks(tmp_path):
+@pytest.fixture
+def runtime_and_gateway(tmp_path):
+    """A worker runtime and the gateway inbox it reports to; closed after the test."""
     ctx = zmq.Context()
     auth = FrameAuth(b"k" * 32)
     gateway = Inbox(ctx, auth, f"ipc://{tmp_path}/gw.sock")
     rt = WorkerRuntime(ctx, auth, f"ipc://{tmp_path}/w.sock", [gateway.addr])
     rt.info = _info()
     try:
-        busy = WorkerStats(kv_blocks_free=8, kv_blocks_total=8, num_running=1, last_step_age_s=0.01)
-        rt.tick(lambda: busy)  # the loop publishes once, then "blocks" in a long step
-        beats = _heartbeats(gateway, 1.8)
-        assert len(beats) >= 2, "no heartbeats while the engine loop was blocked"
-        ages = [b.stats.last_step_age_s for b in beats]
-        assert ages == sorted(ages) and ages[-1] > 1.0  # the silence is reported, growing
-
-        idle = WorkerStats(kv_blocks_free=8, kv_blocks_total=8)  # no work: age stays 0
-        time.sleep(0.1)
-        rt.tick(lambda: idle)
-        beats = _heartbeats(gateway, 1.2)
-        assert beats and beats[-1].stats.last_step_age_s == 0.0
+        yield rt, gateway
     finally:
         rt.close()
         gateway.close()
         ctx.term()
 
 
-def test_held_outputs_go_out_as_one_frame_per_gateway(tmp_path):
+def test_heartbeats_continue_while_the_loop_blocks(runtime_and_gateway):
+    rt, gateway = runtime_and_gateway
+    busy = WorkerStats(kv_blocks_free=8, kv_blocks_total=8, num_running=1, last_step_age_s=0.01)
+    rt.tick(lambda: busy)  # the loop publishes once, then "blocks" in a long step
+    beats = _heartbeats(gateway, 1.8)
+    assert len(beats) >= 2, "no heartbeats while the engine loop was blocked"
+    ages = [b.stats.last_step_age_s for b in beats]
+    assert ages == sorted(ages) and ages[-1] > 1.0  # the silence is reported, growing
+
+    idle = WorkerStats(kv_blocks_free=8, kv_blocks_total=8)  # no work: age stays 0
+    time.sleep(0.1)
+    rt.tick(lambda: idle)
+    beats = _heartbeats(gateway, 1.2)
+    assert beats and beats[-1].stats.last_step_age_s == 0.0
+
+
+def test_held_outputs_go_out_as_one_frame_per_gateway(runtime_and_gateway):
     """A step's outputs for one gateway travel as one TokenOutputBatch (one HMAC, one send); a
     lone output stays a plain TokenOutput; nothing is sent before the flush."""
-    ctx = zmq.Context()
-    auth = FrameAuth(b"k" * 32)
-    gateway = Inbox(ctx, auth, f"ipc://{tmp_path}/gw.sock")
-    rt = WorkerRuntime(ctx, auth, f"ipc://{tmp_path}/w.sock", [gateway.addr])
-    rt.info = _info()
-    try:
-        rt.handle_welcome(Welcome(gateway_id="g1", inbox_addr=gateway.addr))
-        outs = [TokenOutput(request_id=f"r{i}", index=3, token_ids=[i]) for i in range(3)]
-        for out in outs:
-            rt.hold_output("g1", out)
-        assert gateway.recv_one(100) is None  # held until the flush
-        rt.flush_outputs()
-        assert gateway.recv_one(2000) == TokenOutputBatch(outputs=outs)
-        rt.flush_outputs()  # nothing held: nothing sent
-        rt.hold_output("g1", outs[0])
-        rt.flush_outputs()
-        assert gateway.recv_one(2000) == outs[0]
-        assert gateway.recv_one(100) is None
-    finally:
-        rt.close()
-        gateway.close()
-        ctx.term()
+    rt, gateway = runtime_and_gateway
+    rt.handle_welcome(Welcome(gateway_id="g1", inbox_addr=gateway.addr))
+    outs = [TokenOutput(request_id=f"r{i}", index=3, token_ids=[i]) for i in range(3)]
+    for out in outs:
+        rt.hold_output("g1", out)
+    assert gateway.recv_one(100) is None  # held until the flush
+    rt.flush_outputs()
+    assert gateway.recv_one(2000) == TokenOutputBatch(outputs=outs)
+    rt.flush_outputs()  # nothing held: nothing sent
+    rt.hold_output("g1", outs[0])
+    rt.flush_outputs()
+    assert gateway.recv_one(2000) == outs[0]
+    assert gateway.recv_one(100) is None
