@@ -23,6 +23,14 @@ def measure_memcpy_gbps(nbytes: int = 256 * 2**20, repeat: int = 5) -> float:
     return nbytes / _best_of(lambda: dst.copy_(src), repeat) / 1e9
 
 
+def measure_read_gbps(nbytes: int = 256 * 2**20, repeat: int = 5) -> float:
+    """Bytes read per second (GB/s, 1e9) by a sum over `nbytes`: the ceiling of a step that only
+    reads (decode streams weights and KV). A copy moves each byte twice, so memcpy's figure
+    counts half the traffic a read-only stream can have."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    return nbytes / _best_of(lambda: src.sum(), repeat) / 1e9
+
+
 def measure_matmul_gflops(n: int = 2048, dtype: torch.dtype = torch.float32, repeat: int = 5) -> float:
     """Dense square matmul FLOP/s (GFLOP/s) at the dtype the model runs in: the faster of torch's
     `mm` (MKL for fp32) and oneDNN with a prepacked weight (what the engine's CPU linears use;

@@ -1,0 +1,24 @@
+"""`pdserve bench-engine` end to end on a tiny model: every row's figures are there and sane, and
+decode bandwidth is taken against the read ceiling (a read-only stream), not memcpy's."""
+from __future__ import annotations
+
+import json
+
+from bench.engine_throughput import main
+
+
+def test_engine_bench_reports_against_the_read_ceiling(tiny_llama, capsys):
+    assert main(["--model", str(tiny_llama), "--batches", "1,2", "--prompt-len", "16", "--context", "16",
+                 "--decode-steps", "2", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [r["batch"] for r in res["rows"]] == [1, 2]
+    assert res["matmul_gflops"] > 0 and res["memcpy_gbps"] > 0 and res["read_gbps"] > 0
+    for r in res["rows"]:
+        assert r["prefill_tokens_per_s"] > 0 and r["decode_step_ms"] > 0 and 0 < r["prefill_mfu"]
+    # util = bytes read a step / step time / read GB/s. Recovered through read_gbps, the two rows'
+    # bytes differ by exactly one sequence's KV (context + decode_steps // 2 tokens)
+    read = [r["decode_bw_util"] * res["read_gbps"] * 1e9 * r["decode_step_ms"] / 1e3 for r in res["rows"]]
+    cfg = json.loads((tiny_llama / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv_per_token = cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head_dim * 4
+    assert abs((read[1] - read[0]) - (16 + 1) * kv_per_token) < 1e-6 * read[1]
