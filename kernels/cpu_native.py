@@ -10,11 +10,13 @@ ctypes:
   context) read in place from the pool, FlashAttention-style. torch's CPU flash SDPA ran a
   512-token prompt of the bench model at 5x its FLOP time, and a chunk with earlier context had
   its KV gathered first (docs/benchmarks/engine.md).
-- kernels/cpu_gemv.c, the one-row linear of a decode step at batch 1: MKL's GEMV does not go
-  faster with a second thread on this machine; this one splits the output columns between
-  threads (docs/benchmarks/engine.md).
+- kernels/cpu_gemv.c, the one-row linear on an `[in, out]` weight (TransposedLinear: torch
+  without oneDNN, or the panel copy switched off): MKL's GEMV does not go faster with a second
+  thread on this machine; this one splits the output columns between threads
+  (docs/benchmarks/engine.md). With oneDNN, 1-4 rows go to kernels/panel_gemm.py instead.
 
-Each is built as `<cache>/pdserve/kernels/<name>-<hash>.so`, the hash covering the source, the
+`load_kernel` builds and loads any of them, and the C files of kernels/layer_ops.py and
+kernels/panel_gemm.py. Each is built as `<cache>/pdserve/kernels/<name>-<hash>.so`, the hash covering the source, the
 flags and this machine's CPU (the code is compiled for it: -march=native). With no compiler, or
 a failed build, its `available()` is False and the torch path runs instead.
 `PDSERVE_ATTENTION=torch` keeps the attention kernel off.
@@ -91,7 +93,9 @@ def _build_any(source: Path, cc: str) -> Path:
 
 
 @functools.lru_cache(maxsize=None)
-def _load(source: Path) -> ctypes.CDLL | None:
+def load_kernel(source: Path) -> ctypes.CDLL | None:
+    """The C file `source` built for this machine (cached) and loaded; None, with a warning, when
+    there is no compiler or the build fails (the caller's torch twin runs). Once per process."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         log.warning("no C compiler found: %s is not built, its torch twin runs instead", source.name)
@@ -107,7 +111,7 @@ def _load(source: Path) -> ctypes.CDLL | None:
 
 @functools.lru_cache(maxsize=None)
 def _library() -> ctypes.CDLL | None:
-    lib = _load(ATTENTION_SOURCE)
+    lib = load_kernel(ATTENTION_SOURCE)
     if lib is not None:
         fn = lib.paged_decode_attention_f32
         fn.restype = ctypes.c_int
@@ -119,7 +123,7 @@ def _library() -> ctypes.CDLL | None:
 
 @functools.lru_cache(maxsize=None)
 def _prefill_library() -> ctypes.CDLL | None:
-    lib = _load(PREFILL_SOURCE)
+    lib = load_kernel(PREFILL_SOURCE)
     if lib is not None:
         fn = lib.paged_prefill_attention_f32
         fn.restype = ctypes.c_int
@@ -131,7 +135,7 @@ def _prefill_library() -> ctypes.CDLL | None:
 
 @functools.lru_cache(maxsize=None)
 def _gemv_library() -> ctypes.CDLL | None:
-    lib = _load(GEMV_SOURCE)
+    lib = load_kernel(GEMV_SOURCE)
     if lib is not None:
         lib.gemv_f32.restype = ctypes.c_int
         lib.gemv_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_int]

@@ -5,8 +5,8 @@
  * (32 KB at in = 512) that the hardware prefetcher streams, and the first row tile prefetches
  * the next panel while it computes. Threads split panels, so each streams whole panels. At one
  * row this reads the weights at ~24 GB/s where the C GEMV on an [in, out] copy (each thread
- * reading part of every weight row) managed ~13; at 2-4 rows it beats oneDNN's GEMM by 15-35%.
- * From 8 rows on oneDNN is as fast or faster: this tile reaches ~65% of a core's FMA rate even
+ * reading part of every weight row) managed ~13; at 2-4 rows it beats oneDNN's GEMM by 12-35%.
+ * From 8 rows on oneDNN is as fast or faster: this tile reaches ~50-65% of a core's FMA rate even
  * with the panel in L2 (docs/benchmarks/engine.md), so the caller keeps it to few rows.
  *
  * Register tile: MR = 6 rows x 16 columns (12 ymm accumulators, two weight vectors, one
@@ -25,6 +25,8 @@ typedef float v8u __attribute__((vector_size(32), aligned(4)));
 
 static inline v8 load8(const float *p) { return *(const v8u *)p; }
 static inline void store8(float *p, v8 x) { *(v8u *)p = x; }
+
+int panel_width(void) { return PANEL; }  /* kernels/panel_gemm.py packs to it */
 
 /* rows [0, mr) of x (ldx floats apart) times one panel [in, 16] -> tile[mr][16] */
 static inline __attribute__((always_inline)) void tile(const int mr, const float *x, int64_t ldx,

@@ -14,14 +14,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_native import _load
+from kernels.cpu_native import load_kernel
 
 SOURCE = Path(__file__).with_name("cpu_layer_ops.c")
 
 
 @functools.lru_cache(maxsize=None)
 def _library() -> ctypes.CDLL | None:
-    lib = _load(SOURCE)
+    lib = load_kernel(SOURCE)
     if lib is None:
         return None
     i64, f32, p, i32 = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int

@@ -10,19 +10,23 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_native import _load
+from kernels.cpu_native import load_kernel
 
 SOURCE = Path(__file__).with_name("cpu_panel_gemm.c")
-PANEL = 16  # output columns a panel (two 8-float vectors)
+PANEL = 16  # output columns a panel (two 8-float vectors); the library is refused if it says otherwise
 
 
 @functools.lru_cache(maxsize=None)
 def _library() -> ctypes.CDLL | None:
-    lib = _load(SOURCE)
-    if lib is not None:
-        p, i64 = ctypes.c_void_p, ctypes.c_int64
-        lib.panel_gemm_f32.restype = ctypes.c_int
-        lib.panel_gemm_f32.argtypes = [p, i64, p, p, p, i64, i64, i64, ctypes.c_int]
+    lib = load_kernel(SOURCE)
+    if lib is None:
+        return None
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.panel_gemm_f32.restype = ctypes.c_int
+    lib.panel_gemm_f32.argtypes = [p, i64, p, p, p, i64, i64, i64, ctypes.c_int]
+    lib.panel_width.restype = ctypes.c_int
+    if lib.panel_width() != PANEL:  # weights packed to another width would be read wrongly
+        raise RuntimeError(f"{SOURCE.name} packs {lib.panel_width()} columns a panel, panel_gemm.py {PANEL}")
     return lib
 
 

@@ -9,7 +9,7 @@ slower than its 4-row GEMM, so such inputs are padded to 4 rows. Up to FEW_ROWS 
 steps at small batch) a second copy of the weight in panels of 16 columns serves them: the C
 few-row GEMM of kernels/cpu_panel_gemm.c, each thread streaming whole panels, ran all the bench
 model's linears at one row in 4.2 ms against 7.5-7.9 for the C GEMV on an `[in, out]` copy and
-6.7-9.1 for oneDNN, and at 2-4 rows 15-35% faster than oneDNN; from 8 rows on oneDNN is as fast
+6.7-9.1 for oneDNN, and at 2-4 rows 12-35% faster than oneDNN; from 8 rows on oneDNN is as fast
 or faster (docs/benchmarks/engine.md). The copy is kept unless the linear weights are over 1/8
 of the machine's memory (then small inputs pad to 4 and read the packed weight). Without the C
 kernel, one-row inputs use an `[in, out]` copy (GEMV).
