@@ -131,6 +131,9 @@ def test_sigstop_decode_mid_stream_migrates_and_sigcont_is_harmless(tiny_llama):
         try:
             # logprobs: one SSE event per token (the tiny model's text comes out in few pieces)
             stream = Stream(s.base, {**greedy(n, prompt), "logprobs": 1})
+            # tokens reach the client before the stop: a heartbeat can report the request on a
+            # decode worker before its first token has crossed the gateway (CI saw none)
+            stream.wait_pieces(2)
             stopped = busy_worker_pid(s.base, "decode")
             assert stopped is not None, "no decode worker reports a running request"
             os.kill(stopped, signal.SIGSTOP)
