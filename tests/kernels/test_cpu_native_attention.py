@@ -78,9 +78,10 @@ def test_mixed_batch_through_dispatch(monkeypatch):
 
 
 @needs_kernel
-@pytest.mark.parametrize("ctx", [(40, 7, 90, 33, 1), (70,)])
+@pytest.mark.parametrize("ctx", [(40, 7, 90, 33, 1), (70,), (1000,), (700, 3, 129)])
 def test_threads_split_the_work_identically(ctx):
-    """Whole sequences per thread, or (batch of one) KV heads split across threads."""
+    """Whole sequences per work item, or spans of a long context (a small batch) merged in span
+    order: the same bits at any thread count."""
     case = make_case([(1, c) for c in ctx], len(ctx), 8, 4, 32, 16, seed=22)
     before = torch.get_num_threads()
     try:
