@@ -3,7 +3,9 @@
  * W is packed once (kernels/panel_gemm.py) into panels of 16 output columns,
  * [ceil(out / 16), in, 16] (the last panel zero-padded), so a panel is one contiguous run
  * (32 KB at in = 512) that the hardware prefetcher streams, and the first row tile prefetches
- * the next panel while it computes. Threads split panels, so each streams whole panels. At one
+ * the next panel into L2 while it computes (into L1, a panel ahead of use, a 96 KB panel at
+ * in = 1536 overran the 32 KB L1 and its lines were gone when needed: all the bench model's
+ * linears at one row, 6.3-7.0 -> 4.7-5.3 ms, A/B in one process). Threads split panels, so each streams whole panels. At one
  * row this reads the weights at ~24 GB/s where the C GEMV on an [in, out] copy (each thread
  * reading part of every weight row) managed ~13; at 2-4 rows it beats oneDNN's GEMM by 12-35%.
  * From 8 rows on oneDNN is as fast or faster: this tile reaches ~50-65% of a core's FMA rate even
@@ -35,7 +37,7 @@ static inline __attribute__((always_inline)) void tile(const int mr, const float
     v8 acc[MR][2];
     for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = (v8){0};
     for (int64_t k = 0; k < in; k++) {
-        if (next) __builtin_prefetch(next + k * PANEL, 0, 3);  /* the next panel, while this one computes */
+        if (next) __builtin_prefetch(next + k * PANEL, 0, 2);  /* the next panel into L2, while this one computes */
         const v8 w0 = load8(panel + k * PANEL), w1 = load8(panel + k * PANEL + 8);
         for (int r = 0; r < mr; r++) {
             const float xs = x[r * ldx + k];
