@@ -13,7 +13,7 @@ ctypes:
 - kernels/cpu_gemv.c, the one-row linear on an `[in, out]` weight (TransposedLinear: torch
   without oneDNN, or the panel copy switched off): MKL's GEMV does not go faster with a second
   thread on this machine; this one splits the output columns between threads
-  (docs/benchmarks/engine.md). With oneDNN, 1-4 rows go to kernels/panel_gemm.py instead.
+  (docs/benchmarks/engine.md). With oneDNN, 1-16 rows go to kernels/panel_gemm.py instead.
 
 `load_kernel` builds and loads any of them, and the C files of kernels/layer_ops.py and
 kernels/panel_gemm.py. Each is built as `<cache>/pdserve/kernels/<name>-<hash>.so`, the hash covering the source, the

@@ -1,15 +1,16 @@
-/* Few-row linear on the CPU: y[m, out] = x[m, in] . W (+ bias), for decode steps at batch 1-4.
+/* Few-row linear on the CPU: y[m, out] = x[m, in] . W (+ bias), for decode steps at batch 1-16.
  *
  * W is packed once (kernels/panel_gemm.py) into panels of 16 output columns,
  * [ceil(out / 16), in, 16] (the last panel zero-padded), so a panel is one contiguous run
  * (32 KB at in = 512) that the hardware prefetcher streams, and the first row tile prefetches
- * the next panel into L2 while it computes (into L1, a panel ahead of use, a 96 KB panel at
- * in = 1536 overran the 32 KB L1 and its lines were gone when needed: all the bench model's
- * linears at one row, 6.3-7.0 -> 4.7-5.3 ms, A/B in one process). Threads split panels, so each streams whole panels. At one
- * row this reads the weights at ~24 GB/s where the C GEMV on an [in, out] copy (each thread
- * reading part of every weight row) managed ~13; at 2-4 rows it beats oneDNN's GEMM by 12-35%.
- * From 8 rows on oneDNN is as fast or faster: this tile reaches ~50-65% of a core's FMA rate even
- * with the panel in L2 (docs/benchmarks/engine.md), so the caller keeps it to few rows.
+ * the next panel into L2 while it computes. Into L1, a panel ahead of use, a 96 KB panel (in =
+ * 1536) overran the 32 KB L1 and its lines were gone when needed: all the bench model's linears
+ * at one row went 6.3-7.0 -> 4.7-5.3 ms with L2 (A/B in one process). Threads split panels, so
+ * each streams whole panels; the C GEMV on an [in, out] copy (each thread reading part of every
+ * weight row) managed about half the rate at one row. Against oneDNN's GEMM, with L2
+ * prefetch: 25-40% faster at 5-12 rows, level at 16-32 (the tile reaches ~50-65% of a core's
+ * FMA rate even with the panel in L2), so the caller keeps it to 16 rows
+ * (docs/benchmarks/engine.md).
  *
  * Register tile: MR = 6 rows x 16 columns (12 ymm accumulators, two weight vectors, one
  * broadcast). Every output is a sum over `in` in order, one FMA a term: a row's result depends

@@ -9,8 +9,9 @@ slower than its 4-row GEMM, so such inputs are padded to 4 rows. Up to FEW_ROWS 
 steps at small batch) a second copy of the weight in panels of 16 columns serves them: the C
 few-row GEMM of kernels/cpu_panel_gemm.c, each thread streaming whole panels, ran all the bench
 model's linears at one row in 4.2 ms against 7.5-7.9 for the C GEMV on an `[in, out]` copy and
-6.7-9.1 for oneDNN, and at 2-4 rows 12-35% faster than oneDNN; from 8 rows on oneDNN is as fast
-or faster (docs/benchmarks/engine.md). The copy is kept unless the linear weights are over 1/8
+6.7-9.1 for oneDNN. Since its next panel is prefetched into L2 rather than L1 it also beats
+oneDNN from 5 to 12 rows (by 25-40%, all the bench model's linears A/B in one process) and
+draws level at 16-32 (docs/benchmarks/engine.md). The copy is kept unless the linear weights are over 1/8
 of the machine's memory (then small inputs pad to 4 and read the packed weight). Without the C
 kernel, one-row inputs use an `[in, out]` copy (GEMV).
 
@@ -34,7 +35,7 @@ MIN_ROWS = 4  # oneDNN: a 4-row GEMM beats the 1-3 row GEMV on the same weights
 # by ~2.5 MB per new length, up to GBs. 64 entries keep decode's few shapes hot and cost a new
 # prefill length ~2 ms per weight shape (~3% of a 512-token step).
 ONEDNN_CACHE_ENTRIES = "64"
-FEW_ROWS = 4  # up to this many rows the C panel GEMM beats oneDNN (and the GEMV) here
+FEW_ROWS = 16  # up to this many rows the C panel GEMM beats oneDNN (and the GEMV) here, or draws level
 PACK_ROWS_HINT = 32  # rows oneDNN blocks the weight for (hints 4, 32, 512 measured alike; 1 is 2x slower at 8 rows)
 
 

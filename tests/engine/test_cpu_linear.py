@@ -12,7 +12,7 @@ from kernels import panel_gemm
 
 
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, MIN_ROWS - 1, MIN_ROWS, FEW_ROWS + 1, 17, 300])
+@pytest.mark.parametrize("rows", [1, MIN_ROWS - 1, MIN_ROWS, 7, FEW_ROWS, FEW_ROWS + 1, 300])
 @pytest.mark.parametrize("kind", ["packed", "packed-no-gemv-copy", "transposed"])
 def test_layouts_equal_dense_linear(kind, rows, bias):
     if kind.startswith("packed") and not onednn_linear_available():
