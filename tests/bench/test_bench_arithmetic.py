@@ -106,6 +106,18 @@ def test_goal1_verdict_needs_both_parts_from_one_configuration():
     assert goal1_verdict({"pdserve-1P1D": burst(130.0, 1.5)}) == []  # no peer measured: no verdict
 
 
+def test_median_burst_takes_the_median_ratio_not_the_median_rounds():
+    """tok/s from the median round; x FLOP bound the median of every round's own ratio (the
+    median-throughput round's ceiling can be the outlier)."""
+    from bench.compare import median_burst
+    runs = [{"output_throughput": t, "duration": d, "x_flop_bound": x, "failed": 0}
+            for t, d, x in ((414.0, 7.9, 2.02), (432.0, 7.5, 1.76), (445.0, 7.3, 2.08))]
+    med = median_burst(runs)
+    assert med["output_throughput"] == 432.0 and med["duration"] == 7.5
+    assert med["x_flop_bound"] == 2.02
+    assert [r["x_flop_bound"] for r in med["runs"]] == [2.02, 1.76, 2.08]
+
+
 def test_goal2_verdict_weighs_the_target_against_the_prefill_pool():
     from bench.compare import cpu_per_request, goal2_verdict, pool_cores
 
