@@ -59,6 +59,11 @@ def bench_decode(engine: LLMEngine, batch: int, context: int, steps: int) -> flo
     return dt
 
 
+def _cpu_ceilings() -> tuple[float, float, float]:
+    """This machine's matmul FLOP/s, memcpy B/s and read B/s, measured now."""
+    return measure_matmul_gflops() * 1e9, measure_memcpy_gbps() * 1e9, measure_read_gbps() * 1e9
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="pdserve bench-engine", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -101,9 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         memcpy = device_copy_gbps() / 2 * 1e9
         read = memcpy  # the device's copy rate, each byte counted once per direction
     else:  # measured again after the rows: the higher of the two (a shared host varies by 1.5x)
-        flops = measure_matmul_gflops() * 1e9
-        memcpy = measure_memcpy_gbps() * 1e9
-        read = measure_read_gbps() * 1e9
+        flops, memcpy, read = _cpu_ceilings()
     if engine.device.type == "cuda":  # compile the Triton kernels before anything is timed
         bench_prefill(engine, max_b, args.prompt_len)
         bench_decode(engine, max_b, args.context, 2)
@@ -115,9 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                      "decode_tokens_per_s": b / t_dec, "decode_step_ms": t_dec * 1e3})
         engine.pool.assert_all_free()
     if engine.device.type != "cuda":
-        flops = max(flops, measure_matmul_gflops() * 1e9)
-        memcpy = max(memcpy, measure_memcpy_gbps() * 1e9)
-        read = max(read, measure_read_gbps() * 1e9)
+        flops, memcpy, read = map(max, zip((flops, memcpy, read), _cpu_ceilings()))
     for r in rows:  # against the ceilings as finally taken
         step_bytes = weight_bytes + r["batch"] * (args.context + args.decode_steps // 2) * kv_bytes_per_token
         r["prefill_mfu"] = 2 * params * r["prefill_tokens_per_s"] / flops

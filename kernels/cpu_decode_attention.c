@@ -169,8 +169,7 @@ static void merge(const Job *j, int i, int h0, int H, const float *part, int64_t
         float *o = oh + g * D;
         for (int c = 0; c < D; c++) o[c] = 0.0f;
         for (int sp = 0; sp < spans; sp++) {
-            const float *msp = ml + sp * ml_step;
-            if (msp[g] == -INFINITY) continue; /* an empty span */
+            const float *msp = ml + sp * ml_step; /* every span holds a token: its max is finite */
             const float w = expf(msp[g] - mx), *a = part + sp * part_step + g * D;
             l += msp[H + g] * w;
             for (int c = 0; c < D; c++) o[c] += a[c] * w;
@@ -180,20 +179,33 @@ static void merge(const Job *j, int i, int h0, int H, const float *part, int64_t
     }
 }
 
-/* Tokens in span sp (of sequence span_seq[sp]). */
-static inline int64_t item_tokens(const Job *j, const int *first_span, const int *span_seq, int64_t span, int64_t sp) {
-    const int i = span_seq[sp];
-    const int64_t lo = (sp - first_span[i]) * span, left = j->ctx_lens[i] - lo;
-    return left < span ? left : span;
+/* The batch's spans: sequence i's are first[i] .. first[i + 1] - 1, each `len` tokens but its
+ * last; seq[sp] is span sp's sequence. */
+typedef struct {
+    const int *first, *seq;
+    int64_t len;
+} Spans;
+
+/* Span sp: its sequence *i and tokens [*lo, *hi) of that sequence's context. */
+static inline void span_range(const Job *j, const Spans *spans, int64_t sp, int *i, int *lo, int *hi) {
+    *i = spans->seq[sp];
+    *lo = (int)((sp - spans->first[*i]) * spans->len);
+    *hi = *lo + spans->len < j->ctx_lens[*i] ? *lo + (int)spans->len : j->ctx_lens[*i];
+}
+
+static inline int64_t span_tokens(const Job *j, const Spans *spans, int64_t sp) {
+    int i, lo, hi;
+    span_range(j, spans, sp, &i, &lo, &hi);
+    return hi - lo;
 }
 
 /* Span sp's first block of K and V rows into L2. */
-static inline void prefetch_first_block(const Job *j, const int *first_span, const int *span_seq, int64_t span,
-                                        int64_t sp) {
-    const int i = span_seq[sp];
-    const int64_t lo = (sp - first_span[i]) * span, row = (int64_t)j->hkv * j->d;
+static inline void prefetch_first_block(const Job *j, const Spans *spans, int64_t sp) {
+    int i, lo, hi;
+    span_range(j, spans, sp, &i, &lo, &hi);
+    const int64_t row = (int64_t)j->hkv * j->d;
     const int64_t base = (int64_t)j->tables[(int64_t)i * j->table_stride + lo / j->bs] * j->bs * row;
-    const int64_t nt = item_tokens(j, first_span, span_seq, span, sp), n = (nt < j->bs ? nt : j->bs) * row;
+    const int64_t n = (hi - lo < j->bs ? hi - lo : j->bs) * row;
     for (int64_t x = 0; x < n; x += 16) {
         __builtin_prefetch(j->k + base + x, 0, 2);
         __builtin_prefetch(j->v + base + x, 0, 2);
@@ -254,16 +266,17 @@ int paged_decode_attention_f32(const float *q, int64_t q_stride, const float *kv
         tid = omp_get_thread_num();
         team = omp_get_num_threads();
 #endif
+        const Spans spans = {first_span, span_seq, span};
         const int64_t total_tokens = total * groups;
         int64_t it = 0, seen = 0, end;
-        for (; it < items && seen * team < total_tokens * tid; it++) seen += item_tokens(&job, first_span, span_seq, span, it / groups);
+        for (; it < items && seen * team < total_tokens * tid; it++) seen += span_tokens(&job, &spans, it / groups);
         for (end = it; end < items && seen * team < total_tokens * (tid + 1); end++)
-            seen += item_tokens(&job, first_span, span_seq, span, end / groups);
+            seen += span_tokens(&job, &spans, end / groups);
         for (; it < end; it++) { /* item = span * groups + group */
-            const int sp = (int)(it / groups), gi = (int)(it % groups), i = span_seq[sp];
-            const int lo = (sp - first_span[i]) * (int)span;
-            const int hi = lo + span < ctx_lens[i] ? lo + (int)span : ctx_lens[i];
-            if (it + 1 < end) prefetch_first_block(&job, first_span, span_seq, span, (it + 1) / groups);
+            const int gi = (int)(it % groups);
+            int i, lo, hi;
+            span_range(&job, &spans, it / groups, &i, &lo, &hi);
+            if (it + 1 < end) prefetch_first_block(&job, &spans, (it + 1) / groups);
             fn(&job, i, lo, hi, gi * per, per, part + it * part_step, ml + it * ml_step);
         }
 #pragma omp barrier
