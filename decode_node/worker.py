@@ -14,6 +14,8 @@ error at once and frees its lease: KvDone is P's last message for it.
 (kvtransfer/wire.py); auto = on when the KV inbox is tcp://.
 `idle_threads`: torch threads for steps taken while no prefill for this worker is in flight
 (decode_node/thread_lending.py); default: the worker's thread count, i.e. no lending.
+`step_interval_ms`: while prompts for this worker queue behind a prefill, space decode steps up
+to this far apart, more the longer the queue (decode_node/step_pacing.py); 0 = back to back.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import time
 import torch
 import zmq
 
+from decode_node.step_pacing import StepPacer
 from decode_node.thread_lending import ThreadLending
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -45,7 +48,8 @@ class DecodeWorker:
     def __init__(self, config: EngineConfig, auth: FrameAuth, control_bind: str, kv_bind: str,
                  gateway_addrs: list[str], *, shared_memory: bool = True, host: str = "127.0.0.1",
                  lease_ttl_s: float = DEFAULT_LEASE_TTL_S, kv_advertise: str | None = None,
-                 kv_payload_mac: str = "auto", idle_threads: int | None = None) -> None:
+                 kv_payload_mac: str = "auto", idle_threads: int | None = None,
+                 step_interval_ms: float = 0.0) -> None:
         self._shm: SharedTensor | None = None
 
         def shm_allocator(shape, dtype):
@@ -72,6 +76,7 @@ class DecodeWorker:
         self._last_progress = time.monotonic()
         busy = torch.get_num_threads()
         self.threads = ThreadLending(busy, max(busy, idle_threads or busy))
+        self.pacer = StepPacer(step_interval_ms)
 
     @property
     def worker_id(self) -> str:
@@ -175,6 +180,7 @@ class DecodeWorker:
         stall_for_tests("decode")
         self.threads.update(prefills_in_flight=self.leases.num_active)
         now = time.monotonic()
+        self.pacer.started(now)
         for out in self.engine.step():
             timings = None
             admitted = self.admitted_at.pop(out.request_id, None)
@@ -193,17 +199,20 @@ class DecodeWorker:
 
     def run(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "_stop", True))
-        log.info("decode worker %s on %s (kv %s, advertised %s, payload mac %s, shm %s, threads %d%s)",
+        log.info("decode worker %s on %s (kv %s, advertised %s, payload mac %s, shm %s, threads %d%s%s)",
                  self.worker_id, self.rt.control_addr, self.receiver.addr, self.rt.info.kv_addr,
                  self.receiver.payload_mac, self._shm.name if self._shm else None, self.threads.busy,
-                 f", {self.threads.idle} while no prefill is in flight" if self.threads.enabled else "")
+                 f", {self.threads.idle} while no prefill is in flight" if self.threads.enabled else "",
+                 f", steps up to {self.pacer.max_interval_s * 1000:g} ms apart while prompts queue" if self.pacer.enabled else "")
         poller = zmq.Poller()
         poller.register(self.rt.inbox.socket, zmq.POLLIN)
         poller.register(self.receiver.socket, zmq.POLLIN)
         try:
             while not self._stop:
-                if not self.engine.has_work():
-                    poller.poll(20)
+                # sleep on both inboxes: no work, or (paced) the next step's slot is not due yet
+                wait_ms = self.pacer.delay_ms(self.leases.num_active) if self.engine.has_work() else 20
+                if wait_ms:
+                    poller.poll(wait_ms)
                 for msg in self.rt.drain(0):
                     if isinstance(msg, ReserveRequest):
                         self._on_reserve(msg)
@@ -221,7 +230,7 @@ class DecodeWorker:
                     self.receiver.released.clear()
                 self._reclaim()
                 self.rt.flush_outputs()  # what the handlers above emitted (errors, early finishes)
-                if self.engine.has_work():
+                if self.engine.has_work() and self.pacer.delay_ms(self.leases.num_active) == 0:
                     self.step()
                 self.rt.tick(self.stats)
         finally:

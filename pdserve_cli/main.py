@@ -47,6 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="extra lanes per prefill worker at the kernel's idle priority (SCHED_IDLE): they run "
                         "prefill steps on the cycles the decode pool leaves idle, and a decode step preempts "
                         "them at once (default: the cores outside the prefill pool, in --prefill-threads lanes)")
+    s.add_argument("--decode-step-interval-ms", type=float, default=None,
+                   help="while prompts for a decode worker queue behind a prefill, it spaces its steps, up to this "
+                        "far apart at a queue of 2 prompts: the gaps go to prefill and its batch grows, spending TPOT "
+                        "slack on TTFT and capacity (0: back to back; default: 36 when prefill can use the "
+                        "decode cores, else 0)")
     s.add_argument("--prefill-max-num-batched-tokens", type=int, default=None,
                    help="token budget of a prefill (or --colocated) worker's step (default: 512 on CPU, where a smaller step "
                         "gives a queue's first prompts their first token sooner; else --max-num-batched-tokens)")
@@ -78,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
             w.add_argument("--idle-threads", type=int, default=None,
                            help="torch threads while no prefill for this worker is in flight, borrowing "
                                 "the prefill pool's cores on a shared machine (default: --threads)")
+            w.add_argument("--step-interval-ms", type=float, default=0.0,
+                           help="while prompts for this worker queue behind a prefill, space decode steps up to this "
+                                "far apart (at a queue of 2 prompts), leaving the gaps to prefill (0: back to back)")
         if role == "prefill":
             w.add_argument("--lanes", type=int, default=1,
                            help="threads that each run a prefill step (of --threads torch threads), in parallel")

@@ -61,7 +61,7 @@ def run_decode(args: argparse.Namespace) -> int:
     DecodeWorker(engine_config(args), _auth(), args.bind, args.kv_bind, args.gateway,
                  shared_memory=not args.no_shm, host=_host(args), lease_ttl_s=args.lease_ttl,
                  kv_advertise=args.kv_advertise, kv_payload_mac=args.kv_payload_mac,
-                 idle_threads=args.idle_threads).run()
+                 idle_threads=args.idle_threads, step_interval_ms=args.step_interval_ms).run()
     return 0
 
 

@@ -60,6 +60,22 @@ def prefill_idle_lanes(args: argparse.Namespace, threads: int) -> int:
     return spare // per_lane // args.prefill_workers
 
 
+DECODE_STEP_INTERVAL_MS = 36.0  # the most, at a queue of prompts: inside a 50-60 ms TPOT target
+
+
+def decode_step_interval_ms(args: argparse.Namespace, threads: int, idle_lanes: int) -> float:
+    """Decode step pacing (decode_node/step_pacing.py): the most time between decode steps
+    while prefills wait. By default 36 ms when prefill can run on
+    the decode workers' cores (idle lanes, or more prefill and decode threads than cores, as in
+    2P1D on 2 cores): the gaps between paced steps go to prefill. Else 0 (nobody to yield to)."""
+    if args.decode_step_interval_ms is not None:
+        return args.decode_step_interval_ms
+    want = (args.prefill_workers * (args.prefill_threads or threads)
+            + args.decode_workers * (args.decode_threads or threads))
+    shared = idle_lanes > 0 or want > (os.cpu_count() or 1)
+    return DECODE_STEP_INTERVAL_MS if shared else 0.0
+
+
 def plan_children(args: argparse.Namespace, run_dir: str) -> list[Child]:
     py = [sys.executable, "-m", "pdserve_cli"]
     gw_inbox = f"ipc://{run_dir}/gateway.sock"
@@ -89,7 +105,9 @@ def plan_children(args: argparse.Namespace, run_dir: str) -> list[Child]:
         children.append(Child("colocated-0", py + ["colocated", "--bind", f"ipc://{run_dir}/colocated-0.sock"]
                               + common + budget + role_threads(None)))
         return children
-    lanes = ["--idle-lanes", str(prefill_idle_lanes(args, threads))]
+    idle_lanes = prefill_idle_lanes(args, threads)
+    lanes = ["--idle-lanes", str(idle_lanes)]
+    pacing = ["--step-interval-ms", str(decode_step_interval_ms(args, threads, idle_lanes))]
     for i in range(args.prefill_workers):
         budget = ["--max-num-batched-tokens", str(prefill_budget(args))]  # later flags win
         children.append(Child(f"prefill-{i}", py + ["prefill", "--bind", f"ipc://{run_dir}/prefill-{i}.sock"]
@@ -104,7 +122,8 @@ def plan_children(args: argparse.Namespace, run_dir: str) -> list[Child]:
         children.append(Child(f"decode-{i}", py + ["decode", "--bind", f"ipc://{run_dir}/decode-{i}.sock",
                                                   "--kv-bind", kv_bind, "--lease-ttl", str(args.lease_ttl)]
                               + extra + common + kv_mac
-                              + role_threads(args.decode_threads) + ["--idle-threads", str(idle_threads)]))
+                              + role_threads(args.decode_threads) + ["--idle-threads", str(idle_threads)]
+                              + pacing))
     return children
 
 

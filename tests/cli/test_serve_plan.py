@@ -37,3 +37,14 @@ def test_lending_can_be_turned_off_and_is_per_decode_worker(tmp_path, monkeypatc
 def test_prefill_idle_lanes_cover_the_cores_outside_the_prefill_pool(tmp_path, monkeypatch, cores, flags, lanes):
     children = plan(tmp_path, monkeypatch, cores, *flags)
     assert flag(children["prefill-0"], "--idle-lanes") == lanes
+
+
+@pytest.mark.parametrize("cores,flags,interval", [
+    (2, (), "36.0"),  # 1P1D: the prefill worker's idle lane takes the gaps
+    (2, ("--prefill-workers", "2"), "36.0"),  # 2P1D: three threads on two cores
+    (2, ("--prefill-idle-lanes", "0"), "0.0"),  # nobody to yield the core to
+    (8, ("--decode-workers", "2", "--decode-step-interval-ms", "40"), "40.0")])
+def test_decode_steps_are_paced_when_prefill_can_use_their_cores(tmp_path, monkeypatch, cores, flags, interval):
+    children = plan(tmp_path, monkeypatch, cores, *flags)
+    decoders = [argv for name, argv in children.items() if name.startswith("decode-")]
+    assert decoders and all(flag(argv, "--step-interval-ms") == interval for argv in decoders)
