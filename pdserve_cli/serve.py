@@ -65,9 +65,9 @@ DECODE_STEP_INTERVAL_MS = 36.0  # the most, at a queue of prompts: inside a 50-6
 
 def decode_step_interval_ms(args: argparse.Namespace, threads: int, idle_lanes: int) -> float:
     """Decode step pacing (decode_node/step_pacing.py): the most time between decode steps
-    while prefills wait. By default 36 ms when prefill can run on
-    the decode workers' cores (idle lanes, or more prefill and decode threads than cores, as in
-    2P1D on 2 cores): the gaps between paced steps go to prefill. Else 0 (nobody to yield to)."""
+    while prompts queue for prefill. By default 36 ms when prefill can run on the decode
+    workers' cores (idle lanes, or more prefill and decode threads than cores, as in 2P1D on 2
+    cores): the gaps between paced steps go to prefill. Else 0 (nobody to yield to)."""
     if args.decode_step_interval_ms is not None:
         return args.decode_step_interval_ms
     want = (args.prefill_workers * (args.prefill_threads or threads)
