@@ -208,10 +208,9 @@ class DecodeWorker:
         poller.register(self.rt.inbox.socket, zmq.POLLIN)
         poller.register(self.receiver.socket, zmq.POLLIN)
         try:
+            wait_ms = 0
             while not self._stop:
-                # sleep on both inboxes: no work, or (paced) the next step's slot is not due yet
-                wait_ms = self.pacer.delay_ms(self.leases.num_active) if self.engine.has_work() else 20
-                if wait_ms:
+                if wait_ms:  # sleep on both inboxes: no work, or (paced) the next step is not due
                     poller.poll(wait_ms)
                 for msg in self.rt.drain(0):
                     if isinstance(msg, ReserveRequest):
@@ -230,7 +229,8 @@ class DecodeWorker:
                     self.receiver.released.clear()
                 self._reclaim()
                 self.rt.flush_outputs()  # what the handlers above emitted (errors, early finishes)
-                if self.engine.has_work() and self.pacer.delay_ms(self.leases.num_active) == 0:
+                wait_ms = self.pacer.delay_ms(self.leases.num_active) if self.engine.has_work() else 20
+                if wait_ms == 0:
                     self.step()
                 self.rt.tick(self.stats)
         finally:
