@@ -34,8 +34,8 @@ def worker_pids(base: str) -> dict[str, int]:
     return {node: int(node.split("-")[-2]) for node in node_gauges(base, "pdserve_kv_blocks_total")}
 
 
-async def soak(base: str, kill_at: int) -> tuple[dict[str, int], int | None]:
-    rng = random.Random(0)
+async def soak(base: str, kill_at: int | None, seed: int = 0) -> tuple[dict[str, int], int | None]:
+    rng = random.Random(seed)
     outcomes: dict[str, int] = {}
     killed: list[int] = []
     sem = asyncio.Semaphore(CONCURRENCY)
@@ -70,21 +70,13 @@ async def soak(base: str, kill_at: int) -> tuple[dict[str, int], int | None]:
     return outcomes, (killed[0] if killed else None)
 
 
-async def warm_up(base: str) -> None:
-    """Concurrent requests of many lengths before the baseline: every prefill lane and decode
-    thread has then allocated its per-thread buffers and caches (one-time, not a leak)."""
-    rng = random.Random(1)
-    async with httpx.AsyncClient(base_url=base, timeout=60) as client:
-        for _ in range(2):
-            bodies = [{"prompt": [rng.randrange(3, 400) for _ in range(rng.randint(4, 60))], "max_tokens": 8}
-                      for _ in range(CONCURRENCY)]
-            rs = await asyncio.gather(*[client.post("/v1/completions", json=b) for b in bodies])
-            assert all(r.status_code == 200 for r in rs)
-
-
 def test_soak_with_aborts_and_a_killed_worker(tiny_llama):
     with running_server(tiny_llama, "--decode-workers", "2") as base:
-        asyncio.run(warm_up(base))
+        # Warm-up: one soak round without the kill. The workers' allocators reach the high-water
+        # mark of this load (a lane's malloc arena grows ~55 MiB, once, and keeps it: the heap
+        # is tuned not to trim, kvtransfer/malloc_tuning.py), so growth after it is what leaks.
+        warm_outcomes, _ = asyncio.run(soak(base, kill_at=None, seed=1))
+        assert sum(warm_outcomes.values()) == N, warm_outcomes
         before = {node: rss_mib(pid) for node, pid in worker_pids(base).items()}
         t0 = time.monotonic()
         outcomes, killed = asyncio.run(soak(base, kill_at=N // 2))
@@ -97,5 +89,5 @@ def test_soak_with_aborts_and_a_killed_worker(tiny_llama):
         assert free == total and not any(running.values()), (free, total, running, leases)
         after = {node: rss_mib(pid) for node, pid in worker_pids(base).items() if node in before}
         for node, mib in after.items():
-            assert mib < before[node] + 64, f"{node} grew from {before[node]:.0f} to {mib:.0f} MiB"
+            assert mib < before[node] + 32, f"{node} grew from {before[node]:.0f} to {mib:.0f} MiB"
         print(f"soak: {outcomes} in {time.monotonic() - t0:.1f}s; RSS before {before} after {after}")
