@@ -8,6 +8,13 @@ from pdserve_cli import roles
 from pdserve_cli.engine_args import add_engine_args
 
 
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 (got {text})")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -47,11 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="extra lanes per prefill worker at the kernel's idle priority (SCHED_IDLE): they run "
                         "prefill steps on the cycles the decode pool leaves idle, and a decode step preempts "
                         "them at once (default: the cores outside the prefill pool, in --prefill-threads lanes)")
+    s.add_argument("--tpot-slo-ms", type=_positive_float, default=60.0,
+                   help="the time-per-output-token target decode is paced within (see --decode-step-interval-ms)")
     s.add_argument("--decode-step-interval-ms", type=float, default=None,
                    help="while prompts for a decode worker queue behind a prefill, it spaces its steps, up to this "
                         "far apart at a queue of 2 prompts: the gaps go to prefill and its batch grows, spending TPOT "
-                        "slack on TTFT and capacity (0: back to back; default: 36 when prefill can use the "
-                        "decode cores, else 0)")
+                        "slack on TTFT and capacity (0: back to back; default: 0.6 x --tpot-slo-ms when prefill can "
+                        "use the decode cores, else 0)")
     s.add_argument("--prefill-max-num-batched-tokens", type=int, default=None,
                    help="token budget of a prefill (or --colocated) worker's step (default: 512 on CPU, where a smaller step "
                         "gives a queue's first prompts their first token sooner; else --max-num-batched-tokens)")

@@ -60,20 +60,22 @@ def prefill_idle_lanes(args: argparse.Namespace, threads: int) -> int:
     return spare // per_lane // args.prefill_workers
 
 
-DECODE_STEP_INTERVAL_MS = 36.0  # the most, at a queue of prompts: inside a 50-60 ms TPOT target
+PACING_SHARE_OF_TPOT = 0.6  # of the TPOT target: 36 ms of 60, the rest is headroom for jitter
 
 
 def decode_step_interval_ms(args: argparse.Namespace, threads: int, idle_lanes: int) -> float:
     """Decode step pacing (decode_node/step_pacing.py): the most time between decode steps
-    while prompts queue for prefill. By default 36 ms when prefill can run on the decode
-    workers' cores (idle lanes, or more prefill and decode threads than cores, as in 2P1D on 2
-    cores): the gaps between paced steps go to prefill. Else 0 (nobody to yield to)."""
+    while prompts queue for prefill. By default 0.6 x --tpot-slo-ms (36 ms of 60) when prefill
+    can run on the decode workers' cores (idle lanes, or more prefill and decode threads than
+    cores, as in 2P1D on 2 cores): the gaps between paced steps go to prefill. Else 0 (nobody
+    to yield to). Pacing only spaces step starts: a step that itself takes the interval or
+    longer is not delayed."""
     if args.decode_step_interval_ms is not None:
         return args.decode_step_interval_ms
     want = (args.prefill_workers * (args.prefill_threads or threads)
             + args.decode_workers * (args.decode_threads or threads))
     shared = idle_lanes > 0 or want > (os.cpu_count() or 1)
-    return DECODE_STEP_INTERVAL_MS if shared else 0.0
+    return round(PACING_SHARE_OF_TPOT * args.tpot_slo_ms, 1) if shared else 0.0
 
 
 def plan_children(args: argparse.Namespace, run_dir: str) -> list[Child]:

@@ -40,7 +40,8 @@ def test_prefill_idle_lanes_cover_the_cores_outside_the_prefill_pool(tmp_path, m
 
 
 @pytest.mark.parametrize("cores,flags,interval", [
-    (2, (), "36.0"),  # 1P1D: the prefill worker's idle lane takes the gaps
+    (2, (), "36.0"),  # 1P1D: the prefill worker's idle lane takes the gaps, 0.6 x the 60 ms TPOT target
+    (2, ("--tpot-slo-ms", "30"), "18.0"),  # a tighter target paces closer
     (2, ("--prefill-workers", "2"), "36.0"),  # 2P1D: three threads on two cores
     (2, ("--prefill-idle-lanes", "0"), "0.0"),  # nobody to yield the core to
     (8, ("--decode-workers", "2", "--decode-step-interval-ms", "40"), "40.0")])
@@ -48,3 +49,8 @@ def test_decode_steps_are_paced_when_prefill_can_use_their_cores(tmp_path, monke
     children = plan(tmp_path, monkeypatch, cores, *flags)
     decoders = [argv for name, argv in children.items() if name.startswith("decode-")]
     assert decoders and all(flag(argv, "--step-interval-ms") == interval for argv in decoders)
+
+
+def test_tpot_target_must_be_positive(tmp_path, monkeypatch):
+    with pytest.raises(SystemExit):
+        plan(tmp_path, monkeypatch, 2, "--tpot-slo-ms", "0")
