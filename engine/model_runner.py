@@ -66,6 +66,11 @@ class ModelRunner:
     def run_layers(self, fp: ForwardPass, count: int | None = None) -> None:
         """The pass's next `count` layers (default: all that are left)."""
         stop = self.num_layers if count is None else min(self.num_layers, fp.next_layer + count)
+        if fp.next_layer == 0 and stop == self.num_layers:  # a small decode step: one C call
+            fused = self.model.fused_decode(fp.x, fp.rope, fp.ctx)
+            if fused is not None:
+                fp.x, fp.next_layer = fused, stop
+                return
         while fp.next_layer < stop:
             fp.x = self.model.layers[fp.next_layer](fp.x, fp.rope, fp.ctx)
             fp.next_layer += 1

@@ -15,8 +15,8 @@ ctypes:
   thread on this machine; this one splits the output columns between threads
   (docs/benchmarks/engine.md). With oneDNN, 1-16 rows go to kernels/panel_gemm.py instead.
 
-`load_kernel` builds and loads any of them, and the C files of kernels/layer_ops.py and
-kernels/panel_gemm.py. Each is built as `<cache>/pdserve/kernels/<name>-<hash>.so`, the hash covering the source, the
+`load_kernel` builds and loads any of them, and the C files of kernels/layer_ops.py,
+kernels/panel_gemm.py and kernels/decode_layers.py. Each is built as `<cache>/pdserve/kernels/<name>-<hash>.so`, the hash covering the source, the
 flags and this machine's CPU (the code is compiled for it: -march=native). With no compiler, or
 a failed build, its `available()` is False and the torch path runs instead.
 `PDSERVE_ATTENTION=torch` keeps the attention kernel off.

@@ -1,0 +1,92 @@
+"""The fused decode layers (kernels/cpu_decode_layers.c) give bit for bit the per-op path's hidden
+states and KV, and take only the steps they are for."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.models.cpu_linear import FEW_ROWS
+from kernels import decode_layers
+from tests.conftest import random_prompts
+from tests.engine.test_engine_vs_hf import GREEDY, make_engine
+
+pytestmark = pytest.mark.skipif(not decode_layers.enabled(), reason="the C kernels did not build")
+
+
+def engine_at_decode(model, batch: int):
+    """An engine whose `batch` requests (prompts of varied lengths) have all reached decode."""
+    engine = make_engine(model, max_num_seqs=32, num_blocks=256)
+    lengths = [3 + 7 * i % 50 for i in range(batch)]
+    for i, p in enumerate(random_prompts(engine.model_config.vocab_size, lengths, seed=batch)):
+        engine.add_request(f"r{i}", p, GREEDY)
+    while engine.scheduler.waiting or any(s.num_uncomputed > 1 for s in engine.scheduler.running):
+        engine.step()
+    engine.step()  # one decode step, so the KV holds decoded tokens too
+    return engine
+
+
+def per_op_layers(model, fp) -> torch.Tensor:
+    x = fp.x
+    for layer in model.layers:
+        x = layer(x, fp.rope, fp.ctx)
+    return x
+
+
+@pytest.mark.parametrize("batch", [1, 3, FEW_ROWS])
+@torch.inference_mode()
+def test_fused_equals_per_op_bit_for_bit(tiny_model, batch):
+    engine = engine_at_decode(tiny_model, batch)
+    model, kv = engine.runner.model, engine.runner.kv_cache
+    fp = engine.launch(engine.schedule())
+    assert fp.ctx.attn.num_decode_seqs == fp.ctx.attn.num_seqs == batch
+    kv_before = kv.clone()
+    fused = model.fused_decode(fp.x, fp.rope, fp.ctx)
+    assert fused is not None
+    kv_fused = kv.clone()
+    kv.copy_(kv_before)
+    want = per_op_layers(model, fp)
+    assert torch.equal(fused, want)
+    assert torch.equal(kv_fused, kv) and not torch.equal(kv, kv_before)  # the same K, V stored
+
+
+@torch.inference_mode()
+def test_steps_it_is_not_for_run_layer_by_layer(tiny_llama, monkeypatch):
+    engine = engine_at_decode(tiny_llama, FEW_ROWS + 1)
+    model = engine.runner.model
+    fp = engine.launch(engine.schedule())
+    assert fp.x.shape[0] == FEW_ROWS + 1 and model.fused_decode(fp.x, fp.rope, fp.ctx) is None  # too many rows
+    small = engine_at_decode(tiny_llama, 2)
+    fp = small.launch(small.schedule())
+    fp.ctx.on_layer_stored = lambda layer: None
+    assert small.runner.model.fused_decode(fp.x, fp.rope, fp.ctx) is None  # a prefill worker streams per layer
+    fp.ctx.on_layer_stored = None
+    monkeypatch.setenv("PDSERVE_FUSED_DECODE", "off")
+    assert small.runner.model.fused_decode(fp.x, fp.rope, fp.ctx) is None
+    monkeypatch.setenv("PDSERVE_FUSED_DECODE", "on")
+    assert small.runner.model.fused_decode(fp.x, fp.rope, fp.ctx) is not None
+
+
+@torch.inference_mode()
+def test_prefill_in_the_batch_runs_layer_by_layer(tiny_llama):
+    engine = engine_at_decode(tiny_llama, 2)
+    engine.add_request("late", random_prompts(engine.model_config.vocab_size, [9], seed=9)[0], GREEDY)
+    fp = engine.launch(engine.schedule())
+    assert fp.ctx.attn.num_decode_seqs < fp.ctx.attn.num_seqs
+    assert engine.runner.model.fused_decode(fp.x, fp.rope, fp.ctx) is None
+
+
+@torch.inference_mode()
+def test_slot_past_the_pool_is_refused(tiny_llama):
+    engine = engine_at_decode(tiny_llama, 1)
+    fp = engine.launch(engine.schedule())
+    fp.ctx.slot_mapping.fill_(engine.runner.kv_cache.shape[2] * engine.runner.kv_cache.shape[3])
+    with pytest.raises(IndexError, match="past the KV pool"):
+        engine.runner.model.fused_decode(fp.x, fp.rope, fp.ctx)
+
+
+def test_greedy_output_is_the_same_with_it_off(tiny_model, monkeypatch):
+    engine = make_engine(tiny_model)
+    prompts = random_prompts(engine.model_config.vocab_size, [5, 40, 17], seed=4)
+    on = engine.generate(prompts, GREEDY)
+    monkeypatch.setenv("PDSERVE_FUSED_DECODE", "off")
+    assert make_engine(tiny_model).generate(prompts, GREEDY) == on
