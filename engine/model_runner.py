@@ -52,6 +52,7 @@ class ModelRunner:
         self.sampler = sampler
         self.device = kv_cache.device
         self.num_layers = len(model.layers)
+        self.decode_layers = model.describe_decode_layers(kv_cache)  # None: small decode steps go layer by layer
 
     @torch.inference_mode()
     def begin(self, sched: SchedulerOutput,
@@ -66,8 +67,8 @@ class ModelRunner:
     def run_layers(self, fp: ForwardPass, count: int | None = None) -> None:
         """The pass's next `count` layers (default: all that are left)."""
         stop = self.num_layers if count is None else min(self.num_layers, fp.next_layer + count)
-        if fp.next_layer == 0 and stop == self.num_layers:  # a small decode step: one C call
-            fused = self.model.fused_decode(fp.x, fp.rope, fp.ctx)
+        if self.decode_layers is not None and fp.next_layer == 0 and stop == self.num_layers:
+            fused = self.model.fused_decode(self.decode_layers, fp.x, fp.rope, fp.ctx)  # a small decode step: one C call
             if fused is not None:
                 fp.x, fp.next_layer = fused, stop
                 return

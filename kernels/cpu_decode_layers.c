@@ -1,8 +1,10 @@
 /* A decode step's whole decoder stack in one call, for small batches on the CPU.
  *
- * At batch 1 a bench-model decode step spent ~1 ms of ~6 in Python between its C kernels: per
- * layer ten calls through nn.Module, ctypes and torch.empty (norm, qkv, rope + KV store,
- * attention, o_proj, add + norm, gate_up, silu * up, down, the residual add). This driver makes
+ * A bench-model decode step at batch 1 made ten calls a layer through nn.Module, ctypes and
+ * torch.empty (norm, qkv, rope + KV store, attention, o_proj, add + norm, gate_up, silu * up,
+ * down, the residual add); its C kernels took 4.6-5.1 ms of a 7.0-7.5 ms step (each call timed,
+ * which adds to the step). Without them in Python the step is 0.3-1.9 ms shorter (bench-engine
+ * A/B, docs/benchmarks/engine.md). This driver makes
  * the same calls, in the same order, on the same kernels, from C: it holds no arithmetic of its
  * own beyond the residual add, so its output is bit for bit the per-op path's (tests check).
  *
@@ -50,7 +52,7 @@ typedef struct {  /* the model's shapes */
 
 enum { OK = 0, SLOT_PAST_POOL = -1, ATTENTION_REFUSED = -2 };
 
-/* Floats of scratch decode_layers_f32 needs for m rows. */
+/* Floats of scratch decode_layers_f32 needs for m rows (m times that of one). */
 int64_t decode_layers_work_floats(const stack_shape *s, int64_t m) {
     const int64_t qkv = (int64_t)(s->hq + 2 * s->hkv) * s->d, q = (int64_t)s->hq * s->d;
     return m * (3 * s->hidden + qkv + q + (int64_t)s->hkv * s->d + q + 3 * s->intermediate);

@@ -2,8 +2,10 @@
 
 The driver calls the same kernels as the per-op path (kernels/layer_ops.py, panel_gemm.py and
 the decode attention of cpu_native.py), in the same order, so its output is bit for bit theirs;
-it saves the Python between them (~1 ms of a ~6 ms batch-1 step of the bench model). The model
-decides when it applies (engine/models/llama.py: `LlamaForCausalLM.fused_decode`);
+it saves the Python between them (0.3-1.9 ms of a 6.3-7.6 ms batch-1 step of the bench model,
+A/B in docs/benchmarks/engine.md). The model
+decides when it applies (engine/models/llama.py: `LlamaForCausalLM.fused_decode`, on the
+layers `describe_decode_layers` described once per KV pool);
 `PDSERVE_FUSED_DECODE=off` keeps it off.
 """
 from __future__ import annotations
@@ -60,12 +62,17 @@ def _library() -> tuple[ctypes.CDLL, KernelTable] | None:
     return lib, table
 
 
+def available() -> bool:
+    """Whether the driver and every kernel it calls are built and loaded (tried once per process)."""
+    return _library() is not None
+
+
 def enabled() -> bool:
-    """Built, and no switch sends any of its kernels to torch."""
+    """No switch sends the driver, or any of its kernels, to torch (read at each step, as the
+    kernels' own switches are)."""
     return (os.environ.get("PDSERVE_FUSED_DECODE", "on") != "off"
             and os.environ.get("PDSERVE_LAYER_OPS", "auto") != "torch"
-            and os.environ.get("PDSERVE_ATTENTION", "").strip().lower() in ("", "auto")
-            and _library() is not None)
+            and os.environ.get("PDSERVE_ATTENTION", "").strip().lower() in ("", "auto"))
 
 
 class DecodeLayers:
@@ -74,9 +81,10 @@ class DecodeLayers:
 
     def __init__(self, layers: list[LayerWeights], kv_cache: torch.Tensor, shape: StackShape) -> None:
         self.layers = (LayerWeights * len(layers))(*layers)
-        self.kv_cache = kv_cache  # [L, 2, N, bs, Hkv, D]
+        self.kv_cache = kv_cache  # [L, 2, N, bs, Hkv, D]: held, so the layers' pool pointers stay valid
         self.shape = shape
         self.slots = kv_cache.shape[2] * kv_cache.shape[3]
+        self.work_floats_per_row = _library()[0].decode_layers_work_floats(ctypes.byref(shape), 1)  # scratch is per row
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
             block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor | None:
@@ -88,7 +96,7 @@ class DecodeLayers:
         assert x.is_contiguous() and hidden == self.shape.hidden and slot_mapping.dtype == torch.int64
         assert cos.is_contiguous() and sin.is_contiguous() and slot_mapping.is_contiguous()
         assert block_tables.is_contiguous() and context_lens.is_contiguous()
-        work = torch.empty(lib.decode_layers_work_floats(ctypes.byref(self.shape), m), dtype=torch.float32)
+        work = torch.empty(self.work_floats_per_row * m, dtype=torch.float32)
         out = torch.empty(m, hidden, dtype=torch.float32)
         rc = lib.decode_layers_f32(ctypes.byref(table), self.layers, len(self.layers), ctypes.byref(self.shape),
                                    x.data_ptr(), out.data_ptr(), m, cos.data_ptr(), sin.data_ptr(),

@@ -133,49 +133,24 @@ class LlamaForCausalLM(nn.Module):
                 logits_indices: torch.Tensor) -> torch.Tensor:
         """input_ids/positions [T] -> logits [S, V] for the S rows in `logits_indices`."""
         x, rope = self.embed(input_ids, positions)
-        fused = self.fused_decode(x, rope, ctx)
-        if fused is not None:
-            return self.head(fused, logits_indices)
         for layer in self.layers:
             x = layer(x, rope, ctx)
         return self.head(x, logits_indices)
 
-    def fused_decode(self, x: torch.Tensor, rope: Rope, ctx: ForwardContext) -> torch.Tensor | None:
-        """Every layer in one C call (kernels/decode_layers.py) for a step of up to FEW_ROWS
-        decodes on the CPU path, fp32, with no per-layer callback: x [T, H] -> [T, H]. None when
-        the step is not such a one (the caller runs the layers one by one)."""
-        attn = ctx.attn
-        if not (0 < x.shape[0] <= FEW_ROWS and attn.num_decode_seqs == attn.num_seqs == x.shape[0]
-                and ctx.on_layer_stored is None and x.dtype == torch.float32 and x.device.type == "cpu"
-                and decode_layers.enabled()):
-            return None
-        stack = self._decode_layers(ctx.kv_cache)
-        if stack is None:
-            return None
-        cos, sin = rope
-        return stack.run(x, cos, sin, ctx.slot_mapping, attn.block_tables, attn.context_lens)
-
-    def _decode_layers(self, kv_cache: torch.Tensor) -> decode_layers.DecodeLayers | None:
-        """The layers described for the C driver (once per KV pool); None unless every linear
-        holds few-row panels and the pool is a contiguous fp32 CPU tensor."""
-        key = (kv_cache.data_ptr(), tuple(kv_cache.shape))
-        if getattr(self, "_decode_layers_key", None) != key:
-            self._decode_layers_key, self._decode_layers_value = key, self._describe_layers(kv_cache)
-        return self._decode_layers_value
-
-    def _describe_layers(self, kv_cache: torch.Tensor) -> decode_layers.DecodeLayers | None:
-        if not (kv_cache.is_contiguous() and kv_cache.dtype == torch.float32 and kv_cache.device.type == "cpu"):
+    def describe_decode_layers(self, kv_cache: torch.Tensor) -> decode_layers.DecodeLayers | None:
+        """The layers over this KV pool [L, 2, N, bs, Hkv, D], described once for the one-call
+        decode driver (kernels/decode_layers.py); None when it cannot run them: not the fp32 CPU
+        path, a linear without few-row panels, or the driver not built."""
+        if not (kv_cache.device.type == "cpu" and kv_cache.dtype == torch.float32 and kv_cache.is_contiguous()):
             return None
         linears = [(l.self_attn.qkv_proj, l.self_attn.o_proj, l.mlp.gate_up_proj, l.mlp.down_proj) for l in self.layers]
         if not all(isinstance(m, PackedLinear) and m.panels is not None for group in linears for m in group):
             return None
-        if any(o.bias is not None or g.bias is not None or d.bias is not None for _, o, g, d in linears):
+        if not decode_layers.available():
             return None
         described = []
         for i, (layer, (qkv, o, gate_up, down)) in enumerate(zip(self.layers, linears)):
-            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-            if not all(w.dtype == torch.float32 and w.is_contiguous() for w in norms):
-                return None
+            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)  # fp32 with the panels
             described.append(decode_layers.LayerWeights(
                 norms[0].data_ptr(), norms[1].data_ptr(), qkv.panels.data_ptr(),
                 None if qkv.bias is None else qkv.bias.data_ptr(), o.panels.data_ptr(), gate_up.panels.data_ptr(),
@@ -184,6 +159,19 @@ class LlamaForCausalLM(nn.Module):
         shape = decode_layers.StackShape(c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim,
                                          kv_cache.shape[3], c.rms_norm_eps, c.head_dim ** -0.5)
         return decode_layers.DecodeLayers(described, kv_cache, shape)
+
+    @staticmethod
+    def fused_decode(stack: decode_layers.DecodeLayers, x: torch.Tensor, rope: Rope,
+                     ctx: ForwardContext) -> torch.Tensor | None:
+        """Every layer in one C call (`stack`, from `describe_decode_layers`) for a step of up to
+        FEW_ROWS decodes with no per-layer callback: x [T, H] -> [T, H]. None when the step is
+        not such a one, or the driver is switched off (the caller runs the layers one by one)."""
+        attn = ctx.attn
+        if not (0 < x.shape[0] <= FEW_ROWS and attn.num_decode_seqs == attn.num_seqs == x.shape[0]
+                and ctx.on_layer_stored is None and decode_layers.enabled()):
+            return None
+        cos, sin = rope
+        return stack.run(x, cos, sin, ctx.slot_mapping, attn.block_tables, attn.context_lens)
 
     # The pass in stages, for callers that run it a layer at a time (prefill lanes).
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, Rope]:

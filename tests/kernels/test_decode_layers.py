@@ -10,7 +10,7 @@ from kernels import decode_layers
 from tests.conftest import random_prompts
 from tests.engine.test_engine_vs_hf import GREEDY, make_engine
 
-pytestmark = pytest.mark.skipif(not decode_layers.enabled(), reason="the C kernels did not build")
+pytestmark = pytest.mark.skipif(not decode_layers.available(), reason="the C kernels did not build")
 
 
 def engine_at_decode(model, batch: int):
@@ -23,6 +23,12 @@ def engine_at_decode(model, batch: int):
         engine.step()
     engine.step()  # one decode step, so the KV holds decoded tokens too
     return engine
+
+
+def fused(engine, fp) -> torch.Tensor | None:
+    """The driver on the layers the engine's runner described at start-up."""
+    assert engine.runner.decode_layers is not None  # fp32 CPU, panels built: described
+    return engine.runner.model.fused_decode(engine.runner.decode_layers, fp.x, fp.rope, fp.ctx)
 
 
 def per_op_layers(model, fp) -> torch.Tensor:
@@ -40,30 +46,29 @@ def test_fused_equals_per_op_bit_for_bit(tiny_model, batch):
     fp = engine.launch(engine.schedule())
     assert fp.ctx.attn.num_decode_seqs == fp.ctx.attn.num_seqs == batch
     kv_before = kv.clone()
-    fused = model.fused_decode(fp.x, fp.rope, fp.ctx)
-    assert fused is not None
+    out = fused(engine, fp)
+    assert out is not None
     kv_fused = kv.clone()
     kv.copy_(kv_before)
     want = per_op_layers(model, fp)
-    assert torch.equal(fused, want)
+    assert torch.equal(out, want)
     assert torch.equal(kv_fused, kv) and not torch.equal(kv, kv_before)  # the same K, V stored
 
 
 @torch.inference_mode()
 def test_steps_it_is_not_for_run_layer_by_layer(tiny_llama, monkeypatch):
     engine = engine_at_decode(tiny_llama, FEW_ROWS + 1)
-    model = engine.runner.model
     fp = engine.launch(engine.schedule())
-    assert fp.x.shape[0] == FEW_ROWS + 1 and model.fused_decode(fp.x, fp.rope, fp.ctx) is None  # too many rows
+    assert fp.x.shape[0] == FEW_ROWS + 1 and fused(engine, fp) is None  # too many rows
     small = engine_at_decode(tiny_llama, 2)
     fp = small.launch(small.schedule())
     fp.ctx.on_layer_stored = lambda layer: None
-    assert small.runner.model.fused_decode(fp.x, fp.rope, fp.ctx) is None  # a prefill worker streams per layer
+    assert fused(small, fp) is None  # a prefill worker streams per layer
     fp.ctx.on_layer_stored = None
     monkeypatch.setenv("PDSERVE_FUSED_DECODE", "off")
-    assert small.runner.model.fused_decode(fp.x, fp.rope, fp.ctx) is None
+    assert fused(small, fp) is None
     monkeypatch.setenv("PDSERVE_FUSED_DECODE", "on")
-    assert small.runner.model.fused_decode(fp.x, fp.rope, fp.ctx) is not None
+    assert fused(small, fp) is not None
 
 
 @torch.inference_mode()
@@ -72,7 +77,7 @@ def test_prefill_in_the_batch_runs_layer_by_layer(tiny_llama):
     engine.add_request("late", random_prompts(engine.model_config.vocab_size, [9], seed=9)[0], GREEDY)
     fp = engine.launch(engine.schedule())
     assert fp.ctx.attn.num_decode_seqs < fp.ctx.attn.num_seqs
-    assert engine.runner.model.fused_decode(fp.x, fp.rope, fp.ctx) is None
+    assert fused(engine, fp) is None
 
 
 @torch.inference_mode()
@@ -81,12 +86,20 @@ def test_slot_past_the_pool_is_refused(tiny_llama):
     fp = engine.launch(engine.schedule())
     fp.ctx.slot_mapping.fill_(engine.runner.kv_cache.shape[2] * engine.runner.kv_cache.shape[3])
     with pytest.raises(IndexError, match="past the KV pool"):
-        engine.runner.model.fused_decode(fp.x, fp.rope, fp.ctx)
+        fused(engine, fp)
 
 
 def test_greedy_output_is_the_same_with_it_off(tiny_model, monkeypatch):
+    """The engine's decode steps take the driver by default (counted), and give the same tokens
+    without it."""
+    calls = []
+    run = decode_layers.DecodeLayers.run
+    monkeypatch.setattr(decode_layers.DecodeLayers, "run", lambda self, *a: calls.append(1) or run(self, *a))
     engine = make_engine(tiny_model)
     prompts = random_prompts(engine.model_config.vocab_size, [5, 40, 17], seed=4)
     on = engine.generate(prompts, GREEDY)
+    assert len(calls) >= GREEDY.max_tokens - 1  # every decode step of the batch
     monkeypatch.setenv("PDSERVE_FUSED_DECODE", "off")
+    calls.clear()
     assert make_engine(tiny_model).generate(prompts, GREEDY) == on
+    assert not calls
