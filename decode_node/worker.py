@@ -36,8 +36,8 @@ from kvtransfer.receiver import KvReceiver
 from kvtransfer.shm import SharedTensor
 from kvtransfer.wire import payload_mac_enabled
 from protocol.auth import FrameAuth
-from protocol.messages import (Abort, KvDone, ReserveReply, ReserveRequest, TokenOutput, Welcome,
-                               WorkerStats)
+from protocol.messages import (Abort, KvDone, LeaseRenewed, ReserveReply, ReserveRequest, TokenOutput,
+                               Welcome, WorkerStats)
 
 log = logging.getLogger(__name__)
 
@@ -90,18 +90,18 @@ class DecodeWorker:
         eng = self.engine
         n_blocks = -(-req.num_prompt_tokens // eng.block_size)
         seats = eng.config.scheduler.max_num_seqs - len(eng.scheduler.running) - self.leases.num_active
-        reason = ""
+        reason, full = "", False  # full: refused for lack of room now, worth retrying later
         if req.request_id in self.gateway_of or self.leases.get(req.request_id) is not None:
             reason = "duplicate request id"
         elif req.num_prompt_tokens + req.max_tokens > eng.max_model_len:
             reason = f"prompt + max_tokens exceeds max_model_len {eng.max_model_len}"
         elif seats <= 0:
-            reason = "no free decode seats"
+            reason, full = "no free decode seats", True
         elif not eng.pool.can_allocate(n_blocks):
-            reason = f"no KV blocks ({n_blocks} needed, {eng.pool.num_free} free)"
+            reason, full = f"no KV blocks ({n_blocks} needed, {eng.pool.num_free} free)", True
         if reason:
-            self.rt.to_gateway(req.gateway_id, ReserveReply(request_id=req.request_id,
-                                                            worker_id=self.worker_id, reason=reason))
+            self.rt.to_gateway(req.gateway_id, ReserveReply(request_id=req.request_id, worker_id=self.worker_id,
+                                                            reason=reason, capacity=full))
             return
         lease = self.leases.grant(req.request_id, eng.pool.allocate(n_blocks), self.lease_ttl_s)
         self.gateway_of[req.request_id] = req.gateway_id
@@ -147,6 +147,16 @@ class DecodeWorker:
             self._revoked[request_id] = (lease.epoch, lease.deadline)
         self.gateway_of.pop(request_id, None)
         self.admitted_at.pop(request_id, None)
+
+    def _report_renewals(self) -> None:
+        """Leases a prefill worker renewed (it still holds their requests): tell it, through the
+        request's gateway, the deadline it may now write by."""
+        for request_id, lease in self.receiver.renewed:
+            gateway = self.gateway_of.get(request_id)
+            if gateway is not None:
+                self.rt.to_gateway(gateway, LeaseRenewed(request_id=request_id, worker_id=self.worker_id,
+                                                         lease_epoch=lease.epoch, deadline=lease.deadline))
+        self.receiver.renewed.clear()
 
     def _reclaim(self) -> None:
         now = time.time()
@@ -195,7 +205,8 @@ class DecodeWorker:
         dropped = sum(self.rt.inbox.dropped.values()) + sum(self.receiver.dropped.values())
         return engine_stats(self.engine, self._last_progress, dropped, extra_waiting=self.leases.num_active,
                             leases_active=self.leases.num_active,
-                            kv_blocks_quarantined=self.leases.num_quarantined_blocks)
+                            kv_blocks_quarantined=self.leases.num_quarantined_blocks,
+                            lease_renewals=self.leases.num_renewals)
 
     def run(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "_stop", True))
@@ -227,6 +238,7 @@ class DecodeWorker:
                 if self.receiver.released:  # leases P gave back early: reusable now
                     self.engine.pool.free(self.receiver.released)
                     self.receiver.released.clear()
+                self._report_renewals()
                 self._reclaim()
                 self.rt.flush_outputs()  # what the handlers above emitted (errors, early finishes)
                 wait_ms = self.pacer.delay_ms(self.leases.num_active) if self.engine.has_work() else 20

@@ -1,7 +1,8 @@
 """Random-initialised Hugging Face model folders (Llama / Qwen2), made offline and deterministically.
 
 `pdserve serve` with no --model uses `default_model_path()`: the ~30M-parameter `default`
-preset, built once (a few seconds) and cached. Tests use `tiny`; benchmarks use `bench`.
+preset, built once (a few seconds) and cached. Tests use `tiny` (and `real`, a real small
+model's shape, where step costs matter); benchmarks use `bench`.
 Weights are drawn so logits are well spread (random HF-style init at std 0.02 gives nearly
 equal logits, and greedy argmax would hinge on float rounding between implementations).
 """
@@ -39,6 +40,9 @@ class ModelPreset:
 PRESETS = {
     "tiny": ModelPreset(64, 2, 4, 2, 128, 512, 1024),
     "bench": ModelPreset(512, 8, 8, 4, 1536, 8192, 4096),
+    # a real small model's shape (SmolLM-135M: 30 layers, hidden 576, vocab 49152): its prefill
+    # takes seconds here, so overload tests see what real models cost
+    "real": ModelPreset(576, 30, 9, 3, 1536, 49152, 2048),
 }
 PRESETS["default"] = PRESETS["bench"]
 

@@ -76,7 +76,8 @@ class GatewayApp:
         self.limits = limits
         self.chat_template = chat_template
         self.vocab_size = len(tokenizer)
-        self.metrics = GatewayMetrics(backend.worker_stats, backend.routed_requests)
+        self.metrics = GatewayMetrics(backend.worker_stats, backend.routed_requests, backend.queue_stats,
+                                      tuple(backend.collectors()))
         self.in_flight = 0
 
     # --- plumbing ---------------------------------------------------------------------------
@@ -134,9 +135,6 @@ class GatewayApp:
                 raise invalid(f"this model's maximum context length is {self.max_model_len} tokens; the "
                               f"prompt has {len(prompt)} and max_tokens is {max_tokens} "
                               f"({len(prompt) + max_tokens} in total)", "max_tokens")
-            if self.in_flight >= self.limits.max_queued_requests:
-                raise APIError(503, "server busy: too many requests in flight", type_="server_error",
-                               code="overloaded", headers={"Retry-After": "1"})
         except APIError as e:
             self.metrics.http_errors.labels(status=str(e.status)).inc()
             return e.response()
@@ -195,10 +193,10 @@ class _Run:
     async def start(self):
         """Wait for the first event so capacity errors can still be a 503 status."""
         choice, item = await self.queue.get()
-        if isinstance(item, BackendUnavailable):
+        if isinstance(item, BackendUnavailable):  # refused before any token: a status code
             await self.cancel()
-            self.app.metrics.http_errors.labels(status="503").inc()
-            return error_response(503, str(item), type_="server_error", code="unavailable",
+            self.app.metrics.http_errors.labels(status=str(item.status)).inc()
+            return error_response(item.status, str(item), type_="server_error", code=item.code,
                                   headers={"Retry-After": str(max(1, round(item.retry_after_s)))})
         return choice, item
 

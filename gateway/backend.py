@@ -5,11 +5,16 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 
 from engine.sampling_params import SamplingParams
+from gateway.queue_stats import QueueStats
 from protocol.messages import TokenOutput, WorkerStats
 
 
 class BackendUnavailable(Exception):
-    """No capacity now: the gateway answers 503 with Retry-After."""
+    """No capacity now: the gateway answers `status` (503, or 429 for a full queue) with
+    Retry-After, before any token."""
+
+    status = 503
+    code = "unavailable"
 
     def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
         super().__init__(message)
@@ -31,6 +36,14 @@ class Backend(ABC):
 
     @abstractmethod
     def worker_stats(self) -> dict[str, WorkerStats]: ...
+
+    def queue_stats(self) -> dict[str, QueueStats]:
+        """Requests (and their prompt tokens) waiting per pool, for /metrics."""
+        return {}
+
+    def collectors(self) -> list:
+        """Extra Prometheus collectors the backend keeps (registered with the app's registry)."""
+        return []
 
     def routed_requests(self) -> dict[str, int]:
         """Requests this gateway has routed to each worker and not yet seen end: its own count,

@@ -1,9 +1,11 @@
 """The gateway's real backend: routes requests to prefill/decode pools (or a colocated worker)
 over authenticated ZMQ, and turns their TokenOutput messages into one ordered stream.
 
-Disaggregated request: ReserveRequest -> D (lease) ; PrefillRequest(lease) -> P ;
-first token <- P ; later tokens <- D. Leaving the stream early (client gone, stop string)
-sends Abort to both, so every block on both sides comes back.
+Disaggregated request: [wait in the decode pool's admission queue] ReserveRequest -> D (lease) ;
+PrefillRequest(lease) -> P ; first token <- P ; later tokens <- D. Leaving the stream early
+(client gone, stop string) sends Abort to both, so every block on both sides comes back.
+While P holds the request, D's `LeaseRenewed` answers to P's renewals pass through here to P.
+A colocated request waits in the colocated pool's queue for a free seat, then goes to C.
 """
 from __future__ import annotations
 
@@ -13,19 +15,24 @@ import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
 from msgspec.structs import replace
+from prometheus_client import Histogram
 
 import zmq
 import zmq.asyncio
 
 from engine.sampling_params import SamplingParams
+from gateway.admission import AdmissionQueue, QueueLimits
 from gateway.backend import Backend, BackendUnavailable
+from gateway.queue_stats import QueueStats
 from gateway.membership import WorkerEntry, WorkerTable, pick_decode_order, pick_least_loaded
 from protocol.auth import FrameAuth
 from protocol.channel import AsyncInbox, AsyncOutbox
-from protocol.messages import (Abort, GenerateRequest, Heartbeat, KvDestination, PrefillRequest,
-                               Register, ReserveReply, ReserveRequest, TokenOutput, TokenOutputBatch,
-                               Welcome, WorkerStats)
+from protocol.messages import (Abort, GenerateRequest, Heartbeat, KvDestination, LeaseRenewed,
+                               PrefillRequest, Register, ReserveReply, ReserveRequest, TokenOutput,
+                               TokenOutputBatch, Welcome, WorkerStats)
 
 log = logging.getLogger(__name__)
 
@@ -36,10 +43,23 @@ class WorkerLost(Exception):
         self.worker_ids = worker_ids
 
 
+_WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
+
+
+@dataclass
+class _AtPrefill:
+    """A request handed to a prefill worker that has not sent its first token yet."""
+    prefill_id: str
+    decode_id: str
+    deadline: float  # of its lease, as last renewed
+    num_tokens: int
+
+
 class ClusterBackend(Backend):
     def __init__(self, auth: FrameAuth, inbox_bind: str, *, kv_transport: str = "auto",
                  dead_after_s: float = 2.0, stuck_after_s: float = 30.0, reserve_timeout_s: float = 5.0,
-                 on_decode_failure: str = "migrate", max_attempts: int = 3) -> None:
+                 on_decode_failure: str = "migrate", max_attempts: int = 3,
+                 queue_limits: QueueLimits = QueueLimits()) -> None:
         if kv_transport not in ("auto", "shm", "zmq"):
             raise ValueError("kv_transport must be auto, shm or zmq")
         if on_decode_failure not in ("migrate", "fail"):
@@ -55,6 +75,12 @@ class ClusterBackend(Backend):
         self._outboxes: dict[str, AsyncOutbox] = {}
         self._reserve_waiters: dict[str, asyncio.Future[ReserveReply]] = {}
         self._streams: dict[str, asyncio.Queue[TokenOutput]] = {}
+        self._at_prefill: dict[str, _AtPrefill] = {}
+        self.queue_wait = Histogram("pdserve_queue_wait_seconds", "Time a request waited in a pool's queue",
+                                    ["pool"], buckets=_WAIT_BUCKETS, registry=None)
+        self._queues = {"decode": AdmissionQueue("decode", queue_limits, self._free_decode_seats, self._observe_wait),
+                        "colocated": AdmissionQueue("colocated", queue_limits, self._free_colocated_seats,
+                                                    self._observe_wait)}
         # leases handed to a prefill worker that was lost before it resolved them (no first token):
         # prefill worker id -> {request id: (decode worker id, lease deadline)}
         self._orphaned_leases: dict[str, dict[str, tuple[str, float]]] = {}
@@ -102,6 +128,11 @@ class ClusterBackend(Backend):
         elif isinstance(msg, TokenOutputBatch):
             for out in msg.outputs:
                 self._deliver(out)
+        elif isinstance(msg, LeaseRenewed):  # D -> P: the prefill worker holding it may write longer
+            at = self._at_prefill.get(msg.request_id)
+            if at is not None and at.decode_id == msg.worker_id:
+                at.deadline = max(at.deadline, msg.deadline)
+                self._send(at.prefill_id, msg)
         elif isinstance(msg, ReserveReply):
             fut = self._reserve_waiters.pop(msg.request_id, None)
             if fut is not None and not fut.done():
@@ -125,6 +156,7 @@ class ClusterBackend(Backend):
             # Welcome) would otherwise take requests with no route back for their outputs.
             if joined or isinstance(msg, Register):
                 self._send(info.worker_id, Welcome(gateway_id=self.gateway_id, inbox_addr=self.inbox_addr))
+            self._notify_queues()  # a worker joined or reported its load: capacity may have changed
 
     def _deliver(self, out: TokenOutput) -> None:
         queue = self._streams.get(out.request_id)
@@ -165,6 +197,29 @@ class ClusterBackend(Backend):
                      decode_id, prefill_id)
             self._send(decode_id, Abort(request_id=request_id, reason="prefill worker gone", lease_unused=True))
 
+    # --- admission --------------------------------------------------------------------------
+    def _notify_queues(self) -> None:
+        for queue in self._queues.values():
+            queue.notify()
+
+    def _free_decode_seats(self) -> int:
+        """This gateway's estimate of how many more requests the decode pool can take now."""
+        return sum(max(0, d.info.max_num_seqs - d.inflight - d.reserving) for d in self.table.live("decode"))
+
+    def _free_colocated_seats(self) -> int:
+        return sum(max(0, c.info.max_num_seqs - c.inflight) for c in self.table.live("colocated"))
+
+    def _observe_wait(self, pool: str, seconds: float) -> None:
+        self.queue_wait.labels(pool=pool).observe(seconds)
+
+    def queue_stats(self) -> dict[str, QueueStats]:
+        stats = {pool: q.stats() for pool, q in self._queues.items()}
+        stats["prefill"] = QueueStats(len(self._at_prefill), sum(a.num_tokens for a in self._at_prefill.values()))
+        return stats
+
+    def collectors(self) -> list:
+        return [self.queue_wait]
+
     def _send(self, worker_id: str, msg) -> bool:
         box = self._outboxes.get(worker_id)
         return box is not None and box.send(msg)
@@ -202,28 +257,38 @@ class ClusterBackend(Backend):
         async for out in stream:
             yield out
 
-    async def _reserve(self, request_id: str, n_prompt: int, sampling: SamplingParams,
-                       decodes: list[WorkerEntry]) -> tuple[WorkerEntry, ReserveReply]:
-        reasons = []
+    async def _reserve(self, request_id: str, n_prompt: int,
+                       sampling: SamplingParams) -> tuple[WorkerEntry, ReserveReply] | None:
+        """A lease from the first live decode worker that grants one; None when every one is full
+        now (the request waits in the queue), BackendUnavailable when none could ever take it."""
+        decodes = self.table.live("decode")
+        if not decodes:
+            raise BackendUnavailable("no live decode worker", retry_after_s=2.0)
+        reasons, full = [], False
         for d in pick_decode_order(decodes):
             fut = asyncio.get_running_loop().create_future()
             self._reserve_waiters[request_id] = fut
+            d.reserving += 1
             self._send(d.worker_id, ReserveRequest(request_id=request_id, gateway_id=self.gateway_id,
                                                    to_worker=d.worker_id, num_prompt_tokens=n_prompt,
                                                    max_tokens=sampling.max_tokens))
             try:
                 reply = await asyncio.wait_for(fut, self.reserve_timeout_s)
-            except asyncio.TimeoutError:
-                reasons.append(f"{d.worker_id}: no answer")
+            except asyncio.TimeoutError:  # busy or dying: try the others, then wait in the queue
+                full = True
                 self._send(d.worker_id, Abort(request_id=request_id, reason="reservation timed out",
                                               lease_unused=True))
                 continue
             finally:
+                d.reserving -= 1
                 self._reserve_waiters.pop(request_id, None)
             if reply.lease is not None:
                 return d, reply
+            full = full or reply.capacity
             reasons.append(f"{d.worker_id}: {reply.reason}")
-        raise BackendUnavailable("no decode worker can take the request now (" + "; ".join(reasons) + ")",
+        if full:
+            return None
+        raise BackendUnavailable("no decode worker can take the request (" + "; ".join(reasons) + ")",
                                  retry_after_s=1.0)
 
     def _transport_for(self, p: WorkerEntry, d: WorkerEntry) -> str:
@@ -272,7 +337,8 @@ class ClusterBackend(Backend):
                         return
 
     async def _one_pair(self, request_id, prompt, sampling):
-        d, reply = await self._reserve(request_id, len(prompt), sampling, self.table.live("decode"))
+        d, reply = await self._queues["decode"].admit(
+            len(prompt), lambda: self._reserve(request_id, len(prompt), sampling))
         # KV is only exchanged between workers running the same model, dtype and shapes.
         prefills = [w for w in self.table.live("prefill")
                     if w.info.model_fingerprint == d.info.model_fingerprint]
@@ -288,12 +354,14 @@ class ClusterBackend(Backend):
         p.inflight += 1
         finished = False
         got_first = False
+        self._at_prefill[request_id] = _AtPrefill(p.worker_id, d.worker_id, reply.lease.deadline, len(prompt))
         try:
             self._send(p.worker_id, PrefillRequest(request_id=request_id, gateway_id=self.gateway_id,
                                                    prompt_token_ids=prompt, sampling=sampling, dest=dest,
                                                    arrival_time=time.time()))
             async for out in self._ordered(request_id, queue, lambda: (d,) if got_first else (p, d)):
                 got_first = True
+                self._at_prefill.pop(request_id, None)
                 if out.finish_reason is not None:
                     # Ended by a worker: it has released its side. Ended here (abort): `finished`
                     # stays False and the finally block aborts both workers.
@@ -304,22 +372,36 @@ class ClusterBackend(Backend):
                 if out.finish_reason is not None:
                     return
         except WorkerLost as lost:
-            if not got_first and p.worker_id in lost.worker_ids:
-                self._orphan_leases(p.worker_id, request_id, d.worker_id, reply.lease.deadline)
+            at = self._at_prefill.get(request_id)
+            if at is not None and p.worker_id in lost.worker_ids:
+                self._orphan_leases(p.worker_id, request_id, d.worker_id, at.deadline)
             raise
         finally:
             d.inflight -= 1
             p.inflight -= 1
+            self._at_prefill.pop(request_id, None)
             self._streams.pop(request_id, None)
             if not finished:
                 self._send(p.worker_id, Abort(request_id=request_id, reason="stream closed"))
                 self._send(d.worker_id, Abort(request_id=request_id, reason="stream closed"))
+            self._notify_queues()  # a decode seat is free
+
+    async def _seat_colocated(self) -> WorkerEntry | None:
+        """The least loaded colocated worker with a free seat (taken at once), or None."""
+        live = self.table.live("colocated")
+        if not live:
+            raise BackendUnavailable("no live colocated worker", retry_after_s=2.0)
+        free = [c for c in live if c.info.max_num_seqs <= 0 or c.inflight < c.info.max_num_seqs]
+        if not free:
+            return None
+        c = pick_least_loaded(free)
+        c.inflight += 1
+        return c
 
     async def _generate_colocated(self, request_id, prompt, sampling):
-        c = pick_least_loaded(self.table.live("colocated"))
+        c = await self._queues["colocated"].admit(len(prompt), self._seat_colocated)
         queue: asyncio.Queue[TokenOutput] = asyncio.Queue()
         self._streams[request_id] = queue
-        c.inflight += 1
         finished = False
         try:
             self._send(c.worker_id, GenerateRequest(request_id=request_id, gateway_id=self.gateway_id,
@@ -339,6 +421,7 @@ class ClusterBackend(Backend):
             self._streams.pop(request_id, None)
             if not finished:
                 self._send(c.worker_id, Abort(request_id=request_id, reason="client gone"))
+            self._notify_queues()  # a colocated seat is free
 
     async def _ordered(self, request_id: str, queue: asyncio.Queue[TokenOutput],
                        watched: Callable[[], tuple[WorkerEntry, ...]]) -> AsyncIterator[TokenOutput]:

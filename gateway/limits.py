@@ -11,7 +11,6 @@ class GatewayLimits:
     max_logprobs: int = 20
     max_stop: int = 16
     max_stop_len: int = 256
-    max_queued_requests: int = 1024  # in flight at this gateway; 503 + Retry-After above
     request_timeout_s: float | None = None  # end (and abort) a request running longer than this
 
     def __post_init__(self) -> None:

@@ -13,6 +13,7 @@ class WorkerEntry:
     stats: WorkerStats = field(default_factory=WorkerStats)
     last_seen: float = field(default_factory=time.monotonic)
     inflight: int = 0  # requests this gateway has routed here and not yet finished
+    reserving: int = 0  # reservations this gateway has asked of it and not yet heard back on
 
     @property
     def worker_id(self) -> str:

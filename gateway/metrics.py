@@ -6,6 +6,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
+from gateway.queue_stats import QueueStats
 from protocol.messages import WorkerStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 60)
@@ -32,6 +33,9 @@ class _WorkerCollector:
             "kv_blocks_quarantined": GaugeMetricFamily("pdserve_kv_blocks_quarantined",
                                                        "Blocks of ended leases held until their deadline",
                                                        labels=["node"]),
+            "lease_renewals": GaugeMetricFamily("pdserve_kv_lease_renewals",
+                                                "Leases extended for prefill workers still holding them (total)",
+                                                labels=["node"]),
         }
         for node, st in self._stats().items():
             for attr, fam in fams.items():
@@ -45,9 +49,28 @@ class _WorkerCollector:
         yield routed
 
 
+class _QueueCollector:
+    """Per-pool queue gauges read from the backend at scrape time: `decode` and `colocated` are
+    the gateway's admission queues, `prefill` the requests handed to prefill workers that have
+    not sent their first token (queued there or computing)."""
+
+    def __init__(self, stats: Callable[[], dict[str, QueueStats]]) -> None:
+        self._stats = stats
+
+    def collect(self):
+        depth = GaugeMetricFamily("pdserve_queue_depth", "Requests waiting per pool", labels=["pool"])
+        tokens = GaugeMetricFamily("pdserve_queue_tokens", "Prompt tokens waiting per pool", labels=["pool"])
+        for pool, st in self._stats().items():
+            depth.add_metric([pool], st.depth)
+            tokens.add_metric([pool], st.tokens)
+        yield depth
+        yield tokens
+
+
 class GatewayMetrics:
     def __init__(self, worker_stats: Callable[[], dict[str, WorkerStats]],
-                 routed_requests: Callable[[], dict[str, int]]) -> None:
+                 routed_requests: Callable[[], dict[str, int]],
+                 queue_stats: Callable[[], dict[str, QueueStats]] = dict, collectors: tuple = ()) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram("pdserve_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r)
@@ -62,6 +85,9 @@ class GatewayMetrics:
         self.http_errors = Counter("pdserve_http_errors", "Error responses", ["status"], registry=r)
         self.in_flight = Gauge("pdserve_gateway_requests_in_flight", "HTTP requests in flight", registry=r)
         r.register(_WorkerCollector(worker_stats, routed_requests))
+        r.register(_QueueCollector(queue_stats))
+        for collector in collectors:  # the backend's own (e.g. queue wait histograms)
+            r.register(collector)
 
     def observe_timings(self, timings: dict[str, float]) -> None:
         for key, value in timings.items():

@@ -9,6 +9,7 @@ from pathlib import Path
 import uvicorn
 
 from engine.config import ModelConfig
+from gateway.admission import QueueLimits
 from gateway.app import create_app
 from gateway.cluster_backend import ClusterBackend
 from gateway.limits import GatewayLimits
@@ -29,7 +30,7 @@ class GatewayOptions:
     served_model_name: str | None = None
     on_decode_failure: str = "migrate"
     request_timeout_s: float | None = None
-    max_queued_requests: int = 1024
+    queue_limits: QueueLimits = QueueLimits()  # per pool: waiting requests, tokens, seconds
     # a worker with work pending whose engine step has not completed for this long counts as dead
     stuck_after_s: float = 30.0
 
@@ -41,10 +42,10 @@ def serve_gateway(opts: GatewayOptions, auth: FrameAuth) -> None:
     model_cfg = ModelConfig.from_folder(opts.model)
     max_len = min(opts.max_model_len or model_cfg.max_context, model_cfg.max_context)
     backend = ClusterBackend(auth, opts.worker_bind, kv_transport=opts.kv_transport,
-                             on_decode_failure=opts.on_decode_failure, stuck_after_s=opts.stuck_after_s)
+                             on_decode_failure=opts.on_decode_failure, stuck_after_s=opts.stuck_after_s,
+                             queue_limits=opts.queue_limits)
     app = create_app(backend, tokenizer, model_name=opts.served_model_name or Path(opts.model).name,
-                     max_model_len=max_len, limits=GatewayLimits(request_timeout_s=opts.request_timeout_s,
-                                         max_queued_requests=opts.max_queued_requests),
+                     max_model_len=max_len, limits=GatewayLimits(request_timeout_s=opts.request_timeout_s),
                      api_key=opts.api_key)
 
     async def main() -> None:

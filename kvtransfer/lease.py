@@ -1,7 +1,8 @@
 """Decode-side KV leases: who may write which blocks, fenced by epoch and deadline.
 
     grant --> active --complete + release--> blocks belong to the admitted sequence
-                 \\--revoke (abort) / expire (deadline passed)--> quarantine --deadline+grace--> reclaimable
+               |  \\--revoke (abort) / expire (deadline passed)--> quarantine --deadline+grace--> reclaimable
+               +--renew (P still holds it: queued or computing)--> active, deadline = now + ttl
 
 Rules (D's view; every check returns None when fine, else a short reason string):
 - Epochs start at a random 62-bit value per process and only grow, so a frame carrying an
@@ -12,6 +13,13 @@ Rules (D's view; every check returns None when fine, else a short reason string)
   than any accepted before for this lease (replays and reordering are "duplicate").
 - A request completes when every layer has been written for every leased block. Once completed
   (released) or revoked the lease is gone: anything later for it is "unknown_lease".
+
+Renewal: a prefill worker may hold a request queued behind others for longer than a lease
+lives (a burst on a real-sized model). While it does, it sends `KvRenew` on the FIFO KV stream
+and D moves the deadline of the still-active lease to now + ttl (never earlier). P uses a new
+deadline only once D's `LeaseRenewed` reaches it, so P's deadline is never later than D's; a
+lease that expired or was revoked first stays ended (renew returns None), and a dead or stuck P
+stops renewing, so its leases still run out.
 
 Quarantine, and why: the zmq transport is safe by construction (D itself checks the lease before
 copying), but the shared-memory transport lets P write into D's pool directly, with no check on
@@ -28,6 +36,8 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import msgspec
 
 from protocol.messages import KvDone, Lease
 
@@ -53,6 +63,7 @@ class LeaseTable:
         self._clock = clock
         self._next_epoch = secrets.randbits(62)
         self._active: dict[str, _Active] = {}
+        self.num_renewals = 0
         # (reclaimable after, blocks, request id, epoch)
         self._quarantine: list[tuple[float, list[int], str, int]] = []
 
@@ -69,9 +80,21 @@ class LeaseTable:
         if ttl_s <= 0:
             raise ValueError("ttl_s must be positive")
         self._next_epoch += 1
-        lease = Lease(epoch=self._next_epoch, block_ids=blocks, deadline=self._clock() + ttl_s)
+        lease = Lease(epoch=self._next_epoch, block_ids=blocks, deadline=self._clock() + ttl_s, ttl_s=ttl_s)
         self._active[request_id] = _Active(lease, frozenset(blocks))
         return lease
+
+    def renew(self, request_id: str, epoch: int, now: float | None = None) -> Lease | None:
+        """Extend an active, unexpired lease of this epoch to now + its ttl; the renewed Lease,
+        or None when there is nothing to renew (ended, expired, another epoch)."""
+        now = self._now(now)
+        entry, _ = self._entry(request_id, epoch, now)
+        if entry is None:
+            return None
+        lease = entry.lease
+        entry.lease = msgspec.structs.replace(lease, deadline=max(lease.deadline, now + lease.ttl_s))
+        self.num_renewals += 1
+        return entry.lease
 
     def get(self, request_id: str) -> Lease | None:
         entry = self._active.get(request_id)

@@ -30,7 +30,7 @@ from kvtransfer.sender import copy_blocks
 from kvtransfer.wire import KvFrameHeader, decode_kv, dtype_name
 from protocol.auth import FrameAuth
 from protocol.channel import Inbox
-from protocol.messages import KvDone, KvRelease
+from protocol.messages import KvDone, KvRelease, KvRenew, Lease
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,7 @@ class KvReceiver:
         self.bytes_received = 0
         self.released: list[int] = []  # blocks of leases P released early; the owner frees them
         self.failed_done: list[tuple[KvDone, str]] = []  # refused KvDone of active leases; the owner drains it
+        self.renewed: list[tuple[str, Lease]] = []  # (request id, lease) moved by KvRenew; the owner reports them
         self.frames_received = 0
         self.dropped: collections.Counter[str] = self.inbox.dropped  # auth/decode + lease/layout reasons
 
@@ -100,6 +101,11 @@ class KvReceiver:
                 elif isinstance(msg, KvRelease):
                     self.released.extend(self.leases.release_early(msg.request_id, msg.lease_epoch))
                     reason = None
+                elif isinstance(msg, KvRenew):
+                    lease = self.leases.renew(msg.request_id, msg.lease_epoch)
+                    if lease is not None:
+                        self.renewed.append((msg.request_id, lease))
+                    reason = None  # too late to renew: the lease's own end is reported already
                 else:  # pragma: no cover - the decoder admits only the two kinds
                     reason = "unexpected_message"
             except Exception:  # never let one frame take the decode worker down

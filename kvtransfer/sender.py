@@ -36,7 +36,7 @@ from kvtransfer.shm import SharedTensor
 from kvtransfer.wire import KvFrameHeader, dtype_name, torch_dtype
 from protocol.auth import FrameAuth
 from protocol.channel import Outbox
-from protocol.messages import KvDone, KvLayout, KvRelease, Lease
+from protocol.messages import KvDone, KvLayout, KvRelease, KvRenew, Lease
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +149,10 @@ class KvSender(ABC):
         self._seq.pop((request_id, lease_epoch), None)
         return self.outbox.send(KvRelease(request_id=request_id, lease_epoch=lease_epoch),
                                 timeout_ms=self.send_timeout_ms)
+
+    def send_renew(self, request_id: str, lease_epoch: int) -> bool:
+        """Ask D to extend a lease this worker still holds; never blocks (a full queue: next time)."""
+        return self.outbox.send(KvRenew(request_id=request_id, lease_epoch=lease_epoch), timeout_ms=0)
 
     def close(self) -> None:
         if self._closed:

@@ -9,6 +9,7 @@ its msgpack header is a tagged union told apart by the msgspec tag field `"type"
     {"type": "KvFrameHeader", ..., "in_place": true}       same, no payload: P already wrote the
                                                            blocks into D's shared-memory pool
     {"type": "KvDone", ...}                                protocol.messages.KvDone: all layers sent
+    {"type": "KvRelease" | "KvRenew", ...}                 P drops the request / still holds it
 
 Decoding accepts only these tags (anything else -> msgspec.ValidationError, dropped).
 `seq` numbers a request's frames 0, 1, 2 ... in send order, so D rejects replayed or reordered
@@ -30,7 +31,7 @@ from typing import Union
 import msgspec
 import torch
 
-from protocol.messages import KvDone, KvRelease
+from protocol.messages import KvDone, KvRelease, KvRenew
 
 
 class KvFrameHeader(msgspec.Struct, tag="KvFrameHeader", frozen=True, forbid_unknown_fields=True):
@@ -48,7 +49,7 @@ class KvFrameHeader(msgspec.Struct, tag="KvFrameHeader", frozen=True, forbid_unk
     payload_mac: bytes | None = None  # HMAC of the payload bytes (payload authentication on)
 
 
-KvStreamMessage = Union[KvFrameHeader, KvDone, KvRelease]
+KvStreamMessage = Union[KvFrameHeader, KvDone, KvRelease, KvRenew]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(KvStreamMessage)
@@ -58,7 +59,7 @@ def encode_kv(msg: KvFrameHeader | KvDone) -> bytes:
     return _encoder.encode(msg)
 
 
-def decode_kv(data: bytes | memoryview) -> KvFrameHeader | KvDone | KvRelease:
+def decode_kv(data: bytes | memoryview) -> KvFrameHeader | KvDone | KvRelease | KvRenew:
     """Raises msgspec.DecodeError / ValidationError on anything else."""
     return _decoder.decode(data)
 

@@ -74,6 +74,7 @@ def run_colocated(args: argparse.Namespace) -> int:
 
 def run_gateway(args: argparse.Namespace) -> int:
     _setup("gateway", None)
+    from gateway.admission import QueueLimits
     from gateway.server import GatewayOptions, serve_gateway
     serve_gateway(GatewayOptions(model=resolve_model(args.model), host=args.host, port=args.port,
                                  worker_bind=args.worker_bind, kv_transport=args.kv_transport,
@@ -81,7 +82,9 @@ def run_gateway(args: argparse.Namespace) -> int:
                                  max_model_len=args.max_model_len, served_model_name=args.served_model_name,
                                  on_decode_failure=args.on_decode_failure,
                                  request_timeout_s=args.request_timeout,
-                                 max_queued_requests=args.max_queued_requests,
+                                 queue_limits=QueueLimits(max_requests=args.max_queued_requests,
+                                                          max_tokens=args.max_queued_tokens,
+                                                          max_wait_s=args.max_queue_wait),
                                  stuck_after_s=args.stuck_after),
                   _auth())
     return 0

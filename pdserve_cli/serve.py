@@ -92,6 +92,8 @@ def plan_children(args: argparse.Namespace, run_dir: str) -> list[Child]:
                     "--worker-bind", gw_inbox, "--kv-transport", gw_transport,
                     "--on-decode-failure", args.on_decode_failure,
                     "--max-queued-requests", str(args.max_queued_requests),
+                    "--max-queued-tokens", str(args.max_queued_tokens),
+                    "--max-queue-wait", str(args.max_queue_wait),
                     "--stuck-after", str(args.stuck_after)]
     if args.request_timeout:
         gateway += ["--request-timeout", str(args.request_timeout)]

@@ -8,6 +8,8 @@ touched, mapped onto the decode worker's leased blocks:
     P block_table        [p0][p1][p2][p3][p4]            blocks start//bs .. ceil(end/bs)-1
     lease.block_ids      [d0][d1][d2][d3][d4]            same indices on D
 A block a chunk only partly fills is sent again with the next chunk (its old part unchanged).
+Each layer's send reads the request's lease from the worker's routes at that moment, so a
+renewal that arrives while the step computes counts for its remaining layers.
 """
 from __future__ import annotations
 
@@ -42,10 +44,19 @@ class _Job:
 class StepTransfers:
     """One step's transfers; the model calls it after each layer stored its KV."""
 
-    def __init__(self, kv_cache: torch.Tensor, jobs: list[_Job], lock: threading.Lock) -> None:
+    def __init__(self, kv_cache: torch.Tensor, jobs: list[_Job], lock: threading.Lock,
+                 routes: dict[str, tuple[KvDestination, KvSender]]) -> None:
         self.kv_cache = kv_cache  # [L, 2, N, bs, Hkv, D]
         self.jobs = jobs
         self.lock = lock
+        self.routes = routes  # the worker's, updated by its loop when a lease is renewed
+
+    def _lease(self, job: _Job) -> Lease:
+        """The job's lease as last renewed (same epoch), else as it was at launch."""
+        route = self.routes.get(job.request_id)
+        if route is not None and route[0].lease.epoch == job.lease.epoch:
+            return route[0].lease
+        return job.lease
 
     def __call__(self, layer: int) -> None:
         kv_layer = self.kv_cache[layer]  # [2, N, bs, Hkv, D]
@@ -55,7 +66,7 @@ class StepTransfers:
             t0 = time.perf_counter()
             try:
                 with self.lock:  # senders are shared by the worker's lanes and its loop
-                    job.stats.bytes += job.sender.send_layer(job.request_id, job.lease, layer, kv_layer,
+                    job.stats.bytes += job.sender.send_layer(job.request_id, self._lease(job), layer, kv_layer,
                                                              job.src_blocks, job.dst_blocks)
             except KvTransferError as e:  # lease expired, decode worker gone: fail this request only
                 job.stats.error = f"KV transfer failed: {e}"
@@ -85,4 +96,4 @@ class KvStreamer:
             jobs.append(_Job(seq.request_id, dest.lease, seq.block_table[b0:b1],
                              dest.lease.block_ids[b0:b1], sender,
                              stats.setdefault(seq.request_id, TransferStats())))
-        return StepTransfers(self.kv_cache, jobs, self.lock)
+        return StepTransfers(self.kv_cache, jobs, self.lock, dests)

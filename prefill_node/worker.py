@@ -5,6 +5,12 @@ The loop (this thread) owns the sockets and the scheduler; it launches steps whi
 free and its lanes (prefill_node/lanes.py) run them a layer at a time, the idle lanes on cycles
 no other process on the machine wants.
 
+Leases: a request may wait here, queued behind other prompts, for longer than its decode
+worker's lease lives. The loop renews the lease of every request it still holds once less than
+half its ttl is left (`KvRenew` on the KV stream) and writes by a new deadline only when
+`LeaseRenewed` comes back (kvtransfer/lease.py), so no request fails on the lease clock while
+this worker makes progress; a stuck or dead worker stops renewing and its leases run out.
+
 `kv_payload_mac` ("auto", "on", "off"): MAC every KV payload sent over ZMQ (kvtransfer/wire.py);
 auto = on when the decode worker's KV address is tcp://, off for ipc:// and shared memory.
 """
@@ -16,6 +22,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+import msgspec
 import zmq
 
 from engine.config import EngineConfig
@@ -26,9 +33,12 @@ from kvtransfer.wire import payload_mac_enabled
 from prefill_node.kv_streamer import KvStreamer, TransferStats
 from prefill_node.lanes import LaneJob, PrefillLanes
 from protocol.auth import FrameAuth
-from protocol.messages import Abort, KvDestination, KvDone, PrefillRequest, TokenOutput, Welcome, WorkerStats
+from protocol.messages import (Abort, KvDestination, KvDone, LeaseRenewed, PrefillRequest, TokenOutput,
+                               Welcome, WorkerStats)
 
 log = logging.getLogger(__name__)
+
+RENEW_CHECK_INTERVAL_S = 0.1
 
 
 @dataclass
@@ -36,6 +46,7 @@ class _Pending:
     req: PrefillRequest
     received: float
     first_scheduled: float | None = None
+    renew_sent: float = 0.0  # time.time() of the last KvRenew for its lease
 
 
 class PrefillWorker:
@@ -57,6 +68,7 @@ class PrefillWorker:
         self.streamer = KvStreamer(self.engine.kv_cache, self.engine.block_size, self._send_lock)
         self.lanes = PrefillLanes(self.engine.runner, lanes, idle_lanes)
         self._abort_after: set[str] = set()  # aborted while a lane computes its chunk
+        self._renew_checked = 0.0
         self._stop = False
         self._last_progress = time.monotonic()
 
@@ -79,6 +91,8 @@ class PrefillWorker:
             self._on_prefill(msg)
         elif isinstance(msg, Abort):
             self._abort(msg.request_id)
+        elif isinstance(msg, LeaseRenewed):
+            self._on_lease_renewed(msg)
         elif isinstance(msg, Welcome):
             self.rt.handle_welcome(msg)
         else:
@@ -100,6 +114,33 @@ class PrefillWorker:
             return
         self.pending[req.request_id] = _Pending(req, time.monotonic())
         self.routes[req.request_id] = (req.dest, self._sender(req.dest))
+
+    # --- lease renewal ----------------------------------------------------------------------
+    def _renew_leases(self) -> None:
+        """Ask for more time on every held lease with less than half its ttl left (again each
+        quarter ttl while no answer comes). Requests being aborted are not renewed."""
+        now = time.time()
+        if now < self._renew_checked + RENEW_CHECK_INTERVAL_S:
+            return
+        self._renew_checked = now
+        for request_id, (dest, sender) in self.routes.items():
+            lease, p = dest.lease, self.pending.get(request_id)
+            if (p is None or lease.ttl_s <= 0 or request_id in self._abort_after
+                    or lease.deadline - now > lease.ttl_s / 2 or now - p.renew_sent < lease.ttl_s / 4):
+                continue
+            p.renew_sent = now
+            with self._send_lock:
+                sender.send_renew(request_id, lease.epoch)
+
+    def _on_lease_renewed(self, msg: LeaseRenewed) -> None:
+        route = self.routes.get(msg.request_id)
+        if route is None:
+            return
+        dest, sender = route
+        if msg.worker_id != dest.worker_id or msg.lease_epoch != dest.lease.epoch or msg.deadline <= dest.lease.deadline:
+            return
+        lease = msgspec.structs.replace(dest.lease, deadline=msg.deadline)
+        self.routes[msg.request_id] = (msgspec.structs.replace(dest, lease=lease), sender)
 
     def _release(self, request_id: str) -> None:
         """This request will never hand its KV over: let its decode worker reclaim the lease now."""
@@ -203,6 +244,7 @@ class PrefillWorker:
                     self._on_message(msg)
                 for job in self.lanes.collect():
                     self.complete(job)
+                self._renew_leases()
                 self.rt.tick(self.stats)
         finally:
             self.close()

@@ -15,6 +15,10 @@ Who sends what (G = gateway, P = prefill worker, D = decode worker, C = colocate
     P -> D  KvFrameHeader (+ raw frame)      one layer's KV for some blocks (kvtransfer/wire.py)
     P -> D  KvDone (on the KV stream)        all layers written; first token; D admits
     P -> D  KvRelease (on the KV stream)     P dropped the request: D reclaims the lease now
+    P -> D  KvRenew (on the KV stream)       P still holds the request (queued or computing):
+                                             extend its lease
+    D -> G -> P  LeaseRenewed                the new deadline, once D has moved it (G forwards
+                                             it to the prefill worker holding the request)
     P,D,C -> G  TokenOutput                  new tokens / finish / error for one request
     D,C -> G  TokenOutputBatch               one step's TokenOutputs for one gateway, in one frame
     G -> P,D,C  Abort                        client went away or stop string hit
@@ -60,6 +64,7 @@ class WorkerStats(msgspec.Struct, frozen=True):
     dropped_frames: int = 0  # unauthenticated / undecodable / fenced-off frames dropped so far
     leases_active: int = 0  # decode: reservations waiting for their KV
     kv_blocks_quarantined: int = 0  # decode: blocks of ended leases held until their deadline
+    lease_renewals: int = 0  # decode: leases extended so far for prefill workers still holding them
 
 
 class WorkerInfo(msgspec.Struct, frozen=True):
@@ -73,6 +78,7 @@ class WorkerInfo(msgspec.Struct, frozen=True):
     kv_addr: str | None = None  # D only: where P pushes KV frames and KvDone
     shm_name: str | None = None  # D only: shared-memory KV pool P can map on the same host
     max_model_len: int = 0
+    max_num_seqs: int = 0  # sequences it runs at once (decode: leases count too); 0 = unknown
     version: int = PROTOCOL_VERSION
 
 
@@ -101,6 +107,9 @@ class Lease(msgspec.Struct, frozen=True):
     epoch: int
     block_ids: list[int]
     deadline: float
+    # How long a renewal extends it: P renews a lease it still holds (queued or computing)
+    # before half of this is left, so a request never fails on the lease clock while it waits.
+    ttl_s: float = 0.0
 
 
 class ReserveRequest(_Msg):
@@ -118,6 +127,7 @@ class ReserveReply(_Msg):
     worker_id: str = ""
     lease: Lease | None = None  # None => refused
     reason: str = ""
+    capacity: bool = False  # refused for lack of room now (seats, blocks): worth waiting for
 
 
 class KvDestination(msgspec.Struct, frozen=True):
@@ -177,6 +187,26 @@ class KvRelease(_Msg):
     lease_epoch: int = 0
 
 
+class KvRenew(_Msg):
+    """P -> D on the KV stream: P still holds this request (queued behind other prompts, or
+    computing it) and will write its lease. D extends an active lease of this epoch to
+    now + ttl and says so with `LeaseRenewed`; an expired or revoked lease stays ended."""
+
+    request_id: str = ""
+    lease_epoch: int = 0
+
+
+class LeaseRenewed(_Msg):
+    """D -> G -> P: D moved the lease's deadline (and quarantines its blocks until then if it is
+    aborted). P writes by the new deadline only after it hears this, so P's idea of the
+    deadline is never later than D's: the fencing of late shared-memory writes holds."""
+
+    request_id: str = ""
+    worker_id: str = ""  # the decode worker
+    lease_epoch: int = 0
+    deadline: float = 0.0
+
+
 class TokenOutput(_Msg):
     request_id: str = ""
     worker_id: str = ""
@@ -205,7 +235,7 @@ class Abort(_Msg):
 
 
 Message = Union[Register, Heartbeat, Welcome, ReserveRequest, ReserveReply, PrefillRequest,
-                GenerateRequest, KvDone, TokenOutput, TokenOutputBatch, Abort]
+                GenerateRequest, KvDone, TokenOutput, TokenOutputBatch, Abort, LeaseRenewed]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -25,6 +25,14 @@ def tiny_qwen2(models_dir) -> Path:
     return make_model(models_dir / "tiny-qwen2", preset="tiny", arch="qwen2", seed=2)
 
 
+@pytest.fixture(scope="session")
+def real_llama(models_dir) -> Path:
+    """A real small model's shape (30 layers, hidden 576; ~115M parameters): a 512-token
+    prefill takes seconds here, so queueing and lease clocks behave as in production."""
+    from engine.make_model import make_model
+    return make_model(models_dir / "real-llama", preset="real", arch="llama", seed=3)
+
+
 @pytest.fixture(scope="session", params=["tiny_llama", "tiny_qwen2"])
 def tiny_model(request) -> Path:
     """Both architectures: Llama with GQA, Qwen2 with qkv bias and tied embeddings."""

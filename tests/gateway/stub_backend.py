@@ -16,12 +16,15 @@ class StubBackend(Backend):
         self.aborted: list[str] = []
         self.sampling: dict[str, SamplingParams] = {}
         self.unavailable = False
+        self.refusal: BackendUnavailable | None = None  # raised before the first token when set
         self.healthy = True
         self.delay_s = 0.0
 
     async def generate(self, request_id, prompt_token_ids, sampling):
         if self.unavailable:
             raise BackendUnavailable("no capacity", retry_after_s=3)
+        if self.refusal is not None:
+            raise self.refusal
         self.started.append(request_id)
         self.sampling[request_id] = sampling
         done = False

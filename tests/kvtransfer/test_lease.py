@@ -123,3 +123,34 @@ def test_quarantine_until_deadline_plus_grace():
     assert sorted(t.reclaimable()) == [1, 2]
     assert t.reclaimable() == [] and t.num_quarantined_blocks == 0  # each block handed back once
     assert t.get("live") is not None
+
+
+def test_renewal_moves_an_active_lease_forward_only():
+    clock = Clock()
+    table = LeaseTable(L, clock=clock)
+    lease = table.grant("r", [4, 5], 10)
+    assert lease.ttl_s == 10
+    clock.t += 8  # queued behind other prompts; P renews with 2 s left
+    renewed = table.renew("r", lease.epoch)
+    assert renewed is not None and renewed.deadline == clock.t + 10 and renewed.epoch == lease.epoch
+    clock.t += 9  # past the first deadline: frames are still welcome, and the KV completes
+    write_all(table, "r", renewed)
+    assert table.complete("r", lease.epoch, L) is None
+    clock.t -= 15  # a renewal never moves the deadline back
+    assert table.renew("r", lease.epoch).deadline == renewed.deadline
+    assert table.renew("r", lease.epoch + 1) is None  # another epoch: nothing
+
+
+def test_ended_leases_are_not_renewed_and_stay_fenced():
+    clock = Clock()
+    table = LeaseTable(L, clock=clock)
+    revoked = table.grant("a", [1], 10)
+    table.revoke("a")
+    assert table.renew("a", revoked.epoch) is None
+    expired = table.grant("b", [2], 10)
+    clock.t += 11
+    assert table.renew("b", expired.epoch) is None  # too late: it ran out first
+    assert table.expire() == ["b"]
+    assert table.check_frame(frame("b", expired.epoch, 0, [2], 0)) == "unknown_lease"
+    # both come back only after their (unrenewed) deadlines plus the grace
+    assert table.reclaimable() == [] and sorted(table.reclaimable(clock.t + 0.5)) == [1, 2]

@@ -1,0 +1,161 @@
+"""The gateway's admission queue: a request waits here, first come first served, until a worker
+of its pool can take it, instead of being refused because the pool is full right now.
+
+    arrive --queue empty and a start succeeds--------------------------------> started
+       |
+       +--bounds hold--> wait (FIFO) --its turn--> try_start --ok--> started
+       |                     ^                        |
+       |                     +----no room (blocked)---+   blocked until `notify()` (a request
+       |                                                   ended, a heartbeat, a worker joined)
+       +--queue over max_requests / max_tokens --> QueueFull (429)
+                         wait over max_wait_s -------------> QueueTimeout (503)
+
+Refusals happen before the request's first token, so the client gets a status code with
+`Retry-After`, never a stream that breaks midway.
+
+Turns go out in arrival order, up to `free_slots()` at once (the gateway's estimate of free
+worker seats: several requests start together when a decode step finished several sequences)
+and at least one, so a wrong estimate costs a retry, not a stall. When a turn finds no room,
+the waiter goes back to its place at the front and the queue stops handing out turns until
+capacity may have changed.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from gateway.backend import BackendUnavailable
+from gateway.queue_stats import QueueStats
+
+T = TypeVar("T")
+
+
+class QueueFull(BackendUnavailable):
+    """The queue holds its maximum already: refused at once (HTTP 429)."""
+    status = 429
+    code = "queue_full"
+
+
+class QueueTimeout(BackendUnavailable):
+    """Waited `max_wait_s` without a worker taking it (HTTP 503)."""
+    status = 503
+    code = "queue_timeout"
+
+
+@dataclass(frozen=True)
+class QueueLimits:
+    max_requests: int = 1024  # waiting requests; more are refused with 429
+    max_tokens: int = 2**21  # prompt tokens of the waiting requests; more are refused with 429
+    max_wait_s: float = 300.0  # a request not started within this is refused with 503
+
+    def __post_init__(self) -> None:
+        if self.max_requests < 1 or self.max_tokens < 1:
+            raise ValueError("queue bounds must be >= 1")
+        if self.max_wait_s <= 0:
+            raise ValueError("max_wait_s must be > 0")
+
+
+class _Waiter:
+    __slots__ = ("order", "tokens", "turn")
+
+    def __init__(self, order: int, tokens: int) -> None:
+        self.order = order
+        self.tokens = tokens
+        self.turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+
+class AdmissionQueue(Generic[T]):
+    def __init__(self, pool: str, limits: QueueLimits, free_slots: Callable[[], int],
+                 on_wait: Callable[[str, float], None] | None = None) -> None:
+        self.pool = pool
+        self.limits = limits
+        self._free_slots = free_slots
+        self._on_wait = on_wait  # (pool, seconds waited) of every request that started
+        self._waiting: list[_Waiter] = []  # arrival order
+        self._tokens = 0
+        self._turns_out = 0  # waiters trying to start now
+        self._blocked = False  # the last turn found no room: no more turns until notify()
+        self._order = itertools.count()
+
+    def stats(self) -> QueueStats:
+        return QueueStats(len(self._waiting) + self._turns_out, self._tokens)
+
+    def notify(self) -> None:
+        """Capacity may have changed: hand out turns again."""
+        self._blocked = False
+        self._dispatch()
+
+    async def admit(self, num_tokens: int, try_start: Callable[[], Awaitable[T | None]]) -> T:
+        """Run `try_start` (None = no room now) in this request's turn until it starts; raises
+        QueueFull / QueueTimeout. Errors from `try_start` end the wait and propagate."""
+        t0 = time.monotonic()
+        if not self._waiting and not self._turns_out:  # nobody ahead: try at once
+            started = await try_start()
+            if started is not None:
+                self._observe(t0)
+                return started
+            self._blocked = True
+        self._check_room(num_tokens)
+        waiter = _Waiter(next(self._order), num_tokens)
+        self._waiting.append(waiter)
+        self._tokens += num_tokens
+        try:
+            while True:
+                self._dispatch()
+                remaining = t0 + self.limits.max_wait_s - time.monotonic()
+                try:
+                    await asyncio.wait_for(asyncio.shield(waiter.turn), max(0.0, remaining))
+                except asyncio.TimeoutError:
+                    if not waiter.turn.done():
+                        raise QueueTimeout(f"the {self.pool} pool did not take the request within "
+                                           f"{self.limits.max_wait_s:g} s ({len(self._waiting)} requests "
+                                           f"waiting)", retry_after_s=self._retry_after()) from None
+                try:
+                    started = await try_start()
+                finally:
+                    self._turns_out -= 1
+                    waiter.turn = asyncio.get_running_loop().create_future()
+                if started is not None:
+                    self._observe(t0)
+                    return started
+                # no room: back to its place at the front, wait for capacity to change
+                self._waiting.append(waiter)
+                self._waiting.sort(key=lambda w: w.order)
+                self._blocked = True
+        finally:
+            if waiter in self._waiting:
+                self._waiting.remove(waiter)
+            elif waiter.turn.done():  # handed a turn it never used (cancelled meanwhile)
+                self._turns_out -= 1
+            self._tokens -= num_tokens
+            self._dispatch()
+
+    def _check_room(self, num_tokens: int) -> None:
+        lim = self.limits
+        if len(self._waiting) + 1 > lim.max_requests or self._tokens + num_tokens > lim.max_tokens:
+            raise QueueFull(f"the {self.pool} queue is full ({len(self._waiting)} requests, {self._tokens} "
+                            f"prompt tokens waiting; limits {lim.max_requests} and {lim.max_tokens})",
+                            retry_after_s=self._retry_after())
+
+    def _dispatch(self) -> None:
+        """Hand turns to the oldest waiters, as many as there may be free seats (at least one)."""
+        if self._blocked:
+            return
+        budget = max(1, self._free_slots()) - self._turns_out
+        while budget > 0 and self._waiting:
+            waiter = self._waiting.pop(0)
+            self._turns_out += 1
+            budget -= 1
+            if not waiter.turn.done():
+                waiter.turn.set_result(None)
+
+    def _observe(self, t0: float) -> None:
+        if self._on_wait is not None:
+            self._on_wait(self.pool, time.monotonic() - t0)
+
+    def _retry_after(self) -> float:
+        return float(min(30, max(1, len(self._waiting) // 16)))
