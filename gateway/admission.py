@@ -79,7 +79,7 @@ class AdmissionQueue(Generic[T]):
         self._tokens = 0
         self._turns_out = 0  # waiters trying to start now
         self._blocked = False  # the last turn found no room: no more turns until notify()
-        self._order = itertools.count()
+        self._order = itertools.count(1)
 
     def stats(self) -> QueueStats:
         return QueueStats(len(self._waiting) + self._turns_out, self._tokens)
@@ -89,9 +89,12 @@ class AdmissionQueue(Generic[T]):
         self._blocked = False
         self._dispatch()
 
-    async def admit(self, num_tokens: int, try_start: Callable[[], Awaitable[T | None]]) -> T:
+    async def admit(self, num_tokens: int, try_start: Callable[[], Awaitable[T | None]], *,
+                    resumed: bool = False) -> T:
         """Run `try_start` (None = no room now) in this request's turn until it starts; raises
-        QueueFull / QueueTimeout. Errors from `try_start` end the wait and propagate."""
+        QueueFull / QueueTimeout. Errors from `try_start` end the wait and propagate.
+        `resumed`: a request that already streamed tokens (moving off a dead worker) goes first
+        and is never refused: the client was promised the rest."""
         t0 = time.monotonic()
         if not self._waiting and not self._turns_out:  # nobody ahead: try at once
             started = await try_start()
@@ -99,16 +102,20 @@ class AdmissionQueue(Generic[T]):
                 self._observe(t0)
                 return started
             self._blocked = True
-        self._check_room(num_tokens)
-        waiter = _Waiter(next(self._order), num_tokens)
+        if not resumed:
+            self._check_room(num_tokens)
+        order = next(self._order)
+        waiter = _Waiter(order - (1 << 62) if resumed else order, num_tokens)
+        max_wait_s = float("inf") if resumed else self.limits.max_wait_s
         self._waiting.append(waiter)
+        self._waiting.sort(key=lambda w: w.order)
         self._tokens += num_tokens
         try:
             while True:
                 self._dispatch()
-                remaining = t0 + self.limits.max_wait_s - time.monotonic()
+                remaining = t0 + max_wait_s - time.monotonic()
                 try:
-                    await asyncio.wait_for(asyncio.shield(waiter.turn), max(0.0, remaining))
+                    await asyncio.wait_for(asyncio.shield(waiter.turn), None if resumed else max(0.0, remaining))
                 except asyncio.TimeoutError:
                     if not waiter.turn.done():
                         raise QueueTimeout(f"the {self.pool} pool did not take the request within "

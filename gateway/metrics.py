@@ -50,9 +50,10 @@ class _WorkerCollector:
 
 
 class _QueueCollector:
-    """Per-pool queue gauges read from the backend at scrape time: `decode` and `colocated` are
-    the gateway's admission queues, `prefill` the requests handed to prefill workers that have
-    not sent their first token (queued there or computing)."""
+    """Per-pool queue gauges read from the backend at scrape time: `disaggregated` and
+    `colocated` are the gateway's admission queues (waiting for a prefill worker's room and a
+    decode lease, or a colocated seat), `prefill` the requests handed to prefill workers that
+    have not sent their first token (queued there or computing)."""
 
     def __init__(self, stats: Callable[[], dict[str, QueueStats]]) -> None:
         self._stats = stats

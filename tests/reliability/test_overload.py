@@ -56,7 +56,7 @@ async def one(client: httpx.AsyncClient, prompt: list[int]) -> dict:
 
 
 async def burst(base: str, prompts: list[list[int]]) -> tuple[list[dict], int]:
-    """Send them all at once; returns the results and the deepest decode/colocated queue seen."""
+    """Send them all at once; returns the results and the deepest gateway queue seen."""
     deepest = 0
 
     async def watch():
@@ -64,7 +64,7 @@ async def burst(base: str, prompts: list[list[int]]) -> tuple[list[dict], int]:
         async with httpx.AsyncClient(base_url=base, timeout=5) as c:
             while True:
                 text = (await c.get("/metrics")).text
-                for pool in ("decode", "colocated"):
+                for pool in ("disaggregated", "colocated"):
                     for line in text.splitlines():
                         if line.startswith(f'pdserve_queue_depth{{pool="{pool}"}}'):
                             deepest = max(deepest, int(float(line.split()[-1])))
