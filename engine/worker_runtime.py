@@ -67,8 +67,7 @@ def describe_worker(engine, role: str, control_addr: str, host: str, **extra) ->
     return WorkerInfo(worker_id=new_worker_id(role), role=role, control_addr=control_addr, host=host,
                       pid=os.getpid(), model_fingerprint=engine.model_config.fingerprint(engine.dtype),
                       kv_layout=layout, max_model_len=engine.max_model_len,
-                      max_num_seqs=engine.config.scheduler.max_num_seqs,
-                      max_num_batched_tokens=engine.config.scheduler.max_num_batched_tokens, **extra)
+                      max_num_seqs=engine.config.scheduler.max_num_seqs, **extra)
 
 
 def engine_stats(engine, last_progress: float, dropped_frames: int, extra_waiting: int = 0,

@@ -79,7 +79,6 @@ class WorkerInfo(msgspec.Struct, frozen=True):
     shm_name: str | None = None  # D only: shared-memory KV pool P can map on the same host
     max_model_len: int = 0
     max_num_seqs: int = 0  # sequences it runs at once (decode: leases count too); 0 = unknown
-    max_num_batched_tokens: int = 0  # tokens one engine step takes (its prefill budget); 0 = unknown
     version: int = PROTOCOL_VERSION
 
 
