@@ -30,6 +30,21 @@ MAX_TOKENS = 8
 MODES = {"1P1D": ((), 64), "2P1D": (("--prefill-workers", "2"), 20), "colocated": (("--colocated",), 20)}
 
 
+def child_pid(parent: int, role: str) -> int:
+    """The pid of `pdserve serve`'s child running `role` (e.g. "gateway")."""
+    import os
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                ppid = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1])
+                argv = open(f"/proc/{entry}/cmdline").read().split("\0")
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid == parent and role in argv:
+                return int(entry)
+    raise LookupError(f"no {role} child of {parent}")
+
+
 def worker_pids(base: str) -> dict[str, int]:
     return {node: int(node.split("-")[-2]) for node in node_gauges(base, "pdserve_kv_blocks_total")}
 
@@ -118,4 +133,60 @@ def test_burst_at_ten_times_capacity_loses_nothing(real_llama, mode):
         if mode != "colocated":  # the lease clock ran out while requests waited, and they lived on
             renewals = node_gauges(srv.base, "pdserve_kv_lease_renewals")
             assert sum(renewals.values()) > 0, renewals
+        assert_canary_served(srv.base)
+
+
+def test_thousand_concurrent_streams_on_a_real_cluster(tiny_llama):
+    """1000 streaming clients at once on 1P1D (64 decode seats): they wait in the gateway's
+    queue, every stream completes with its exact greedy tokens, nothing leaks."""
+    n, max_tokens = 1000, 4
+    distinct = random_prompts(500, [5, 9, 14, 20], seed=11)
+    expected = {tuple(p): hf_greedy(str(tiny_llama), tuple(p), max_tokens, max_tokens) for p in distinct}
+
+    peak = {"gateway": 0.0}
+
+    async def sample_rss(pid: int) -> None:
+        while True:
+            peak["gateway"] = max(peak["gateway"], rss_mib(pid))
+            await asyncio.sleep(0.2)
+
+    async def go(base: str, gateway_pid: int) -> list[dict]:
+        sampler = asyncio.create_task(sample_rss(gateway_pid))
+        limits = httpx.Limits(max_connections=n, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=base, timeout=300, limits=limits) as client:
+            async def one_ids(prompt: list[int]) -> dict:
+                body = {"prompt": prompt, "max_tokens": max_tokens, "min_tokens": max_tokens, "temperature": 0,
+                        "stream": True, "logprobs": 0}
+                ids: list[int] = []
+                async with client.stream("POST", "/v1/completions", json=body) as r:
+                    if r.status_code != 200:
+                        return {"status": r.status_code}
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: {"):
+                            event = json.loads(line[6:])
+                            assert "error" not in event, event
+                            for c in event["choices"]:
+                                ids.extend((c.get("logprobs") or {}).get("tokens") or [])
+                return {"status": 200, "tokens": ids}
+            try:
+                return await asyncio.wait_for(asyncio.gather(*[one_ids(distinct[i % 4]) for i in range(n)]), 300)
+            finally:
+                sampler.cancel()
+
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    with served(tiny_llama) as srv:
+        gateway = child_pid(srv.proc.pid, "gateway")
+        idle_rss = rss_mib(gateway)
+        t0 = time.monotonic()
+        results = asyncio.run(go(srv.base, gateway))
+        took = time.monotonic() - t0
+        statuses = sorted({r["status"] for r in results})
+        assert statuses == [200], statuses
+        for i, r in enumerate(results):
+            assert r["tokens"] == [tok.decode([t]) for t in expected[tuple(distinct[i % 4])]]
+        wait_ledger_balanced(srv.base, timeout_s=10)
+        print(f"1000 concurrent streams: all exact in {took:.1f}s; gateway RSS {idle_rss:.0f} MiB idle, "
+              f"peak {peak['gateway']:.0f} MiB")
+        assert peak["gateway"] < idle_rss + 512, peak
         assert_canary_served(srv.base)
