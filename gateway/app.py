@@ -27,6 +27,7 @@ from gateway.detokenizer import IncrementalDetokenizer
 from gateway.errors import APIError, error_response, invalid
 from gateway.limits import GatewayLimits
 from gateway.metrics import GatewayMetrics
+from gateway.openapi import openapi_endpoint
 from gateway.schemas import ParsedRequest, parse_request
 from gateway.stop_strings import StopMatcher
 from protocol.messages import TokenLogprob, TokenOutput
@@ -130,7 +131,7 @@ class GatewayApp:
             bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
             if bad is not None:
                 raise invalid(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", "prompt")
-            max_tokens = req.max_tokens if req.max_tokens is not None else self.max_model_len - len(prompt)
+            max_tokens = req.max_tokens if req.max_tokens is not None else max(1, self.max_model_len - len(prompt))
             if len(prompt) + max_tokens > self.max_model_len:
                 raise invalid(f"this model's maximum context length is {self.max_model_len} tokens; the "
                               f"prompt has {len(prompt)} and max_tokens is {max_tokens} "
@@ -348,8 +349,10 @@ class _Run:
                 yield self._chunk([], usage=self._usage(), pdserve_timings=self._timings())
             yield "data: [DONE]\n\n"
         finally:
-            await self.cancel()  # client gone or done: close every backend stream
+            # _done() first: when the client hangs up, this runs inside a cancelled scope and the
+            # await is cut short (cancel() has still told every backend stream to close).
             self.app._done()
+            await self.cancel()  # client gone or done: close every backend stream
 
     async def collect(self, first, request: Request) -> Response:
         async def drain():
@@ -420,6 +423,7 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_model_len: i
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        Route("/openapi.json", openapi_endpoint(gw), methods=["GET"]),
     ])
     app.state.gateway = gw
     if api_key:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from gateway.errors import invalid
 from gateway.limits import GatewayLimits
@@ -41,6 +41,29 @@ class ParsedRequest:
     logprobs: int | None = None  # top-N alternatives; None = no logprobs
 
 
+class Range(NamedTuple):
+    """Accepted values of a numeric field (also what gateway/openapi.py publishes)."""
+    integer: bool
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False  # lo itself is refused
+
+
+# Sampling fields both endpoints take; their defaults are ParsedRequest's.
+SAMPLING_RANGES = {
+    "temperature": Range(False, 0.0, 100.0),
+    "top_p": Range(False, 0.0, 1.0, lo_open=True),
+    "top_k": Range(True, -1, _INT64 - 1),  # more overflowed torch.tensor in a worker's sampler: it crashed
+    "min_p": Range(False, 0.0, 1.0),
+    "seed": Range(True, -_INT64, _INT64 - 1),
+    "presence_penalty": Range(False, -2.0, 2.0),
+    "frequency_penalty": Range(False, -2.0, 2.0),
+    "repetition_penalty": Range(False, 0.0, 10.0, lo_open=True),
+    "min_tokens": Range(True, 0),
+}
+STOP_TOKEN_ID = Range(True, -_INT64, _INT64 - 1)  # what msgpack carries to the workers
+
+
 def _num(body: dict, key: str, default, *, integer: bool, lo=None, hi=None, lo_open=False):
     value = body.get(key, default)
     if value is None:
@@ -70,6 +93,17 @@ def _bool(body: dict, key: str, default: bool) -> bool:
     if not isinstance(value, bool):
         raise invalid(f"'{key}' must be a boolean", key)
     return value
+
+
+def _is_int(value: Any) -> bool:
+    """A JSON integer: 5.0 counts (as in `_num`), a bool does not."""
+    return (isinstance(value, float) and value.is_integer()) or (isinstance(value, int) and not isinstance(value, bool))
+
+
+def _token_ids(value: Any) -> list[int] | None:
+    if not isinstance(value, list) or not all(_is_int(t) for t in value):
+        return None
+    return [int(t) for t in value]
 
 
 def _message_text(content: Any, idx: int) -> str:
@@ -105,16 +139,17 @@ def parse_request(body: Any, kind: Literal["completion", "chat"], limits: Gatewa
             if not prompt:
                 raise invalid("'prompt' must not be empty", "prompt")
             req.prompt_text = prompt
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            req.prompt_ids = list(prompt)
         elif isinstance(prompt, list) and not prompt:
             raise invalid("'prompt' must not be empty", "prompt")
+        elif (ids := _token_ids(prompt)) is not None:
+            req.prompt_ids = ids
         else:
             raise invalid("'prompt' must be a string or a list of token ids (one prompt per request)", "prompt")
-        for unsupported in ("echo", "suffix"):
-            if body.get(unsupported):
-                raise invalid(f"'{unsupported}' is not supported", unsupported)
-        if body.get("best_of") not in (None, 1) and body.get("best_of") != body.get("n", 1):
+        if _bool(body, "echo", False):
+            raise invalid("'echo' is not supported", "echo")
+        if body.get("suffix") not in (None, ""):
+            raise invalid("'suffix' is not supported", "suffix")
+        if _num(body, "best_of", None, integer=True, lo=1) not in (None, 1, body.get("n") or 1):  # n: checked below
             raise invalid("'best_of' other than n is not supported", "best_of")
         logprobs = _num(body, "logprobs", None, integer=True, lo=0, hi=limits.max_logprobs)
         req.logprobs = logprobs
@@ -133,8 +168,8 @@ def parse_request(body: Any, kind: Literal["completion", "chat"], limits: Gatewa
             req.logprobs = _num(body, "top_logprobs", 0, integer=True, lo=0, hi=limits.max_logprobs)
         elif body.get("top_logprobs") is not None:
             raise invalid("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-        mt = body.get("max_completion_tokens", body.get("max_tokens"))
-        req.max_tokens = _num({"max_tokens": mt}, "max_tokens", None, integer=True, lo=1)
+        max_tokens = _num(body, "max_tokens", None, integer=True, lo=1)  # the older name: checked too
+        req.max_tokens = _num(body, "max_completion_tokens", max_tokens, integer=True, lo=1)
 
     req.n = _num(body, "n", 1, integer=True, lo=1, hi=limits.max_n)
     req.stream = _bool(body, "stream", False)
@@ -145,16 +180,9 @@ def parse_request(body: Any, kind: Literal["completion", "chat"], limits: Gatewa
         if not isinstance(opts, dict):
             raise invalid("'stream_options' must be an object", "stream_options")
         req.include_usage = _bool(opts, "include_usage", False)
-    req.temperature = _num(body, "temperature", 1.0, integer=False, lo=0.0, hi=100.0)
-    req.top_p = _num(body, "top_p", 1.0, integer=False, lo=0.0, hi=1.0, lo_open=True)
-    req.top_k = _num(body, "top_k", -1, integer=True, lo=-1)
-    req.min_p = _num(body, "min_p", 0.0, integer=False, lo=0.0, hi=1.0)
-    req.seed = _num(body, "seed", None, integer=True, lo=-_INT64, hi=_INT64 - 1)
-    req.presence_penalty = _num(body, "presence_penalty", 0.0, integer=False, lo=-2.0, hi=2.0)
-    req.frequency_penalty = _num(body, "frequency_penalty", 0.0, integer=False, lo=-2.0, hi=2.0)
-    req.repetition_penalty = _num(body, "repetition_penalty", 1.0, integer=False, lo=0.0, hi=10.0, lo_open=True)
+    for key, bounds in SAMPLING_RANGES.items():
+        setattr(req, key, _num(body, key, getattr(req, key), **bounds._asdict()))
     req.ignore_eos = _bool(body, "ignore_eos", False)
-    req.min_tokens = _num(body, "min_tokens", 0, integer=True, lo=0)
     stop = body.get("stop")
     if stop is not None:
         stops = [stop] if isinstance(stop, str) else stop
@@ -167,7 +195,7 @@ def parse_request(body: Any, kind: Literal["completion", "chat"], limits: Gatewa
         req.stop = stops
     ids = body.get("stop_token_ids")
     if ids is not None:
-        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise invalid("'stop_token_ids' must be a list of integers", "stop_token_ids")
-        req.stop_token_ids = ids
+        req.stop_token_ids = _token_ids(ids)
+        if req.stop_token_ids is None or not all(STOP_TOKEN_ID.lo <= t <= STOP_TOKEN_ID.hi for t in req.stop_token_ids):
+            raise invalid("'stop_token_ids' must be a list of 64-bit integers", "stop_token_ids")
     return req

@@ -1,0 +1,235 @@
+"""The gateway's OpenAPI 3.1 description, served at GET /openapi.json.
+
+Built from the serving app's own settings (limits, model name, context length, vocabulary) and
+`gateway/schemas.py`'s ranges, so that every body this document calls invalid is refused: 400,
+404 for another model, 413 when over the size limit. Two rules JSON Schema cannot state are only
+described, and also answered with a 400: prompt tokens + max_tokens must fit the context, and
+best_of must be 1 or n.
+An optional field given as null means its default; fields not listed are accepted and ignored.
+tests/gateway/test_api_fuzz.py fuzzes the server against this document.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, get_args
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from gateway.limits import GatewayLimits
+from gateway.schemas import SAMPLING_RANGES, STOP_TOKEN_ID, Range
+from protocol.messages import FinishReason
+
+if TYPE_CHECKING:
+    from gateway.app import GatewayApp
+
+_REF = "#/components/schemas/"
+_API_KEY = [{}, {"bearer": []}]  # /v1/* needs the bearer key only when the server has one
+
+
+def _ref(name: str) -> dict:
+    return {"$ref": _REF + name}
+
+
+def _optional(schema: dict) -> dict:
+    """The schema, or null (= the field's default)."""
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+def _number(r: Range) -> dict:
+    s: dict = {"type": "integer" if r.integer else "number"}
+    if r.lo is not None:
+        s["exclusiveMinimum" if r.lo_open else "minimum"] = r.lo
+    if r.hi is not None:
+        s["maximum"] = r.hi
+    return s
+
+
+def _object(required: list[str], **properties) -> dict:
+    return {"type": "object", "required": required, "properties": properties}
+
+
+def _needs_true(*rules: tuple[str, str]) -> dict:
+    """For each (field, flag): `field`, when not null, needs `flag`: true.
+
+    Spelled as one anyOf over every combination of (field is null | flag is true): schemathesis's
+    coverage phase finds valid bodies for that, but hardly any for an allOf of several anyOfs."""
+    branches = [{"required": [], "properties": {}}]
+    for field, flag in rules:
+        branches = [{"required": b["required"] + req, "properties": {**b["properties"], **props}}
+                    for b in branches for req, props in (([], {field: {"type": "null"}}),
+                                                         ([flag], {flag: {"const": True}}))]
+    return {"anyOf": branches}
+
+
+def _request_schemas(limits: GatewayLimits, model_name: str, max_model_len: int, vocab_size: int) -> dict:
+    tokens = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}}
+    text = {"type": "string", "minLength": 1}
+    # At least one prompt token, so never max_model_len itself.
+    max_tokens = _optional(_number(Range(True, 1, max_model_len - 1)))
+    stop = {"type": "string", "minLength": 1, "maxLength": limits.max_stop_len}
+    common = {
+        "model": {"enum": [model_name, None], "description": "404 model_not_found for any other name"},
+        "n": _optional(_number(Range(True, 1, limits.max_n))),
+        "stream": _optional({"type": "boolean"}),
+        "stream_options": _optional(_object([], include_usage=_optional({"type": "boolean"})))
+        | {"description": "only with stream: true"},
+        **{key: _optional(_number(r)) for key, r in SAMPLING_RANGES.items()},
+        "ignore_eos": _optional({"type": "boolean"}),
+        "stop": _optional({"anyOf": [stop, {"type": "array", "maxItems": limits.max_stop, "items": stop}]}),
+        "stop_token_ids": _optional({"type": "array", "items": _number(STOP_TOKEN_ID)}),
+    }
+    completion = _object(["prompt"], **common, **{
+        # One prompt per request: a batch of one is unwrapped.
+        "prompt": {"anyOf": [text, tokens,
+                             {"type": "array", "minItems": 1, "maxItems": 1, "items": text},
+                             {"type": "array", "minItems": 1, "maxItems": 1, "items": tokens}],
+                   "description": "text, or token ids below the vocabulary size"},
+        "max_tokens": max_tokens | {"default": 16},
+        "logprobs": _optional(_number(Range(True, 0, limits.max_logprobs))),
+        "best_of": _optional(_number(Range(True, 1))) | {"description": "1 or n"},
+        "echo": {"enum": [False, None], "description": "not supported"},
+        "suffix": {"enum": ["", None], "description": "not supported"},
+    })
+    text_part = _object(["type", "text"], type={"const": "text"}, text={"type": "string"})
+    message = _object(["role"], role={"type": "string"}, content={
+        "anyOf": [{"type": "string"}, {"type": "array", "items": text_part}, {"type": "null"}]})
+    chat = _object(["messages"], **common, **{
+        "messages": {"type": "array", "minItems": 1, "items": message},
+        "max_completion_tokens": max_tokens,
+        # The older name: the context bound applies only when max_completion_tokens is null.
+        "max_tokens": _optional(_number(Range(True, 1))),
+        "logprobs": _optional({"type": "boolean"}),
+        "top_logprobs": _optional(_number(Range(True, 0, limits.max_logprobs)))
+        | {"description": "only with logprobs: true"},
+    })
+    completion |= _needs_true(("stream_options", "stream"))
+    chat |= _needs_true(("stream_options", "stream"), ("top_logprobs", "logprobs"))
+    return {"CompletionRequest": completion, "ChatCompletionRequest": chat}
+
+
+def _response_schemas(model_name: str) -> dict:
+    finish = {"enum": [r for r in get_args(FinishReason) if r != "error"]}  # an error is a 500
+    num, string, integer = {"type": "number"}, {"type": "string"}, {"type": "integer"}
+    top = _object(["token", "logprob", "bytes"], token=string, logprob=num,
+                  bytes={"type": "array", "items": integer})
+    chat_lp = _optional(_object(["content"], content={"type": "array", "items": _object(
+        ["token", "logprob", "bytes", "top_logprobs"], token=string, logprob=num,
+        bytes={"type": "array", "items": integer}, top_logprobs={"type": "array", "items": top})}))
+    text_lp = _optional(_object(
+        ["tokens", "token_logprobs", "top_logprobs", "text_offset"], tokens={"type": "array", "items": string},
+        token_logprobs={"type": "array", "items": num},
+        top_logprobs={"type": "array", "items": {"type": "object", "additionalProperties": num}},
+        text_offset={"type": "array", "items": integer}))
+    usage = _object(["prompt_tokens", "completion_tokens", "total_tokens"],
+                    prompt_tokens=integer, completion_tokens=integer, total_tokens=integer)
+    timings = {"type": "object", "additionalProperties": num, "description": "pdserve's per-phase timings"}
+
+    def body(obj: str, choice: dict, *, chunk: bool = False) -> dict:
+        extra = {"usage": usage, "pdserve_timings": timings}
+        required = ["id", "object", "created", "model", "choices"] + ([] if chunk else list(extra))
+        return _object(required, id=string, object={"const": obj}, created=integer, model={"const": model_name},
+                       choices={"type": "array", "items": choice}, **extra)
+
+    index = {"type": "integer", "minimum": 0}
+    return {
+        "Error": _object(["error"], error=_object(
+            ["message", "type", "param", "code"], message=string,
+            type={"enum": ["invalid_request_error", "authentication_error", "server_error"]},
+            param=_optional(string), code=_optional(string))),
+        "Completion": body("text_completion", _object(
+            ["index", "text", "logprobs", "finish_reason"], index=index, text=string, logprobs=text_lp,
+            finish_reason=finish)),
+        "ChatCompletion": body("chat.completion", _object(
+            ["index", "message", "logprobs", "finish_reason"], index=index, logprobs=chat_lp, finish_reason=finish,
+            message=_object(["role", "content"], role={"const": "assistant"}, content=string))),
+        # Streams: one JSON object per `data:` event, an error event if generation fails, then [DONE].
+        "CompletionChunk": body("text_completion", _object(
+            ["index", "text", "logprobs", "finish_reason"], index=index, text=string, logprobs=text_lp,
+            finish_reason=_optional(finish)), chunk=True),
+        "ChatCompletionChunk": body("chat.completion.chunk", _object(
+            ["index", "delta", "logprobs", "finish_reason"], index=index, logprobs=chat_lp,
+            finish_reason=_optional(finish),
+            delta=_object([], role={"const": "assistant"}, content=string)), chunk=True),
+    }
+
+
+def _error(description: str, *, retry_after: bool = False) -> dict:
+    resp = {"description": description, "content": {"application/json": {"schema": _ref("Error")}}}
+    if retry_after:
+        resp["headers"] = {"Retry-After": {"required": True, "description": "seconds",
+                                           "schema": {"type": "integer", "minimum": 1}}}
+    return resp
+
+
+def _generate(request: str, result: str, chunk: str, summary: str) -> dict:
+    event = _object(["data"], data={"anyOf": [
+        {"const": "[DONE]"},
+        {"contentMediaType": "application/json", "contentSchema": {"anyOf": [_ref(chunk), _ref("Error")]}}]})
+    return {"post": {
+        "summary": summary,
+        "security": _API_KEY,
+        "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}},
+        "responses": {
+            "200": {"description": "the result; with stream: true, server-sent events",
+                    "content": {"application/json": {"schema": _ref(result)},
+                                "text/event-stream": {"schema": event}}},
+            "400": _error("invalid request"),
+            "401": _error("missing or wrong API key (servers started with --api-key)"),
+            "404": _error("unknown model"),
+            "413": _error("request body over the size limit"),
+            "429": _error("the waiting queue is full", retry_after=True),
+            "500": _error("generation failed, or an internal error"),
+            "503": _error("no capacity now, or the queue wait ran out", retry_after=True),
+            "504": _error("the request ran past --request-timeout"),
+        },
+    }}
+
+
+
+def _get(summary: str, media_type: str, schema: dict, *, secured: bool = False, **more_responses) -> dict:
+    op = {"summary": summary, "responses": {
+        "200": {"description": "OK", "content": {media_type: {"schema": schema}}}, **more_responses}}
+    if secured:
+        op["security"] = _API_KEY
+        op["responses"]["401"] = _error("missing or wrong API key")
+    return {"get": op}
+
+
+def openapi_document(limits: GatewayLimits, *, model_name: str, max_model_len: int, vocab_size: int) -> dict:
+    health = {"type": "object", "required": ["status"], "properties": {"status": {"enum": ["ok", "unavailable"]}}}
+    model = _object(["id", "object", "created", "owned_by", "max_model_len"], id={"const": model_name},
+                    object={"const": "model"}, created={"type": "integer"}, owned_by={"type": "string"},
+                    max_model_len={"const": max_model_len})
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "pdserve", "version": "1", "description": "OpenAI-compatible completions API"},
+        "paths": {
+            "/v1/completions": _generate("CompletionRequest", "Completion", "CompletionChunk", "text completion"),
+            "/v1/chat/completions": _generate("ChatCompletionRequest", "ChatCompletion", "ChatCompletionChunk",
+                                              "chat completion"),
+            "/v1/models": _get("the served model", "application/json", _object(
+                ["object", "data"], object={"const": "list"},
+                data={"type": "array", "minItems": 1, "maxItems": 1, "items": model}), secured=True),
+            "/health": _get("whether each pool has a live worker", "application/json", health,
+                            **{"503": {"description": "a pool has no live worker",
+                                       "content": {"application/json": {"schema": health}}}}),
+            "/metrics": _get("Prometheus metrics", "text/plain", {"type": "string"}),
+            "/openapi.json": _get("this document", "application/json", {"type": "object"}),
+        },
+        "components": {
+            "schemas": {**_request_schemas(limits, model_name, max_model_len, vocab_size),
+                        **_response_schemas(model_name)},
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer",
+                                           "description": "the server's --api-key; needed on /v1/* when set"}},
+        },
+    }
+
+
+def openapi_endpoint(gw: GatewayApp):
+    """The GET /openapi.json handler for this app."""
+    doc = openapi_document(gw.limits, model_name=gw.model_name, max_model_len=gw.max_model_len,
+                           vocab_size=gw.vocab_size)
+
+    async def openapi(_: Request) -> Response:
+        return JSONResponse(doc)
+    return openapi
