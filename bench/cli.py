@@ -14,12 +14,12 @@ import aiohttp
 import httpx
 from tqdm import tqdm
 
-from bench.arrivals import arrival_offsets
-from bench.client import build_payload, send
-from bench.datasets import BenchRequest, jsonl_requests, random_requests, sharegpt_requests
-from bench.metrics import METRICS, compute_metrics
-from bench.plots import plot_sweep
-from bench.sweep import capacity
+from pdserve.bench.arrivals import arrival_offsets
+from pdserve.bench.client import build_payload, send
+from pdserve.bench.datasets import BenchRequest, jsonl_requests, random_requests, sharegpt_requests
+from pdserve.bench.metrics import METRICS, compute_metrics
+from pdserve.bench.plots import plot_sweep
+from pdserve.bench.sweep import capacity
 
 
 def build_parser() -> argparse.ArgumentParser:

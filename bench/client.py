@@ -11,8 +11,8 @@ import time
 
 import aiohttp
 
-from bench.datasets import BenchRequest
-from bench.metrics import RequestResult
+from pdserve.bench.datasets import BenchRequest
+from pdserve.bench.metrics import RequestResult
 
 
 def build_payload(req: BenchRequest, model: str, endpoint: str, *, temperature: float,

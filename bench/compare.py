@@ -30,11 +30,11 @@ from pathlib import Path
 
 import httpx
 
-from bench.cli import build_parser, load_requests, run_once
-from bench.plots import plot_sweep
-from bench.server_cpu import CpuMeter, cpu_figures
-from bench.servers import free_port, hf_spec, llamacpp_spec, pdserve_specs, running, vllm_spec
-from bench.sweep import capacity
+from pdserve.bench.cli import build_parser, load_requests, run_once
+from pdserve.bench.plots import plot_sweep
+from pdserve.bench.server_cpu import CpuMeter, cpu_figures
+from pdserve.bench.servers import free_port, hf_spec, llamacpp_spec, pdserve_specs, running, vllm_spec
+from pdserve.bench.sweep import capacity
 
 SLOS = {"ttft": 2000.0, "tpot": 60.0}
 BURST = ["--num-prompts", "32", "--random-input-len", "320", "--random-range-ratio", "0.6",
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoTokenizer
 
-    from engine.config import ModelConfig
+    from pdserve.engine.config import ModelConfig
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -187,7 +187,7 @@ class ServerUnderTest:
         _bench(warm, self.model_name, self.tokenizer, float("inf"), 99, (64, 128))
 
     def burst(self, k: int, of: int) -> dict:
-        from bench.machine import measure_matmul_gflops
+        from pdserve.bench.machine import measure_matmul_gflops
         burst = _burst_args(self.args.model, self.base, ["--label", self.label], self.ignore_eos)
         before = measure_matmul_gflops()
         r = self._measured(burst, float("inf"), 1 + k, (64, 128))

@@ -18,11 +18,11 @@ import time
 
 import torch
 
-from bench.machine import measure_matmul_gflops, measure_memcpy_gbps, measure_read_gbps
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.llm_engine import LLMEngine
-from engine.models.llama import LlamaForCausalLM
-from engine.sampling_params import SamplingParams
+from pdserve.bench.machine import measure_matmul_gflops, measure_memcpy_gbps, measure_read_gbps
+from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.models.llama import LlamaForCausalLM
+from pdserve.protocol.sampling import SamplingParams
 
 
 def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from pdserve_cli.engine_args import resolve_model
+    from pdserve.cli.engine_args import resolve_model
     batches = [int(b) for b in args.batches.split(",")]
     max_b = max(batches)
     engine = LLMEngine(EngineConfig(
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     weight_bytes = (params + mc.vocab_size * mc.hidden_size) * engine.dtype.itemsize
     kv_bytes_per_token = engine.kv_spec.bytes_per_block // engine.block_size
     if engine.device.type == "cuda":  # the device's own ceilings (copy counted read + write)
-        from bench.gpu_kernels import device_copy_gbps, matmul_tflops
+        from pdserve.bench.gpu_kernels import device_copy_gbps, matmul_tflops
         flops = matmul_tflops(dtype=engine.dtype) * 1e12
         memcpy = device_copy_gbps() / 2 * 1e9
         read = memcpy  # the device's copy rate, each byte counted once per direction

@@ -37,7 +37,7 @@ def matmul_tflops(n: int = 8192, dtype=torch.bfloat16) -> float:
 def paged_case(q_lens: list[int], ctx_lens: list[int], num_decode: int, hq: int, hkv: int, d: int,
                bs: int, dtype: torch.dtype, seed: int = 0):
     """Random paged KV with shuffled block tables; q/k/v for this step's tokens."""
-    from kernels import AttentionMetadata
+    from pdserve.kernels import AttentionMetadata
     g = torch.Generator().manual_seed(seed)
     counts = [-(-c // bs) for c in ctx_lens]
     perm = torch.randperm(sum(counts) + 8, generator=g).tolist()
@@ -54,7 +54,7 @@ def paged_case(q_lens: list[int], ctx_lens: list[int], num_decode: int, hq: int,
 
 
 def bench_decode(batch: int, ctx: int, hq=32, hkv=8, d=128, bs=16, dtype=torch.bfloat16) -> dict:
-    from kernels import torch_attention, triton_attention
+    from pdserve.kernels import torch_attention, triton_attention
     q, k, v, kv, meta = paged_case([1] * batch, [ctx] * batch, batch, hq, hkv, d, bs, dtype)
     scale = d ** -0.5
     tri = _bench_ms(lambda: triton_attention.paged_attention(q, k, v, kv, meta, scale))
@@ -67,7 +67,7 @@ def bench_decode(batch: int, ctx: int, hq=32, hkv=8, d=128, bs=16, dtype=torch.b
 
 
 def bench_prefill(num_seqs: int, q_len: int, hq=32, hkv=8, d=128, bs=16, dtype=torch.bfloat16) -> dict:
-    from kernels import torch_attention, triton_attention
+    from pdserve.kernels import torch_attention, triton_attention
     q, k, v, kv, meta = paged_case([q_len] * num_seqs, [q_len] * num_seqs, 0, hq, hkv, d, bs, dtype)
     scale = d ** -0.5
     tri = _bench_ms(lambda: triton_attention.paged_attention(q, k, v, kv, meta, scale))
@@ -90,7 +90,7 @@ def tune_prefill(num_seqs: int = 4, q_len: int = 2048, hq=32, hkv=8, d=128, bs=1
                  dtype=torch.bfloat16) -> list[dict]:
     """TFLOP/s of each (BLOCK_M, BLOCK_N, warps, stages) on one prefill shape, checked against
     the default tiles' output."""
-    from kernels import triton_attention
+    from pdserve.kernels import triton_attention
     q, k, v, kv, meta = paged_case([q_len] * num_seqs, [q_len] * num_seqs, 0, hq, hkv, d, bs, dtype)
     scale = d ** -0.5
     want = triton_attention.paged_attention(q, k, v, kv, meta, scale)

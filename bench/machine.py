@@ -35,7 +35,7 @@ def measure_matmul_gflops(n: int = 2048, dtype: torch.dtype = torch.float32, rep
     """Dense square matmul FLOP/s (GFLOP/s) at the dtype the model runs in: the faster of torch's
     `mm` (MKL for fp32) and oneDNN with a prepacked weight (what the engine's CPU linears use;
     on AMD CPUs MKL falls well short of it), so MFU is taken against the best this machine does."""
-    from engine.models.cpu_linear import PackedLinear, cpu_linear_kind
+    from pdserve.engine.models.cpu_linear import PackedLinear, cpu_linear_kind
     a = torch.randn(n, n, dtype=dtype)
     b = torch.randn(n, n, dtype=dtype)
     best = _best_of(lambda: a @ b, repeat)

@@ -23,15 +23,15 @@ def _stat_fields(stat: str) -> list[str]:
     return stat[stat.rindex(")") + 2:].split()
 
 
-ROLES = ("prefill", "decode", "colocated", "gateway", "serve")  # pdserve's process kinds (`pdserve_cli ROLE`)
+ROLES = ("prefill", "decode", "colocated", "gateway", "serve")  # pdserve's process kinds (`pdserve.cli ROLE`)
 
 
 def _role(cmdline: bytes) -> str:
-    """A pdserve process's role from its command line (`python -m pdserve_cli ROLE ...`), else
+    """A pdserve process's role from its command line (`python -m pdserve.cli ROLE ...`), else
     `server`: a peer's processes are counted together."""
     args = cmdline.split(b"\0")
-    if b"pdserve_cli" in args:
-        rest = args[args.index(b"pdserve_cli") + 1:]
+    if b"pdserve.cli" in args:
+        rest = args[args.index(b"pdserve.cli") + 1:]
         if rest and rest[0].decode(errors="replace") in ROLES:
             return rest[0].decode()
     return "server"

@@ -36,7 +36,7 @@ def free_port() -> int:
 
 
 def pdserve_specs(model: str, port_of, extra_1p1d: list[str] = ()) -> list[ServerSpec]:
-    py = [sys.executable, "-m", "pdserve_cli", "serve", "--model", model, "--dtype", "float32"]
+    py = [sys.executable, "-m", "pdserve.cli", "serve", "--model", model, "--dtype", "float32"]
     return [ServerSpec("pdserve-1P1D", py + ["--port", str(port_of("pdserve-1P1D")), *extra_1p1d], "/health"),
             # two single-thread prefill workers and the decode worker on the machine's 2 cores: the
             # OS shares the decode core with the second prefill worker whenever decode has no step

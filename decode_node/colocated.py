@@ -10,11 +10,11 @@ import time
 
 import zmq
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.worker_runtime import WorkerRuntime, describe_worker, engine_stats, stall_for_tests
-from protocol.auth import FrameAuth
-from protocol.messages import Abort, GenerateRequest, TokenOutput, Welcome, WorkerStats
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.worker_runtime import WorkerRuntime, describe_worker, engine_stats, stall_for_tests
+from pdserve.protocol.auth import FrameAuth
+from pdserve.protocol.messages import Abort, GenerateRequest, TokenOutput, Welcome, WorkerStats
 
 log = logging.getLogger(__name__)
 

@@ -26,17 +26,17 @@ import time
 import torch
 import zmq
 
-from decode_node.step_pacing import StepPacer
-from decode_node.thread_lending import ThreadLending
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.worker_runtime import WorkerRuntime, describe_worker, engine_stats, stall_for_tests
-from kvtransfer.lease import LeaseTable
-from kvtransfer.receiver import KvReceiver
-from kvtransfer.shm import SharedTensor
-from kvtransfer.wire import payload_mac_enabled
-from protocol.auth import FrameAuth
-from protocol.messages import (Abort, KvDone, LeaseRenewed, ReserveReply, ReserveRequest, TokenOutput,
+from pdserve.decode_node.step_pacing import StepPacer
+from pdserve.decode_node.thread_lending import ThreadLending
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.worker_runtime import WorkerRuntime, describe_worker, engine_stats, stall_for_tests
+from pdserve.kvtransfer.lease import LeaseTable
+from pdserve.kvtransfer.receiver import KvReceiver
+from pdserve.kvtransfer.shm import SharedTensor
+from pdserve.kvtransfer.wire import payload_mac_enabled
+from pdserve.protocol.auth import FrameAuth
+from pdserve.protocol.messages import (Abort, KvDone, LeaseRenewed, ReserveReply, ReserveRequest, TokenOutput,
                                Welcome, WorkerStats)
 
 log = logging.getLogger(__name__)

@@ -5,9 +5,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.scheduler import ScheduledChunk
-from kernels import AttentionMetadata
-from kernels.metadata import run_start
+from pdserve.engine.scheduler import ScheduledChunk
+from pdserve.kernels import AttentionMetadata
+from pdserve.kernels.metadata import run_start
 
 
 @dataclass

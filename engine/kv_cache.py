@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from engine.config import CacheConfig, ModelConfig
+from pdserve.engine.config import CacheConfig, ModelConfig
 
 # (shape, dtype) -> tensor; e.g. a shared-memory allocator so a prefill peer can write in place.
 KvAllocator = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]

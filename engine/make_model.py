@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from engine.tokenizer_builder import EOS, build_tokenizer
+from pdserve.engine.tokenizer_builder import EOS, build_tokenizer
 
 DEFAULT_MODEL_NAME = "default-v1"
 

@@ -7,12 +7,12 @@ from typing import Callable
 
 import torch
 
-from engine.batch import ForwardBatch, build_batch
-from engine.config import ModelConfig
-from engine.models.llama import ForwardContext, LlamaForCausalLM, Rope
-from engine.sampler import Sampler, SamplerOutput
-from engine.scheduler import ScheduledChunk, SchedulerOutput
-from engine.weights import load_weights
+from pdserve.engine.batch import ForwardBatch, build_batch
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.models.llama import ForwardContext, LlamaForCausalLM, Rope
+from pdserve.engine.sampler import Sampler, SamplerOutput
+from pdserve.engine.scheduler import ScheduledChunk, SchedulerOutput
+from pdserve.engine.weights import load_weights
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_p
     load_weights(model, cfg.path, show_progress=show_progress)
     if device.type == "cpu":
         kind = model.use_cpu_weight_layout()
-        from kernels import cpu_native  # built now (about a second, once per machine), not at the first decode step
+        from pdserve.kernels import cpu_native  # built now (about a second, once per machine), not at the first decode step
         log.info("CPU linear weights: %s; decode attention: %s", kind,
                  "C kernel" if cpu_native.available() else "torch (no C kernel)")
     return model.eval()

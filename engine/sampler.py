@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampling_params import SamplingParams
-from protocol.messages import TokenLogprob
+from pdserve.protocol.sampling import SamplingParams
+from pdserve.protocol.messages import TokenLogprob
 
 _MASK64 = (1 << 64) - 1
 

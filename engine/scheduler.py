@@ -17,9 +17,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.block_pool import BlockPool
-from engine.config import SchedulerConfig
-from engine.sequence import SeqStatus, Sequence
+from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.config import SchedulerConfig
+from pdserve.engine.sequence import SeqStatus, Sequence
 
 
 @dataclass(frozen=True)

@@ -24,9 +24,9 @@ from typing import Callable
 import msgspec
 import zmq
 
-from protocol.auth import FrameAuth
-from protocol.channel import Inbox, Outbox
-from protocol.messages import (Heartbeat, KvLayout, Message, Register, TokenOutput, TokenOutputBatch,
+from pdserve.protocol.auth import FrameAuth
+from pdserve.protocol.channel import Inbox, Outbox
+from pdserve.protocol.messages import (Heartbeat, KvLayout, Message, Register, TokenOutput, TokenOutputBatch,
                                Welcome, WorkerInfo, WorkerStats)
 
 log = logging.getLogger(__name__)

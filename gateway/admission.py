@@ -28,8 +28,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from gateway.backend import BackendUnavailable
-from gateway.queue_stats import QueueStats
+from pdserve.gateway.backend import BackendUnavailable
+from pdserve.gateway.queue_stats import QueueStats
 
 T = TypeVar("T")
 

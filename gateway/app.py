@@ -21,16 +21,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from engine.sampling_params import SamplingParams
-from gateway.backend import Backend, BackendUnavailable
-from gateway.detokenizer import IncrementalDetokenizer
-from gateway.errors import APIError, error_response, invalid
-from gateway.limits import GatewayLimits
-from gateway.metrics import GatewayMetrics
-from gateway.openapi import openapi_endpoint
-from gateway.schemas import ParsedRequest, parse_request
-from gateway.stop_strings import StopMatcher
-from protocol.messages import TokenLogprob, TokenOutput
+from pdserve.protocol.sampling import SamplingParams
+from pdserve.gateway.backend import Backend, BackendUnavailable
+from pdserve.gateway.detokenizer import IncrementalDetokenizer
+from pdserve.gateway.errors import APIError, error_response, invalid
+from pdserve.gateway.limits import GatewayLimits
+from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.gateway.openapi import openapi_endpoint
+from pdserve.gateway.schemas import ParsedRequest, parse_request
+from pdserve.gateway.stop_strings import StopMatcher
+from pdserve.protocol.messages import TokenLogprob, TokenOutput
 
 log = logging.getLogger(__name__)
 

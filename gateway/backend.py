@@ -4,9 +4,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 
-from engine.sampling_params import SamplingParams
-from gateway.queue_stats import QueueStats
-from protocol.messages import TokenOutput, WorkerStats
+from pdserve.protocol.sampling import SamplingParams
+from pdserve.gateway.queue_stats import QueueStats
+from pdserve.protocol.messages import TokenOutput, WorkerStats
 
 
 class BackendUnavailable(Exception):

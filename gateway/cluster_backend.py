@@ -28,14 +28,14 @@ from prometheus_client import Histogram
 import zmq
 import zmq.asyncio
 
-from engine.sampling_params import SamplingParams
-from gateway.admission import AdmissionQueue, QueueLimits
-from gateway.backend import Backend, BackendUnavailable
-from gateway.queue_stats import QueueStats
-from gateway.membership import WorkerEntry, WorkerTable, pick_decode_order, pick_least_loaded
-from protocol.auth import FrameAuth
-from protocol.channel import AsyncInbox, AsyncOutbox
-from protocol.messages import (Abort, GenerateRequest, Heartbeat, KvDestination, LeaseRenewed,
+from pdserve.protocol.sampling import SamplingParams
+from pdserve.gateway.admission import AdmissionQueue, QueueLimits
+from pdserve.gateway.backend import Backend, BackendUnavailable
+from pdserve.gateway.queue_stats import QueueStats
+from pdserve.gateway.membership import WorkerEntry, WorkerTable, pick_decode_order, pick_least_loaded
+from pdserve.protocol.auth import FrameAuth
+from pdserve.protocol.channel import AsyncInbox, AsyncOutbox
+from pdserve.protocol.messages import (Abort, GenerateRequest, Heartbeat, KvDestination, LeaseRenewed,
                                PrefillRequest, Register, ReserveReply, ReserveRequest, TokenOutput,
                                TokenOutputBatch, Welcome, WorkerStats)
 

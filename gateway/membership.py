@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from protocol.messages import WorkerInfo, WorkerStats
+from pdserve.protocol.messages import WorkerInfo, WorkerStats
 
 
 @dataclass

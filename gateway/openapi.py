@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, get_args
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from gateway.limits import GatewayLimits
-from gateway.schemas import SAMPLING_RANGES, STOP_TOKEN_ID, Range
-from protocol.messages import FinishReason
+from pdserve.gateway.limits import GatewayLimits
+from pdserve.gateway.schemas import SAMPLING_RANGES, STOP_TOKEN_ID, Range
+from pdserve.protocol.messages import FinishReason
 
 if TYPE_CHECKING:
-    from gateway.app import GatewayApp
+    from pdserve.gateway.app import GatewayApp
 
 _REF = "#/components/schemas/"
 _API_KEY = [{}, {"bearer": []}]  # /v1/* needs the bearer key only when the server has one

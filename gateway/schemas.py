@@ -9,8 +9,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
-from gateway.errors import invalid
-from gateway.limits import GatewayLimits
+from pdserve.gateway.errors import invalid
+from pdserve.gateway.limits import GatewayLimits
 
 _INT64 = 2**63
 

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import uvicorn
 
-from engine.config import ModelConfig
-from gateway.admission import QueueLimits
-from gateway.app import create_app
-from gateway.cluster_backend import ClusterBackend
-from gateway.limits import GatewayLimits
-from protocol.auth import FrameAuth
+from pdserve.engine.config import ModelConfig
+from pdserve.gateway.admission import QueueLimits
+from pdserve.gateway.app import create_app
+from pdserve.gateway.cluster_backend import ClusterBackend
+from pdserve.gateway.limits import GatewayLimits
+from pdserve.protocol.auth import FrameAuth
 
 log = logging.getLogger(__name__)
 

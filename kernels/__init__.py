@@ -1,9 +1,9 @@
 """Attention over the paged KV cache: pure-torch (CPU, reference) and Triton (CUDA) twins.
 
-Named `kernels` by the project layout; HF's hub package of the same name is unrelated
-(tests/test_kernels_name_clash.py checks transformers is not confused by ours).
+Installed as `pdserve.kernels` (the folder keeps the layout's name): no top-level `kernels`
+package to clash with Hugging Face's hub package of that name (tests/test_packaging.py).
 """
-from kernels.attention import paged_attention, store_kv
-from kernels.metadata import AttentionMetadata
+from pdserve.kernels.attention import paged_attention, store_kv
+from pdserve.kernels.metadata import AttentionMetadata
 
 __all__ = ["AttentionMetadata", "paged_attention", "store_kv"]

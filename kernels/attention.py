@@ -13,8 +13,8 @@ import os
 
 import torch
 
-from kernels import cpu_native, torch_attention
-from kernels.metadata import AttentionMetadata
+from pdserve.kernels import cpu_native, torch_attention
+from pdserve.kernels.metadata import AttentionMetadata
 
 _CHOICES = ("", "auto", "torch", "triton")
 
@@ -73,7 +73,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Write key/value [T, Hkv, D] into kv_layer [2, N, bs, Hkv, D] at slots [T] int64 (-1 = skip)."""
     if use_triton(key):
-        from kernels import triton_attention
+        from pdserve.kernels import triton_attention
         return triton_attention.store_kv(key, value, kv_layer, slot_mapping)
     return torch_attention.store_kv(key, value, kv_layer, slot_mapping)
 
@@ -83,7 +83,7 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     """query [T, Hq, D], this step's key/value [T, Hkv, D] (already stored) -> out [T, Hq, D]."""
     choice = _choice()  # read once per call
     if use_triton(query, choice):
-        from kernels import triton_attention
+        from pdserve.kernels import triton_attention
         return triton_attention.paged_attention(query, key, value, kv_layer, meta, scale)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # [T, Hq, D]
     if not _native_decode(query, kv_layer, meta, scale, out, choice):

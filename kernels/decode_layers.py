@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from kernels import cpu_native, layer_ops, panel_gemm
-from kernels.cpu_native import load_kernel
+from pdserve.kernels import cpu_native, layer_ops, panel_gemm
+from pdserve.kernels.cpu_native import load_kernel
 
 SOURCE = Path(__file__).with_name("cpu_decode_layers.c")
 SLOT_PAST_POOL, ATTENTION_REFUSED = -1, -2

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_native import load_kernel
+from pdserve.kernels.cpu_native import load_kernel
 
 SOURCE = Path(__file__).with_name("cpu_layer_ops.c")
 

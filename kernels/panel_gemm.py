@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_native import load_kernel
+from pdserve.kernels.cpu_native import load_kernel
 
 SOURCE = Path(__file__).with_name("cpu_panel_gemm.c")
 PANEL = 16  # output columns a panel (two 8-float vectors); the library is refused if it says otherwise

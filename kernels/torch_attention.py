@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.metadata import AttentionMetadata
+from pdserve.kernels.metadata import AttentionMetadata
 
 # Upper bound on the K+V bytes gathered at once for decode (cache-friendly; measured best at ~4 MB).
 DECODE_CHUNK_BYTES = 4 << 20

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.metadata import AttentionMetadata
+from pdserve.kernels.metadata import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
 

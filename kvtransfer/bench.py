@@ -31,14 +31,14 @@ import time
 import torch
 import zmq
 
-from kvtransfer.lease import LeaseTable
-from kvtransfer.malloc_tuning import keep_large_allocations_in_heap
-from kvtransfer.receiver import KvReceiver
-from kvtransfer.sender import ShmKvSender, ZmqKvSender
-from kvtransfer.shm import SharedTensor
-from kvtransfer.wire import PAYLOAD_MAC_MODES, payload_mac_enabled, torch_dtype
-from protocol.auth import FrameAuth, generate_cluster_secret
-from protocol.messages import KvDone, KvLayout
+from pdserve.kvtransfer.lease import LeaseTable
+from pdserve.kvtransfer.malloc_tuning import keep_large_allocations_in_heap
+from pdserve.kvtransfer.receiver import KvReceiver
+from pdserve.kvtransfer.sender import ShmKvSender, ZmqKvSender
+from pdserve.kvtransfer.shm import SharedTensor
+from pdserve.kvtransfer.wire import PAYLOAD_MAC_MODES, payload_mac_enabled, torch_dtype
+from pdserve.protocol.auth import FrameAuth, generate_cluster_secret
+from pdserve.protocol.messages import KvDone, KvLayout
 
 TRANSPORTS = ("zmq-tcp", "zmq-ipc", "shm")
 TARGETS = {"shm": 0.5, "zmq-ipc": 0.2}
@@ -172,7 +172,7 @@ def run_bench(args: argparse.Namespace) -> dict:
     if unknown:
         raise ValueError(f"unknown transports {sorted(unknown)}")
     torch.set_num_threads(args.threads)
-    keep_large_allocations_in_heap()  # as the workers do (pdserve_cli/roles.py)
+    keep_large_allocations_in_heap()  # as the workers do (cli/roles.py)
     dtype = torch_dtype(args.dtype)
     L, bs, H, D = args.layers, args.block_size, args.kv_heads, args.head_dim
     n = -(-args.tokens // bs)

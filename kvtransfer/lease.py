@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from protocol.messages import KvDone, Lease
+from pdserve.protocol.messages import KvDone, Lease
 
 QUARANTINE_GRACE_S = 1.0
 

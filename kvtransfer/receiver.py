@@ -25,12 +25,12 @@ import warnings
 import torch
 import zmq
 
-from kvtransfer.lease import LeaseTable
-from kvtransfer.sender import copy_blocks
-from kvtransfer.wire import KvFrameHeader, decode_kv, dtype_name
-from protocol.auth import FrameAuth
-from protocol.channel import Inbox
-from protocol.messages import KvDone, KvRelease, KvRenew, Lease
+from pdserve.kvtransfer.lease import LeaseTable
+from pdserve.kvtransfer.sender import copy_blocks
+from pdserve.kvtransfer.wire import KvFrameHeader, decode_kv, dtype_name
+from pdserve.protocol.auth import FrameAuth
+from pdserve.protocol.channel import Inbox
+from pdserve.protocol.messages import KvDone, KvRelease, KvRenew, Lease
 
 log = logging.getLogger(__name__)
 

@@ -32,11 +32,11 @@ from abc import ABC, abstractmethod
 import torch
 import zmq
 
-from kvtransfer.shm import SharedTensor
-from kvtransfer.wire import KvFrameHeader, dtype_name, torch_dtype
-from protocol.auth import FrameAuth
-from protocol.channel import Outbox
-from protocol.messages import KvDone, KvLayout, KvRelease, KvRenew, Lease
+from pdserve.kvtransfer.shm import SharedTensor
+from pdserve.kvtransfer.wire import KvFrameHeader, dtype_name, torch_dtype
+from pdserve.protocol.auth import FrameAuth
+from pdserve.protocol.channel import Outbox
+from pdserve.protocol.messages import KvDone, KvLayout, KvRelease, KvRenew, Lease
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from typing import Union
 import msgspec
 import torch
 
-from protocol.messages import KvDone, KvRelease, KvRenew
+from pdserve.protocol.messages import KvDone, KvRelease, KvRenew
 
 
 class KvFrameHeader(msgspec.Struct, tag="KvFrameHeader", frozen=True, forbid_unknown_fields=True):

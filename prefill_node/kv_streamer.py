@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.scheduler import SchedulerOutput
-from kvtransfer.sender import KvSender, KvTransferError
-from protocol.messages import KvDestination, Lease
+from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.kvtransfer.sender import KvSender, KvTransferError
+from pdserve.protocol.messages import KvDestination, Lease
 
 
 @dataclass

@@ -31,9 +31,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.model_runner import ForwardPass, ModelRunner
-from engine.scheduler import SchedulerOutput
-from engine.worker_runtime import stall_for_tests
+from pdserve.engine.model_runner import ForwardPass, ModelRunner
+from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.engine.worker_runtime import stall_for_tests
 
 log = logging.getLogger(__name__)
 

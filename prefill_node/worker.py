@@ -25,15 +25,15 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
-from engine.config import EngineConfig
-from engine.llm_engine import PREFILLED, LLMEngine
-from engine.worker_runtime import WorkerRuntime, describe_worker, engine_stats
-from kvtransfer.sender import KvSender, make_kv_sender
-from kvtransfer.wire import payload_mac_enabled
-from prefill_node.kv_streamer import KvStreamer, TransferStats
-from prefill_node.lanes import LaneJob, PrefillLanes
-from protocol.auth import FrameAuth
-from protocol.messages import (Abort, KvDestination, KvDone, LeaseRenewed, PrefillRequest, TokenOutput,
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import PREFILLED, LLMEngine
+from pdserve.engine.worker_runtime import WorkerRuntime, describe_worker, engine_stats
+from pdserve.kvtransfer.sender import KvSender, make_kv_sender
+from pdserve.kvtransfer.wire import payload_mac_enabled
+from pdserve.prefill_node.kv_streamer import KvStreamer, TransferStats
+from pdserve.prefill_node.lanes import LaneJob, PrefillLanes
+from pdserve.protocol.auth import FrameAuth
+from pdserve.protocol.messages import (Abort, KvDestination, KvDone, LeaseRenewed, PrefillRequest, TokenOutput,
                                Welcome, WorkerStats)
 
 log = logging.getLogger(__name__)

@@ -29,8 +29,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from protocol.auth import AuthError, FrameAuth
-from protocol.messages import Message, decode, encode
+from pdserve.protocol.auth import AuthError, FrameAuth
+from pdserve.protocol.messages import Message, decode, encode
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from typing import Literal, Union
 
 import msgspec
 
-from engine.sampling_params import SamplingParams
+from pdserve.protocol.sampling import SamplingParams
 
 PROTOCOL_VERSION = 1
 

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_native, panel_gemm
+from pdserve.kernels import cpu_native, panel_gemm
 
 MIN_ROWS = 4  # oneDNN: a 4-row GEMM beats the 1-3 row GEMV on the same weights
 # oneDNN (primitive cache) and torch's ideep layer (LRU_CACHE_CAPACITY) each keep ~0.6 MB per

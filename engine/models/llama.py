@@ -11,11 +11,11 @@ from typing import Callable
 import torch
 from torch import nn
 
-import kernels
-from kernels import decode_layers, layer_ops
-from engine.config import ModelConfig
-from engine.models.cpu_linear import FEW_ROWS, PackedLinear, cpu_linear_kind, gemv_copy_fits, relayout_linears
-from engine.models.rotary import RotaryEmbedding, rotate
+from pdserve import kernels
+from pdserve.kernels import decode_layers, layer_ops
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.models.cpu_linear import FEW_ROWS, PackedLinear, cpu_linear_kind, gemv_copy_fits, relayout_linears
+from pdserve.engine.models.rotary import RotaryEmbedding, rotate
 
 
 @dataclass

@@ -6,7 +6,7 @@ import math
 import torch
 from torch import nn
 
-from engine.config import RopeConfig
+from pdserve.engine.config import RopeConfig
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from bench.cli import bench_main
+from pdserve.bench.cli import bench_main
 from tests.e2e.cluster import running_server
 
 pytestmark = pytest.mark.slow

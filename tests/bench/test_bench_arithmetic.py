@@ -6,10 +6,10 @@ import math
 import numpy as np
 import pytest
 
-from bench.arrivals import arrival_offsets
-from bench.metrics import RequestResult, compute_metrics
-from bench.plots import plot_sweep
-from bench.sweep import capacity
+from pdserve.bench.arrivals import arrival_offsets
+from pdserve.bench.metrics import RequestResult, compute_metrics
+from pdserve.bench.plots import plot_sweep
+from pdserve.bench.sweep import capacity
 
 
 def results():
@@ -72,7 +72,7 @@ def test_plots_are_written(tmp_path):
 
 
 def test_goal2_verdict_compares_capacity_and_tpot():
-    from bench.compare import goal2_verdict
+    from pdserve.bench.compare import goal2_verdict
 
     def server(cap, tpot):
         return {"capacity_req_s": cap, "sweep": [{"p99_tpot_ms": tpot}]}
@@ -92,7 +92,7 @@ def test_goal2_verdict_compares_capacity_and_tpot():
 
 
 def test_goal1_verdict_needs_both_parts_from_one_configuration():
-    from bench.compare import goal1_verdict
+    from pdserve.bench.compare import goal1_verdict
 
     def burst(tok_s, x_bound):
         return {"burst": {"output_throughput": tok_s, "x_flop_bound": x_bound}}
@@ -109,7 +109,7 @@ def test_goal1_verdict_needs_both_parts_from_one_configuration():
 def test_median_burst_takes_the_median_ratio_not_the_median_rounds():
     """tok/s from the median round; x FLOP bound the median of every round's own ratio (the
     median-throughput round's ceiling can be the outlier)."""
-    from bench.compare import median_burst
+    from pdserve.bench.compare import median_burst
     runs = [{"output_throughput": t, "duration": d, "x_flop_bound": x, "failed": 0}
             for t, d, x in ((414.0, 7.9, 2.02), (432.0, 7.5, 1.76), (445.0, 7.3, 2.08))]
     med = median_burst(runs)
@@ -119,7 +119,7 @@ def test_median_burst_takes_the_median_ratio_not_the_median_rounds():
 
 
 def test_goal2_verdict_weighs_the_target_against_the_prefill_pool():
-    from bench.compare import cpu_per_request, goal2_verdict, pool_cores
+    from pdserve.bench.compare import cpu_per_request, goal2_verdict, pool_cores
 
     def server(cap, costs):  # costs: (all processes, prefill) core-s per request, one per rate
         return {"capacity_req_s": cap,
@@ -143,5 +143,5 @@ def test_goal2_verdict_weighs_the_target_against_the_prefill_pool():
 
 
 def test_burst_rounds_alternate_the_order():
-    from bench.compare import round_order
+    from pdserve.bench.compare import round_order
     assert [round_order(["a", "b", "c"], k) for k in range(3)] == [["a", "b", "c"], ["c", "b", "a"], ["a", "b", "c"]]

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from bench.compare import main
+from pdserve.bench.compare import main
 
 pytestmark = pytest.mark.slow
 

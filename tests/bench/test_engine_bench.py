@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from bench.engine_throughput import main
+from pdserve.bench.engine_throughput import main
 
 
 def test_engine_bench_reports_against_the_read_ceiling(tiny_llama, capsys):

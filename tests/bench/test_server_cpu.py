@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from bench.server_cpu import CpuMeter, cpu_figures, session_cpu_by_role
+from pdserve.bench.server_cpu import CpuMeter, cpu_figures, session_cpu_by_role
 
 TCK = os.sysconf("SC_CLK_TCK")
 
@@ -22,7 +22,7 @@ def _fake_proc(root, pid, comm, sid, utime, stime, argv=("python",)):
 
 
 def test_session_sum_counts_only_that_session_by_role(tmp_path):
-    pd = ("python", "-m", "pdserve_cli")
+    pd = ("python", "-m", "pdserve.cli")
     _fake_proc(tmp_path, 100, "python", 100, 3 * TCK, 1 * TCK, pd + ("serve", "--model", "m"))
     _fake_proc(tmp_path, 101, "odd) name (x", 100, 2 * TCK, 0, pd + ("prefill", "--bind", "x"))  # ") " in the name
     _fake_proc(tmp_path, 102, "python", 100, 1 * TCK, 0, pd + ("prefill",))

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve_cli import serve
-from pdserve_cli.main import build_parser
+from pdserve.cli import serve
+from pdserve.cli.main import build_parser
 
 
 def plan(tmp_path, monkeypatch, cores: int, *flags: str) -> dict[str, list[str]]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from decode_node.step_pacing import RAMP_QUEUED, StepPacer
+from pdserve.decode_node.step_pacing import RAMP_QUEUED, StepPacer
 
 BACKLOG = RAMP_QUEUED + 1  # one prompt prefilling, RAMP_QUEUED waiting: the longest interval
 

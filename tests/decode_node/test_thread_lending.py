@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decode_node.thread_lending import ThreadLending
+from pdserve.decode_node.thread_lending import ThreadLending
 
 
 @pytest.fixture

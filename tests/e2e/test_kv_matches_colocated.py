@@ -12,15 +12,15 @@ import pytest
 import torch
 import zmq
 
-from engine.llm_engine import PREFILLED
-from engine.sampling_params import SamplingParams
-from kvtransfer.lease import LeaseTable
-from kvtransfer.receiver import KvReceiver
-from kvtransfer.sender import make_kv_sender
-from kvtransfer.shm import SharedTensor
-from prefill_node.kv_streamer import KvStreamer
-from protocol.auth import FrameAuth
-from protocol.messages import KvDestination, KvDone, KvLayout
+from pdserve.engine.llm_engine import PREFILLED
+from pdserve.protocol.sampling import SamplingParams
+from pdserve.kvtransfer.lease import LeaseTable
+from pdserve.kvtransfer.receiver import KvReceiver
+from pdserve.kvtransfer.sender import make_kv_sender
+from pdserve.kvtransfer.shm import SharedTensor
+from pdserve.prefill_node.kv_streamer import KvStreamer
+from pdserve.protocol.auth import FrameAuth
+from pdserve.protocol.messages import KvDestination, KvDone, KvLayout
 from tests.conftest import random_prompts
 from tests.engine.test_engine_vs_hf import make_engine
 

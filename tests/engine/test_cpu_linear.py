@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from engine.models.cpu_linear import (FEW_ROWS, MIN_ROWS, PackedLinear, TransposedLinear, cpu_linear_kind,
+from pdserve.engine.models.cpu_linear import (FEW_ROWS, MIN_ROWS, PackedLinear, TransposedLinear, cpu_linear_kind,
                                       onednn_linear_available, relayout_linears)
-from kernels import panel_gemm
+from pdserve.kernels import panel_gemm
 
 
 @pytest.mark.parametrize("bias", [False, True])

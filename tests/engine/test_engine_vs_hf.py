@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.llm_engine import PREFILLED, LLMEngine
-from engine.sampling_params import SamplingParams
+from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.llm_engine import PREFILLED, LLMEngine
+from pdserve.protocol.sampling import SamplingParams
 from tests.conftest import hf_greedy, random_prompts
 
 LENGTHS = [5, 17, 33, 64, 3]
@@ -149,7 +149,7 @@ def test_loader_rejects_missing_and_leftover_weights(tmp_path, tiny_llama):
 @pytest.mark.parametrize("arch,overrides", [("llama", {"tie_word_embeddings": False}),
                                             ("qwen2", {"tie_word_embeddings": False})])
 def test_untied_embeddings_match_hf(tmp_path, arch, overrides):
-    from engine.make_model import make_model
+    from pdserve.engine.make_model import make_model
     model = make_model(tmp_path / arch, "tiny", arch, seed=7, quiet=True, **overrides)
     engine = make_engine(model)
     prompts = prompts_for(engine)

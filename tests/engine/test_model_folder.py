@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.config import ModelConfig
-from engine.make_model import make_model
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.make_model import make_model
 
 
 def digest(folder):
@@ -78,8 +78,8 @@ def test_llama3_rope_matches_transformers(tmp_path):
     """Our RoPE tables (incl. llama3 scaling) equal HF's for the same config."""
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-    from engine.config import RopeConfig
-    from engine.models.rotary import RotaryEmbedding
+    from pdserve.engine.config import RopeConfig
+    from pdserve.engine.models.rotary import RotaryEmbedding
     rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
     hf_cfg = LlamaConfig(hidden_size=64, num_attention_heads=2, rope_parameters=rope, max_position_embeddings=512)

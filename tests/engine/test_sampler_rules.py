@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams as SP
+from pdserve.engine.sampler import Sampler
+from pdserve.protocol.sampling import SamplingParams as SP
 
 V = 12
 

@@ -1,11 +1,11 @@
 """Scheduler and block pool as pure logic: no model, no tensors."""
 import pytest
 
-from engine.block_pool import BlockPool, NoFreeBlocks
-from engine.config import SchedulerConfig
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import SeqStatus, Sequence
+from pdserve.engine.block_pool import BlockPool, NoFreeBlocks
+from pdserve.engine.config import SchedulerConfig
+from pdserve.protocol.sampling import SamplingParams
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.sequence import SeqStatus, Sequence
 
 
 def make_seq(rid: str, n_prompt: int) -> Sequence:
@@ -56,7 +56,7 @@ def test_block_pool_keeps_sequences_in_runs():
 
 
 def test_scheduler_grows_sequences_in_runs():
-    from kernels.metadata import run_start
+    from pdserve.kernels.metadata import run_start
     pool = BlockPool(64)
     sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=6), pool, block_size=4)
     seqs = [make_seq(f"r{i}", 9) for i in range(3)]

@@ -8,10 +8,10 @@ import time
 import pytest
 import zmq
 
-from engine.worker_runtime import WorkerRuntime
-from protocol.auth import FrameAuth
-from protocol.channel import Inbox
-from protocol.messages import (Heartbeat, KvLayout, TokenOutput, TokenOutputBatch, Welcome, WorkerInfo,
+from pdserve.engine.worker_runtime import WorkerRuntime
+from pdserve.protocol.auth import FrameAuth
+from pdserve.protocol.channel import Inbox
+from pdserve.protocol.messages import (Heartbeat, KvLayout, TokenOutput, TokenOutputBatch, Welcome, WorkerInfo,
                                WorkerStats)
 
 

@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 
-from gateway.admission import AdmissionQueue, QueueFull, QueueLimits, QueueTimeout
+from pdserve.gateway.admission import AdmissionQueue, QueueFull, QueueLimits, QueueTimeout
 
 
 class Pool:

@@ -26,9 +26,9 @@ from schemathesis.specs.openapi import checks as openapi
 from starlette.testclient import TestClient
 from transformers import AutoTokenizer
 
-from engine.tokenizer_builder import build_tokenizer
-from gateway.app import create_app
-from gateway.limits import GatewayLimits
+from pdserve.engine.tokenizer_builder import build_tokenizer
+from pdserve.gateway.app import create_app
+from pdserve.gateway.limits import GatewayLimits
 from tests.e2e.cluster import running_server
 from tests.gateway.stub_backend import StubBackend
 from tests.reliability.ledger import assert_canary_served, wait_ledger_balanced

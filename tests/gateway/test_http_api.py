@@ -8,9 +8,9 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from engine.tokenizer_builder import build_tokenizer
-from gateway.app import create_app
-from gateway.limits import GatewayLimits
+from pdserve.engine.tokenizer_builder import build_tokenizer
+from pdserve.gateway.app import create_app
+from pdserve.gateway.limits import GatewayLimits
 from tests.gateway.stub_backend import StubBackend
 
 MAX_LEN = 64
@@ -212,7 +212,7 @@ def test_request_timeout_aborts_upstream(backend, tokenizer):
 
 
 def test_full_queue_is_429_with_retry_after(backend, tokenizer):
-    from gateway.admission import QueueFull
+    from pdserve.gateway.admission import QueueFull
     backend.refusal = QueueFull("the decode queue is full", retry_after_s=4)
     r = run(post(backend, tokenizer, "/v1/completions", {"prompt": "hi"}))
     assert r.status_code == 429 and r.headers["retry-after"] == "4"

@@ -9,10 +9,10 @@ import asyncio
 
 import zmq
 
-from gateway.cluster_backend import ClusterBackend
-from protocol.auth import FrameAuth
-from protocol.channel import Inbox, Outbox
-from protocol.messages import Heartbeat, KvLayout, Register, Welcome, WorkerInfo, WorkerStats
+from pdserve.gateway.cluster_backend import ClusterBackend
+from pdserve.protocol.auth import FrameAuth
+from pdserve.protocol.channel import Inbox, Outbox
+from pdserve.protocol.messages import Heartbeat, KvLayout, Register, Welcome, WorkerInfo, WorkerStats
 
 AUTH = FrameAuth(b"w" * 32)
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
-from gateway.cluster_backend import ClusterBackend
-from protocol.auth import FrameAuth
-from protocol.messages import TokenOutput, TokenOutputBatch
+from pdserve.gateway.cluster_backend import ClusterBackend
+from pdserve.protocol.auth import FrameAuth
+from pdserve.protocol.messages import TokenOutput, TokenOutputBatch
 
 
 def test_batch_entries_reach_their_own_streams(tmp_path):

@@ -6,9 +6,9 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from engine.tokenizer_builder import build_tokenizer
-from gateway.detokenizer import IncrementalDetokenizer
-from gateway.stop_strings import StopMatcher
+from pdserve.engine.tokenizer_builder import build_tokenizer
+from pdserve.gateway.detokenizer import IncrementalDetokenizer
+from pdserve.gateway.stop_strings import StopMatcher
 
 
 @pytest.fixture(scope="module")

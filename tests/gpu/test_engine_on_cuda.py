@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.protocol.sampling import SamplingParams
 from tests.conftest import random_prompts
 
 pytestmark = [pytest.mark.gpu,

@@ -16,7 +16,7 @@ TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
 
 def _on_cuda(case):
     """Move a tests.kernels Case (tensors, metadata) onto the GPU."""
-    from kernels import AttentionMetadata
+    from pdserve.kernels import AttentionMetadata
     meta = case.meta
     cuda_meta = AttentionMetadata(
         cu_seqlens_q=meta.cu_seqlens_q.cuda(), context_lens=meta.context_lens.cuda(),
@@ -42,7 +42,7 @@ CASES = _cases()
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_paged_attention_on_cuda_matches_torch_and_reference(name):
-    from kernels import torch_attention, triton_attention
+    from pdserve.kernels import torch_attention, triton_attention
     from tests.kernels.test_torch_attention import make_case, reference
     seqs, nd, hq, hkv, d, bs, dtype, strided = CASES[name]
     dt = getattr(torch, dtype)
@@ -63,7 +63,7 @@ def test_paged_attention_on_cuda_matches_torch_and_reference(name):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_store_kv_on_cuda_equals_torch(dtype):
-    from kernels import torch_attention, triton_attention
+    from pdserve.kernels import torch_attention, triton_attention
     g = torch.Generator().manual_seed(1)
     n, bs, hkv, d, t = 7, 4, 2, 24, 10
     pool = torch.randn(2, n, bs, hkv, d, generator=g).to(dtype).cuda()
@@ -78,7 +78,7 @@ def test_store_kv_on_cuda_equals_torch(dtype):
 
 
 def test_cuda_tensors_dispatch_to_triton_by_default(monkeypatch):
-    import kernels.attention as dispatch
+    import pdserve.kernels.attention as dispatch
     monkeypatch.delenv("PDSERVE_ATTENTION", raising=False)
     assert dispatch.use_triton(torch.zeros(1, device="cuda"))
     assert not dispatch.use_triton(torch.zeros(1))

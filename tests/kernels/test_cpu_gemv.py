@@ -5,8 +5,8 @@ import pytest
 import torch
 from torch import nn
 
-from engine.models.cpu_linear import TransposedLinear
-from kernels import cpu_native
+from pdserve.engine.models.cpu_linear import TransposedLinear
+from pdserve.kernels import cpu_native
 from tests.kernels.test_cpu_native_attention import HAVE_CC
 
 needs_kernel = pytest.mark.skipif(not HAVE_CC, reason="no C compiler: the kernel is not built")

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import layer_ops
+from pdserve.kernels import layer_ops
 
 pytestmark = pytest.mark.skipif(not layer_ops.native_available(), reason="no C compiler: torch path only")
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels
-from kernels import cpu_native
+from pdserve import kernels
+from pdserve.kernels import cpu_native
 from tests.kernels.test_torch_attention import MIXED, SHAPES, make_case, reference, run_torch
 
 REPO = Path(__file__).resolve().parents[2]

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import panel_gemm
+from pdserve.kernels import panel_gemm
 
 pytestmark = pytest.mark.skipif(not panel_gemm.available(), reason="no C compiler: oneDNN/torch only")
 

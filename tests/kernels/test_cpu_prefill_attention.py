@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import cpu_native
+from pdserve import kernels
+from pdserve.kernels import cpu_native
 from tests.kernels.test_cpu_native_attention import HAVE_CC
 from tests.kernels.test_torch_attention import MIXED, SHAPES, make_case, reference
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.models.cpu_linear import FEW_ROWS
-from kernels import decode_layers
+from pdserve.engine.models.cpu_linear import FEW_ROWS
+from pdserve.kernels import decode_layers
 from tests.conftest import random_prompts
 from tests.engine.test_engine_vs_hf import GREEDY, make_engine
 

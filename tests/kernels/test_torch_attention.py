@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-import kernels
-from kernels import AttentionMetadata, torch_attention
+from pdserve import kernels
+from pdserve.kernels import AttentionMetadata, torch_attention
 
 
 @dataclass

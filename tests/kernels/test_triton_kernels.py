@@ -42,7 +42,7 @@ def _case_errors(spec: tuple, decode_splits: int | None = None) -> dict[str, flo
     """Run one case through triton and torch; max abs errors (subprocess side)."""
     import torch
 
-    from kernels import torch_attention, triton_attention
+    from pdserve.kernels import torch_attention, triton_attention
     from tests.kernels.test_torch_attention import make_case, reference
 
     seqs, nd, hq, hkv, d, bs, dtype, strided = spec
@@ -65,7 +65,7 @@ def _store_errors() -> dict[str, float]:
     """Triton store_kv == torch store_kv (strided k/v, -1 slots, fp32 and bf16)."""
     import torch
 
-    from kernels import torch_attention, triton_attention
+    from pdserve.kernels import torch_attention, triton_attention
     res = {}
     for dtype in (torch.float32, torch.bfloat16):
         g = torch.Generator().manual_seed(1)
@@ -85,8 +85,8 @@ def _dispatch_ok() -> float:
     """PDSERVE_ATTENTION=triton routes CPU tensors to the Triton kernels."""
     import torch
 
-    import kernels
-    from kernels import triton_attention
+    from pdserve import kernels
+    from pdserve.kernels import triton_attention
     from tests.kernels.test_torch_attention import make_case
     case = make_case(MIXED[:4], 3, 4, 2, 16, 16, seed=9)
     os.environ["PDSERVE_ATTENTION"] = "triton"
@@ -128,7 +128,7 @@ def test_paged_attention_matches_torch(report, name):
 def test_split_kv_decode_matches_torch(report, name):
     """Flash-decoding: the context split over several programs, partials combined by log-sum-exp
     (some splits land past a short sequence's end and must weigh nothing)."""
-    from kernels.triton_attention import decode_block_n, plan_decode_splits
+    from pdserve.kernels.triton_attention import decode_block_n, plan_decode_splits
     seqs, nd, d = CASES[name][0], CASES[name][1], CASES[name][4]
     splits, _ = plan_decode_splits(max(c for _, c in seqs[:nd]), decode_block_n(d), SPLIT_CASES[name])
     assert splits == SPLIT_CASES[name]  # the context really is split that many ways

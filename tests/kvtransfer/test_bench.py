@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from kvtransfer.bench import bench_kv_main
+from pdserve.kvtransfer.bench import bench_kv_main
 
 
 def test_bench_kv_json_tiny(capsys):

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from kvtransfer.sender import copy_blocks
+from pdserve.kvtransfer.sender import copy_blocks
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvtransfer.lease import LeaseTable
-from kvtransfer.wire import KvFrameHeader
-from protocol.messages import KvDone
+from pdserve.kvtransfer.lease import LeaseTable
+from pdserve.kvtransfer.wire import KvFrameHeader
+from pdserve.protocol.messages import KvDone
 
 L = 3
 

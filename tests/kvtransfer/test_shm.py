@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvtransfer.shm import NAME_PREFIX, SharedTensor
+from pdserve.kvtransfer.shm import NAME_PREFIX, SharedTensor
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -8,14 +8,14 @@ import pytest
 import torch
 import zmq
 
-from kvtransfer.lease import LeaseTable
-from kvtransfer.receiver import KvReceiver
-from kvtransfer.sender import KvSendError, LeaseExpired, ShmKvSender, ZmqKvSender, make_kv_sender
-from kvtransfer.shm import SharedTensor
-from kvtransfer.wire import KvFrameHeader, decode_kv, encode_kv
-from protocol.auth import FrameAuth
-from protocol.channel import Outbox
-from protocol.messages import Abort, KvDone, KvLayout, Lease
+from pdserve.kvtransfer.lease import LeaseTable
+from pdserve.kvtransfer.receiver import KvReceiver
+from pdserve.kvtransfer.sender import KvSendError, LeaseExpired, ShmKvSender, ZmqKvSender, make_kv_sender
+from pdserve.kvtransfer.shm import SharedTensor
+from pdserve.kvtransfer.wire import KvFrameHeader, decode_kv, encode_kv
+from pdserve.protocol.auth import FrameAuth
+from pdserve.protocol.channel import Outbox
+from pdserve.protocol.messages import Abort, KvDone, KvLayout, Lease
 
 L, N, BS, H, D = 3, 12, 4, 2, 8
 BLOCK_BYTES = 2 * BS * H * D * 4

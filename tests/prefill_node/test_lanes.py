@@ -13,9 +13,9 @@ import time
 import pytest
 import torch
 
-from engine.llm_engine import PREFILLED
-from engine.sampling_params import SamplingParams
-from prefill_node.lanes import PrefillLanes
+from pdserve.engine.llm_engine import PREFILLED
+from pdserve.protocol.sampling import SamplingParams
+from pdserve.prefill_node.lanes import PrefillLanes
 from tests.conftest import random_prompts
 from tests.engine.test_engine_vs_hf import make_engine
 

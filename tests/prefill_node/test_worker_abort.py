@@ -5,10 +5,10 @@ from __future__ import annotations
 import threading
 import time
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.sampling_params import SamplingParams
-from prefill_node.worker import PrefillWorker
-from protocol.auth import FrameAuth
+from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.protocol.sampling import SamplingParams
+from pdserve.prefill_node.worker import PrefillWorker
+from pdserve.protocol.auth import FrameAuth
 
 
 def test_abort_waits_for_the_lane_writing_the_blocks(tiny_llama):

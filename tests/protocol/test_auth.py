@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from protocol.auth import (MAC_SIZE, AuthError, ClusterSecretError, FrameAuth, generate_cluster_secret,
+from pdserve.protocol.auth import (MAC_SIZE, AuthError, ClusterSecretError, FrameAuth, generate_cluster_secret,
                            load_cluster_secret)
 
 SECRET = bytes(range(32))

@@ -9,9 +9,9 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from protocol.auth import FrameAuth
-from protocol.channel import AsyncInbox, AsyncOutbox, Inbox, Outbox, check_bind_address
-from protocol.messages import Abort, Heartbeat, TokenOutput, WorkerStats, encode
+from pdserve.protocol.auth import FrameAuth
+from pdserve.protocol.channel import AsyncInbox, AsyncOutbox, Inbox, Outbox, check_bind_address
+from pdserve.protocol.messages import Abort, Heartbeat, TokenOutput, WorkerStats, encode
 
 AUTH = FrameAuth(b"s" * 32)
 # Pickles as raw bytes (nothing here ever unpickles): a dict, and the classic os.system gadget.

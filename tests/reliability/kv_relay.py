@@ -29,7 +29,7 @@ from typing import Literal
 
 import zmq
 
-from kvtransfer.wire import KvFrameHeader, decode_kv
+from pdserve.kvtransfer.wire import KvFrameHeader, decode_kv
 
 Action = Literal["drop", "truncate", "corrupt", "replay", "delay"]
 

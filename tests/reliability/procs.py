@@ -30,7 +30,7 @@ def served(model: Path, *extra: str, timeout_s: float = 180.0,
     """Like tests.e2e.cluster.running_server, but yields the supervisor's Popen too. Always
     stops everything: SIGTERM to the supervisor, then SIGKILL to anything left in its group."""
     port = free_port()
-    argv = [sys.executable, "-m", "pdserve_cli", "serve", "--model", str(model), "--port", str(port),
+    argv = [sys.executable, "-m", "pdserve.cli", "serve", "--model", str(model), "--port", str(port),
             "--dtype", "float32", "--num-blocks", "256", "--max-model-len", "512", *extra]
     proc = subprocess.Popen(argv, start_new_session=True, env=dict(os.environ, **(env or {})))
     base = f"http://127.0.0.1:{port}"

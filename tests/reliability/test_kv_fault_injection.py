@@ -2,7 +2,7 @@
 a decode worker (zmq tcp): each fault has one expected outcome, and afterwards every worker's KV
 ledger balances and a canary request is served.
 
-Real processes on loopback: gateway, one prefill and one decode worker (`python -m pdserve_cli
+Real processes on loopback: gateway, one prefill and one decode worker (`python -m pdserve.cli
 <role>`, one cluster secret), the decode worker's KV inbox behind the fault-injection relay of
 tests/reliability/kv_relay.py (`--kv-advertise` = the relay). The lease TTL is short (3 s) so
 the "later than the lease" case stays quick. The first tests run the receiver in-process, to
@@ -29,11 +29,11 @@ import pytest
 import torch
 import zmq
 
-from kvtransfer.lease import LeaseTable
-from kvtransfer.receiver import KvReceiver
-from kvtransfer.sender import ZmqKvSender
-from protocol.auth import FrameAuth
-from protocol.messages import KvDone
+from pdserve.kvtransfer.lease import LeaseTable
+from pdserve.kvtransfer.receiver import KvReceiver
+from pdserve.kvtransfer.sender import ZmqKvSender
+from pdserve.protocol.auth import FrameAuth
+from pdserve.protocol.messages import KvDone
 from tests.conftest import hf_greedy, random_prompts
 from tests.e2e.cluster import free_port
 from tests.reliability.kv_relay import Fault, KvRelay, flip_payload
@@ -178,7 +178,7 @@ def cluster(tiny_llama, tmp_path_factory) -> Iterator[Cluster]:
         for role, args in argv.items():
             logs[role] = tmp / f"{role}.log"
             with open(logs[role], "wb") as out:
-                procs[role] = subprocess.Popen([sys.executable, "-m", "pdserve_cli", *args], env=env,
+                procs[role] = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *args], env=env,
                                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         base = f"http://127.0.0.1:{http}"
         _wait_healthy(base, procs, timeout_s=120)

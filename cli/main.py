@@ -4,8 +4,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pdserve_cli import roles
-from pdserve_cli.engine_args import add_engine_args
+from pdserve.cli import roles
+from pdserve.cli.engine_args import add_engine_args
 
 
 def _positive_float(text: str) -> float:
@@ -130,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from pdserve_cli.serve import serve
+    from pdserve.cli.serve import serve
     return serve(args)
 
 
@@ -138,22 +138,22 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     # Tools with their own parsers get the rest of the command line untouched.
     if argv and argv[0] == "make-model":
-        from engine.make_model import make_model_main
+        from pdserve.engine.make_model import make_model_main
         return make_model_main(argv[1:])
     if argv and argv[0] == "bench":
-        from bench.cli import bench_main
+        from pdserve.bench.cli import bench_main
         return bench_main(argv[1:])
     if argv and argv[0] == "bench-compare":
-        from bench.compare import main as bench_compare_main
+        from pdserve.bench.compare import main as bench_compare_main
         return bench_compare_main(argv[1:])
     if argv and argv[0] == "bench-engine":
-        from bench.engine_throughput import main as bench_engine_main
+        from pdserve.bench.engine_throughput import main as bench_engine_main
         return bench_engine_main(argv[1:])
     if argv and argv[0] == "bench-gpu":
-        from bench.gpu_kernels import main as bench_gpu_main
+        from pdserve.bench.gpu_kernels import main as bench_gpu_main
         return bench_gpu_main(argv[1:])
     if argv and argv[0] == "bench-kv":
-        from kvtransfer.bench import bench_kv_main
+        from pdserve.kvtransfer.bench import bench_kv_main
         return bench_kv_main(argv[1:])
     args = build_parser().parse_args(argv)
     return args.func(args)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 
 
 def parse_size(text: str) -> int:
@@ -50,7 +50,7 @@ def engine_args_to_argv(args: argparse.Namespace) -> list[str]:
 def resolve_model(model: str | None) -> str:
     if model:
         return model
-    from engine.make_model import default_model_path
+    from pdserve.engine.make_model import default_model_path
     return str(default_model_path())
 
 

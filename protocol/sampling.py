@@ -1,4 +1,4 @@
-"""Per-request sampling parameters: one typed struct shared by gateway, prefill and decode.
+"""Per-request sampling parameters: one typed struct the gateway, prefill and decode share.
 
 Plain msgspec (no torch import) so the gateway can build it cheaply and it crosses sockets as
 msgpack. Validation of user input happens at the gateway; `__post_init__` only guards internal

@@ -5,7 +5,7 @@ import argparse
 import logging
 import os
 
-from pdserve_cli.engine_args import add_engine_args, engine_config, resolve_model
+from pdserve.cli.engine_args import add_engine_args, engine_config, resolve_model
 
 log = logging.getLogger("pdserve")
 
@@ -14,7 +14,7 @@ def _setup(role: str, threads: int | None) -> None:
     logging.basicConfig(level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"),
                         format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
     if role != "gateway":
-        from kvtransfer.malloc_tuning import keep_large_allocations_in_heap
+        from pdserve.kvtransfer.malloc_tuning import keep_large_allocations_in_heap
         keep_large_allocations_in_heap()
     if threads:
         import torch
@@ -23,7 +23,7 @@ def _setup(role: str, threads: int | None) -> None:
 
 
 def _auth():
-    from protocol.auth import FrameAuth, load_cluster_secret
+    from pdserve.protocol.auth import FrameAuth, load_cluster_secret
     return FrameAuth(load_cluster_secret())
 
 
@@ -49,7 +49,7 @@ def add_kv_args(p: argparse.ArgumentParser, role: str) -> None:
 
 def run_prefill(args: argparse.Namespace) -> int:
     _setup("prefill", args.threads)
-    from prefill_node.worker import PrefillWorker
+    from pdserve.prefill_node.worker import PrefillWorker
     PrefillWorker(engine_config(args), _auth(), args.bind, args.gateway, host=_host(args),
                   kv_payload_mac=args.kv_payload_mac, lanes=args.lanes, idle_lanes=args.idle_lanes).run()
     return 0
@@ -57,7 +57,7 @@ def run_prefill(args: argparse.Namespace) -> int:
 
 def run_decode(args: argparse.Namespace) -> int:
     _setup("decode", args.threads)
-    from decode_node.worker import DecodeWorker
+    from pdserve.decode_node.worker import DecodeWorker
     DecodeWorker(engine_config(args), _auth(), args.bind, args.kv_bind, args.gateway,
                  shared_memory=not args.no_shm, host=_host(args), lease_ttl_s=args.lease_ttl,
                  kv_advertise=args.kv_advertise, kv_payload_mac=args.kv_payload_mac,
@@ -67,15 +67,15 @@ def run_decode(args: argparse.Namespace) -> int:
 
 def run_colocated(args: argparse.Namespace) -> int:
     _setup("colocated", args.threads)
-    from decode_node.colocated import ColocatedWorker
+    from pdserve.decode_node.colocated import ColocatedWorker
     ColocatedWorker(engine_config(args), _auth(), args.bind, args.gateway, host=_host(args)).run()
     return 0
 
 
 def run_gateway(args: argparse.Namespace) -> int:
     _setup("gateway", None)
-    from gateway.admission import QueueLimits
-    from gateway.server import GatewayOptions, serve_gateway
+    from pdserve.gateway.admission import QueueLimits
+    from pdserve.gateway.server import GatewayOptions, serve_gateway
     serve_gateway(GatewayOptions(model=resolve_model(args.model), host=args.host, port=args.port,
                                  worker_bind=args.worker_bind, kv_transport=args.kv_transport,
                                  api_key=args.api_key or os.environ.get("PDSERVE_API_KEY"),

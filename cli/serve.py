@@ -1,6 +1,6 @@
 """`pdserve serve`: gateway + N prefill + M decode workers (or one colocated) on this machine.
 
-Each role is its own OS process (`python -m pdserve_cli <role> ...`). Control sockets are IPC
+Each role is its own OS process (`python -m pdserve.cli <role> ...`). Control sockets are IPC
 files in a private 0700 runtime directory; a fresh cluster secret is handed to the children
 through the environment. A worker that dies is restarted; Ctrl-C / SIGTERM stops them all.
 """
@@ -20,7 +20,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pdserve_cli.engine_args import engine_args_to_argv, resolve_model
+from pdserve.cli.engine_args import engine_args_to_argv, resolve_model
 
 log = logging.getLogger("pdserve.serve")
 
@@ -79,7 +79,7 @@ def decode_step_interval_ms(args: argparse.Namespace, threads: int, idle_lanes: 
 
 
 def plan_children(args: argparse.Namespace, run_dir: str) -> list[Child]:
-    py = [sys.executable, "-m", "pdserve_cli"]
+    py = [sys.executable, "-m", "pdserve.cli"]
     gw_inbox = f"ipc://{run_dir}/gateway.sock"
     n_workers = 1 if args.colocated else args.prefill_workers + args.decode_workers
     threads = args.threads or max(1, (os.cpu_count() or 1) // n_workers)  # each worker's share

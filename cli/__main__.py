@@ -1,0 +1,3 @@
+from pdserve.cli.main import main
+
+raise SystemExit(main())

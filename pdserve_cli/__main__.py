@@ -1,3 +1,0 @@
-from pdserve_cli.main import main
-
-raise SystemExit(main())
