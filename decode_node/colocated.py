@@ -12,7 +12,7 @@ import zmq
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.worker_runtime import WorkerRuntime, describe_worker, engine_stats, stall_for_tests
+from pdserve.runtime.worker_runtime import WorkerRuntime, describe_worker, engine_stats, stall_for_tests
 from pdserve.protocol.auth import FrameAuth
 from pdserve.protocol.messages import Abort, GenerateRequest, TokenOutput, Welcome, WorkerStats
 

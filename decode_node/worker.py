@@ -30,7 +30,7 @@ from pdserve.decode_node.step_pacing import StepPacer
 from pdserve.decode_node.thread_lending import ThreadLending
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.worker_runtime import WorkerRuntime, describe_worker, engine_stats, stall_for_tests
+from pdserve.runtime.worker_runtime import WorkerRuntime, describe_worker, engine_stats, stall_for_tests
 from pdserve.kvtransfer.lease import LeaseTable
 from pdserve.kvtransfer.receiver import KvReceiver
 from pdserve.kvtransfer.shm import SharedTensor

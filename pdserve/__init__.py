@@ -12,5 +12,6 @@ pyproject.toml's `package-dir` (an editable install and a wheel both see the sam
     pdserve.protocol      protocol/       every cross-process message, authentication
     pdserve.bench         bench/          load generator, SLO sweeps, engine and KV benchmarks
     pdserve.cli           cli/            the `pdserve` command
+    pdserve.runtime       pdserve/runtime membership and messaging every worker process shares
 """
 __version__ = "0.1.0"

@@ -33,7 +33,7 @@ import torch
 
 from pdserve.engine.model_runner import ForwardPass, ModelRunner
 from pdserve.engine.scheduler import SchedulerOutput
-from pdserve.engine.worker_runtime import stall_for_tests
+from pdserve.runtime.worker_runtime import stall_for_tests
 
 log = logging.getLogger(__name__)
 

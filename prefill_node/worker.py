@@ -27,7 +27,7 @@ import zmq
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import PREFILLED, LLMEngine
-from pdserve.engine.worker_runtime import WorkerRuntime, describe_worker, engine_stats
+from pdserve.runtime.worker_runtime import WorkerRuntime, describe_worker, engine_stats
 from pdserve.kvtransfer.sender import KvSender, make_kv_sender
 from pdserve.kvtransfer.wire import payload_mac_enabled
 from pdserve.prefill_node.kv_streamer import KvStreamer, TransferStats

@@ -17,13 +17,15 @@ FORBIDDEN = {
     "protocol": {"engine", "kernels", "kvtransfer", "gateway", "prefill_node", "decode_node", "bench", "cli"},
     "kvtransfer": {"engine", "kernels", "gateway", "prefill_node", "decode_node", "bench", "cli"},
     "kernels": {"engine", "kvtransfer", "gateway", "prefill_node", "decode_node", "bench", "cli"},
-    "engine": {"gateway", "prefill_node", "decode_node", "bench", "cli"},
-    "gateway": {"prefill_node", "decode_node", "kvtransfer", "kernels", "cli"},
+    "engine": {"gateway", "prefill_node", "decode_node", "bench", "cli", "runtime"},
+    "runtime": {"engine", "kernels", "kvtransfer", "gateway", "prefill_node", "decode_node", "bench", "cli"},
+    "gateway": {"prefill_node", "decode_node", "kvtransfer", "kernels", "cli", "runtime"},
     "prefill_node": {"decode_node", "gateway", "cli"},
     "decode_node": {"prefill_node", "gateway", "cli"},
 }
 FOLDERS = {"protocol": "protocol", "kvtransfer": "kvtransfer", "kernels": "kernels", "engine": "engine",
-           "gateway": "gateway", "prefill_node": "prefill_node", "decode_node": "decode_node"}
+           "gateway": "gateway", "prefill_node": "prefill_node", "decode_node": "decode_node",
+           "runtime": "pdserve/runtime"}
 
 
 def imported_pdserve_packages(path: Path) -> set[str]:

@@ -8,7 +8,7 @@ import time
 import pytest
 import zmq
 
-from pdserve.engine.worker_runtime import WorkerRuntime
+from pdserve.runtime.worker_runtime import WorkerRuntime
 from pdserve.protocol.auth import FrameAuth
 from pdserve.protocol.channel import Inbox
 from pdserve.protocol.messages import (Heartbeat, KvLayout, TokenOutput, TokenOutputBatch, Welcome, WorkerInfo,
