@@ -94,6 +94,7 @@ def plan_children(args: argparse.Namespace, run_dir: str) -> list[Child]:
                     "--max-queued-requests", str(args.max_queued_requests),
                     "--max-queued-tokens", str(args.max_queued_tokens),
                     "--max-queue-wait", str(args.max_queue_wait),
+                    "--stream-write-timeout", str(args.stream_write_timeout),
                     "--stuck-after", str(args.stuck_after)]
     if args.request_timeout:
         gateway += ["--request-timeout", str(args.request_timeout)]

@@ -17,6 +17,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -29,6 +30,7 @@ from pdserve.gateway.limits import GatewayLimits
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.openapi import openapi_endpoint
 from pdserve.gateway.schemas import ParsedRequest, parse_request
+from pdserve.gateway.slow_clients import WriteTimeout
 from pdserve.gateway.stop_strings import StopMatcher
 from pdserve.protocol.messages import TokenLogprob, TokenOutput
 
@@ -49,6 +51,22 @@ class _Choice:
     first_token_at: float | None = None
     timings: dict[str, float] = field(default_factory=dict)
     timed_out: bool = False
+
+
+class StreamCut(Exception):
+    """A stream ended by the gateway because its client read too slowly."""
+
+
+class _EventStream(StreamingResponse):
+    """An SSE response that closes its event generator however the response ends: a write cut
+    short (slow_clients.WriteTimeout) would otherwise leave the generator suspended, its
+    request still counted in flight, until garbage collection."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
 
 
 class _ApiKeyMiddleware:
@@ -87,7 +105,15 @@ class GatewayApp:
         if length is not None and length.isdigit() and int(length) > self.limits.max_body_bytes:
             raise APIError(413, f"request body over {self.limits.max_body_bytes} bytes", code="body_too_large")
         body = bytearray()
-        async for chunk in request.stream():
+        chunks = request.stream().__aiter__()
+        while True:
+            try:  # a client that stops sending its body holds nothing for long
+                chunk = await asyncio.wait_for(chunks.__anext__(), self.limits.body_read_timeout_s)
+            except StopAsyncIteration:
+                break
+            except asyncio.TimeoutError:
+                raise APIError(408, f"request body not received within {self.limits.body_read_timeout_s:g} s",
+                               code="body_timeout") from None
             body += chunk
             if len(body) > self.limits.max_body_bytes:
                 raise APIError(413, f"request body over {self.limits.max_body_bytes} bytes", code="body_too_large")
@@ -152,12 +178,18 @@ class GatewayApp:
             self._done()
             return first
         if req.stream:
-            return StreamingResponse(run.sse(first), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return _EventStream(run.sse(first), media_type="text/event-stream",
+                                headers={"Cache-Control": "no-cache"})
         try:
             return await run.collect(first, request)
         finally:
             self._done()
+
+    def stream_cut(self, reason: str) -> None:
+        self.metrics.streams_cut.labels(reason=reason).inc()
+        if reason == "buffer_full":
+            log.warning("aborted a request whose client read too slowly (%d outputs waiting)",
+                        self.limits.max_stream_buffer)
 
     def _done(self) -> None:
         self.in_flight -= 1
@@ -183,6 +215,12 @@ class _Run:
         try:
             async with contextlib.aclosing(self.app.backend.generate(choice.request_id, self.prompt, sampling)) as gen:
                 async for out in gen:  # the backend ends its stream after a finish
+                    if self.queue.qsize() >= self.app.limits.max_stream_buffer:
+                        # the client reads slower than tokens come: abort upstream (closing gen)
+                        self.app.stream_cut("buffer_full")
+                        self.queue.put_nowait((choice, StreamCut(
+                            f"stream cut: the client read too slowly ({self.queue.qsize()} outputs waiting)")))
+                        break
                     self.queue.put_nowait((choice, out))
         except asyncio.CancelledError:
             raise
@@ -417,7 +455,11 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_model_len: i
     async def metrics(_: Request) -> Response:
         return Response(gw.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    app = Starlette(routes=[
+    async def http_error(_: Request, exc: HTTPException) -> Response:  # unknown path, wrong method
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return error_response(exc.status_code, str(exc.detail), code=code, headers=exc.headers)
+
+    app = Starlette(exception_handlers={HTTPException: http_error}, routes=[
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
@@ -426,6 +468,7 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_model_len: i
         Route("/openapi.json", openapi_endpoint(gw), methods=["GET"]),
     ])
     app.state.gateway = gw
+    app.add_middleware(WriteTimeout, timeout_s=gw.limits.stream_write_timeout_s, on_cut=gw.stream_cut)
     if api_key:
         app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
     return app

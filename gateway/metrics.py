@@ -85,6 +85,8 @@ class GatewayMetrics:
         self.finished = Counter("pdserve_requests", "Finished requests (per choice)", ["finish_reason"], registry=r)
         self.http_errors = Counter("pdserve_http_errors", "Error responses", ["status"], registry=r)
         self.in_flight = Gauge("pdserve_gateway_requests_in_flight", "HTTP requests in flight", registry=r)
+        self.streams_cut = Counter("pdserve_streams_cut", "Streams ended because the client read too slowly",
+                                   ["reason"], registry=r)
         r.register(_WorkerCollector(worker_stats, routed_requests))
         r.register(_QueueCollector(queue_stats))
         for collector in collectors:  # the backend's own (e.g. queue wait histograms)

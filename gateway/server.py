@@ -30,6 +30,7 @@ class GatewayOptions:
     served_model_name: str | None = None
     on_decode_failure: str = "migrate"
     request_timeout_s: float | None = None
+    stream_write_timeout_s: float = 30.0  # a streamed response left unread this long is cut
     queue_limits: QueueLimits = QueueLimits()  # per pool: waiting requests, tokens, seconds
     # a worker with work pending whose engine step has not completed for this long counts as dead
     stuck_after_s: float = 30.0
@@ -45,7 +46,8 @@ def serve_gateway(opts: GatewayOptions, auth: FrameAuth) -> None:
                              on_decode_failure=opts.on_decode_failure, stuck_after_s=opts.stuck_after_s,
                              queue_limits=opts.queue_limits)
     app = create_app(backend, tokenizer, model_name=opts.served_model_name or Path(opts.model).name,
-                     max_model_len=max_len, limits=GatewayLimits(request_timeout_s=opts.request_timeout_s),
+                     max_model_len=max_len, limits=GatewayLimits(request_timeout_s=opts.request_timeout_s,
+                                                             stream_write_timeout_s=opts.stream_write_timeout_s),
                      api_key=opts.api_key)
 
     async def main() -> None:

@@ -217,3 +217,12 @@ def test_full_queue_is_429_with_retry_after(backend, tokenizer):
     r = run(post(backend, tokenizer, "/v1/completions", {"prompt": "hi"}))
     assert r.status_code == 429 and r.headers["retry-after"] == "4"
     assert r.json()["error"]["code"] == "queue_full"
+
+def test_unknown_path_and_wrong_method_get_envelopes(backend, tokenizer):
+    async def go():
+        async with client_for(backend, tokenizer) as c:
+            return await c.get("/v1/nope"), await c.get("/v1/completions")
+    missing, wrong = run(go())
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+    assert wrong.status_code == 405 and wrong.json()["error"]["code"] == "method_not_allowed"
+    assert "allow" in {k.lower() for k in wrong.headers}
