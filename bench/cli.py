@@ -26,7 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="pdserve bench", description=__doc__)
     ap.add_argument("--base-url", default="http://127.0.0.1:8000")
     ap.add_argument("--model", default=None, help="model name sent to the server (default: its first /v1/models)")
-    ap.add_argument("--tokenizer", default=None, help="HF tokenizer folder (default: --model if a folder)")
+    ap.add_argument("--tokenizer", default=None,
+                    help="HF tokenizer folder (default: --model if a folder, else the server's /v1/models root)")
     ap.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
     ap.add_argument("--dataset-name", default="random", choices=["random", "sharegpt", "jsonl"])
     ap.add_argument("--dataset-path", default=None)
@@ -152,12 +153,17 @@ def bench_main(argv: list[str] | None = None) -> int:
     slos = parse_slos(args.goodput)
     base = args.base_url.rstrip("/")
     model = args.model
-    if model is None or not Path(model).exists():
-        served = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
-        model = model or served
+    listed: dict = {}
+    if model is None or not Path(model).exists() or args.tokenizer is None:
+        listed = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]
+        model = model or listed["id"]
+    # the tokenizer: --tokenizer, else --model if a folder, else the server's model folder (root)
     tok_path = args.tokenizer or (args.model if args.model and Path(args.model).is_dir() else None)
+    if tok_path is None and listed.get("root") and Path(listed["root"]).is_dir():
+        tok_path = listed["root"]
     if tok_path is None:
-        raise SystemExit("--tokenizer (an HF tokenizer folder) is needed to build prompts")
+        raise SystemExit("--tokenizer (an HF tokenizer folder) is needed to build prompts: the server "
+                         "names no model folder readable here")
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(tok_path)
     if Path(model).is_dir():  # the server names the model by its own id

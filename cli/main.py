@@ -39,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--request-timeout", type=float, default=None, help="seconds; longer requests end with an error")
     s.add_argument("--max-queued-requests", type=int, default=1024,
                    help="requests waiting per pool for a worker to take them; more get 429 + Retry-After")
+    s.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template file for /v1/chat/completions (default: the tokenizer's own)")
     s.add_argument("--stream-write-timeout", type=_positive_float, default=30.0,
                    help="seconds a client may leave a streamed response unread before it is cut (and aborted)")
     s.add_argument("--max-queued-tokens", type=int, default=2**21,
@@ -86,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--request-timeout", type=float, default=None, help="seconds; longer requests end with an error")
     g.add_argument("--max-queued-requests", type=int, default=1024,
                    help="requests waiting per pool for a worker to take them; more get 429 + Retry-After")
+    g.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template file for /v1/chat/completions (default: the tokenizer's own)")
     g.add_argument("--stream-write-timeout", type=_positive_float, default=30.0,
                    help="seconds a client may leave a streamed response unread before it is cut (and aborted)")
     g.add_argument("--max-queued-tokens", type=int, default=2**21,

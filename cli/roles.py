@@ -83,6 +83,7 @@ def run_gateway(args: argparse.Namespace) -> int:
                                  on_decode_failure=args.on_decode_failure,
                                  request_timeout_s=args.request_timeout,
                                  stream_write_timeout_s=args.stream_write_timeout,
+                                 chat_template=args.chat_template,
                                  queue_limits=QueueLimits(max_requests=args.max_queued_requests,
                                                           max_tokens=args.max_queued_tokens,
                                                           max_wait_s=args.max_queue_wait),

@@ -35,7 +35,15 @@ class Child:
 
     def start(self, env: dict[str, str]) -> None:
         nice = self.nice
-        self.proc = subprocess.Popen(self.argv, env=env, preexec_fn=(lambda: os.nice(nice)) if nice > 0 else None)
+
+        def in_child() -> None:
+            # Ctrl-C reaches the whole process group; the supervisor alone answers it (the
+            # gateway drains, then the workers get SIGTERM). An ignored signal stays ignored
+            # across exec, and Python then installs no KeyboardInterrupt handler.
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            if nice > 0:
+                os.nice(nice)
+        self.proc = subprocess.Popen(self.argv, env=env, preexec_fn=in_child)
 
 
 def prefill_budget(args: argparse.Namespace) -> int:
@@ -95,6 +103,7 @@ def plan_children(args: argparse.Namespace, run_dir: str) -> list[Child]:
                     "--max-queued-tokens", str(args.max_queued_tokens),
                     "--max-queue-wait", str(args.max_queue_wait),
                     "--stream-write-timeout", str(args.stream_write_timeout),
+                    *(["--chat-template", args.chat_template] if args.chat_template else []),
                     "--stuck-after", str(args.stuck_after)]
     if args.request_timeout:
         gateway += ["--request-timeout", str(args.request_timeout)]
@@ -170,8 +179,13 @@ def serve(args: argparse.Namespace) -> int:
         if gateway.proc is not None and gateway.proc.poll() is None:
             gateway.proc.terminate()
 
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    stopped_by = []  # the signal that ended it, for the one closing line
+
+    def on_signal(signum, _frame):
+        stopped_by.append(signal.Signals(signum).name)
+        stop()
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     try:
         for c in children:
             c.start(env)
@@ -197,6 +211,9 @@ def serve(args: argparse.Namespace) -> int:
         _stop_all([c for c in children if c.name == "gateway"], timeout_s=30)
         _stop_all([c for c in children if c.name != "gateway"], timeout_s=10)
         shutil.rmtree(run_dir, ignore_errors=True)
+        if stopped_by:
+            print(f"pdserve: stopped on {stopped_by[0]}; all {len(children)} processes exited", file=sys.stderr,
+                  flush=True)
 
 
 def _stop_all(children: list[Child], timeout_s: float) -> None:

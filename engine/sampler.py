@@ -77,7 +77,8 @@ class Sampler:
     @staticmethod
     def _apply_penalties(row: torch.Tensor, p: SamplingParams, prompt: Sequence[int],
                          out: Sequence[int]) -> None:
-        """row [V] in place. Repetition (HF): over prompt + output; presence/frequency (OpenAI): output."""
+        """row [V] in place. Repetition (HF): over prompt + output; presence/frequency (OpenAI): output;
+        then logit_bias (OpenAI) added to the named tokens."""
         if p.repetition_penalty != 1.0:
             seen = torch.tensor(sorted(set(prompt) | set(out)), dtype=torch.long)
             vals = row[seen]
@@ -85,6 +86,9 @@ class Sampler:
         if out and (p.presence_penalty or p.frequency_penalty):
             counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=row.shape[0]).float()
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+        if p.logit_bias:
+            ids = torch.tensor([t for t, _ in p.logit_bias if t < row.shape[0]], dtype=torch.long)
+            row[ids] += torch.tensor([b for t, b in p.logit_bias if t < row.shape[0]])
 
     @staticmethod
     def _filtered_probs(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

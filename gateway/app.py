@@ -126,6 +126,9 @@ class GatewayApp:
         if req.prompt_ids is not None:
             return req.prompt_ids
         if req.messages is not None:
+            if self.chat_template is None and not getattr(self.tokenizer, "chat_template", None):
+                raise invalid("this model has no chat template: use /v1/completions, or start the server "
+                              "with --chat-template FILE", "messages")
             text = self.tokenizer.apply_chat_template(req.messages, chat_template=self.chat_template,
                                                       add_generation_prompt=True, tokenize=False)
             return self.tokenizer.encode(text, add_special_tokens=False)
@@ -138,7 +141,7 @@ class GatewayApp:
             min_p=req.min_p, seed=seed, repetition_penalty=req.repetition_penalty,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos,
-            min_tokens=min(req.min_tokens, max_tokens), logprobs=req.logprobs)
+            min_tokens=min(req.min_tokens, max_tokens), logprobs=req.logprobs, logit_bias=tuple(req.logit_bias))
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -157,6 +160,10 @@ class GatewayApp:
             bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
             if bad is not None:
                 raise invalid(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", "prompt")
+            bad = next((t for t, _ in req.logit_bias if t >= self.vocab_size), None)
+            if bad is not None:
+                raise invalid(f"logit_bias token id {bad} is outside the vocabulary [0, {self.vocab_size})",
+                              "logit_bias")
             max_tokens = req.max_tokens if req.max_tokens is not None else max(1, self.max_model_len - len(prompt))
             if len(prompt) + max_tokens > self.max_model_len:
                 raise invalid(f"this model's maximum context length is {self.max_model_len} tokens; the "
@@ -434,7 +441,7 @@ class _Run:
 
 def create_app(backend: Backend, tokenizer, *, model_name: str, max_model_len: int,
                limits: GatewayLimits | None = None, api_key: str | None = None,
-               chat_template: str | None = None) -> Starlette:
+               chat_template: str | None = None, model_root: str | None = None) -> Starlette:
     gw = GatewayApp(backend, tokenizer, model_name, max_model_len, limits or GatewayLimits(), chat_template)
 
     async def completions(request: Request) -> Response:
@@ -446,6 +453,7 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_model_len: i
     async def models(_: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{"id": model_name, "object": "model",
                                                          "created": 0, "owned_by": "pdserve",
+                                                         "root": model_root or model_name,  # the model folder
                                                          "max_model_len": max_model_len}]})
 
     async def health(_: Request) -> Response:

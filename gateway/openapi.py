@@ -5,7 +5,7 @@ Built from the serving app's own settings (limits, model name, context length, v
 404 for another model, 413 when over the size limit. Two rules JSON Schema cannot state are only
 described, and also answered with a 400: prompt tokens + max_tokens must fit the context, and
 best_of must be 1 or n.
-An optional field given as null means its default; fields not listed are accepted and ignored.
+An optional field given as null means its default; a field not listed is refused (400).
 tests/gateway/test_api_fuzz.py fuzzes the server against this document.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pdserve.gateway.limits import GatewayLimits
-from pdserve.gateway.schemas import SAMPLING_RANGES, STOP_TOKEN_ID, Range
+from pdserve.gateway.schemas import MAX_LOGIT_BIAS, SAMPLING_RANGES, STOP_TOKEN_ID, Range
 from pdserve.protocol.messages import FinishReason
 
 if TYPE_CHECKING:
@@ -77,6 +77,10 @@ def _request_schemas(limits: GatewayLimits, model_name: str, max_model_len: int,
         "ignore_eos": _optional({"type": "boolean"}),
         "stop": _optional({"anyOf": [stop, {"type": "array", "maxItems": limits.max_stop, "items": stop}]}),
         "stop_token_ids": _optional({"type": "array", "items": _number(STOP_TOKEN_ID)}),
+        "logit_bias": _optional({"type": "object", "propertyNames": {"pattern": "^[0-9]{1,18}$"},
+                                 "additionalProperties": _number(Range(False, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS))})
+        | {"description": "token id (below the vocabulary size) -> bias added to its logit"},
+        "user": _optional({"type": "string"}),
     }
     completion = _object(["prompt"], **common, **{
         # One prompt per request: a batch of one is unwrapped.
@@ -101,7 +105,13 @@ def _request_schemas(limits: GatewayLimits, model_name: str, max_model_len: int,
         "logprobs": _optional({"type": "boolean"}),
         "top_logprobs": _optional(_number(Range(True, 0, limits.max_logprobs)))
         | {"description": "only with logprobs: true"},
+        # refused (400) until implemented: function calling, JSON mode and schemas
+        "tools": _optional({"type": "array", "maxItems": 0}),
+        "tool_choice": {"enum": ["none", None]},
+        "response_format": _optional(_object(["type"], type={"const": "text"})),
     })
+    for schema in (completion, chat):  # an unknown field is a 400: nothing is ignored silently
+        schema["additionalProperties"] = False
     completion |= _needs_true(("stream_options", "stream"))
     chat |= _needs_true(("stream_options", "stream"), ("top_logprobs", "logprobs"))
     return {"CompletionRequest": completion, "ChatCompletionRequest": chat}

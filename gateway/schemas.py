@@ -39,6 +39,7 @@ class ParsedRequest:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None  # top-N alternatives; None = no logprobs
+    logit_bias: list[tuple[int, float]] = field(default_factory=list)  # (token id, bias) added to logits
 
 
 class Range(NamedTuple):
@@ -121,9 +122,56 @@ def _message_text(content: Any, idx: int) -> str:
     raise invalid(f"messages[{idx}].content must be a string or a list of text parts", "messages")
 
 
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range: [-100, 100]
+_COMMON_FIELDS = {"model", "n", "stream", "stream_options", *SAMPLING_RANGES, "ignore_eos", "stop",
+                  "stop_token_ids", "logit_bias", "user"}  # user: the caller's end-user id, kept by nobody
+FIELDS = {
+    "completion": _COMMON_FIELDS | {"prompt", "max_tokens", "logprobs", "best_of", "echo", "suffix"},
+    "chat": _COMMON_FIELDS | {"messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs",
+                              "tools", "tool_choice", "response_format"},
+}
+
+
+def _refuse_what_is_not_implemented(body: dict, kind: str) -> None:
+    """Nothing is ignored silently: an unknown field, or one we do not implement, is a 400."""
+    unknown = sorted(set(body) - FIELDS[kind])
+    if unknown:
+        raise invalid(f"unrecognized request argument '{unknown[0]}'", unknown[0])
+    if kind == "chat":
+        tools = body.get("tools")
+        if tools is not None and not isinstance(tools, list):
+            raise invalid("'tools' must be a list", "tools")
+        if tools:
+            raise invalid("'tools' (function calling) is not supported", "tools")
+        if body.get("tool_choice") not in (None, "none"):
+            raise invalid("'tool_choice' is not supported (no tools)", "tool_choice")
+        fmt = body.get("response_format")
+        if fmt is not None and fmt != {"type": "text"}:
+            raise invalid("'response_format' other than {\"type\": \"text\"} (JSON mode, schemas) is not "
+                          "supported", "response_format")
+
+
+def _logit_bias(value: Any) -> list[tuple[int, float]]:
+    """{"token id": bias in [-100, 100]} -> sorted (id, bias) pairs; ids are checked against the
+    vocabulary by the caller."""
+    if value is None:
+        return []
+    if not isinstance(value, dict):
+        raise invalid("'logit_bias' must be an object mapping token ids to biases", "logit_bias")
+    out = []
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isdigit() and len(key) < 19):
+            raise invalid(f"logit_bias key {key!r} is not a token id", "logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise invalid(f"logit_bias[{key}] must be a number in [-100, 100]", "logit_bias")
+        out.append((int(key), float(bias)))
+    return sorted(out)
+
+
 def parse_request(body: Any, kind: Literal["completion", "chat"], limits: GatewayLimits) -> ParsedRequest:
     if not isinstance(body, dict):
         raise invalid("request body must be a JSON object")
+    _refuse_what_is_not_implemented(body, kind)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise invalid("'model' must be a string", "model")
@@ -183,6 +231,9 @@ def parse_request(body: Any, kind: Literal["completion", "chat"], limits: Gatewa
     for key, bounds in SAMPLING_RANGES.items():
         setattr(req, key, _num(body, key, getattr(req, key), **bounds._asdict()))
     req.ignore_eos = _bool(body, "ignore_eos", False)
+    req.logit_bias = _logit_bias(body.get("logit_bias"))
+    if body.get("user") is not None and not isinstance(body.get("user"), str):
+        raise invalid("'user' must be a string", "user")
     stop = body.get("stop")
     if stop is not None:
         stops = [stop] if isinstance(stop, str) else stop

@@ -31,9 +31,20 @@ class GatewayOptions:
     on_decode_failure: str = "migrate"
     request_timeout_s: float | None = None
     stream_write_timeout_s: float = 30.0  # a streamed response left unread this long is cut
+    chat_template: str | None = None  # a Jinja file in place of the tokenizer's own template
     queue_limits: QueueLimits = QueueLimits()  # per pool: waiting requests, tokens, seconds
     # a worker with work pending whose engine step has not completed for this long counts as dead
     stuck_after_s: float = 30.0
+
+
+def _chat_template(path: str | None) -> str | None:
+    """The text of a --chat-template file (read once, at start: a missing file fails now)."""
+    if path is None:
+        return None
+    try:
+        return Path(path).read_text()
+    except OSError as e:
+        raise SystemExit(f"--chat-template {path}: {e}") from None
 
 
 def serve_gateway(opts: GatewayOptions, auth: FrameAuth) -> None:
@@ -48,7 +59,8 @@ def serve_gateway(opts: GatewayOptions, auth: FrameAuth) -> None:
     app = create_app(backend, tokenizer, model_name=opts.served_model_name or Path(opts.model).name,
                      max_model_len=max_len, limits=GatewayLimits(request_timeout_s=opts.request_timeout_s,
                                                              stream_write_timeout_s=opts.stream_write_timeout_s),
-                     api_key=opts.api_key)
+                     api_key=opts.api_key, chat_template=_chat_template(opts.chat_template),
+                     model_root=str(Path(opts.model).resolve()))
 
     async def main() -> None:
         await backend.start()

@@ -23,6 +23,7 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None  # None: no logprobs; N >= 0: chosen token + top-N
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits (OpenAI)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -39,6 +40,8 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError("repetition_penalty must be > 0")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError("logprobs must be >= 0")
+        if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in self.logit_bias):
+            raise ValueError("logit_bias needs token ids >= 0 and biases in [-100, 100]")
 
     @property
     def greedy(self) -> bool:
@@ -46,5 +49,6 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     @property
     def uses_penalties(self) -> bool:
+        """Anything that changes the logits before sampling (penalties, logit_bias)."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0)
+                or self.frequency_penalty != 0.0 or bool(self.logit_bias))

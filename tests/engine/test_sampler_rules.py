@@ -90,3 +90,21 @@ def test_sampling_params_reject_bad_values():
                 dict(top_k=-2), dict(min_p=2), dict(logprobs=-1)):
         with pytest.raises(ValueError):
             SP(**bad)
+
+
+def test_logit_bias_moves_the_choice_and_not_the_reported_logprobs():
+    torch.manual_seed(5)
+    logits = torch.randn(3, V)
+    top = logits.argmax(-1).tolist()
+    pick = [(t + 3) % V for t in top]
+    params = [SP(temperature=0, logit_bias=((pick[0], 100.0),)),  # forced
+              SP(temperature=0, logit_bias=((top[1], -100.0),)),  # banned: the runner-up wins
+              SP(temperature=0, logprobs=0)]  # no bias in the same batch
+    out = sample(logits, params)
+    assert out.token_ids[0] == pick[0]
+    assert out.token_ids[1] == logits[1].topk(2).indices[1].item()
+    assert out.token_ids[2] == top[2]
+    raw = torch.log_softmax(logits[2], -1)[top[2]].item()
+    assert out.logprobs[2].logprob == pytest.approx(raw)  # reported from the raw distribution
+    with pytest.raises(ValueError):
+        SP(logit_bias=((1, 101.0),))

@@ -15,6 +15,7 @@ class StubBackend(Backend):
         self.finished: list[str] = []
         self.aborted: list[str] = []
         self.sampling: dict[str, SamplingParams] = {}
+        self.prompts: dict[str, list[int]] = {}
         self.unavailable = False
         self.refusal: BackendUnavailable | None = None  # raised before the first token when set
         self.healthy = True
@@ -27,6 +28,7 @@ class StubBackend(Backend):
             raise self.refusal
         self.started.append(request_id)
         self.sampling[request_id] = sampling
+        self.prompts[request_id] = list(prompt_token_ids)
         done = False
         try:
             for i in range(sampling.max_tokens):

@@ -226,3 +226,46 @@ def test_unknown_path_and_wrong_method_get_envelopes(backend, tokenizer):
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
     assert wrong.status_code == 405 and wrong.json()["error"]["code"] == "method_not_allowed"
     assert "allow" in {k.lower() for k in wrong.headers}
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {"prompt": "hi", "frobnicate": 1}, "frobnicate"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}, "tool_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"999999": 1}}, "logit_bias"),  # past the vocabulary
+])
+def test_nothing_is_ignored_silently(backend, tokenizer, path, body, param):
+    r = run(post(backend, tokenizer, path, body))
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert backend.started == []
+
+
+def test_logit_bias_reaches_the_sampler_and_harmless_defaults_pass(backend, tokenizer):
+    r = run(post(backend, tokenizer, "/v1/completions", {"prompt": [5, 6], "max_tokens": 2,
+                                                         "logit_bias": {"7": -100, "3": 2.5}, "user": "u1"}))
+    assert r.status_code == 200, r.text
+    assert backend.sampling[backend.started[0]].logit_bias == ((3, 2.5), (7, -100.0))
+    r = run(post(backend, tokenizer, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "tools": [], "tool_choice": "none",
+        "response_format": {"type": "text"}}))
+    assert r.status_code == 200, r.text
+
+
+def test_chat_template_file_and_models_root(backend, tokenizer):
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+
+    async def go():
+        app = create_app(backend, tokenizer, model_name="m", max_model_len=MAX_LEN, chat_template=template,
+                         model_root="/models/m")
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+            chat = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                              "max_tokens": 1})
+            return chat, await c.get("/v1/models")
+    chat, models = run(go())
+    assert chat.status_code == 200, chat.text
+    assert backend.prompts[backend.started[0]] == tokenizer.encode("<user>hi", add_special_tokens=False)
+    assert models.json()["data"][0]["root"] == "/models/m"
