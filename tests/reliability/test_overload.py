@@ -128,8 +128,11 @@ def test_burst_at_ten_times_capacity_loses_nothing(real_llama, mode):
             print(f"{mode} {round_}: {len(served_ok)}/{BURST} served exact, {len(refused)} refused up front "
                   f"({sorted(r['status'] for r in refused)}), deepest queue {deepest}, {took:.1f}s; "
                   f"RSS MiB {rss[round_]}")
+        # A prefill lane's malloc arena can reach a new high-water mark with another batch mix
+        # (+66 MiB seen once, on a loaded machine); a leak of what a request holds would be far
+        # more: one 350-token prompt's KV is ~16 MiB here, 40 of them ~640 MiB.
         for node, mib in rss["measured"].items():
-            assert mib < rss["warm-up"][node] + 64, f"{mode}: {node} grew {rss['warm-up'][node]:.0f} -> {mib:.0f} MiB"
+            assert mib < rss["warm-up"][node] + 160, f"{mode}: {node} grew {rss['warm-up'][node]:.0f} -> {mib:.0f} MiB"
         if mode != "colocated":  # the lease clock ran out while requests waited, and they lived on
             renewals = node_gauges(srv.base, "pdserve_kv_lease_renewals")
             assert sum(renewals.values()) > 0, renewals
