@@ -1,5 +1,5 @@
 """Overload without loss: bursts at 10x what the cluster holds at once, on a model of real shape
-(a 350-token prefill takes ~0.5 s on one core here), in 1P1D, 2P1D and colocated modes.
+(a 512-token prefill takes ~0.56 s on one core here), in 1P1D, 2P1D and colocated modes.
 
 Every request either streams its exact HF greedy output or is refused before any token (429 or
 503 with Retry-After and an OpenAI error envelope); no stream ends in an error event; every KV
