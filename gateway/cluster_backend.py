@@ -93,18 +93,21 @@ class ClusterBackend(Backend):
         self._ctx: zmq.asyncio.Context | None = None
         self._inbox: AsyncInbox | None = None
         self._task: asyncio.Task | None = None
+        self._ticker: asyncio.Task | None = None
 
     # --- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
         self._ctx = zmq.asyncio.Context()
         self._inbox = AsyncInbox(self._ctx, self.auth, self.inbox_bind)
         self._task = asyncio.create_task(self._receive_loop())
+        self._ticker = asyncio.create_task(self._retry_queues())
         log.info("gateway %s listening for workers on %s", self.gateway_id, self._inbox.addr)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        for task in (self._task, self._ticker):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         for box in self._outboxes.values():
             box.close()
         if self._inbox is not None:
@@ -116,6 +119,13 @@ class ClusterBackend(Backend):
     def inbox_addr(self) -> str:
         assert self._inbox is not None
         return self._inbox.addr
+
+    async def _retry_queues(self) -> None:
+        """A waiting request gets a turn at least once a second even when no event says capacity
+        changed (a pool that lost every worker: its waiters learn it and get a 503)."""
+        while True:
+            await asyncio.sleep(1.0)
+            self._notify_queues()
 
     async def _receive_loop(self) -> None:
         assert self._inbox is not None
