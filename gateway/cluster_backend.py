@@ -37,7 +37,7 @@ from pdserve.protocol.auth import FrameAuth
 from pdserve.protocol.channel import AsyncInbox, AsyncOutbox
 from pdserve.protocol.messages import (Abort, GenerateRequest, Heartbeat, KvDestination, LeaseRenewed,
                                PrefillRequest, Register, ReserveReply, ReserveRequest, TokenOutput,
-                               TokenOutputBatch, Welcome, WorkerStats)
+                               TokenOutputBatch, Welcome, WorkerStats, decode_to_gateway)
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class ClusterBackend(Backend):
     # --- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
         self._ctx = zmq.asyncio.Context()
-        self._inbox = AsyncInbox(self._ctx, self.auth, self.inbox_bind)
+        self._inbox = AsyncInbox(self._ctx, self.auth, self.inbox_bind, decoder=decode_to_gateway)
         self._task = asyncio.create_task(self._receive_loop())
         self._ticker = asyncio.create_task(self._retry_queues())
         log.info("gateway %s listening for workers on %s", self.gateway_id, self._inbox.addr)

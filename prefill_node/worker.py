@@ -100,17 +100,14 @@ class PrefillWorker:
 
     def _on_prefill(self, req: PrefillRequest) -> None:
         try:
-            if req.dest is None:
-                raise ValueError("PrefillRequest without a KV destination")
             if len(req.dest.lease.block_ids) * self.engine.block_size < len(req.prompt_token_ids):
                 raise ValueError("lease holds too few blocks for the prompt")
             self.engine.add_request(req.request_id, req.prompt_token_ids, req.sampling, prefill_only=True)
         except ValueError as e:
             self.rt.to_gateway(req.gateway_id, TokenOutput(request_id=req.request_id, worker_id=self.worker_id,
                                                            finish_reason="error", error=str(e)))
-            if req.dest is not None:
-                with self._send_lock:
-                    self._sender(req.dest).send_release(req.request_id, req.dest.lease.epoch)
+            with self._send_lock:
+                self._sender(req.dest).send_release(req.request_id, req.dest.lease.epoch)
             return
         self.pending[req.request_id] = _Pending(req, time.monotonic())
         self.routes[req.request_id] = (req.dest, self._sender(req.dest))

@@ -37,7 +37,7 @@ Role = Literal["prefill", "decode", "colocated"]
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
-class _Msg(msgspec.Struct, tag=True, frozen=True, forbid_unknown_fields=True):
+class _Msg(msgspec.Struct, tag=True, frozen=True, forbid_unknown_fields=True, kw_only=True):
     # W3C traceparent, so a trace can follow gateway -> prefill -> transfer -> decode later.
     traceparent: str | None = None
 
@@ -82,19 +82,19 @@ class WorkerInfo(msgspec.Struct, frozen=True):
     version: int = PROTOCOL_VERSION
 
 
-class Register(_Msg):
-    info: WorkerInfo | None = None
+class Register(_Msg, kw_only=True):
+    info: WorkerInfo
 
 
-class Heartbeat(_Msg):
-    worker_id: str = ""
+class Heartbeat(_Msg, kw_only=True):
+    worker_id: str
     stats: WorkerStats = WorkerStats()
     info: WorkerInfo | None = None  # lets a restarted gateway re-learn its workers
 
 
-class Welcome(_Msg):
-    gateway_id: str = ""
-    inbox_addr: str = ""  # must be one of the worker's configured gateway addresses
+class Welcome(_Msg, kw_only=True):
+    gateway_id: str
+    inbox_addr: str  # must be one of the worker's configured gateway addresses
 
 
 class Lease(msgspec.Struct, frozen=True):
@@ -112,19 +112,19 @@ class Lease(msgspec.Struct, frozen=True):
     ttl_s: float = 0.0
 
 
-class ReserveRequest(_Msg):
-    request_id: str = ""
-    gateway_id: str = ""
+class ReserveRequest(_Msg, kw_only=True):
+    request_id: str
+    gateway_id: str
     to_worker: str = ""  # the intended decode worker: a restarted worker on the same address ignores it
-    num_prompt_tokens: int = 0
-    max_tokens: int = 0
+    num_prompt_tokens: int
+    max_tokens: int
     # Prefix-aware transfer later: chained hashes of the prompt's full blocks.
     block_hashes: list[int] | None = None
 
 
-class ReserveReply(_Msg):
-    request_id: str = ""
-    worker_id: str = ""
+class ReserveReply(_Msg, kw_only=True):
+    request_id: str
+    worker_id: str
     lease: Lease | None = None  # None => refused
     reason: str = ""
     capacity: bool = False  # refused for lack of room now (seats, blocks): worth waiting for
@@ -139,19 +139,19 @@ class KvDestination(msgspec.Struct, frozen=True):
     layout: KvLayout  # the decode worker's pool (shm writers map it with this shape)
 
 
-class PrefillRequest(_Msg):
-    request_id: str = ""
-    gateway_id: str = ""
-    prompt_token_ids: list[int] = []
+class PrefillRequest(_Msg, kw_only=True):
+    request_id: str
+    gateway_id: str
+    prompt_token_ids: list[int]
     sampling: SamplingParams = SamplingParams()
-    dest: KvDestination | None = None
+    dest: KvDestination
     arrival_time: float = 0.0
 
 
-class GenerateRequest(_Msg):
-    request_id: str = ""
-    gateway_id: str = ""
-    prompt_token_ids: list[int] = []
+class GenerateRequest(_Msg, kw_only=True):
+    request_id: str
+    gateway_id: str
+    prompt_token_ids: list[int]
     sampling: SamplingParams = SamplingParams()
     arrival_time: float = 0.0
 
@@ -163,52 +163,52 @@ class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
     top_logprobs: list[float]
 
 
-class KvDone(_Msg):
+class KvDone(_Msg, kw_only=True):
     """Sent by P on the KV stream after the last layer frame: D verifies and admits."""
 
-    request_id: str = ""
+    request_id: str
     gateway_id: str = ""
-    lease_epoch: int = 0
+    lease_epoch: int
     prompt_token_ids: list[int] = []
     first_token: int = 0
     first_logprob: TokenLogprob | None = None
     sampling: SamplingParams = SamplingParams()
-    num_layers: int = 0
+    num_layers: int
     kv_bytes: int = 0
     timings: dict[str, float] = {}
 
 
-class KvRelease(_Msg):
+class KvRelease(_Msg, kw_only=True):
     """P -> D on the KV stream: P has dropped this request (aborted, or it ended at its first
     token) and will never write its lease again. The stream is FIFO, so nothing of it can
     follow: D reclaims the leased blocks at once instead of waiting out the deadline."""
 
-    request_id: str = ""
-    lease_epoch: int = 0
+    request_id: str
+    lease_epoch: int
 
 
-class KvRenew(_Msg):
+class KvRenew(_Msg, kw_only=True):
     """P -> D on the KV stream: P still holds this request (queued behind other prompts, or
     computing it) and will write its lease. D extends an active lease of this epoch to
     now + ttl and says so with `LeaseRenewed`; an expired or revoked lease stays ended."""
 
-    request_id: str = ""
-    lease_epoch: int = 0
+    request_id: str
+    lease_epoch: int
 
 
-class LeaseRenewed(_Msg):
+class LeaseRenewed(_Msg, kw_only=True):
     """D -> G -> P: D moved the lease's deadline (and quarantines its blocks until then if it is
     aborted). P writes by the new deadline only after it hears this, so P's idea of the
     deadline is never later than D's: the fencing of late shared-memory writes holds."""
 
-    request_id: str = ""
-    worker_id: str = ""  # the decode worker
-    lease_epoch: int = 0
-    deadline: float = 0.0
+    request_id: str
+    worker_id: str  # the decode worker
+    lease_epoch: int
+    deadline: float
 
 
-class TokenOutput(_Msg):
-    request_id: str = ""
+class TokenOutput(_Msg, kw_only=True):
+    request_id: str
     worker_id: str = ""
     index: int = 0  # position of token_ids[0] in the output (the gateway reorders by it)
     token_ids: list[int] = []
@@ -220,14 +220,14 @@ class TokenOutput(_Msg):
     timings: dict[str, float] = {}
 
 
-class TokenOutputBatch(_Msg):
+class TokenOutputBatch(_Msg, kw_only=True):
     """A step's outputs for every request of one gateway: one frame (one HMAC, one send, one
     receive) a step instead of one a request. Each entry is handled as if it came alone."""
     outputs: list[TokenOutput] = []
 
 
-class Abort(_Msg):
-    request_id: str = ""
+class Abort(_Msg, kw_only=True):
+    request_id: str
     reason: str = ""
     # The gateway never sent the lease to any prefill worker (reservation it gave up on): nobody
     # can write it, so the decode worker reclaims the blocks at once instead of quarantining them.
@@ -236,9 +236,14 @@ class Abort(_Msg):
 
 Message = Union[Register, Heartbeat, Welcome, ReserveRequest, ReserveReply, PrefillRequest,
                 GenerateRequest, KvDone, TokenOutput, TokenOutputBatch, Abort, LeaseRenewed]
+# What each kind of inbox accepts: anything else is dropped and counted like a garbled frame.
+ToGateway = Union[Register, Heartbeat, ReserveReply, TokenOutput, TokenOutputBatch, LeaseRenewed]
+ToWorker = Union[Welcome, ReserveRequest, PrefillRequest, GenerateRequest, Abort, LeaseRenewed]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
+_to_gateway = msgspec.msgpack.Decoder(ToGateway)
+_to_worker = msgspec.msgpack.Decoder(ToWorker)
 
 
 def encode(msg: Message) -> bytes:
@@ -248,3 +253,13 @@ def encode(msg: Message) -> bytes:
 def decode(data: bytes | memoryview) -> Message:
     """Raises msgspec.DecodeError / ValidationError on anything that is not a known message."""
     return _decoder.decode(data)
+
+
+def decode_to_gateway(data: bytes | memoryview) -> ToGateway:
+    """A gateway inbox's decoder: only what workers send a gateway."""
+    return _to_gateway.decode(data)
+
+
+def decode_to_worker(data: bytes | memoryview) -> ToWorker:
+    """A worker control inbox's decoder: only what gateways send workers."""
+    return _to_worker.decode(data)

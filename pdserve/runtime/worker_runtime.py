@@ -27,7 +27,7 @@ import zmq
 from pdserve.protocol.auth import FrameAuth
 from pdserve.protocol.channel import Inbox, Outbox
 from pdserve.protocol.messages import (Heartbeat, KvLayout, Message, Register, TokenOutput, TokenOutputBatch,
-                               Welcome, WorkerInfo, WorkerStats)
+                               Welcome, WorkerInfo, WorkerStats, decode_to_worker)
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ class WorkerRuntime:
         if not gateway_addrs:
             raise ValueError("a worker needs at least one --gateway address")
         self.ctx = ctx
-        self.inbox = Inbox(ctx, auth, control_bind)
+        self.inbox = Inbox(ctx, auth, control_bind, decoder=decode_to_worker)
         self._poller: zmq.Poller | None = None  # inbox + a wake-up pipe (drain's wake_fd)
         self._by_addr = {addr: Outbox(ctx, auth, addr) for addr in gateway_addrs}
         self._by_id: dict[str, Outbox] = {}

@@ -124,3 +124,30 @@ def test_async_twins(tmp_path):
             actx.term()
 
     asyncio.run(asyncio.wait_for(main(), 20))
+
+
+def test_each_inbox_decodes_only_its_own_channel(ctx):
+    from pdserve.protocol.messages import Welcome, decode_to_gateway, decode_to_worker
+    out = TokenOutput(request_id="r", token_ids=[1])
+    assert decode_to_gateway(encode(out)) == out
+    with pytest.raises(msgspec.ValidationError):
+        decode_to_worker(encode(out))  # a worker is never sent tokens
+    welcome = Welcome(gateway_id="g", inbox_addr="ipc:///x")
+    assert decode_to_worker(encode(welcome)) == welcome
+    with pytest.raises(msgspec.ValidationError):
+        decode_to_gateway(encode(welcome))
+    with pytest.raises(msgspec.ValidationError):  # required fields are required on the wire too
+        decode_to_worker(msgspec.msgpack.encode({"type": "Abort", "reason": "x"}))
+    inbox = Inbox(ctx, AUTH, "tcp://127.0.0.1:0", decoder=decode_to_worker)
+    box = Outbox(ctx, AUTH, inbox.addr)
+    try:
+        assert box.send(out) and box.send(Abort(request_id="r"))
+        got = inbox.recv(timeout_ms=2000)
+        deadline = time.monotonic() + 2
+        while not got and time.monotonic() < deadline:
+            got = inbox.recv(timeout_ms=100)
+        assert [type(m).__name__ for m in got] == ["Abort"]  # the TokenOutput was dropped
+        assert sum(inbox.dropped.values()) == 1
+    finally:
+        box.close()
+        inbox.close()
