@@ -283,20 +283,22 @@ PREFILL_OUT = 6
 
 
 @pytest.fixture(scope="module")
-def slow_prefill_server(bench_model):
-    """Two prefill workers on the ~30M model with a 32-token step budget: a 1000-token prompt
-    takes ~30 steps (seconds) on one prefill worker, which keeps heartbeating between steps."""
-    with served(bench_model, "--prefill-workers", "2", "--max-num-batched-tokens", "32",
+def slow_prefill_server(real_llama):
+    """Two prefill workers on the real-shaped model (30 layers) with a 16-token step budget: a
+    1000-token prompt takes ~60 steps (seconds) on one prefill worker, which keeps heartbeating
+    between steps. (The ~30M bench model at 32 tokens a step prefilled it in ~0.25 s on a fast
+    core, before any heartbeat reported it.)"""
+    with served(real_llama, "--prefill-workers", "2", "--max-num-batched-tokens", "16",
                 "--max-model-len", "1100", "--num-blocks", "160") as s:
         yield s
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["sigkill", "sigstop"])
-def test_prefill_worker_lost_before_first_token_is_retried(bench_model, slow_prefill_server, sig):
+def test_prefill_worker_lost_before_first_token_is_retried(real_llama, slow_prefill_server, sig):
     s = slow_prefill_server
-    tok = AutoTokenizer.from_pretrained(bench_model)
+    tok = AutoTokenizer.from_pretrained(real_llama)
     prompt = random_prompts(tok.vocab_size, [LONG_PROMPT_TOKENS], seed=30 + sig)[0]
-    want = hf_text(tok, bench_model, prompt, PREFILL_OUT)
+    want = hf_text(tok, real_llama, prompt, PREFILL_OUT)
     assert wait_until(lambda: len(live_workers(s.base, "prefill")) == 2, 60) is not None
     victim = None
     try:
