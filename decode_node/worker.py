@@ -30,14 +30,22 @@ from pdserve.decode_node.step_pacing import StepPacer
 from pdserve.decode_node.thread_lending import ThreadLending
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.runtime.worker_runtime import WorkerRuntime, describe_worker, engine_stats, stall_for_tests
 from pdserve.kvtransfer.lease import LeaseTable
 from pdserve.kvtransfer.receiver import KvReceiver
 from pdserve.kvtransfer.shm import SharedTensor
 from pdserve.kvtransfer.wire import payload_mac_enabled
 from pdserve.protocol.auth import FrameAuth
-from pdserve.protocol.messages import (Abort, KvDone, LeaseRenewed, ReserveReply, ReserveRequest, TokenOutput,
-                               Welcome, WorkerStats)
+from pdserve.protocol.messages import (
+    Abort,
+    KvDone,
+    LeaseRenewed,
+    ReserveReply,
+    ReserveRequest,
+    TokenOutput,
+    Welcome,
+    WorkerStats,
+)
+from pdserve.runtime.worker_runtime import WorkerRuntime, describe_worker, engine_stats, stall_for_tests
 
 log = logging.getLogger(__name__)
 

@@ -15,13 +15,13 @@ import torch
 
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.config import EngineConfig, ModelConfig, resolve_dtype
-from pdserve.engine.kv_cache import KVCacheSpec, KvAllocator, allocate_kv_cache, plan_num_blocks
+from pdserve.engine.kv_cache import KvAllocator, KVCacheSpec, allocate_kv_cache, plan_num_blocks
 from pdserve.engine.model_runner import ForwardPass, ModelRunner, load_model
 from pdserve.engine.sampler import Sampler
-from pdserve.protocol.sampling import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.engine.sequence import Sequence
 from pdserve.protocol.messages import TokenLogprob
+from pdserve.protocol.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,9 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_p
     load_weights(model, cfg.path, show_progress=show_progress)
     if device.type == "cpu":
         kind = model.use_cpu_weight_layout()
-        from pdserve.kernels import cpu_native  # built now (about a second, once per machine), not at the first decode step
+        from pdserve.kernels import (
+            cpu_native,  # built now (about a second, once per machine), not at the first decode step
+        )
         log.info("CPU linear weights: %s; decode attention: %s", kind,
                  "C kernel" if cpu_native.available() else "torch (no C kernel)")
     return model.eval()

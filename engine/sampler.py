@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.protocol.sampling import SamplingParams
 from pdserve.protocol.messages import TokenLogprob
+from pdserve.protocol.sampling import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 

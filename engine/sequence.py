@@ -5,8 +5,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from pdserve.protocol.sampling import SamplingParams
 from pdserve.protocol.messages import TokenLogprob
+from pdserve.protocol.sampling import SamplingParams
 
 
 class SeqStatus(enum.Enum):

@@ -22,7 +22,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from pdserve.protocol.sampling import SamplingParams
 from pdserve.gateway.backend import Backend, BackendUnavailable
 from pdserve.gateway.detokenizer import IncrementalDetokenizer
 from pdserve.gateway.errors import APIError, error_response, invalid
@@ -33,6 +32,7 @@ from pdserve.gateway.schemas import ParsedRequest, parse_request
 from pdserve.gateway.slow_clients import WriteTimeout
 from pdserve.gateway.stop_strings import StopMatcher
 from pdserve.protocol.messages import TokenLogprob, TokenOutput
+from pdserve.protocol.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 

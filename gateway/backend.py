@@ -4,9 +4,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 
-from pdserve.protocol.sampling import SamplingParams
 from pdserve.gateway.queue_stats import QueueStats
 from pdserve.protocol.messages import TokenOutput, WorkerStats
+from pdserve.protocol.sampling import SamplingParams
 
 
 class BackendUnavailable(Exception):

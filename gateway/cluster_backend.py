@@ -22,22 +22,34 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+import zmq
+import zmq.asyncio
 from msgspec.structs import replace
 from prometheus_client import Histogram
 
-import zmq
-import zmq.asyncio
-
-from pdserve.protocol.sampling import SamplingParams
 from pdserve.gateway.admission import AdmissionQueue, QueueLimits
 from pdserve.gateway.backend import Backend, BackendUnavailable
-from pdserve.gateway.queue_stats import QueueStats
 from pdserve.gateway.membership import WorkerEntry, WorkerTable, pick_decode_order, pick_least_loaded
+from pdserve.gateway.queue_stats import QueueStats
 from pdserve.protocol.auth import FrameAuth
 from pdserve.protocol.channel import AsyncInbox, AsyncOutbox
-from pdserve.protocol.messages import (Abort, GenerateRequest, Heartbeat, KvDestination, LeaseRenewed,
-                               PrefillRequest, Register, ReserveReply, ReserveRequest, TokenOutput,
-                               TokenOutputBatch, Welcome, WorkerStats, decode_to_gateway)
+from pdserve.protocol.messages import (
+    Abort,
+    GenerateRequest,
+    Heartbeat,
+    KvDestination,
+    LeaseRenewed,
+    PrefillRequest,
+    Register,
+    ReserveReply,
+    ReserveRequest,
+    TokenOutput,
+    TokenOutputBatch,
+    Welcome,
+    WorkerStats,
+    decode_to_gateway,
+)
+from pdserve.protocol.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -27,14 +27,22 @@ import zmq
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import PREFILLED, LLMEngine
-from pdserve.runtime.worker_runtime import WorkerRuntime, describe_worker, engine_stats
 from pdserve.kvtransfer.sender import KvSender, make_kv_sender
 from pdserve.kvtransfer.wire import payload_mac_enabled
 from pdserve.prefill_node.kv_streamer import KvStreamer, TransferStats
 from pdserve.prefill_node.lanes import LaneJob, PrefillLanes
 from pdserve.protocol.auth import FrameAuth
-from pdserve.protocol.messages import (Abort, KvDestination, KvDone, LeaseRenewed, PrefillRequest, TokenOutput,
-                               Welcome, WorkerStats)
+from pdserve.protocol.messages import (
+    Abort,
+    KvDestination,
+    KvDone,
+    LeaseRenewed,
+    PrefillRequest,
+    TokenOutput,
+    Welcome,
+    WorkerStats,
+)
+from pdserve.runtime.worker_runtime import WorkerRuntime, describe_worker, engine_stats
 
 log = logging.getLogger(__name__)
 

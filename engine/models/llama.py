@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 from pdserve import kernels
-from pdserve.kernels import decode_layers, layer_ops
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.models.cpu_linear import FEW_ROWS, PackedLinear, cpu_linear_kind, gemv_copy_fits, relayout_linears
 from pdserve.engine.models.rotary import RotaryEmbedding, rotate
+from pdserve.kernels import decode_layers, layer_ops
 
 
 @dataclass
@@ -143,7 +143,7 @@ class LlamaForCausalLM(nn.Module):
         path, a linear without few-row panels, or the driver not built."""
         if not (kv_cache.device.type == "cpu" and kv_cache.dtype == torch.float32 and kv_cache.is_contiguous()):
             return None
-        linears = [(l.self_attn.qkv_proj, l.self_attn.o_proj, l.mlp.gate_up_proj, l.mlp.down_proj) for l in self.layers]
+        linears = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj) for layer in self.layers]
         if not all(isinstance(m, PackedLinear) and m.panels is not None for group in linears for m in group):
             return None
         if not decode_layers.available():

@@ -26,8 +26,18 @@ import zmq
 
 from pdserve.protocol.auth import FrameAuth
 from pdserve.protocol.channel import Inbox, Outbox
-from pdserve.protocol.messages import (Heartbeat, KvLayout, Message, Register, TokenOutput, TokenOutputBatch,
-                               Welcome, WorkerInfo, WorkerStats, decode_to_worker)
+from pdserve.protocol.messages import (
+    Heartbeat,
+    KvLayout,
+    Message,
+    Register,
+    TokenOutput,
+    TokenOutputBatch,
+    Welcome,
+    WorkerInfo,
+    WorkerStats,
+    decode_to_worker,
+)
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,6 @@ import torch
 import zmq
 
 from pdserve.engine.llm_engine import PREFILLED
-from pdserve.protocol.sampling import SamplingParams
 from pdserve.kvtransfer.lease import LeaseTable
 from pdserve.kvtransfer.receiver import KvReceiver
 from pdserve.kvtransfer.sender import make_kv_sender
@@ -21,6 +20,7 @@ from pdserve.kvtransfer.shm import SharedTensor
 from pdserve.prefill_node.kv_streamer import KvStreamer
 from pdserve.protocol.auth import FrameAuth
 from pdserve.protocol.messages import KvDestination, KvDone, KvLayout
+from pdserve.protocol.sampling import SamplingParams
 from tests.conftest import random_prompts
 from tests.engine.test_engine_vs_hf import make_engine
 

@@ -6,8 +6,15 @@ import pytest
 import torch
 from torch import nn
 
-from pdserve.engine.models.cpu_linear import (FEW_ROWS, MIN_ROWS, PackedLinear, TransposedLinear, cpu_linear_kind,
-                                      onednn_linear_available, relayout_linears)
+from pdserve.engine.models.cpu_linear import (
+    FEW_ROWS,
+    MIN_ROWS,
+    PackedLinear,
+    TransposedLinear,
+    cpu_linear_kind,
+    onednn_linear_available,
+    relayout_linears,
+)
 from pdserve.kernels import panel_gemm
 
 

@@ -131,6 +131,7 @@ def test_refuses_kv_cache_that_cannot_hold_one_sequence(tiny_llama):
 
 def test_loader_rejects_missing_and_leftover_weights(tmp_path, tiny_llama):
     import shutil
+
     from safetensors.torch import load_file, save_file
     for mutate, msg in [(lambda d: d.pop("model.norm.weight"), "missing weights"),
                         (lambda d: d.__setitem__("model.extra.weight", torch.zeros(2)), "unexpected"),

@@ -78,6 +78,7 @@ def test_llama3_rope_matches_transformers(tmp_path):
     """Our RoPE tables (incl. llama3 scaling) equal HF's for the same config."""
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
     from pdserve.engine.config import RopeConfig
     from pdserve.engine.models.rotary import RotaryEmbedding
     rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,

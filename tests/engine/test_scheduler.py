@@ -3,9 +3,9 @@ import pytest
 
 from pdserve.engine.block_pool import BlockPool, NoFreeBlocks
 from pdserve.engine.config import SchedulerConfig
-from pdserve.protocol.sampling import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import SeqStatus, Sequence
+from pdserve.protocol.sampling import SamplingParams
 
 
 def make_seq(rid: str, n_prompt: int) -> Sequence:

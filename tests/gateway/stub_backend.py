@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import asyncio
 
-from pdserve.protocol.sampling import SamplingParams
 from pdserve.gateway.backend import Backend, BackendUnavailable
 from pdserve.protocol.messages import TokenLogprob, TokenOutput, WorkerStats
+from pdserve.protocol.sampling import SamplingParams
 
 
 class StubBackend(Backend):

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from pdserve.engine.llm_engine import PREFILLED
-from pdserve.protocol.sampling import SamplingParams
 from pdserve.prefill_node.lanes import PrefillLanes
+from pdserve.protocol.sampling import SamplingParams
 from tests.conftest import random_prompts
 from tests.engine.test_engine_vs_hf import make_engine
 

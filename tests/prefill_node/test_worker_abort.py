@@ -6,9 +6,9 @@ import threading
 import time
 
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from pdserve.protocol.sampling import SamplingParams
 from pdserve.prefill_node.worker import PrefillWorker
 from pdserve.protocol.auth import FrameAuth
+from pdserve.protocol.sampling import SamplingParams
 
 
 def test_abort_waits_for_the_lane_writing_the_blocks(tiny_llama):

@@ -3,8 +3,14 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.protocol.auth import (MAC_SIZE, AuthError, ClusterSecretError, FrameAuth, generate_cluster_secret,
-                           load_cluster_secret)
+from pdserve.protocol.auth import (
+    MAC_SIZE,
+    AuthError,
+    ClusterSecretError,
+    FrameAuth,
+    generate_cluster_secret,
+    load_cluster_secret,
+)
 
 SECRET = bytes(range(32))
 

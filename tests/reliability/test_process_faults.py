@@ -16,8 +16,15 @@ from transformers import AutoTokenizer
 
 from tests.conftest import hf_greedy, random_prompts
 from tests.reliability.ledger import assert_canary_served, wait_ledger_balanced
-from tests.reliability.procs import (busy_worker_pid, health_status, live_workers, metrics_text,
-                                     resume, served, wait_until)
+from tests.reliability.procs import (
+    busy_worker_pid,
+    health_status,
+    live_workers,
+    metrics_text,
+    resume,
+    served,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow
 

@@ -8,11 +8,18 @@ import time
 import pytest
 import zmq
 
-from pdserve.runtime.worker_runtime import WorkerRuntime
 from pdserve.protocol.auth import FrameAuth
 from pdserve.protocol.channel import Inbox
-from pdserve.protocol.messages import (Heartbeat, KvLayout, TokenOutput, TokenOutputBatch, Welcome, WorkerInfo,
-                               WorkerStats)
+from pdserve.protocol.messages import (
+    Heartbeat,
+    KvLayout,
+    TokenOutput,
+    TokenOutputBatch,
+    Welcome,
+    WorkerInfo,
+    WorkerStats,
+)
+from pdserve.runtime.worker_runtime import WorkerRuntime
 
 
 def _info() -> WorkerInfo:
