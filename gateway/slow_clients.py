@@ -4,7 +4,7 @@ Two bounds, both per request:
 - `GatewayLimits.max_stream_buffer` outputs may wait in the gateway for a client that reads
   slower than tokens come (the HTTP writer blocks on TCP flow control and stops draining them);
   past it the request is aborted upstream, so its KV blocks come back at once, and the client
-  gets an error event if it ever reads again (gateway/app.py `_Run._pump`).
+  gets an error event if it ever reads again (gateway/generation.py `GenerationRun._pump`).
 - `WriteTimeout`: one response write that waits on the client for `stream_write_timeout_s`
   ends the response; uvicorn then closes the connection, and the stream's own cleanup aborts
   whatever is still upstream.

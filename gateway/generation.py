@@ -1,0 +1,257 @@
+"""One generation run: an HTTP request's n backend streams merged into one ordered sequence of
+events (detokenized, stop strings applied, bounded per client), written out as SSE or one JSON
+body. gateway/app.py owns the HTTP side; gateway/formats.py the endpoint's response shapes."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from pdserve.gateway.backend import BackendUnavailable
+from pdserve.gateway.detokenizer import IncrementalDetokenizer
+from pdserve.gateway.errors import error_response
+from pdserve.gateway.formats import FORMATS
+from pdserve.gateway.schemas import ParsedRequest
+from pdserve.gateway.stop_strings import StopMatcher
+from pdserve.protocol.messages import TokenLogprob, TokenOutput
+from pdserve.protocol.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from pdserve.gateway.app import GatewayApp
+
+
+@dataclass
+class Choice:
+    index: int
+    request_id: str
+    detok: IncrementalDetokenizer
+    stop: StopMatcher
+    num_tokens: int = 0
+    text: list[str] = field(default_factory=list)
+    logprobs: list[tuple[str, TokenLogprob]] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    first_token_at: float | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+    timed_out: bool = False
+
+
+class StreamCut(Exception):
+    """A stream ended by the gateway because its client read too slowly."""
+
+
+class GenerationRun:
+    """One HTTP request: n backend streams merged into one sequence of events."""
+
+    def __init__(self, app: GatewayApp, req: ParsedRequest, prompt: list[int], max_tokens: int,
+                 base_id: str, arrival: float) -> None:
+        self.app, self.req, self.prompt, self.base_id, self.arrival = app, req, prompt, base_id, arrival
+        self.created = int(time.time())
+        self.fmt = FORMATS[req.kind](app._token_text)  # the endpoint's response shapes
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.choices = [Choice(i, f"{base_id}-{i}" if req.n > 1 else base_id,
+                                IncrementalDetokenizer(app.tokenizer), StopMatcher(req.stop))
+                        for i in range(req.n)]
+        self.tasks = [asyncio.create_task(self._pump(c, app._sampling(req, max_tokens, c.index)))
+                      for c in self.choices]
+        self.open = req.n
+
+    async def _pump(self, choice: Choice, sampling: SamplingParams) -> None:
+        try:
+            async with contextlib.aclosing(self.app.backend.generate(choice.request_id, self.prompt, sampling)) as gen:
+                async for out in gen:  # the backend ends its stream after a finish
+                    if self.queue.qsize() >= self.app.limits.max_stream_buffer:
+                        # the client reads slower than tokens come: abort upstream (closing gen)
+                        self.app.stream_cut("buffer_full")
+                        self.queue.put_nowait((choice, StreamCut(
+                            f"stream cut: the client read too slowly ({self.queue.qsize()} outputs waiting)")))
+                        break
+                    self.queue.put_nowait((choice, out))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # BackendUnavailable or a backend failure: becomes an event
+            self.queue.put_nowait((choice, e))
+        finally:
+            self.queue.put_nowait((choice, None))
+
+    async def start(self):
+        """Wait for the first event so capacity errors can still be a 503 status."""
+        choice, item = await self.queue.get()
+        if isinstance(item, BackendUnavailable):  # refused before any token: a status code
+            await self.cancel()
+            self.app.metrics.http_errors.labels(status=str(item.status)).inc()
+            return error_response(item.status, str(item), type_="server_error", code=item.code,
+                                  headers={"Retry-After": str(max(1, round(item.retry_after_s)))})
+        return choice, item
+
+    def _remaining(self) -> float | None:
+        timeout = self.app.limits.request_timeout_s
+        return None if timeout is None else max(0.0, self.arrival + timeout - time.monotonic())
+
+    async def cancel(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+    async def events(self, first):
+        """Yields (choice, text delta, logprob entries, finish_reason) until all choices end."""
+        pending = first
+        while self.open:
+            if pending is None:
+                try:
+                    pending = await asyncio.wait_for(self.queue.get(), self._remaining())
+                except asyncio.TimeoutError:  # --request-timeout: abort upstream, end every choice
+                    await self.cancel()
+                    for c in self.choices:
+                        if c.finish_reason is None:
+                            c.finish_reason, c.error = "error", "request timed out (--request-timeout)"
+                            c.timed_out = True
+                            yield c, "", [], "error"
+                    return
+            choice, item = pending
+            pending = None
+            if item is None:
+                self.open -= 1
+                if choice.finish_reason is None:  # stream ended without a finish
+                    choice.finish_reason, choice.error = "error", choice.error or "backend stream ended"
+                    yield choice, "", [], "error"
+                continue
+            if choice.finish_reason is not None:
+                continue
+            if isinstance(item, Exception):
+                choice.finish_reason, choice.error = "error", str(item) or type(item).__name__
+                yield choice, "", [], "error"
+                continue
+            delta, lps, reason = self._apply(choice, item)
+            if reason == "stop" and choice.stop.stops and item.finish_reason is None:
+                self.tasks[choice.index].cancel()  # stop string: abort the rest upstream
+            if delta or lps or reason:
+                yield choice, delta, lps, reason
+
+    def _apply(self, choice: Choice, out: TokenOutput):
+        now = time.monotonic()
+        if out.timings:
+            choice.timings.update(out.timings)
+        if out.error is not None:
+            choice.finish_reason, choice.error = "error", out.error
+            return "", [], "error"
+        pieces, lps = [], []
+        hit = False
+        for k, token in enumerate(out.token_ids):
+            if choice.first_token_at is None:
+                choice.first_token_at = now
+                self.app.metrics.ttft.observe(now - self.arrival)
+            choice.num_tokens += 1
+            text, hit = choice.stop.feed(choice.detok.add(token))
+            pieces.append(text)
+            if out.logprobs is not None and k < len(out.logprobs):
+                lps.append((self.app._token_text(token), out.logprobs[k]))
+            if hit:
+                break
+        reason = "stop" if hit else out.finish_reason
+        if reason is not None and not hit:
+            tail, hit2 = choice.stop.feed(choice.detok.flush())
+            pieces.append(tail if hit2 else tail + choice.stop.flush())
+            if hit2:
+                reason = "stop"
+        if reason is not None:
+            self._finish(choice, reason, now)
+        delta = "".join(pieces)
+        choice.text.append(delta)
+        choice.logprobs.extend(lps)
+        return delta, lps, reason
+
+    def _finish(self, choice: Choice, reason: str, now: float) -> None:
+        choice.finish_reason = reason
+        m = self.app.metrics
+        m.finished.labels(finish_reason=reason).inc()
+        m.e2e.observe(now - self.arrival)
+        if choice.first_token_at is not None and choice.num_tokens > 1:
+            m.tpot.observe((now - choice.first_token_at) / (choice.num_tokens - 1))
+        m.observe_timings(choice.timings)
+
+    # --- response shapes ----------------------------------------------------------------------
+    def _usage(self) -> dict:
+        completion = sum(c.num_tokens for c in self.choices)
+        return {"prompt_tokens": len(self.prompt), "completion_tokens": completion,
+                "total_tokens": len(self.prompt) + completion}
+
+    def _timings(self) -> dict:
+        merged: dict[str, float] = {}
+        for c in self.choices:
+            merged.update(c.timings)
+        if self.choices[0].first_token_at is not None:
+            merged["ttft_s"] = self.choices[0].first_token_at - self.arrival
+        return merged
+
+    def _chunk(self, choices: list[dict], **extra) -> str:
+        obj = {"id": self.base_id, "object": self.fmt.chunk_object_name, "created": self.created,
+               "model": self.app.model_name, "choices": choices, **extra}
+        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+    async def sse(self, first):
+        want_lp = self.req.logprobs is not None
+        text_pos = [0] * len(self.choices)
+        try:
+            opening = self.fmt.opening_chunks([c.index for c in self.choices])
+            if opening:
+                yield self._chunk(opening)
+            async for choice, delta, lps, reason in self.events(first):
+                if reason == "error":
+                    err = {"message": choice.error or "generation failed", "type": "server_error",
+                           "param": None, "code": "generation_failed"}
+                    yield f"data: {json.dumps({'error': err})}\n\n"
+                    continue
+                lp = self.fmt.logprobs(lps, text_pos[choice.index]) if want_lp else None
+                text_pos[choice.index] += len(delta)
+                item = self.fmt.stream_item(choice.index, delta, lp, reason)
+                last = reason is not None and self.open <= 1 and all(
+                    c.finish_reason is not None for c in self.choices)
+                extra = {"pdserve_timings": self._timings()} if last and not self.req.include_usage else {}
+                yield self._chunk([item], **extra)
+            if self.req.include_usage:
+                yield self._chunk([], usage=self._usage(), pdserve_timings=self._timings())
+            yield "data: [DONE]\n\n"
+        finally:
+            # _done() first: when the client hangs up, this runs inside a cancelled scope and the
+            # await is cut short (cancel() has still told every backend stream to close).
+            self.app._done()
+            await self.cancel()  # client gone or done: close every backend stream
+
+    async def collect(self, first, request: Request) -> Response:
+        async def drain():
+            async for _ in self.events(first):
+                pass
+
+        task = asyncio.create_task(drain())
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=0.5)
+                if not task.done() and await request.is_disconnected():
+                    task.cancel()
+                    await self.cancel()
+                    return Response(status_code=499)
+            task.result()
+        finally:
+            await self.cancel()
+        if any(c.timed_out for c in self.choices):
+            self.app.metrics.http_errors.labels(status="504").inc()
+            return error_response(504, "request timed out (--request-timeout)", type_="server_error",
+                                  code="timeout")
+        errors = [c.error for c in self.choices if c.finish_reason == "error"]
+        if errors:
+            self.app.metrics.http_errors.labels(status="500").inc()
+            return error_response(500, f"generation failed: {errors[0]}", type_="server_error",
+                                  code="generation_failed")
+        want_lp = self.req.logprobs is not None
+        choices = [self.fmt.final_choice(c.index, "".join(c.text), self.fmt.logprobs(c.logprobs) if want_lp else None,
+                                         c.finish_reason) for c in self.choices]
+        return JSONResponse({"id": self.base_id, "object": self.fmt.object_name, "created": self.created,
+                             "model": self.app.model_name, "choices": choices, "usage": self._usage(),
+                             "pdserve_timings": self._timings()})
