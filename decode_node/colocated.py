@@ -14,7 +14,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.protocol.auth import FrameAuth
 from pdserve.protocol.messages import Abort, GenerateRequest, TokenOutput, Welcome, WorkerStats
-from pdserve.runtime.worker_runtime import WorkerRuntime, describe_worker, engine_stats, stall_for_tests
+from pdserve.runtime.worker_runtime import WorkerRuntime, describe_worker, engine_stats
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,6 @@ class ColocatedWorker:
 
     def step(self) -> None:
         self.rt.mark_step()
-        stall_for_tests("colocated")
         sched = self.engine.schedule()
         now = time.monotonic()
         first_seen = {c.seq.request_id: now - self.received.pop(c.seq.request_id)

@@ -45,7 +45,7 @@ from pdserve.protocol.messages import (
     Welcome,
     WorkerStats,
 )
-from pdserve.runtime.worker_runtime import WorkerRuntime, describe_worker, engine_stats, stall_for_tests
+from pdserve.runtime.worker_runtime import WorkerRuntime, describe_worker, engine_stats
 
 log = logging.getLogger(__name__)
 
@@ -195,7 +195,6 @@ class DecodeWorker:
 
     def step(self) -> None:
         self.rt.mark_step()
-        stall_for_tests("decode")
         self.threads.update(prefills_in_flight=self.leases.num_active)
         now = time.monotonic()
         self.pacer.started(now)

@@ -33,7 +33,6 @@ import torch
 
 from pdserve.engine.model_runner import ForwardPass, ModelRunner
 from pdserve.engine.scheduler import SchedulerOutput
-from pdserve.runtime.worker_runtime import stall_for_tests
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +185,6 @@ class PrefillLanes:
     def _advance(self, job: LaneJob) -> None:
         """One stage of `job`: its next layer, or the LM head after the last one."""
         try:
-            stall_for_tests("prefill")  # test-only: a lane stuck in its first layer
             if job.fp.next_layer < self.num_layers:
                 self.runner.run_layers(job.fp, 1)
                 return

@@ -45,26 +45,6 @@ HEARTBEAT_INTERVAL_S = 0.5
 REGISTER_INTERVAL_S = 1.0
 
 
-STALL_ENV = "PDSERVE_TEST_STALL_STEP_S"
-_stall_done = False
-
-
-def stall_for_tests(role: str) -> None:
-    """TEST-ONLY fault injection, never set in production: PDSERVE_TEST_STALL_STEP_S="<role>:<seconds>"
-    makes the first busy engine step of each worker of that role (of a prefill worker: the first
-    layer one of its lanes runs) sleep that long, once per process: a stuck engine loop.
-    Heartbeats go on (their own thread) and carry the step's growing age."""
-    global _stall_done
-    spec = os.environ.get(STALL_ENV)
-    if _stall_done or not spec:
-        return
-    _stall_done = True
-    stall_role, _, seconds = spec.partition(":")
-    if stall_role == role:
-        log.warning("%s=%s: stalling this %s worker's engine loop (test-only fault)", STALL_ENV, spec, role)
-        time.sleep(float(seconds))
-
-
 def new_worker_id(role: str) -> str:
     return f"{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 

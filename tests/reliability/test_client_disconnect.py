@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from tests.e2e.cluster import running_server
+from tests.reliability.faults import stall_env
 
 pytestmark = pytest.mark.slow
 
@@ -66,7 +67,7 @@ def test_disconnect_while_a_lane_computes_the_prompt(bench_model):
     """The Abort reaches the prefill worker while a lane is writing the prompt's KV blocks: the
     worker aborts once the lane is done with them, and the decode worker's lease comes back."""
     prompt = list(range(5, 305))  # one 300-token chunk
-    with running_server(bench_model, env={"PDSERVE_TEST_STALL_STEP_S": "prefill:3"}) as base:
+    with running_server(bench_model, env=stall_env("prefill", 3)) as base:
         with httpx.Client(base_url=base, timeout=30) as client:
             with pytest.raises(httpx.TimeoutException):  # gone while the lane is stuck in layer 0
                 client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 5}, timeout=0.5)

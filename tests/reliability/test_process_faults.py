@@ -15,6 +15,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from tests.conftest import hf_greedy, random_prompts
+from tests.reliability.faults import stall_env
 from tests.reliability.ledger import assert_canary_served, wait_ledger_balanced
 from tests.reliability.procs import (
     busy_worker_pid,
@@ -257,10 +258,10 @@ def test_stuck_engine_loop_turns_health_503_then_recovers(tiny_llama):
     """Heartbeats come from a thread of their own (a long step must not look like death), so the
     heartbeat carries the age of the step in progress and the gateway counts a worker with work
     pending and no finished step past its stuck-loop limit as dead: /health turns 503.
-    The test-only hook PDSERVE_TEST_STALL_STEP_S=decode:8 makes each decode worker's first busy
+    The test-only hook (tests/reliability/faults.py stall_env("decode", 8)) makes each decode worker's first busy
     step sleep 8 s (its process keeps running); `--stuck-after 3` lowers the gateway's
     stuck-loop limit from 30 s."""
-    env = {"PDSERVE_TEST_STALL_STEP_S": "decode:8"}
+    env = stall_env("decode", 8)
     with served(tiny_llama, "--stuck-after", "3", env=env) as s:
         (pid,) = live_workers(s.base, "decode").values()
         result: dict = {}

@@ -1,0 +1,13 @@
+"""Environment for a test server whose workers of one role stall their first engine step
+(tests/reliability/stall_hook/sitecustomize.py does it; production code has no hook)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+HOOK_DIR = Path(__file__).resolve().parent / "stall_hook"
+
+
+def stall_env(role: str, seconds: float) -> dict[str, str]:
+    path = os.pathsep.join(p for p in (str(HOOK_DIR), os.environ.get("PYTHONPATH", "")) if p)
+    return {"PDSERVE_TEST_STALL_STEP_S": f"{role}:{seconds:g}", "PYTHONPATH": path}

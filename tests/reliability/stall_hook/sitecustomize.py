@@ -1,0 +1,34 @@
+"""Test-only fault injection, loaded by Python at start-up in the processes of a test's server
+(tests/reliability/faults.py `stall_env` puts this folder on PYTHONPATH); production code has
+no hook for it. PDSERVE_TEST_STALL_STEP_S="<role>:<seconds>" makes the first engine step of each
+worker of that role sleep that long, once per process: a stuck engine loop. (A prefill worker
+stalls in the first layer one of its lanes runs.) Heartbeats go on from their own thread and
+carry the step's growing age."""
+import os
+import sys
+import time
+
+
+def _install(role: str, seconds: float) -> None:
+    if role == "prefill":
+        from pdserve.engine.model_runner import ModelRunner as owner
+        name = "run_layers"
+    else:  # decode, colocated: their loop's engine step
+        from pdserve.engine.llm_engine import LLMEngine as owner
+        name = "step"
+    original = getattr(owner, name)
+    stalled = []
+
+    def stalling(self, *args, **kwargs):
+        if not stalled:
+            stalled.append(True)
+            print(f"test fault: stalling this {role} worker's engine for {seconds:g} s", file=sys.stderr, flush=True)
+            time.sleep(seconds)
+        return original(self, *args, **kwargs)
+    setattr(owner, name, stalling)
+
+
+_spec = os.environ.get("PDSERVE_TEST_STALL_STEP_S", "")
+_role, _, _seconds = _spec.partition(":")
+if _spec and len(sys.argv) > 1 and sys.argv[1] == _role:  # `python -m pdserve.cli <role> ...`
+    _install(_role, float(_seconds))
