@@ -3,15 +3,15 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 
 from pdserve.cli.engine_args import add_engine_args, engine_config, resolve_model
+from pdserve.env import settings
 
 log = logging.getLogger("pdserve")
 
 
 def _setup(role: str, threads: int | None) -> None:
-    logging.basicConfig(level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"),
+    logging.basicConfig(level=settings().log_level,
                         format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
     if role != "gateway":
         from pdserve.kvtransfer.malloc_tuning import keep_large_allocations_in_heap
@@ -78,7 +78,7 @@ def run_gateway(args: argparse.Namespace) -> int:
     from pdserve.gateway.server import GatewayOptions, serve_gateway
     serve_gateway(GatewayOptions(model=resolve_model(args.model), host=args.host, port=args.port,
                                  worker_bind=args.worker_bind, kv_transport=args.kv_transport,
-                                 api_key=args.api_key or os.environ.get("PDSERVE_API_KEY"),
+                                 api_key=args.api_key or settings().api_key,
                                  max_model_len=args.max_model_len, served_model_name=args.served_model_name,
                                  on_decode_failure=args.on_decode_failure,
                                  request_timeout_s=args.request_timeout,

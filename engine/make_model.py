@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from pdserve.engine.tokenizer_builder import EOS, build_tokenizer
+from pdserve.env import settings
 
 DEFAULT_MODEL_NAME = "default-v1"
 
@@ -123,7 +124,7 @@ def make_model(out_dir: str | Path, preset: str = "tiny", arch: str = "llama", s
 
 def default_model_path() -> Path:
     """The embedded default model, created on first use (process-safe) and cached."""
-    root = Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve")) / "models"
+    root = settings().model_cache_dir / "models"
     path = root / DEFAULT_MODEL_NAME
     if (path / "config.json").is_file():
         return path

@@ -9,10 +9,10 @@ first imported.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
+from pdserve.env import settings
 from pdserve.kernels import cpu_native, torch_attention
 from pdserve.kernels.metadata import AttentionMetadata
 
@@ -30,10 +30,7 @@ def triton_available() -> bool:
 
 
 def _choice() -> str:
-    choice = os.environ.get("PDSERVE_ATTENTION", "").strip().lower()
-    if choice not in _CHOICES:
-        raise ValueError(f"PDSERVE_ATTENTION={choice!r}: expected one of torch, triton, auto")
-    return choice
+    return settings().attention  # PDSERVE_ATTENTION, read once (pdserve/env.py)
 
 
 def use_triton(t: torch.Tensor, choice: str | None = None) -> bool:

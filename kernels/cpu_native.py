@@ -36,6 +36,8 @@ from pathlib import Path
 
 import torch
 
+from pdserve.env import settings
+
 log = logging.getLogger(__name__)
 
 ATTENTION_SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
@@ -61,8 +63,7 @@ def _cpu_id() -> str:
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "pdserve" / "kernels"
+    return settings().kernel_cache_dir
 
 
 def _build(source: Path, cc: str, openmp: bool) -> Path:
@@ -96,7 +97,7 @@ def _build_any(source: Path, cc: str) -> Path:
 def load_kernel(source: Path) -> ctypes.CDLL | None:
     """The C file `source` built for this machine (cached) and loaded; None, with a warning, when
     there is no compiler or the build fails (the caller's torch twin runs). Once per process."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    cc = settings().cc or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         log.warning("no C compiler found: %s is not built, its torch twin runs instead", source.name)
         return None

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from pathlib import Path
 
 import torch
 
+from pdserve.env import settings
 from pdserve.kernels import cpu_native, layer_ops, panel_gemm
 from pdserve.kernels.cpu_native import load_kernel
 
@@ -68,11 +68,9 @@ def available() -> bool:
 
 
 def enabled() -> bool:
-    """No switch sends the driver, or any of its kernels, to torch (read at each step, as the
-    kernels' own switches are)."""
-    return (os.environ.get("PDSERVE_FUSED_DECODE", "on") != "off"
-            and os.environ.get("PDSERVE_LAYER_OPS", "auto") != "torch"
-            and os.environ.get("PDSERVE_ATTENTION", "").strip().lower() in ("", "auto"))
+    """No switch sends the driver, or any of its kernels, to torch (pdserve/env.py)."""
+    s = settings()
+    return s.fused_decode and s.layer_ops != "torch" and s.attention == "auto"
 
 
 class DecodeLayers:

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from pdserve.env import settings
 from pdserve.kernels.cpu_native import load_kernel
 
 SOURCE = Path(__file__).with_name("cpu_layer_ops.c")
@@ -43,7 +43,7 @@ def _native(*tensors: torch.Tensor) -> bool:
     """fp32 CPU tensors whose last dim is dense, with the C ops built and not switched off."""
     return (all(t.device.type == "cpu" and t.dtype == torch.float32 and t.dim() == 2 and t.stride(1) == 1
                 for t in tensors)
-            and os.environ.get("PDSERVE_LAYER_OPS", "auto") != "torch" and native_available())
+            and settings().layer_ops != "torch" and native_available())
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

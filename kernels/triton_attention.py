@@ -19,12 +19,11 @@ before triton is first imported (tests/kernels/test_triton_kernels.py runs them 
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from pdserve.env import settings
 from pdserve.kernels.metadata import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
@@ -197,7 +196,7 @@ def _prefill_kernel(q_ptr, kv_ptr, out_ptr, cu_ptr, ctx_ptr, bt_ptr, qk_scale, f
 
 
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return settings().triton_interpret
 
 
 def _pow2(n: int, at_least: int = 1) -> int:

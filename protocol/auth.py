@@ -31,11 +31,12 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 import secrets
 import struct
 from collections.abc import Sequence
 from pathlib import Path
+
+from pdserve.env import settings
 
 MAC_SIZE = 32
 PAYLOAD_MAC_SIZE = 32
@@ -64,10 +65,10 @@ def generate_cluster_secret() -> bytes:
 def load_cluster_secret() -> bytes:
     """The secret from $PDSERVE_CLUSTER_SECRET (hex), else from the file named by
     $PDSERVE_CLUSTER_SECRET_FILE (hex text); raises ClusterSecretError when neither is usable."""
-    text = os.environ.get(ENV_SECRET, "").strip()
+    text = settings().cluster_secret
     source = ENV_SECRET
     if not text:
-        path = os.environ.get(ENV_SECRET_FILE, "").strip()
+        path = settings().cluster_secret_file
         if not path:
             raise ClusterSecretError(
                 f"no cluster secret: set {ENV_SECRET} to a hex string or {ENV_SECRET_FILE} to a file "

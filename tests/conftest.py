@@ -8,6 +8,16 @@ from pathlib import Path
 import pytest
 
 
+@pytest.fixture(autouse=True)
+def fresh_env_settings():
+    """pdserve reads its environment once (pdserve/env.py): a test that changes the environment
+    calls reload(); this makes each test start from, and leave, the settings of the environment."""
+    from pdserve.env import reload
+    reload()
+    yield
+    reload()
+
+
 @pytest.fixture(scope="session")
 def models_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("models")

@@ -82,3 +82,15 @@ def test_wheel_installs_only_pdserve(tmp_path):
                    "pdserve/cli/main.py", "pdserve/protocol/messages.py"):
         assert needed in names, needed
     assert not any(n.startswith("pdserve/tests") for n in names)
+
+
+def test_environment_is_read_in_one_module():
+    """pdserve/env.py reads the environment once; nothing else reads it (hot paths included)."""
+    bad = []
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT)
+        if ".git" in rel.parts or rel.parts[0] in ("tests", "bench") or rel == Path("pdserve/env.py"):
+            continue
+        text = path.read_text()
+        bad += [f"{rel}: {pattern}" for pattern in ("os.environ.get(", "os.environ[", "os.getenv(") if pattern in text]
+    assert not bad, "\n".join(bad)

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.env import settings
 from pdserve.kernels import cpu_native, panel_gemm
 
 MIN_ROWS = 4  # oneDNN: a 4-row GEMM beats the 1-3 row GEMV on the same weights
@@ -95,7 +96,7 @@ class TransposedLinear(nn.Module):
         self.weight_t = nn.Parameter(linear.weight.detach().t().contiguous(), requires_grad=False)  # [in, out]
         self.bias = linear.bias
         self.native_gemv = (self.weight_t.dtype == torch.float32 and self.weight_t.device.type == "cpu"
-                            and os.environ.get("PDSERVE_CPU_GEMV", "auto") != "torch" and cpu_native.gemv_available()
+                            and settings().cpu_gemv != "torch" and cpu_native.gemv_available()
                             and (self.bias is None or self.bias.is_contiguous()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -108,7 +109,7 @@ class TransposedLinear(nn.Module):
 
 def few_row_kernel_enabled(dtype: torch.dtype) -> bool:
     """The C few-row GEMM for fp32 weights, when it built and PDSERVE_CPU_GEMV is not `torch`."""
-    return (dtype == torch.float32 and os.environ.get("PDSERVE_CPU_GEMV", "auto") != "torch"
+    return (dtype == torch.float32 and settings().cpu_gemv != "torch"
             and panel_gemm.available())
 
 

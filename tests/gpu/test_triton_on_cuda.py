@@ -8,6 +8,8 @@ import dataclasses
 import pytest
 import torch
 
+from pdserve.env import reload as reload_env
+
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -80,5 +82,6 @@ def test_store_kv_on_cuda_equals_torch(dtype):
 def test_cuda_tensors_dispatch_to_triton_by_default(monkeypatch):
     import pdserve.kernels.attention as dispatch
     monkeypatch.delenv("PDSERVE_ATTENTION", raising=False)
+    reload_env()
     assert dispatch.use_triton(torch.zeros(1, device="cuda"))
     assert not dispatch.use_triton(torch.zeros(1))

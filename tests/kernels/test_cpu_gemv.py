@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from pdserve.engine.models.cpu_linear import TransposedLinear
+from pdserve.env import reload as reload_env
 from pdserve.kernels import cpu_native
 from tests.kernels.test_cpu_native_attention import HAVE_CC
 
@@ -55,4 +56,5 @@ def test_the_model_linear_takes_it_for_one_row_only(monkeypatch):
 
 def test_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("PDSERVE_CPU_GEMV", "torch")
+    reload_env()
     assert not TransposedLinear(nn.Linear(8, 8)).native_gemv

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pdserve.env import reload as reload_env
 from pdserve.kernels import layer_ops
 
 pytestmark = pytest.mark.skipif(not layer_ops.native_available(), reason="no C compiler: torch path only")
@@ -65,6 +66,7 @@ def test_other_dtypes_and_the_switch_take_torch(monkeypatch):
     x, w = torch.randn(4, 64, dtype=torch.bfloat16), torch.randn(64, dtype=torch.bfloat16)
     assert torch.equal(layer_ops.rms_norm(x, w, 1e-6), layer_ops.rms_norm_torch(x, w, 1e-6))
     monkeypatch.setenv("PDSERVE_LAYER_OPS", "torch")
+    reload_env()
     x32, w32 = torch.randn(4, 64), torch.randn(64)
     assert torch.equal(layer_ops.rms_norm(x32, w32, 1e-6), layer_ops.rms_norm_torch(x32, w32, 1e-6))
 

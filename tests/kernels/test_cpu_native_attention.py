@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from pdserve import kernels
+from pdserve.env import reload as reload_env
 from pdserve.kernels import cpu_native
 from tests.kernels.test_torch_attention import MIXED, SHAPES, make_case, reference, run_torch
 
@@ -65,6 +66,7 @@ def test_mixed_batch_through_dispatch(monkeypatch):
     """kernels.paged_attention on the CPU: decodes through the decode kernel (prefill chunks
     through theirs: test_cpu_prefill_attention.py), one output."""
     monkeypatch.delenv("PDSERVE_ATTENTION", raising=False)
+    reload_env()
     calls = []
     real = cpu_native.paged_decode_attention
     monkeypatch.setattr(cpu_native, "paged_decode_attention", lambda *a: calls.append(a) or real(*a))
@@ -73,6 +75,7 @@ def test_mixed_batch_through_dispatch(monkeypatch):
     assert len(calls) == 1
     torch.testing.assert_close(out.double(), reference(case), atol=1e-5, rtol=1e-5)
     monkeypatch.setenv("PDSERVE_ATTENTION", "torch")  # the pure-torch reference path
+    reload_env()
     out = kernels.paged_attention(case.query, case.key, case.value, case.kv_layer, case.meta, case.scale)
     assert len(calls) == 1 and torch.equal(out, run_torch(case))
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from pdserve import kernels
+from pdserve.env import reload as reload_env
 from pdserve.kernels import cpu_native
 from tests.kernels.test_cpu_native_attention import HAVE_CC
 from tests.kernels.test_torch_attention import MIXED, SHAPES, make_case, reference
@@ -82,6 +83,7 @@ def test_same_bits_at_any_thread_count():
 
 def test_dispatch_sends_decodes_and_prefills_to_their_kernels(monkeypatch):
     monkeypatch.delenv("PDSERVE_ATTENTION", raising=False)
+    reload_env()
     calls = []
     for name in ("paged_decode_attention", "paged_prefill_attention"):
         real = getattr(cpu_native, name)

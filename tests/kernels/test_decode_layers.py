@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from pdserve.engine.models.cpu_linear import FEW_ROWS
+from pdserve.env import reload as reload_env
 from pdserve.kernels import decode_layers
 from tests.conftest import random_prompts
 from tests.engine.test_engine_vs_hf import GREEDY, make_engine
@@ -66,8 +67,10 @@ def test_steps_it_is_not_for_run_layer_by_layer(tiny_llama, monkeypatch):
     assert fused(small, fp) is None  # a prefill worker streams per layer
     fp.ctx.on_layer_stored = None
     monkeypatch.setenv("PDSERVE_FUSED_DECODE", "off")
+    reload_env()
     assert fused(small, fp) is None
     monkeypatch.setenv("PDSERVE_FUSED_DECODE", "on")
+    reload_env()
     assert fused(small, fp) is not None
 
 
@@ -100,6 +103,7 @@ def test_greedy_output_is_the_same_with_it_off(tiny_model, monkeypatch):
     on = engine.generate(prompts, GREEDY)
     assert len(calls) >= GREEDY.max_tokens - 1  # every decode step of the batch
     monkeypatch.setenv("PDSERVE_FUSED_DECODE", "off")
+    reload_env()
     calls.clear()
     assert make_engine(tiny_model).generate(prompts, GREEDY) == on
     assert not calls

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from pdserve import kernels
+from pdserve.env import reload as reload_env
 from pdserve.kernels import AttentionMetadata, torch_attention
 
 
@@ -203,14 +204,16 @@ def test_dispatch_on_cpu(monkeypatch):
     case = make_case(MIXED, 3, 4, 2, 16, 16, seed=8)
     ref = run_torch(case)
     monkeypatch.delenv("PDSERVE_ATTENTION", raising=False)
+    reload_env()
     out = kernels.paged_attention(case.query, case.key, case.value, case.kv_layer, case.meta, case.scale)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     monkeypatch.setenv("PDSERVE_ATTENTION", "torch")
+    reload_env()
     out = kernels.paged_attention(case.query, case.key, case.value, case.kv_layer, case.meta, case.scale)
     assert torch.equal(out, ref)
     monkeypatch.setenv("PDSERVE_ATTENTION", "bogus")
-    with pytest.raises(ValueError, match="PDSERVE_ATTENTION"):
-        kernels.paged_attention(case.query, case.key, case.value, case.kv_layer, case.meta, case.scale)
+    with pytest.raises(ValueError, match="PDSERVE_ATTENTION"):  # refused when the environment is read
+        reload_env()
 
 
 def test_metadata_build_validates():

@@ -90,6 +90,8 @@ def _dispatch_ok() -> float:
     from tests.kernels.test_torch_attention import make_case
     case = make_case(MIXED[:4], 3, 4, 2, 16, 16, seed=9)
     os.environ["PDSERVE_ATTENTION"] = "triton"
+    from pdserve.env import reload
+    reload()
     via = kernels.paged_attention(case.query, case.key, case.value, case.kv_layer, case.meta, case.scale)
     direct = triton_attention.paged_attention(case.query, case.key, case.value, case.kv_layer, case.meta,
                                               case.scale)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve.env import reload as reload_env
 from pdserve.protocol.auth import (
     MAC_SIZE,
     AuthError,
@@ -87,21 +88,28 @@ def test_secret_rules(monkeypatch, tmp_path):
 
     monkeypatch.delenv("PDSERVE_CLUSTER_SECRET", raising=False)
     monkeypatch.delenv("PDSERVE_CLUSTER_SECRET_FILE", raising=False)
+    reload_env()
     with pytest.raises(ClusterSecretError, match="PDSERVE_CLUSTER_SECRET"):
         load_cluster_secret()
     monkeypatch.setenv("PDSERVE_CLUSTER_SECRET", SECRET.hex())
+    reload_env()
     assert load_cluster_secret() == SECRET
     monkeypatch.setenv("PDSERVE_CLUSTER_SECRET", "not hex!")
+    reload_env()
     with pytest.raises(ClusterSecretError, match="hex"):
         load_cluster_secret()
     monkeypatch.setenv("PDSERVE_CLUSTER_SECRET", "abcd")
+    reload_env()
     with pytest.raises(ClusterSecretError, match="at least"):
         load_cluster_secret()
     monkeypatch.delenv("PDSERVE_CLUSTER_SECRET")
+    reload_env()
     f = tmp_path / "secret"
     f.write_text(SECRET.hex() + "\n")
     monkeypatch.setenv("PDSERVE_CLUSTER_SECRET_FILE", str(f))
+    reload_env()
     assert load_cluster_secret() == SECRET
     monkeypatch.setenv("PDSERVE_CLUSTER_SECRET_FILE", str(tmp_path / "missing"))
+    reload_env()
     with pytest.raises(ClusterSecretError, match="cannot read"):
         load_cluster_secret()
