@@ -29,16 +29,15 @@ from pdserve.gateway.limits import GatewayLimits
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.openapi import openapi_endpoint
 from pdserve.gateway.schemas import ParsedRequest, parse_request
-from pdserve.gateway.slow_clients import WriteTimeout
 from pdserve.protocol.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
 
 class _EventStream(StreamingResponse):
-    """An SSE response that closes its event generator however the response ends: a write cut
-    short (slow_clients.WriteTimeout) would otherwise leave the generator suspended, its
-    request still counted in flight, until garbage collection."""
+    """An SSE response that closes its event generator however the response ends: a client gone
+    mid-write (or cut by gateway/slow_clients.py) would otherwise leave the generator suspended,
+    its request still counted in flight and open upstream, until garbage collection."""
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -84,14 +83,15 @@ class GatewayApp:
             raise APIError(413, f"request body over {self.limits.max_body_bytes} bytes", code="body_too_large")
         body = bytearray()
         chunks = request.stream().__aiter__()
+        deadline = time.monotonic() + self.limits.body_read_timeout_s  # for the whole body: no dribbling
         while True:
-            try:  # a client that stops sending its body holds nothing for long
-                chunk = await asyncio.wait_for(chunks.__anext__(), self.limits.body_read_timeout_s)
+            try:
+                chunk = await asyncio.wait_for(chunks.__anext__(), max(0.0, deadline - time.monotonic()))
             except StopAsyncIteration:
                 break
             except asyncio.TimeoutError:
                 raise APIError(408, f"request body not received within {self.limits.body_read_timeout_s:g} s",
-                               code="body_timeout") from None
+                               code="body_timeout", headers={"Connection": "close"}) from None
             body += chunk
             if len(body) > self.limits.max_body_bytes:
                 raise APIError(413, f"request body over {self.limits.max_body_bytes} bytes", code="body_too_large")
@@ -218,7 +218,6 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_model_len: i
         Route("/openapi.json", openapi_endpoint(gw), methods=["GET"]),
     ])
     app.state.gateway = gw
-    app.add_middleware(WriteTimeout, timeout_s=gw.limits.stream_write_timeout_s, on_cut=gw.stream_cut)
     if api_key:
         app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
     return app

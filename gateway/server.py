@@ -13,6 +13,7 @@ from pdserve.gateway.admission import QueueLimits
 from pdserve.gateway.app import create_app
 from pdserve.gateway.cluster_backend import ClusterBackend
 from pdserve.gateway.limits import GatewayLimits
+from pdserve.gateway.slow_clients import http_protocol
 from pdserve.protocol.auth import FrameAuth
 
 log = logging.getLogger(__name__)
@@ -64,8 +65,10 @@ def serve_gateway(opts: GatewayOptions, auth: FrameAuth) -> None:
 
     async def main() -> None:
         await backend.start()
+        gw = app.state.gateway  # its limits: header, body and write deadlines on each connection
         server = uvicorn.Server(uvicorn.Config(app, host=opts.host, port=opts.port, log_level="warning",
-                                               lifespan="off", timeout_graceful_shutdown=25))
+                                               lifespan="off", timeout_graceful_shutdown=25,
+                                               http=http_protocol(gw.limits, gw.stream_cut)))
         log.info("gateway on http://%s:%d", opts.host, opts.port)
         try:
             await server.serve()

@@ -1,58 +1,164 @@
-"""Clients that read too slowly: a stalled reader must not hold memory or a stream open.
+"""Slow clients: a client that stalls, on either side of its connection, holds nothing for long
+and blocks no one (asyncio: every connection is its own set of callbacks).
 
-Two bounds, both per request:
-- `GatewayLimits.max_stream_buffer` outputs may wait in the gateway for a client that reads
-  slower than tokens come (the HTTP writer blocks on TCP flow control and stops draining them);
-  past it the request is aborted upstream, so its KV blocks come back at once, and the client
-  gets an error event if it ever reads again (gateway/generation.py `GenerationRun._pump`).
-- `WriteTimeout`: one response write that waits on the client for `stream_write_timeout_s`
-  ends the response; uvicorn then closes the connection, and the stream's own cleanup aborts
-  whatever is still upstream.
-Each cut is counted in `pdserve_streams_cut_total{reason}` and logged in one line.
+- Reading too slowly: at most `GatewayLimits.max_stream_buffer` outputs wait in the gateway for
+  a stream's client (the HTTP writer blocks on TCP flow control and stops draining them); past it
+  the request is aborted upstream, so its KV blocks come back at once, and the client gets an
+  error event if it ever reads again (gateway/generation.py `GenerationRun._pump`).
+- Not reading at all: a connection whose writes stay paused on flow control (or whose last
+  bytes stay unsent) for `stream_write_timeout_s` is aborted (`SlowClientProtocol`). The request
+  then ends as for any client gone: the stream's cleanup closes its backend streams, which
+  aborts it on the workers. An abort, not a close: a close waits for the unread bytes to be
+  sent, which for such a client is forever (the fd and buffers with it).
+- Sending too slowly: headers not complete `header_timeout_s` after the connection opened or the
+  request began get a 408, more than `max_header_bytes` of them a 431 (uvicorn has neither under
+  httptools); a body not received whole within `body_read_timeout_s` gets a 408 (gateway/app.py).
+Each cut of a reader is counted in `pdserve_streams_cut_total{reason}` and logged in one line.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
 import logging
 from collections.abc import Callable
 
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from pdserve.gateway.limits import GatewayLimits
+
 log = logging.getLogger(__name__)
 
-
-class _ClientStalled(Exception):
-    pass
+_REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 
 
-def _is_stall(exc: BaseException) -> bool:
-    """The stall itself, or an exception group (Starlette's task groups) holding it."""
-    return isinstance(exc, _ClientStalled) or any(_is_stall(e) for e in getattr(exc, "exceptions", ()))
+class SlowClientProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with deadlines on the client: headers (408/431) and writes
+    left unread (abort, `on_cut("write_timeout")`)."""
 
+    def __init__(self, *args, limits: GatewayLimits, on_cut: Callable[[str], None], **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.limits, self.on_cut = limits, on_cut
+        self._header_timer: asyncio.TimerHandle | None = None  # set while request headers are due
+        self._header_bytes = 0
+        self._write_timer: asyncio.TimerHandle | None = None
+        self._refused = False  # answered 408/431: what the client still sends is dropped
 
-class WriteTimeout:
-    """Pure ASGI: a response body write blocked longer than `timeout_s` on a client that does
-    not read ends the response (`on_cut("write_timeout")` is called)."""
+    # --- headers ------------------------------------------------------------------------------
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm_header_timer()  # a connection that sends nothing is closed too
 
-    def __init__(self, app, timeout_s: float, on_cut: Callable[[str], None]) -> None:
-        self.app, self.timeout_s, self.on_cut = app, timeout_s, on_cut
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        super().data_received(data)
+        if self._header_timer is not None:  # the headers are still coming
+            self._header_bytes += len(data)
+            if self._header_bytes > self.limits.max_header_bytes:
+                self._refuse(431, f"request headers over {self.limits.max_header_bytes} bytes",
+                             "headers_too_large")
 
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._header_bytes = 0
+        if self._header_timer is None:  # on a kept-alive connection: from the request's first byte
+            self._arm_header_timer()
 
-        async def timed_send(message) -> None:
-            if message["type"] != "http.response.body":
-                return await send(message)
-            try:
-                await asyncio.wait_for(send(message), self.timeout_s)
-            except asyncio.TimeoutError:
-                raise _ClientStalled from None
-
+    def on_headers_complete(self) -> None:
+        self._cancel_header_timer()
+        size = len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
+        if size <= self.limits.max_header_bytes:
+            return super().on_headers_complete()
+        app, self.app = self.app, self._headers_too_large  # this request only, the way uvicorn answers 503s
         try:
-            await self.app(scope, receive, timed_send)
-        except Exception as e:
-            if not _is_stall(e):
-                raise
-            self.on_cut("write_timeout")
-            client = scope.get("client") or ("?", 0)
-            log.warning("cut the stream to %s:%s %s: the client read nothing for %g s", client[0], client[1],
-                        scope.get("path", ""), self.timeout_s)
+            super().on_headers_complete()
+        finally:
+            self.app = app
+
+    async def _headers_too_large(self, scope, receive, send) -> None:
+        body = _envelope(f"request headers over {self.limits.max_header_bytes} bytes", "headers_too_large")
+        await send({"type": "http.response.start", "status": 431, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)), (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
+
+    def _arm_header_timer(self) -> None:
+        self._header_timer = self.loop.call_later(
+            self.limits.header_timeout_s, self._refuse, 408,
+            f"request headers not received within {self.limits.header_timeout_s:g} s", "header_timeout")
+
+    def _cancel_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _refuse(self, status: int, message: str, code: str) -> None:
+        """Answer a request whose headers never came whole, then close (a lingering close: the
+        client reads the answer, the header timeout bounds how long we wait for it to)."""
+        self._cancel_header_timer()
+        self._refused = True
+        if self.transport.is_closing():
+            return
+        if self.scope is None:  # not a byte on this connection: nothing to answer
+            self.transport.close()
+            return
+        if self.cycle is not None and not self.cycle.response_complete:
+            self.cycle.keep_alive = False  # a pipelined request: close once the response in progress ends
+            return
+        body = _envelope(message, code)
+        self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                             b"connection: close\r\n\r\n%s" % (status, _REASONS[status], len(body), body))
+        self.transport.write_eof()
+        self.loop.call_later(self.limits.header_timeout_s, self.transport.abort)
+
+    # --- writes the client leaves unread ------------------------------------------------------
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self._arm_write_timer()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._cancel_write_timer()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self.transport.get_write_buffer_size():  # its last bytes must still reach the client
+            self._arm_write_timer()
+
+    def connection_lost(self, exc) -> None:
+        self._cancel_header_timer()
+        self._cancel_write_timer()
+        super().connection_lost(exc)
+
+    def _arm_write_timer(self) -> None:
+        self._cancel_write_timer()
+        self._write_timer = self.loop.call_later(self.limits.stream_write_timeout_s, self._write_stalled)
+
+    def _cancel_write_timer(self) -> None:
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+
+    def _write_stalled(self) -> None:
+        self._write_timer = None
+        if not self.transport.get_write_buffer_size():
+            return
+        if not (self.flow.write_paused or self.transport.is_closing()):
+            return self._arm_write_timer()  # a response's tail still going out: look again later
+        self.on_cut("write_timeout")
+        client = self.client or ("?", 0)
+        path = self.scope.get("path", "") if self.scope else ""
+        log.warning("cut the connection of %s:%s (%s): it read nothing for %g s, %d bytes left unsent",
+                    client[0], client[1], path, self.limits.stream_write_timeout_s,
+                    self.transport.get_write_buffer_size())
+        self.transport.abort()  # connection_lost: the request ends as for any client gone
+
+
+def _envelope(message: str, code: str) -> bytes:
+    return json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                 "code": code}}).encode()
+
+
+def http_protocol(limits: GatewayLimits, on_cut: Callable[[str], None]) -> Callable[..., SlowClientProtocol]:
+    """The `http=` of a uvicorn.Config serving the gateway."""
+    return functools.partial(SlowClientProtocol, limits=limits, on_cut=on_cut)
