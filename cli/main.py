@@ -15,6 +15,21 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _add_admission_args(p: argparse.ArgumentParser) -> None:
+    """The gateway's queue and client limits: `pdserve serve` passes them on to its gateway."""
+    p.add_argument("--max-queued-requests", type=int, default=1024,
+                   help="requests waiting per pool for a worker to take them; more get 429 + Retry-After")
+    p.add_argument("--max-queued-tokens", type=int, default=2**21,
+                   help="prompt tokens waiting per pool; more get 429 + Retry-After")
+    p.add_argument("--max-queue-wait", type=_positive_float, default=300.0,
+                   help="seconds a request may wait for a worker to take it before a 503 + Retry-After "
+                        "(before any token: a started request never fails on a queue timer)")
+    p.add_argument("--stream-write-timeout", type=_positive_float, default=30.0,
+                   help="seconds a client may leave a streamed response unread before it is cut (and aborted)")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template file for /v1/chat/completions (default: the tokenizer's own)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -37,17 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=None)
     s.add_argument("--served-model-name", default=None)
     s.add_argument("--request-timeout", type=float, default=None, help="seconds; longer requests end with an error")
-    s.add_argument("--max-queued-requests", type=int, default=1024,
-                   help="requests waiting per pool for a worker to take them; more get 429 + Retry-After")
-    s.add_argument("--chat-template", default=None,
-                   help="a Jinja chat template file for /v1/chat/completions (default: the tokenizer's own)")
-    s.add_argument("--stream-write-timeout", type=_positive_float, default=30.0,
-                   help="seconds a client may leave a streamed response unread before it is cut (and aborted)")
-    s.add_argument("--max-queued-tokens", type=int, default=2**21,
-                   help="prompt tokens waiting per pool; more get 429 + Retry-After")
-    s.add_argument("--max-queue-wait", type=_positive_float, default=300.0,
-                   help="seconds a request may wait for a worker to take it before a 503 + Retry-After "
-                        "(before any token: a started request never fails on a queue timer)")
+    _add_admission_args(s)
     s.add_argument("--lease-ttl", type=float, default=30.0,
                    help="seconds a decode worker's KV reservation stays valid (and quarantined after an abort)")
     s.add_argument("--on-decode-failure", default="migrate", choices=["migrate", "fail"],
@@ -86,17 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--served-model-name", default=None)
     g.add_argument("--on-decode-failure", default="migrate", choices=["migrate", "fail"])
     g.add_argument("--request-timeout", type=float, default=None, help="seconds; longer requests end with an error")
-    g.add_argument("--max-queued-requests", type=int, default=1024,
-                   help="requests waiting per pool for a worker to take them; more get 429 + Retry-After")
-    g.add_argument("--chat-template", default=None,
-                   help="a Jinja chat template file for /v1/chat/completions (default: the tokenizer's own)")
-    g.add_argument("--stream-write-timeout", type=_positive_float, default=30.0,
-                   help="seconds a client may leave a streamed response unread before it is cut (and aborted)")
-    g.add_argument("--max-queued-tokens", type=int, default=2**21,
-                   help="prompt tokens waiting per pool; more get 429 + Retry-After")
-    g.add_argument("--max-queue-wait", type=_positive_float, default=300.0,
-                   help="seconds a request may wait for a worker to take it before a 503 + Retry-After "
-                        "(before any token: a started request never fails on a queue timer)")
+    _add_admission_args(g)
     g.add_argument("--stuck-after", type=float, default=30.0,
                    help="seconds a worker with work pending may go without finishing an engine step "
                         "before it counts as dead (heartbeats alone do not keep it alive)")

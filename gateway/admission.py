@@ -150,7 +150,7 @@ class AdmissionQueue(Generic[T]):
 
     def _dispatch(self) -> None:
         """Hand turns to the oldest waiters, as many as there may be free seats (at least one)."""
-        if self._blocked:
+        if self._blocked or not self._waiting:  # (a request ending with nobody queued: nothing to do)
             return
         budget = max(1, self._free_slots()) - self._turns_out
         while budget > 0 and self._waiting:

@@ -12,20 +12,13 @@ import urllib.request
 import pytest
 
 from tests.e2e.cluster import free_port
+from tests.reliability.procs import processes
 
 pytestmark = pytest.mark.slow
 
 
 def members(pgid: int) -> list[str]:
-    out = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            stat = open(f"/proc/{pid}/stat").read()
-            if int(stat.rsplit(")", 1)[1].split()[2]) == pgid:
-                out.append(open(f"/proc/{pid}/cmdline").read().replace("\0", " ")[:120])
-        except (OSError, IndexError, ValueError):
-            pass
-    return out
+    return [" ".join(p.argv)[:120] for p in processes() if p.pgid == pgid]
 
 
 def group_empty_within(pgid: int, seconds: float) -> bool:

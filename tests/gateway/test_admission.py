@@ -35,12 +35,21 @@ def run(coro):
     return asyncio.run(coro)
 
 
+def arrive(q: AdmissionQueue, pool: Pool, n: int, tokens: int) -> list[asyncio.Task]:
+    """Requests r0 .. r{n-1} of `tokens` prompt tokens each, arriving in order."""
+    return [asyncio.create_task(q.admit(tokens, pool.starter(f"r{i}"))) for i in range(n)]
+
+
+def assert_empty(q: AdmissionQueue) -> None:
+    assert q.stats().depth == 0 and q.stats().tokens == 0 and q._turns_out == 0
+
+
 def test_waits_in_fifo_order_until_seats_free():
     async def go():
         pool = Pool(seats=1)
         waits: list[tuple[str, float]] = []
         q = AdmissionQueue("decode", QueueLimits(), pool.free, lambda pool_, s: waits.append((pool_, s)))
-        tasks = [asyncio.create_task(q.admit(10, pool.starter(f"r{i}"))) for i in range(5)]
+        tasks = arrive(q, pool, 5, 10)
         await asyncio.sleep(0.01)
         assert pool.started == ["r0"] and q.stats().depth == 4 and q.stats().tokens == 40
         for _ in range(4):  # one seat frees at a time (a request ended): the oldest waiter starts
@@ -49,7 +58,7 @@ def test_waits_in_fifo_order_until_seats_free():
             await asyncio.sleep(0.01)
         assert await asyncio.gather(*tasks) == ["r0", "r1", "r2", "r3", "r4"]
         assert pool.started == ["r0", "r1", "r2", "r3", "r4"]
-        assert q.stats().depth == 0 and q.stats().tokens == 0
+        assert_empty(q)
         assert [p for p, _ in waits] == ["decode"] * 5
     run(go())
 
@@ -58,7 +67,7 @@ def test_blocked_queue_makes_no_attempts_until_notified():
     async def go():
         pool = Pool(seats=0)
         q = AdmissionQueue("decode", QueueLimits(), pool.free)
-        tasks = [asyncio.create_task(q.admit(1, pool.starter(f"r{i}"))) for i in range(3)]
+        tasks = arrive(q, pool, 3, 1)
         await asyncio.sleep(0.05)
         tried = pool.attempts
         assert tried <= 4  # each tried once at arrival (nobody queued yet) or got one turn: no busy loop
@@ -74,14 +83,14 @@ def test_bounds_refuse_with_429_and_timeouts_with_503():
     async def go():
         pool = Pool(seats=0)
         q = AdmissionQueue("colocated", QueueLimits(max_requests=2, max_tokens=100, max_wait_s=0.2), pool.free)
-        waiting = [asyncio.create_task(q.admit(40, pool.starter(f"r{i}"))) for i in range(2)]
+        waiting = arrive(q, pool, 2, 40)
         await asyncio.sleep(0.01)
         with pytest.raises(QueueFull) as full:  # a third request
             await q.admit(1, pool.starter("r2"))
         assert full.value.status == 429 and full.value.retry_after_s >= 1
         results = await asyncio.gather(*waiting, return_exceptions=True)
         assert all(isinstance(r, QueueTimeout) and r.status == 503 for r in results)
-        assert q.stats().depth == 0 and q.stats().tokens == 0
+        assert_empty(q)
         q2 = AdmissionQueue("decode", QueueLimits(max_tokens=100), pool.free)
         first = asyncio.create_task(q2.admit(80, pool.starter("big")))
         await asyncio.sleep(0.01)
@@ -95,7 +104,7 @@ def test_cancelled_waiters_leave_no_trace():
     async def go():
         pool = Pool(seats=0)
         q = AdmissionQueue("decode", QueueLimits(), pool.free)
-        tasks = [asyncio.create_task(q.admit(5, pool.starter(f"r{i}"))) for i in range(4)]
+        tasks = arrive(q, pool, 4, 5)
         await asyncio.sleep(0.01)
         tasks[1].cancel()  # a client went away while it waited
         pool.seats = 1
@@ -106,7 +115,7 @@ def test_cancelled_waiters_leave_no_trace():
         q.notify()
         done = await asyncio.gather(*tasks, return_exceptions=True)
         assert sorted(r for r in done if isinstance(r, str)) in (["r2", "r3"], ["r0", "r2", "r3"])
-        assert q.stats().depth == 0 and q.stats().tokens == 0 and q._turns_out == 0
+        assert_empty(q)
     run(go())
 
 

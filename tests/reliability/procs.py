@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tests.e2e.cluster import all_workers_joined, free_port
+from tests.reliability.ledger import node_gauges
 
 
 @dataclass
@@ -107,3 +108,36 @@ def wait_until(pred: Callable[[], bool], timeout_s: float, step_s: float = 0.05)
 def resume(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGCONT)
+
+
+@dataclass(frozen=True)
+class Proc:
+    pid: int
+    ppid: int
+    pgid: int
+    argv: list[str]
+
+
+def processes() -> list[Proc]:
+    """Every process /proc shows (those gone while read are skipped)."""
+    out = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
+            argv = open(f"/proc/{entry}/cmdline").read().split("\0")
+        except (OSError, IndexError):
+            continue
+        out.append(Proc(int(entry), int(fields[1]), int(fields[2]), argv))
+    return out
+
+
+def rss_mib(pid: int) -> float:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def worker_pids(base: str) -> dict[str, int]:
+    """{node id: pid} of every live worker (node ids are role-host-pid-hex)."""
+    return {node: int(node.split("-")[-2]) for node in node_gauges(base, "pdserve_kv_blocks_total")}

@@ -17,8 +17,7 @@ import pytest
 
 from tests.conftest import hf_greedy, random_prompts
 from tests.reliability.ledger import assert_canary_served, node_gauges, wait_ledger_balanced
-from tests.reliability.procs import served
-from tests.reliability.test_soak import rss_mib
+from tests.reliability.procs import processes, rss_mib, served, worker_pids
 
 pytestmark = pytest.mark.slow
 
@@ -28,25 +27,6 @@ MAX_TOKENS = 8
 # serve's flags and --max-queued-requests: a queue of 64 holds a whole burst (everything is
 # served); one of 20 refuses the rest up front
 MODES = {"1P1D": ((), 64), "2P1D": (("--prefill-workers", "2"), 20), "colocated": (("--colocated",), 20)}
-
-
-def child_pid(parent: int, role: str) -> int:
-    """The pid of `pdserve serve`'s child running `role` (e.g. "gateway")."""
-    import os
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                ppid = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1])
-                argv = open(f"/proc/{entry}/cmdline").read().split("\0")
-            except (OSError, IndexError, ValueError):
-                continue
-            if ppid == parent and role in argv:
-                return int(entry)
-    raise LookupError(f"no {role} child of {parent}")
-
-
-def worker_pids(base: str) -> dict[str, int]:
-    return {node: int(node.split("-")[-2]) for node in node_gauges(base, "pdserve_kv_blocks_total")}
 
 
 async def one(client: httpx.AsyncClient, prompt: list[int]) -> dict:
@@ -179,7 +159,7 @@ def test_thousand_concurrent_streams_on_a_real_cluster(tiny_llama):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(tiny_llama)
     with served(tiny_llama) as srv:
-        gateway = child_pid(srv.proc.pid, "gateway")
+        (gateway,) = [p.pid for p in processes() if p.ppid == srv.proc.pid and "gateway" in p.argv]
         idle_rss = rss_mib(gateway)
         t0 = time.monotonic()
         results = asyncio.run(go(srv.base, gateway))

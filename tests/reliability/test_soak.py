@@ -15,23 +15,13 @@ import httpx
 import pytest
 
 from tests.e2e.cluster import running_server
+from tests.reliability.procs import rss_mib, worker_pids
 from tests.reliability.test_client_disconnect import node_gauges, wait_all_idle
 from tests.reliability.test_worker_failure import busy_decode_pid
 
 pytestmark = pytest.mark.slow
 
 N, CONCURRENCY = 240, 16
-
-
-def rss_mib(pid: int) -> float:
-    for line in open(f"/proc/{pid}/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
-
-
-def worker_pids(base: str) -> dict[str, int]:
-    return {node: int(node.split("-")[-2]) for node in node_gauges(base, "pdserve_kv_blocks_total")}
 
 
 async def soak(base: str, kill_at: int | None, seed: int = 0) -> tuple[dict[str, int], int | None]:
