@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 
+from pdserve.cli.topology import step_budget
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 
 
@@ -25,26 +26,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", type=parse_size, default=parse_size("1GiB"),
                    help="KV cache budget, e.g. 512MiB (default 1GiB)")
     g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of a step (default: 512 for a prefill or colocated worker on CPU, "
+                        "else 2048; cli/topology.py)")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "shortest-first"],
                    help="which waiting prompt is prefilled next: arrival order, or the shortest "
                         "(aged by its wait, so none starves): more requests within a TTFT SLO under load")
     g.add_argument("--threads", type=int, default=None, help="torch threads for this worker")
     g.add_argument("--seed", type=int, default=None)
-
-
-def engine_args_to_argv(args: argparse.Namespace) -> list[str]:
-    """Re-emit the engine flags (serve passes them on to the worker processes)."""
-    out = ["--dtype", args.dtype, "--device", args.device, "--block-size", str(args.block_size),
-           "--kv-cache-memory", str(args.kv_cache_memory), "--max-num-seqs", str(args.max_num_seqs),
-           "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-           "--scheduling-policy", args.scheduling_policy]
-    for flag, value in (("--model", args.model), ("--num-blocks", args.num_blocks),
-                        ("--max-model-len", args.max_model_len), ("--seed", args.seed)):
-        if value is not None:
-            out += [flag, str(value)]
-    return out
 
 
 def resolve_model(model: str | None) -> str:
@@ -54,11 +44,14 @@ def resolve_model(model: str | None) -> str:
     return str(default_model_path())
 
 
-def engine_config(args: argparse.Namespace) -> EngineConfig:
+def engine_config(args: argparse.Namespace, role: str, budget: int | None = None) -> EngineConfig:
+    """The engine flags as a `role` worker's config (its step budget planned by cli/topology.py;
+    `budget` given wins)."""
     return EngineConfig(
         model=resolve_model(args.model), dtype=args.dtype, device=args.device, seed=args.seed,
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                           memory_bytes=args.kv_cache_memory),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
-                                  max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_num_batched_tokens=step_budget(role, args.device,
+                                                                     budget or args.max_num_batched_tokens),
                                   max_model_len=args.max_model_len, policy=args.scheduling_policy))

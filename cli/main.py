@@ -81,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "gives a queue's first prompts their first token sooner; else --max-num-batched-tokens)")
 
     g = sub.add_parser("gateway", help="the HTTP gateway alone")
+    g.add_argument("--settings", default=None, metavar="FILE",
+                   help="start from this settings file (JSON, as `pdserve serve` writes), with no other flags")
     g.add_argument("--model", default=None, help="model folder (tokenizer, chat template, config)")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
@@ -106,16 +108,17 @@ def build_parser() -> argparse.ArgumentParser:
             w.add_argument("--lease-ttl", type=float, default=30.0, help="seconds a KV lease stays valid")
             w.add_argument("--idle-threads", type=int, default=None,
                            help="torch threads while no prefill for this worker is in flight, borrowing "
-                                "the prefill pool's cores on a shared machine (default: --threads)")
-            w.add_argument("--step-interval-ms", type=float, default=0.0,
+                                "the prefill pool's cores on a shared machine (default, alone on a machine: --threads)")
+            w.add_argument("--step-interval-ms", type=float, default=None,
                            help="while prompts for this worker queue behind a prefill, space decode steps up to this "
-                                "far apart (at a queue of 2 prompts), leaving the gaps to prefill (0: back to back)")
+                                "far apart (at a queue of 2 prompts), leaving the gaps to prefill (0, the default "
+                                "for a worker alone on its machine: back to back)")
         if role == "prefill":
             w.add_argument("--lanes", type=int, default=1,
                            help="threads that each run a prefill step (of --threads torch threads), in parallel")
-            w.add_argument("--idle-lanes", type=int, default=0,
+            w.add_argument("--idle-lanes", type=int, default=None,
                            help="more such lanes at SCHED_IDLE priority: they use only cycles no other "
-                                "process wants (the decode pool's idle cores on a shared machine)")
+                                "process wants (default: the machine's cores outside --threads, in lanes of --threads)")
         if role in ("prefill", "decode"):
             roles.add_kv_args(w, role)
         w.set_defaults(func=fn)
@@ -158,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "bench-kv":
         from pdserve.kvtransfer.bench import bench_kv_main
         return bench_kv_main(argv[1:])
+    if argv and argv[0] in ("prefill", "decode", "colocated", "gateway") and "--settings" in argv:
+        if len(argv) != 3 or argv[1] != "--settings":
+            raise SystemExit(f"pdserve {argv[0]}: --settings FILE takes no other flags (the file holds them all)")
+        return roles.run_from_file(argv[0], argv[2])
     args = build_parser().parse_args(argv)
     return args.func(args)
 

@@ -1,10 +1,17 @@
-"""`pdserve prefill|decode|colocated|gateway`: one role per process (pools scale separately)."""
+"""`pdserve prefill|decode|colocated|gateway`: one role per process (pools scale separately).
+
+A worker starts from one settings struct (pdserve/runtime/worker_settings.py): built here from
+its flags, with the machine-dependent defaults planned by cli/topology.py as for a worker alone
+on its machine, or read from `--settings FILE` (what `pdserve serve` writes for its children).
+"""
 from __future__ import annotations
 
 import argparse
 import logging
+import socket
 
 from pdserve.cli.engine_args import add_engine_args, engine_config, resolve_model
+from pdserve.cli.topology import Topology, decode_idle_threads, decode_step_interval_ms, prefill_idle_lanes
 from pdserve.env import settings
 
 log = logging.getLogger("pdserve")
@@ -29,6 +36,8 @@ def _auth():
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
+    p.add_argument("--settings", default=None, metavar="FILE",
+                   help="start from this settings file (JSON, as `pdserve serve` writes), with no other flags")
     p.add_argument("--gateway", action="append", required=True,
                    help="gateway inbox address, e.g. tcp://10.0.0.5:7100 (repeatable)")
     p.add_argument("--bind", default="tcp://127.0.0.1:0", help="this worker's control inbox")
@@ -47,51 +56,115 @@ def add_kv_args(p: argparse.ArgumentParser, role: str) -> None:
                             "(default: the bound --kv-bind address)")
 
 
-def run_prefill(args: argparse.Namespace) -> int:
-    _setup("prefill", args.threads)
-    from pdserve.prefill_node.worker import PrefillWorker
-    PrefillWorker(engine_config(args), _auth(), args.bind, args.gateway, host=_host(args),
-                  kv_payload_mac=args.kv_payload_mac, lanes=args.lanes, idle_lanes=args.idle_lanes).run()
+# --- settings from flags (a worker alone on its machine) ------------------------------------
+def prefill_settings(args: argparse.Namespace):
+    from pdserve.prefill_node.settings import PrefillSettings
+    topo = Topology.alone("prefill", args.threads)
+    return PrefillSettings(engine=engine_config(args, "prefill"), control_bind=args.bind, gateways=args.gateway,
+                           host=_host(args), threads=args.threads, kv_payload_mac=args.kv_payload_mac,
+                           lanes=args.lanes, idle_lanes=prefill_idle_lanes(topo, args.idle_lanes))
+
+
+def decode_settings(args: argparse.Namespace):
+    from pdserve.decode_node.settings import DecodeSettings
+    topo = Topology.alone("decode", args.threads)
+    return DecodeSettings(engine=engine_config(args, "decode"), control_bind=args.bind, gateways=args.gateway,
+                          host=_host(args), threads=args.threads, kv_bind=args.kv_bind,
+                          kv_advertise=args.kv_advertise, shared_memory=not args.no_shm,
+                          lease_ttl_s=args.lease_ttl, kv_payload_mac=args.kv_payload_mac,
+                          idle_threads=decode_idle_threads(topo, args.idle_threads),
+                          step_interval_ms=decode_step_interval_ms(topo, 0, 0.0, args.step_interval_ms))
+
+
+def colocated_settings(args: argparse.Namespace):
+    from pdserve.decode_node.settings import ColocatedSettings
+    return ColocatedSettings(engine=engine_config(args, "colocated"), control_bind=args.bind, gateways=args.gateway,
+                             host=_host(args), threads=args.threads)
+
+
+# --- running a role -------------------------------------------------------------------------
+def run_worker(role: str, worker_settings) -> int:
+    """Start the `role` worker from its settings and run it until SIGTERM."""
+    _setup(role, worker_settings.threads)
+    if role == "prefill":
+        from pdserve.prefill_node.worker import PrefillWorker as Worker
+    elif role == "decode":
+        from pdserve.decode_node.worker import DecodeWorker as Worker  # type: ignore[assignment]
+    else:
+        from pdserve.decode_node.colocated import ColocatedWorker as Worker  # type: ignore[assignment]
+    Worker(worker_settings, _auth()).run()
     return 0
+
+
+def settings_type(role: str) -> type:
+    if role == "prefill":
+        from pdserve.prefill_node.settings import PrefillSettings
+        return PrefillSettings
+    from pdserve.decode_node.settings import ColocatedSettings, DecodeSettings
+    return {"decode": DecodeSettings, "colocated": ColocatedSettings}[role]
+
+
+def run_from_file(role: str, path: str) -> int:
+    from pdserve.runtime.worker_settings import read_settings
+    if role == "gateway":
+        return _run_gateway(read_gateway_options(path))
+    try:
+        worker_settings = read_settings(path, settings_type(role))
+    except ValueError as e:
+        raise SystemExit(f"pdserve {role}: {e}") from None
+    return run_worker(role, worker_settings)
+
+
+def run_prefill(args: argparse.Namespace) -> int:
+    return run_worker("prefill", prefill_settings(args))
 
 
 def run_decode(args: argparse.Namespace) -> int:
-    _setup("decode", args.threads)
-    from pdserve.decode_node.worker import DecodeWorker
-    DecodeWorker(engine_config(args), _auth(), args.bind, args.kv_bind, args.gateway,
-                 shared_memory=not args.no_shm, host=_host(args), lease_ttl_s=args.lease_ttl,
-                 kv_advertise=args.kv_advertise, kv_payload_mac=args.kv_payload_mac,
-                 idle_threads=args.idle_threads, step_interval_ms=args.step_interval_ms).run()
-    return 0
+    return run_worker("decode", decode_settings(args))
 
 
 def run_colocated(args: argparse.Namespace) -> int:
-    _setup("colocated", args.threads)
-    from pdserve.decode_node.colocated import ColocatedWorker
-    ColocatedWorker(engine_config(args), _auth(), args.bind, args.gateway, host=_host(args)).run()
-    return 0
+    return run_worker("colocated", colocated_settings(args))
+
+
+# --- the gateway ----------------------------------------------------------------------------
+def gateway_options(args: argparse.Namespace):
+    from pdserve.gateway.admission import QueueLimits
+    from pdserve.gateway.server import GatewayOptions
+    return GatewayOptions(model=resolve_model(args.model), host=args.host, port=args.port,
+                          worker_bind=args.worker_bind, kv_transport=args.kv_transport, api_key=args.api_key,
+                          max_model_len=args.max_model_len, served_model_name=args.served_model_name,
+                          on_decode_failure=args.on_decode_failure, request_timeout_s=args.request_timeout,
+                          stream_write_timeout_s=args.stream_write_timeout, chat_template=args.chat_template,
+                          queue_limits=QueueLimits(max_requests=args.max_queued_requests,
+                                                   max_tokens=args.max_queued_tokens,
+                                                   max_wait_s=args.max_queue_wait),
+                          stuck_after_s=args.stuck_after)
+
+
+def read_gateway_options(path: str):
+    import msgspec
+
+    from pdserve.gateway.server import GatewayOptions
+    try:
+        with open(path, "rb") as f:
+            return msgspec.json.decode(f.read(), type=GatewayOptions)
+    except (OSError, msgspec.DecodeError) as e:
+        raise SystemExit(f"pdserve gateway: settings {path}: {e}") from None
 
 
 def run_gateway(args: argparse.Namespace) -> int:
+    return _run_gateway(gateway_options(args))
+
+
+def _run_gateway(options) -> int:
+    import dataclasses
+
     _setup("gateway", None)
-    from pdserve.gateway.admission import QueueLimits
-    from pdserve.gateway.server import GatewayOptions, serve_gateway
-    serve_gateway(GatewayOptions(model=resolve_model(args.model), host=args.host, port=args.port,
-                                 worker_bind=args.worker_bind, kv_transport=args.kv_transport,
-                                 api_key=args.api_key or settings().api_key,
-                                 max_model_len=args.max_model_len, served_model_name=args.served_model_name,
-                                 on_decode_failure=args.on_decode_failure,
-                                 request_timeout_s=args.request_timeout,
-                                 stream_write_timeout_s=args.stream_write_timeout,
-                                 chat_template=args.chat_template,
-                                 queue_limits=QueueLimits(max_requests=args.max_queued_requests,
-                                                          max_tokens=args.max_queued_tokens,
-                                                          max_wait_s=args.max_queue_wait),
-                                 stuck_after_s=args.stuck_after),
-                  _auth())
+    from pdserve.gateway.server import serve_gateway
+    serve_gateway(dataclasses.replace(options, api_key=options.api_key or settings().api_key), _auth())
     return 0
 
 
 def _host(args) -> str:
-    import socket
     return args.advertise_host or socket.gethostname()

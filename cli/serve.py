@@ -1,6 +1,7 @@
 """`pdserve serve`: gateway + N prefill + M decode workers (or one colocated) on this machine.
 
-Each role is its own OS process (`python -m pdserve.cli <role> ...`). Control sockets are IPC
+Each role is its own OS process (`python -m pdserve.cli <role> --settings FILE`: one typed
+struct per process, planned for this machine by cli/topology.py). Control sockets are IPC
 files in a private 0700 runtime directory; a fresh cluster secret is handed to the children
 through the environment. A worker that dies is restarted; Ctrl-C / SIGTERM stops them all.
 """
@@ -12,6 +13,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -19,8 +21,20 @@ import time
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
-from pdserve.cli.engine_args import engine_args_to_argv, resolve_model
+import msgspec
+
+from pdserve.cli import roles
+from pdserve.cli.engine_args import engine_config, resolve_model
+from pdserve.cli.topology import (
+    Topology,
+    cpu_count,
+    decode_idle_threads,
+    decode_step_interval_ms,
+    prefill_idle_lanes,
+)
 
 log = logging.getLogger("pdserve.serve")
 
@@ -29,6 +43,7 @@ log = logging.getLogger("pdserve.serve")
 class Child:
     name: str
     argv: list[str]
+    settings: Any = None  # the struct its --settings file holds
     proc: subprocess.Popen | None = None
     restarts: int = 0
     nice: int = 0  # added to the process's niceness (lower CPU priority) when > 0
@@ -46,98 +61,57 @@ class Child:
         self.proc = subprocess.Popen(self.argv, env=env, preexec_fn=in_child)
 
 
-def prefill_budget(args: argparse.Namespace) -> int:
-    """Token budget of a prefill (or colocated) worker's step. On CPU, 512 tokens a step: matmuls
-    of 512 rows already run at full speed, and a queue's first prompts get their first token
-    without waiting for the prompts batched behind them (p99 TTFT 8.2 -> 4.3 s at 1 req/s in the
-    1P1D SLO sweep); a colocated worker's decodes wait behind at most 512 prompt tokens."""
-    if args.prefill_max_num_batched_tokens:
-        return args.prefill_max_num_batched_tokens
-    if args.device == "cpu":
-        return min(512, args.max_num_batched_tokens)
-    return args.max_num_batched_tokens
-
-
-def prefill_idle_lanes(args: argparse.Namespace, threads: int) -> int:
-    """Idle lanes per prefill worker: by default the machine's cores outside the prefill pool,
-    in lanes of the prefill workers' thread count, shared among them (1P1D on 2 cores: 1)."""
-    if args.prefill_idle_lanes is not None:
-        return args.prefill_idle_lanes
-    per_lane = args.prefill_threads or threads
-    spare = max(0, (os.cpu_count() or 1) - args.prefill_workers * per_lane)
-    return spare // per_lane // args.prefill_workers
-
-
-PACING_SHARE_OF_TPOT = 0.6  # of the TPOT target: 36 ms of 60, the rest is headroom for jitter
-
-
-def decode_step_interval_ms(args: argparse.Namespace, threads: int, idle_lanes: int) -> float:
-    """Decode step pacing (decode_node/step_pacing.py): the most time between decode steps
-    while prompts queue for prefill. By default 0.6 x --tpot-slo-ms (36 ms of 60) when prefill
-    can run on the decode workers' cores (idle lanes, or more prefill and decode threads than
-    cores, as in 2P1D on 2 cores): the gaps between paced steps go to prefill. Else 0 (nobody
-    to yield to). Pacing only spaces step starts: a step that itself takes the interval or
-    longer is not delayed."""
-    if args.decode_step_interval_ms is not None:
-        return args.decode_step_interval_ms
-    want = (args.prefill_workers * (args.prefill_threads or threads)
-            + args.decode_workers * (args.decode_threads or threads))
-    shared = idle_lanes > 0 or want > (os.cpu_count() or 1)
-    return round(PACING_SHARE_OF_TPOT * args.tpot_slo_ms, 1) if shared else 0.0
+def topology(args: argparse.Namespace) -> Topology:
+    return Topology(cpus=cpu_count(), prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
+                    colocated=args.colocated, threads=args.threads, prefill_threads=args.prefill_threads,
+                    decode_threads=args.decode_threads)
 
 
 def plan_children(args: argparse.Namespace, run_dir: str) -> list[Child]:
-    py = [sys.executable, "-m", "pdserve.cli"]
-    gw_inbox = f"ipc://{run_dir}/gateway.sock"
-    n_workers = 1 if args.colocated else args.prefill_workers + args.decode_workers
-    threads = args.threads or max(1, (os.cpu_count() or 1) // n_workers)  # each worker's share
-    engine_argv = engine_args_to_argv(args)
+    """Every process's settings, planned for this machine (cli/topology.py), each started as
+    `python -m pdserve.cli ROLE --settings RUN_DIR/NAME.json`."""
+    from pdserve.decode_node.settings import ColocatedSettings, DecodeSettings
+    from pdserve.prefill_node.settings import PrefillSettings
 
-    def role_threads(role_value: int | None) -> list[str]:
-        return ["--threads", str(role_value or threads)]
+    def child(name: str, role: str, settings: Any, nice: int = 0) -> Child:
+        path = Path(run_dir) / f"{name}.json"
+        path.write_bytes(msgspec.json.format(msgspec.json.encode(settings)))
+        return Child(name, [sys.executable, "-m", "pdserve.cli", role, "--settings", str(path)], settings, nice=nice)
+
+    topo = topology(args)
+    gw_inbox = f"ipc://{run_dir}/gateway.sock"
     gw_transport = {"auto": "auto", "shm": "shm", "zmq-ipc": "zmq", "zmq-tcp": "zmq"}[args.kv_transport]
-    gateway = py + ["gateway", "--model", args.model, "--host", args.host, "--port", str(args.port),
-                    "--worker-bind", gw_inbox, "--kv-transport", gw_transport,
-                    "--on-decode-failure", args.on_decode_failure,
-                    "--max-queued-requests", str(args.max_queued_requests),
-                    "--max-queued-tokens", str(args.max_queued_tokens),
-                    "--max-queue-wait", str(args.max_queue_wait),
-                    "--stream-write-timeout", str(args.stream_write_timeout),
-                    *(["--chat-template", args.chat_template] if args.chat_template else []),
-                    "--stuck-after", str(args.stuck_after)]
-    if args.request_timeout:
-        gateway += ["--request-timeout", str(args.request_timeout)]
-    if args.served_model_name:
-        gateway += ["--served-model-name", args.served_model_name]
-    if args.max_model_len:
-        gateway += ["--max-model-len", str(args.max_model_len)]
-    children = [Child("gateway", gateway)]
-    common = ["--gateway", gw_inbox] + engine_argv
-    kv_mac = ["--kv-payload-mac", getattr(args, "kv_payload_mac", "auto")]
+    gw_args = argparse.Namespace(**{**vars(args), "worker_bind": gw_inbox, "kv_transport": gw_transport,
+                                    "api_key": None})  # the key travels in the environment, not in a file
+    children = [child("gateway", "gateway", roles.gateway_options(gw_args))]
+    host = socket.gethostname()
+
+    def common(name: str) -> dict[str, Any]:
+        return {"control_bind": f"ipc://{run_dir}/{name}.sock", "gateways": [gw_inbox], "host": host}
     if args.colocated:
-        budget = ["--max-num-batched-tokens", str(prefill_budget(args))]  # later flags win
-        children.append(Child("colocated-0", py + ["colocated", "--bind", f"ipc://{run_dir}/colocated-0.sock"]
-                              + common + budget + role_threads(None)))
+        name = "colocated-0"
+        children.append(child(name, "colocated", ColocatedSettings(
+            engine=engine_config(args, "colocated", args.prefill_max_num_batched_tokens),
+            threads=topo.share, **common(name))))
         return children
-    idle_lanes = prefill_idle_lanes(args, threads)
-    lanes = ["--idle-lanes", str(idle_lanes)]
-    pacing = ["--step-interval-ms", str(decode_step_interval_ms(args, threads, idle_lanes))]
+    idle_lanes = prefill_idle_lanes(topo, args.prefill_idle_lanes)
     for i in range(args.prefill_workers):
-        budget = ["--max-num-batched-tokens", str(prefill_budget(args))]  # later flags win
-        children.append(Child(f"prefill-{i}", py + ["prefill", "--bind", f"ipc://{run_dir}/prefill-{i}.sock"]
-                              + common + kv_mac + budget + role_threads(args.prefill_threads) + lanes,
-                              nice=args.prefill_nice))
-    # a decode worker with no prefill in flight borrows the prefill pool's cores
-    idle_threads = args.decode_idle_threads or max(args.decode_threads or threads,
-                                                   (os.cpu_count() or 1) // args.decode_workers)
+        name = f"prefill-{i}"
+        children.append(child(name, "prefill", PrefillSettings(
+            engine=engine_config(args, "prefill", args.prefill_max_num_batched_tokens),
+            threads=topo.prefill_share, kv_payload_mac=args.kv_payload_mac, idle_lanes=idle_lanes,
+            **common(name)), nice=args.prefill_nice))
     for i in range(args.decode_workers):
-        kv_bind = "tcp://127.0.0.1:0" if args.kv_transport == "zmq-tcp" else f"ipc://{run_dir}/decode-{i}-kv.sock"
-        extra = ["--no-shm"] if args.kv_transport in ("zmq-ipc", "zmq-tcp") else []
-        children.append(Child(f"decode-{i}", py + ["decode", "--bind", f"ipc://{run_dir}/decode-{i}.sock",
-                                                  "--kv-bind", kv_bind, "--lease-ttl", str(args.lease_ttl)]
-                              + extra + common + kv_mac
-                              + role_threads(args.decode_threads) + ["--idle-threads", str(idle_threads)]
-                              + pacing))
+        name = f"decode-{i}"
+        kv_bind = "tcp://127.0.0.1:0" if args.kv_transport == "zmq-tcp" else f"ipc://{run_dir}/{name}-kv.sock"
+        children.append(child(name, "decode", DecodeSettings(
+            engine=engine_config(args, "decode"), threads=topo.decode_share, kv_bind=kv_bind,
+            shared_memory=args.kv_transport not in ("zmq-ipc", "zmq-tcp"), lease_ttl_s=args.lease_ttl,
+            kv_payload_mac=args.kv_payload_mac,
+            idle_threads=decode_idle_threads(topo, args.decode_idle_threads),
+            step_interval_ms=decode_step_interval_ms(topo, idle_lanes, args.tpot_slo_ms,
+                                                     args.decode_step_interval_ms),
+            **common(name))))
     return children
 
 

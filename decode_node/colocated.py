@@ -5,35 +5,28 @@ a deployment choice for small setups. Speaks the same protocol as the pools (Gen
 from __future__ import annotations
 
 import logging
-import signal
 import time
 
-import zmq
-
-from pdserve.engine.config import EngineConfig
+from pdserve.decode_node.settings import ColocatedSettings
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.protocol.auth import FrameAuth
-from pdserve.protocol.messages import Abort, GenerateRequest, TokenOutput, Welcome, WorkerStats
-from pdserve.runtime.worker_runtime import WorkerRuntime, describe_worker, engine_stats
+from pdserve.protocol.messages import Abort, GenerateRequest, TokenOutput, WorkerStats
+from pdserve.runtime.worker_base import WorkerBase
+from pdserve.runtime.worker_runtime import describe_worker, engine_stats
 
 log = logging.getLogger(__name__)
 
 
-class ColocatedWorker:
-    def __init__(self, config: EngineConfig, auth: FrameAuth, control_bind: str,
-                 gateway_addrs: list[str], host: str = "127.0.0.1") -> None:
-        self.engine = LLMEngine(config)
-        self.ctx = zmq.Context()
-        self.rt = WorkerRuntime(self.ctx, auth, control_bind, gateway_addrs)
-        self.rt.info = describe_worker(self.engine, "colocated", self.rt.control_addr, host)
+class ColocatedWorker(WorkerBase):
+    role = "colocated"
+
+    def __init__(self, settings: ColocatedSettings, auth: FrameAuth) -> None:
+        super().__init__(settings, auth)
+        self.engine = LLMEngine(settings.engine)
+        self.describe(describe_worker(self.engine, "colocated", self.rt.control_addr, settings.host))
+        self.handlers.update({GenerateRequest: self._on_generate, Abort: self._on_abort})
         self.gateway_of: dict[str, str] = {}
         self.received: dict[str, float] = {}
-        self._stop = False
-        self._last_progress = time.monotonic()
-
-    @property
-    def worker_id(self) -> str:
-        return self.rt.info.worker_id
 
     def _on_generate(self, req: GenerateRequest) -> None:
         try:
@@ -44,6 +37,11 @@ class ColocatedWorker:
             return
         self.gateway_of[req.request_id] = req.gateway_id
         self.received[req.request_id] = time.monotonic()
+
+    def _on_abort(self, msg: Abort) -> None:
+        self.engine.abort(msg.request_id)
+        self.gateway_of.pop(msg.request_id, None)
+        self.received.pop(msg.request_id, None)
 
     def step(self) -> None:
         self.rt.mark_step()
@@ -72,23 +70,8 @@ class ColocatedWorker:
     def stats(self) -> WorkerStats:
         return engine_stats(self.engine, self._last_progress, sum(self.rt.inbox.dropped.values()))
 
-    def run(self) -> None:
-        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "_stop", True))
-        log.info("colocated worker %s on %s", self.worker_id, self.rt.control_addr)
-        try:
-            while not self._stop:
-                for msg in self.rt.drain(0 if self.engine.has_work() else 20):
-                    if isinstance(msg, GenerateRequest):
-                        self._on_generate(msg)
-                    elif isinstance(msg, Abort):
-                        self.engine.abort(msg.request_id)
-                        self.gateway_of.pop(msg.request_id, None)
-                        self.received.pop(msg.request_id, None)
-                    elif isinstance(msg, Welcome):
-                        self.rt.handle_welcome(msg)
-                if self.engine.has_work():
-                    self.step()
-                self.rt.tick(self.stats)
-        finally:
-            self.rt.close()
-            self.ctx.term()
+    def run_once(self) -> None:
+        for msg in self.rt.drain(0 if self.engine.has_work() else 20):
+            self.dispatch(msg)
+        if self.engine.has_work():
+            self.step()

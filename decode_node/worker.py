@@ -7,28 +7,23 @@ A quarantined block is never handed out before its lease deadline, so a late or 
 transfer cannot land in blocks that belong to another request. A KvDone that arrives while
 frames are missing (dropped, late, tampered: the receiver refused them) ends the request with an
 error at once and frees its lease: KvDone is P's last message for it.
+Every block between grant and admission is the LeaseTable's (kvtransfer/lease.py: leases,
+revocations, quarantine, early releases; clock injected); its calls return the blocks to free.
 
-`kv_advertise`: the KV address put in the registration for prefill workers to connect to
-(default: the bound one), e.g. a NAT/forwarded address or a test's fault-injection relay.
-`kv_payload_mac` ("auto", "on", "off"): require an HMAC tag over each KV payload's bytes
-(kvtransfer/wire.py); auto = on when the KV inbox is tcp://.
-`idle_threads`: torch threads for steps taken while no prefill for this worker is in flight
-(decode_node/thread_lending.py); default: the worker's thread count, i.e. no lending.
-`step_interval_ms`: while prompts for this worker queue behind a prefill, space decode steps up
-to this far apart, more the longer the queue (decode_node/step_pacing.py); 0 = back to back.
+Settings (decode_node/settings.py): where KV arrives and who may write it, the lease ttl,
+thread lending while no prefill is in flight, and step pacing while prompts queue.
 """
 from __future__ import annotations
 
 import logging
-import signal
 import time
 
 import torch
 import zmq
 
+from pdserve.decode_node.settings import DecodeSettings
 from pdserve.decode_node.step_pacing import StepPacer
 from pdserve.decode_node.thread_lending import ThreadLending
-from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kvtransfer.lease import LeaseTable
 from pdserve.kvtransfer.receiver import KvReceiver
@@ -42,53 +37,44 @@ from pdserve.protocol.messages import (
     ReserveReply,
     ReserveRequest,
     TokenOutput,
-    Welcome,
     WorkerStats,
 )
-from pdserve.runtime.worker_runtime import WorkerRuntime, describe_worker, engine_stats
+from pdserve.runtime.worker_base import WorkerBase
+from pdserve.runtime.worker_runtime import describe_worker, engine_stats
 
 log = logging.getLogger(__name__)
 
-DEFAULT_LEASE_TTL_S = 30.0
 
+class DecodeWorker(WorkerBase):
+    role = "decode"
 
-class DecodeWorker:
-    def __init__(self, config: EngineConfig, auth: FrameAuth, control_bind: str, kv_bind: str,
-                 gateway_addrs: list[str], *, shared_memory: bool = True, host: str = "127.0.0.1",
-                 lease_ttl_s: float = DEFAULT_LEASE_TTL_S, kv_advertise: str | None = None,
-                 kv_payload_mac: str = "auto", idle_threads: int | None = None,
-                 step_interval_ms: float = 0.0) -> None:
+    def __init__(self, settings: DecodeSettings, auth: FrameAuth) -> None:
+        super().__init__(settings, auth)
         self._shm: SharedTensor | None = None
 
         def shm_allocator(shape, dtype):
             self._shm = SharedTensor.create(shape, dtype)
             return self._shm.tensor
 
-        self.engine = LLMEngine(config, kv_allocator=shm_allocator if shared_memory else None)
-        self.ctx = zmq.Context()
-        self.rt = WorkerRuntime(self.ctx, auth, control_bind, gateway_addrs)
-        self.leases = LeaseTable(self.engine.model_config.num_layers)
-        self.lease_ttl_s = lease_ttl_s
-        self.receiver = KvReceiver(self.ctx, auth, kv_bind, self.engine.kv_cache, self.leases,
-                                   payload_mac=payload_mac_enabled(kv_payload_mac, kv_bind, kv_advertise))
-        self.rt.info = describe_worker(self.engine, "decode", self.rt.control_addr, host,
-                                       kv_addr=kv_advertise or self.receiver.addr,
-                                       shm_name=self._shm.name if self._shm else None)
+        self.engine = LLMEngine(settings.engine, kv_allocator=shm_allocator if settings.shared_memory else None)
+        self.leases = LeaseTable(self.engine.model_config.num_layers)  # every block not in a sequence
+        self.lease_ttl_s = settings.lease_ttl_s
+        self.receiver = KvReceiver(self.ctx, auth, settings.kv_bind, self.engine.kv_cache, self.leases,
+                                   payload_mac=payload_mac_enabled(settings.kv_payload_mac, settings.kv_bind,
+                                                                   settings.kv_advertise))
+        self.describe(describe_worker(self.engine, "decode", self.rt.control_addr, settings.host,
+                                      kv_addr=settings.kv_advertise or self.receiver.addr,
+                                      shm_name=self._shm.name if self._shm else None))
+        self.handlers.update({ReserveRequest: self._on_reserve, Abort: self._on_abort})
         self.gateway_of: dict[str, str] = {}  # request id -> gateway id
-        # leases revoked by an abort, quarantined until their deadline: request id -> (epoch,
-        # deadline). An `Abort(lease_unused)` (the gateway knows their writer is gone) frees them now.
-        self._revoked: dict[str, tuple[int, float]] = {}
-        self._revoked_pruned = 0.0
         self.admitted_at: dict[str, float] = {}
-        self._stop = False
-        self._last_progress = time.monotonic()
         busy = torch.get_num_threads()
-        self.threads = ThreadLending(busy, max(busy, idle_threads or busy))
-        self.pacer = StepPacer(step_interval_ms)
-
-    @property
-    def worker_id(self) -> str:
-        return self.rt.info.worker_id
+        self.threads = ThreadLending(busy, max(busy, settings.idle_threads or busy))
+        self.pacer = StepPacer(settings.step_interval_ms)
+        self._poller = zmq.Poller()  # both inboxes: control and KV
+        self._poller.register(self.rt.inbox.socket, zmq.POLLIN)
+        self._poller.register(self.receiver.socket, zmq.POLLIN)
+        self._wait_ms = 0
 
     # --- reservations -----------------------------------------------------------------------
     def _on_reserve(self, req: ReserveRequest) -> None:
@@ -143,18 +129,13 @@ class DecodeWorker:
         self._emit(done.request_id, [], None, "error", 1,
                    error=f"KV transfer failed on the decode worker ({reason}: frames missing or rejected)")
 
-    def _on_abort(self, request_id: str, lease_unused: bool = False) -> None:
-        lease = self.leases.get(request_id)
-        if lease_unused and lease is not None:  # never handed to a prefill worker: free now
-            self.engine.pool.free(self.leases.release_early(request_id, lease.epoch))
-        elif lease_unused and request_id in self._revoked:  # its writer is gone for good
-            epoch, _ = self._revoked.pop(request_id)
-            self.engine.pool.free(self.leases.release_early(request_id, epoch))
-        elif not self.engine.abort(request_id) and lease is not None:
-            self.leases.revoke(request_id)  # its blocks wait out the deadline in quarantine
-            self._revoked[request_id] = (lease.epoch, lease.deadline)
-        self.gateway_of.pop(request_id, None)
-        self.admitted_at.pop(request_id, None)
+    def _on_abort(self, msg: Abort) -> None:
+        """A running sequence frees its blocks in the engine; a lease's go back now when its
+        writer is known gone (`lease_unused`), else after its deadline (LeaseTable.abort)."""
+        if not self.engine.abort(msg.request_id):
+            self.engine.pool.free(self.leases.abort(msg.request_id, writer_gone=msg.lease_unused))
+        self.gateway_of.pop(msg.request_id, None)
+        self.admitted_at.pop(msg.request_id, None)
 
     def _report_renewals(self) -> None:
         """Leases a prefill worker renewed (it still holds their requests): tell it, through the
@@ -177,9 +158,6 @@ class DecodeWorker:
         blocks = self.leases.reclaimable(now)
         if blocks:
             self.engine.pool.free(blocks)
-        if self._revoked and now > self._revoked_pruned + 1.0:  # past the deadline: settled anyway
-            self._revoked_pruned = now
-            self._revoked = {r: v for r, v in self._revoked.items() if now <= v[1] + self.leases.grace_s}
 
     # --- outputs (held, then sent one frame a gateway by rt.flush_outputs) --------------------
     def _emit(self, request_id, tokens, logprobs, reason, index, timings=None, error=None) -> None:
@@ -215,49 +193,35 @@ class DecodeWorker:
                             kv_blocks_quarantined=self.leases.num_quarantined_blocks,
                             lease_renewals=self.leases.num_renewals)
 
-    def run(self) -> None:
-        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "_stop", True))
-        log.info("decode worker %s on %s (kv %s, advertised %s, payload mac %s, shm %s, threads %d%s%s)",
-                 self.worker_id, self.rt.control_addr, self.receiver.addr, self.rt.info.kv_addr,
-                 self.receiver.payload_mac, self._shm.name if self._shm else None, self.threads.busy,
-                 f", {self.threads.idle} while no prefill is in flight" if self.threads.enabled else "",
-                 f", steps up to {self.pacer.max_interval_s * 1000:g} ms apart while prompts queue" if self.pacer.enabled else "")
-        poller = zmq.Poller()
-        poller.register(self.rt.inbox.socket, zmq.POLLIN)
-        poller.register(self.receiver.socket, zmq.POLLIN)
-        try:
-            wait_ms = 0
-            while not self._stop:
-                if wait_ms:  # sleep on both inboxes: no work, or (paced) the next step is not due
-                    poller.poll(wait_ms)
-                for msg in self.rt.drain(0):
-                    if isinstance(msg, ReserveRequest):
-                        self._on_reserve(msg)
-                    elif isinstance(msg, Abort):
-                        self._on_abort(msg.request_id, msg.lease_unused)
-                    elif isinstance(msg, Welcome):
-                        self.rt.handle_welcome(msg)
-                for done in self.receiver.poll(0):
-                    self._on_kv_done(done)
-                for done, reason in self.receiver.failed_done:
-                    self._on_kv_failed(done, reason)
-                self.receiver.failed_done.clear()
-                if self.receiver.released:  # leases P gave back early: reusable now
-                    self.engine.pool.free(self.receiver.released)
-                    self.receiver.released.clear()
-                self._report_renewals()
-                self._reclaim()
-                self.rt.flush_outputs()  # what the handlers above emitted (errors, early finishes)
-                wait_ms = self.pacer.delay_ms(self.leases.num_active) if self.engine.has_work() else 20
-                if wait_ms == 0:
-                    self.step()
-                self.rt.tick(self.stats)
-        finally:
-            self.close()
+    def describe_start(self) -> str:
+        return (f"kv {self.receiver.addr}, advertised {self.rt.info.kv_addr}, payload mac {self.receiver.payload_mac}, "
+                f"shm {self._shm.name if self._shm else None}, threads {self.threads.busy}"
+                + (f", {self.threads.idle} while no prefill is in flight" if self.threads.enabled else "")
+                + (f", steps up to {self.pacer.max_interval_s * 1000:g} ms apart while prompts queue"
+                   if self.pacer.enabled else ""))
+
+    def run_once(self) -> None:
+        if self._wait_ms:  # sleep on both inboxes: no work, or (paced) the next step is not due
+            self._poller.poll(self._wait_ms)
+        for msg in self.rt.drain(0):
+            self.dispatch(msg)
+        for done in self.receiver.poll(0):
+            self._on_kv_done(done)
+        for done, reason in self.receiver.failed_done:
+            self._on_kv_failed(done, reason)
+        self.receiver.failed_done.clear()
+        if self.receiver.released:  # leases P gave back early: reusable now
+            self.engine.pool.free(self.receiver.released)
+            self.receiver.released.clear()
+        self._report_renewals()
+        self._reclaim()
+        self.rt.flush_outputs()  # what the handlers above emitted (errors, early finishes)
+        self._wait_ms = self.pacer.delay_ms(self.leases.num_active) if self.engine.has_work() else 20
+        if self._wait_ms == 0:
+            self.step()
 
     def close(self) -> None:
         self.receiver.close()
-        self.rt.close()
-        self.ctx.term()
+        super().close()
         if self._shm is not None:
             self._shm.close()

@@ -184,6 +184,23 @@ class LeaseTable:
                                  request_id, entry.lease.epoch))
         return True
 
+    def abort(self, request_id: str, *, writer_gone: bool) -> list[int]:
+        """The request ended before its KV was handed over; returns the blocks free now.
+        `writer_gone` (the gateway knows no prefill worker holds, or will ever hold, this lease):
+        its blocks, active or quarantined, are safe at once. Else an active lease is revoked and
+        its blocks wait out the deadline in quarantine (returned later by `reclaimable`)."""
+        if not writer_gone:
+            self.revoke(request_id)
+            return []
+        entry = self._active.pop(request_id, None)
+        if entry is not None:
+            return list(entry.lease.block_ids)
+        for i, (_, blocks, rid, _) in enumerate(self._quarantine):
+            if rid == request_id:
+                del self._quarantine[i]
+                return blocks
+        return []
+
     def release_early(self, request_id: str, epoch: int) -> list[int]:
         """The writer (P) promises, on the FIFO KV stream, never to write this lease again: its
         blocks are safe to reuse now, whether the lease is still active or quarantined."""

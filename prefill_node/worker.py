@@ -11,26 +11,23 @@ half its ttl is left (`KvRenew` on the KV stream) and writes by a new deadline o
 `LeaseRenewed` comes back (kvtransfer/lease.py), so no request fails on the lease clock while
 this worker makes progress; a stuck or dead worker stops renewing and its leases run out.
 
-`kv_payload_mac` ("auto", "on", "off"): MAC every KV payload sent over ZMQ (kvtransfer/wire.py);
-auto = on when the decode worker's KV address is tcp://, off for ipc:// and shared memory.
+Settings (prefill_node/settings.py): lanes, idle lanes, and whether KV payloads carry a MAC.
 """
 from __future__ import annotations
 
 import logging
-import signal
 import threading
 import time
 from dataclasses import dataclass
 
 import msgspec
-import zmq
 
-from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import PREFILLED, LLMEngine
 from pdserve.kvtransfer.sender import KvSender, make_kv_sender
 from pdserve.kvtransfer.wire import payload_mac_enabled
 from pdserve.prefill_node.kv_streamer import KvStreamer, TransferStats
 from pdserve.prefill_node.lanes import LaneJob, PrefillLanes
+from pdserve.prefill_node.settings import PrefillSettings
 from pdserve.protocol.auth import FrameAuth
 from pdserve.protocol.messages import (
     Abort,
@@ -39,10 +36,10 @@ from pdserve.protocol.messages import (
     LeaseRenewed,
     PrefillRequest,
     TokenOutput,
-    Welcome,
     WorkerStats,
 )
-from pdserve.runtime.worker_runtime import WorkerRuntime, describe_worker, engine_stats
+from pdserve.runtime.worker_base import WorkerBase
+from pdserve.runtime.worker_runtime import describe_worker, engine_stats
 
 log = logging.getLogger(__name__)
 
@@ -57,32 +54,26 @@ class _Pending:
     renew_sent: float = 0.0  # time.time() of the last KvRenew for its lease
 
 
-class PrefillWorker:
-    def __init__(self, config: EngineConfig, auth: FrameAuth, control_bind: str,
-                 gateway_addrs: list[str], host: str = "127.0.0.1", kv_payload_mac: str = "auto",
-                 lanes: int = 1, idle_lanes: int = 0) -> None:
-        payload_mac_enabled(kv_payload_mac)  # validate the mode now, not at the first request
-        self.kv_payload_mac = kv_payload_mac
-        self.engine = LLMEngine(config)
-        self.auth = auth
-        self.ctx = zmq.Context()
-        self.rt = WorkerRuntime(self.ctx, auth, control_bind, gateway_addrs)
-        self.rt.info = describe_worker(self.engine, "prefill", self.rt.control_addr, host)
+class PrefillWorker(WorkerBase):
+    role = "prefill"
+
+    def __init__(self, settings: PrefillSettings, auth: FrameAuth) -> None:
+        super().__init__(settings, auth)
+        payload_mac_enabled(settings.kv_payload_mac)  # validate the mode now, not at the first request
+        self.kv_payload_mac = settings.kv_payload_mac
+        self.engine = LLMEngine(settings.engine)
+        self.describe(describe_worker(self.engine, "prefill", self.rt.control_addr, settings.host))
+        self.handlers.update({PrefillRequest: self._on_prefill, Abort: lambda msg: self._abort(msg.request_id),
+                              LeaseRenewed: self._on_lease_renewed})
         self.pending: dict[str, _Pending] = {}
         self.routes: dict[str, tuple[KvDestination, KvSender]] = {}
         self.transfer_stats: dict[str, TransferStats] = {}
         self._senders: dict[tuple[str, str], KvSender] = {}
         self._send_lock = threading.Lock()  # senders are shared by this loop and the lanes
         self.streamer = KvStreamer(self.engine.kv_cache, self.engine.block_size, self._send_lock)
-        self.lanes = PrefillLanes(self.engine.runner, lanes, idle_lanes)
+        self.lanes = PrefillLanes(self.engine.runner, settings.lanes, settings.idle_lanes)
         self._abort_after: set[str] = set()  # aborted while a lane computes its chunk
         self._renew_checked = 0.0
-        self._stop = False
-        self._last_progress = time.monotonic()
-
-    @property
-    def worker_id(self) -> str:
-        return self.rt.info.worker_id
 
     def _sender(self, dest: KvDestination) -> KvSender:
         key = (dest.worker_id, dest.transport)
@@ -93,19 +84,7 @@ class PrefillWorker:
                                                 payload_mac=payload_mac_enabled(self.kv_payload_mac, dest.kv_addr))
         return self._senders[key]
 
-    # --- messages ---------------------------------------------------------------------------
-    def _on_message(self, msg) -> None:
-        if isinstance(msg, PrefillRequest):
-            self._on_prefill(msg)
-        elif isinstance(msg, Abort):
-            self._abort(msg.request_id)
-        elif isinstance(msg, LeaseRenewed):
-            self._on_lease_renewed(msg)
-        elif isinstance(msg, Welcome):
-            self.rt.handle_welcome(msg)
-        else:
-            log.warning("prefill worker ignores %s", type(msg).__name__)
-
+    # --- messages -----------------------------------------------------------------------------
     def _on_prefill(self, req: PrefillRequest) -> None:
         try:
             if len(req.dest.lease.block_ids) * self.engine.block_size < len(req.prompt_token_ids):
@@ -237,27 +216,20 @@ class PrefillWorker:
     def stats(self) -> WorkerStats:
         return engine_stats(self.engine, self._last_progress, sum(self.rt.inbox.dropped.values()))
 
-    def run(self) -> None:
-        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "_stop", True))
-        log.info("prefill worker %s on %s (%d lanes, %d idle lanes)", self.worker_id, self.rt.control_addr,
-                 self.lanes.capacity - self.lanes.num_idle, self.lanes.num_idle)
-        try:
-            while not self._stop:
-                launched = self.launch()
-                # sleep on the inbox and the lanes' wake-up pipe (a step finished)
-                for msg in self.rt.drain(0 if launched else 20, wake_fd=self.lanes.wake_fd):
-                    self._on_message(msg)
-                for job in self.lanes.collect():
-                    self.complete(job)
-                self._renew_leases()
-                self.rt.tick(self.stats)
-        finally:
-            self.close()
+    def describe_start(self) -> str:
+        return f"{self.lanes.capacity - self.lanes.num_idle} lanes, {self.lanes.num_idle} idle lanes"
+
+    def run_once(self) -> None:
+        launched = self.launch()
+        # sleep on the inbox and the lanes' wake-up pipe (a step finished)
+        for msg in self.rt.drain(0 if launched else 20, wake_fd=self.lanes.wake_fd):
+            self.dispatch(msg)
+        for job in self.lanes.collect():
+            self.complete(job)
+        self._renew_leases()
 
     def close(self) -> None:
         self.lanes.close()
         for s in self._senders.values():
             s.close()
-        self.rt.close()
-        self.ctx.term()
-
+        super().close()

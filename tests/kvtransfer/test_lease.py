@@ -154,3 +154,37 @@ def test_ended_leases_are_not_renewed_and_stay_fenced():
     assert table.check_frame(frame("b", expired.epoch, 0, [2], 0)) == "unknown_lease"
     # both come back only after their (unrenewed) deadlines plus the grace
     assert table.reclaimable() == [] and sorted(table.reclaimable(clock.t + 0.5)) == [1, 2]
+
+
+def test_abort_frees_at_once_only_when_the_writer_is_gone():
+    clock = Clock()
+    t = LeaseTable(L, clock=clock)
+    t.grant("held", [1, 2], ttl_s=5)  # a prefill worker may still write it
+    t.grant("unsent", [3], ttl_s=5)  # never handed to a prefill worker
+    assert t.abort("held", writer_gone=False) == [] and "held" not in t
+    assert t.num_quarantined_blocks == 2
+    assert t.abort("unsent", writer_gone=True) == [3] and t.num_active == 0
+    # later the gateway learns the writer of "held" is gone too: its quarantine ends early
+    assert t.abort("held", writer_gone=True) == [1, 2] and t.num_quarantined_blocks == 0
+    assert t.abort("held", writer_gone=True) == [] and t.abort("never", writer_gone=False) == []
+    clock.t += 60
+    assert t.reclaimable() == []  # each block comes back once
+
+
+def test_every_granted_block_comes_back_exactly_once():
+    """The ledger over a mixed history: admitted, aborted (both ways), expired, released early."""
+    clock = Clock()
+    t = LeaseTable(L, clock=clock)
+    leases = {rid: t.grant(rid, [i * 2, i * 2 + 1], ttl_s=5) for i, rid in enumerate("abcdef")}
+    back = list(t.release("a").block_ids)  # admitted: the sequence owns them now
+    back += t.abort("b", writer_gone=True)
+    back += t.abort("c", writer_gone=False)  # quarantined
+    back += t.release_early("d", leases["d"].epoch)
+    write_all(t, "e", leases["e"])  # written, but its KvDone never comes
+    assert t.expire() == []
+    clock.t += 5.5
+    assert t.expire() == ["e", "f"]
+    assert t.reclaimable() == []  # c, e, f: past the deadline, not the grace
+    clock.t += 1.0
+    back += t.reclaimable()
+    assert sorted(back) == list(range(12)) and t.num_active == 0 and t.num_quarantined_blocks == 0

@@ -6,6 +6,7 @@ import threading
 import time
 
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.prefill_node.settings import PrefillSettings
 from pdserve.prefill_node.worker import PrefillWorker
 from pdserve.protocol.auth import FrameAuth
 from pdserve.protocol.sampling import SamplingParams
@@ -14,7 +15,8 @@ from pdserve.protocol.sampling import SamplingParams
 def test_abort_waits_for_the_lane_writing_the_blocks(tiny_llama):
     config = EngineConfig(model=str(tiny_llama), dtype="float32", cache=CacheConfig(block_size=4, num_blocks=32),
                           scheduler=SchedulerConfig(max_num_batched_tokens=64, max_model_len=128))
-    worker = PrefillWorker(config, FrameAuth(b"k" * 32), "tcp://127.0.0.1:0", ["tcp://127.0.0.1:9"])
+    worker = PrefillWorker(PrefillSettings(engine=config, gateways=["tcp://127.0.0.1:9"], host="test"),
+                           FrameAuth(b"k" * 32))
     try:
         runner, gate = worker.engine.runner, threading.Event()
         real_run_layers = runner.run_layers

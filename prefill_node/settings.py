@@ -1,0 +1,22 @@
+"""A prefill worker's settings (planned by cli/topology.py, passed as one struct)."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pdserve.engine.config import EngineConfig
+from pdserve.runtime.worker_settings import WorkerSettings
+
+PayloadMac = Literal["auto", "on", "off"]
+
+
+class PrefillSettings(WorkerSettings, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    engine: EngineConfig
+    # HMAC over every KV payload sent over ZMQ: auto = on when the decode worker's KV address is tcp://
+    kv_payload_mac: PayloadMac = "auto"
+    lanes: int = 1  # threads that each run a prefill step, in parallel (prefill_node/lanes.py)
+    idle_lanes: int = 0  # more lanes at SCHED_IDLE: cycles nothing else on the machine wants
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.lanes < 1 or self.idle_lanes < 0:
+            raise ValueError(f"lanes must be >= 1 and idle_lanes >= 0, got {self.lanes}, {self.idle_lanes}")
