@@ -35,7 +35,8 @@ def build_payload(req: BenchRequest, model: str, endpoint: str, *, temperature: 
 async def send(session: aiohttp.ClientSession, url: str, payload: dict, req: BenchRequest,
                tokenizer=None) -> RequestResult:
     start = time.perf_counter()
-    ttft, last, itl, text, usage, timings = None, start, [], [], None, {}
+    ttft, last, itl, text, usage = None, start, [], [], None
+    timings: dict = {}
     try:
         async with session.post(url, json=payload) as resp:
             if resp.status != 200:

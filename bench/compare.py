@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     params = mc.num_layers * (mc.hidden_size * (mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim
                               + mc.num_heads * mc.head_dim * mc.hidden_size + 3 * mc.hidden_size * mc.intermediate_size)
     params += mc.vocab_size * mc.hidden_size  # the LM head
-    ports = {}
+    ports: dict[str, int] = {}
 
     def port_of(label):
         return ports.setdefault(label, free_port())
@@ -296,7 +296,7 @@ def goal2_verdict(results: dict, cores: int | None = None) -> list[str]:
                       + (f" (not lower than {', '.join(worse)})" if worse else "") + "."]
         cost, prefill = cpu_per_request(ours["sweep"]), cpu_per_request(ours["sweep"], "prefill")
         split = pool_cores(mine, cores)
-        if cost and best and split:
+        if cost and prefill is not None and best and split:  # prefill is None only where cost is
             target = 1.25 * best
             lines += [f"At its measured cost (median over the sweep) of {cost:.2f} core-s per request, "
                       f"{prefill:.2f} of them in the prefill pool, the target {target:g} req/s keeps "

@@ -115,9 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("pdserve bench-gpu needs a CUDA device")
-    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "copy_gbps": device_copy_gbps(), "matmul_bf16_tflops": matmul_tflops(),
-           "shape": "Hq 32, Hkv 8, D 128, block 16, bf16 (Llama-3-8B attention)"}
+    res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                 "copy_gbps": device_copy_gbps(), "matmul_bf16_tflops": matmul_tflops(),
+                 "shape": "Hq 32, Hkv 8, D 128, block 16, bf16 (Llama-3-8B attention)"}
     res["decode"] = [bench_decode(b, c) for b in (1, 4, 16, 64, 256) for c in (512, 2048, 8192, 32768)
                      if b * c <= 256 * 2048 and (b == 1 or c <= 8192)]
     res["prefill"] = [bench_prefill(n, s) for n, s in ((1, 512), (1, 4096), (8, 512), (4, 2048))]

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,7 +36,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def pdserve_specs(model: str, port_of, extra_1p1d: list[str] = ()) -> list[ServerSpec]:
+def pdserve_specs(model: str, port_of, extra_1p1d: Sequence[str] = ()) -> list[ServerSpec]:
     py = [sys.executable, "-m", "pdserve.cli", "serve", "--model", model, "--dtype", "float32"]
     return [ServerSpec("pdserve-1P1D", py + ["--port", str(port_of("pdserve-1P1D")), *extra_1p1d], "/health"),
             # two single-thread prefill workers and the decode worker on the machine's 2 cores: the

@@ -25,6 +25,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-blocks", type=int, default=None, help="KV blocks (overrides --kv-cache-memory)")
     g.add_argument("--kv-cache-memory", type=parse_size, default=parse_size("1GiB"),
                    help="KV cache budget, e.g. 512MiB (default 1GiB)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep the KV of full prompt blocks after their request ends and reuse it for any "
+                        "request with the same prefix (--no-enable-prefix-caching: compute every prompt)")
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget of a step (default: 512 for a prefill or colocated worker on CPU, "
@@ -50,7 +53,7 @@ def engine_config(args: argparse.Namespace, role: str, budget: int | None = None
     return EngineConfig(
         model=resolve_model(args.model), dtype=args.dtype, device=args.device, seed=args.seed,
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
-                          memory_bytes=args.kv_cache_memory),
+                          memory_bytes=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=step_budget(role, args.device,
                                                                      budget or args.max_num_batched_tokens),

@@ -105,11 +105,11 @@ def settings_type(role: str) -> type:
 
 
 def run_from_file(role: str, path: str) -> int:
-    from pdserve.runtime.worker_settings import read_settings
+    from pdserve.runtime.worker_settings import WorkerSettings, read_settings
     if role == "gateway":
         return _run_gateway(read_gateway_options(path))
     try:
-        worker_settings = read_settings(path, settings_type(role))
+        worker_settings: WorkerSettings = read_settings(path, settings_type(role))
     except ValueError as e:
         raise SystemExit(f"pdserve {role}: {e}") from None
     return run_worker(role, worker_settings)

@@ -8,7 +8,7 @@ import logging
 import time
 
 from pdserve.decode_node.settings import ColocatedSettings
-from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.llm_engine import LLMEngine, wire_finish_reason
 from pdserve.protocol.auth import FrameAuth
 from pdserve.protocol.messages import Abort, GenerateRequest, TokenOutput, WorkerStats
 from pdserve.runtime.worker_base import WorkerBase
@@ -61,7 +61,8 @@ class ColocatedWorker(WorkerBase):
                 request_id=out.request_id, worker_id=self.worker_id,
                 index=out.seq.num_output_tokens - len(out.new_token_ids),
                 token_ids=out.new_token_ids, logprobs=out.logprobs,
-                finish_reason=out.finish_reason, timings=timings))
+                finish_reason=wire_finish_reason(out.finish_reason), timings=timings,
+                cached_tokens=out.seq.num_cached_tokens if out.seq.num_output_tokens == 1 else 0))
             if out.finish_reason is not None:
                 self.gateway_of.pop(out.request_id, None)
         self.rt.flush_outputs()  # the step's outputs, one frame a gateway

@@ -62,8 +62,9 @@ class DecodeWorker(WorkerBase):
         self.receiver = KvReceiver(self.ctx, auth, settings.kv_bind, self.engine.kv_cache, self.leases,
                                    payload_mac=payload_mac_enabled(settings.kv_payload_mac, settings.kv_bind,
                                                                    settings.kv_advertise))
+        self.kv_advertised = settings.kv_advertise or self.receiver.addr
         self.describe(describe_worker(self.engine, "decode", self.rt.control_addr, settings.host,
-                                      kv_addr=settings.kv_advertise or self.receiver.addr,
+                                      kv_addr=self.kv_advertised,
                                       shm_name=self._shm.name if self._shm else None))
         self.handlers.update({ReserveRequest: self._on_reserve, Abort: self._on_abort})
         self.gateway_of: dict[str, str] = {}  # request id -> gateway id
@@ -194,7 +195,7 @@ class DecodeWorker(WorkerBase):
                             lease_renewals=self.leases.num_renewals)
 
     def describe_start(self) -> str:
-        return (f"kv {self.receiver.addr}, advertised {self.rt.info.kv_addr}, payload mac {self.receiver.payload_mac}, "
+        return (f"kv {self.receiver.addr}, advertised {self.kv_advertised}, payload mac {self.receiver.payload_mac}, "
                 f"shm {self._shm.name if self._shm else None}, threads {self.threads.busy}"
                 + (f", {self.threads.idle} while no prefill is in flight" if self.threads.enabled else "")
                 + (f", steps up to {self.pacer.max_interval_s * 1000:g} ms apart while prompts queue"

@@ -166,6 +166,7 @@ class CacheConfig:
     block_size: int = 16
     num_blocks: int | None = None  # explicit count wins over the memory budget
     memory_bytes: int = 1 << 30  # --kv-cache-memory
+    enable_prefix_caching: bool = True  # reuse cached prefix blocks (engine/prefix_cache.py)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, cast, get_args
 
 import torch
 
@@ -17,15 +17,25 @@ from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.config import EngineConfig, ModelConfig, resolve_dtype
 from pdserve.engine.kv_cache import KvAllocator, KVCacheSpec, allocate_kv_cache, plan_num_blocks
 from pdserve.engine.model_runner import ForwardPass, ModelRunner, load_model
+from pdserve.engine.prefix_cache import BlockHasher
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.engine.sequence import Sequence
-from pdserve.protocol.messages import TokenLogprob
+from pdserve.protocol.messages import FinishReason, TokenLogprob
 from pdserve.protocol.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
 PREFILLED = "prefilled"  # finish reason of a prefill-only sequence that got its first token
+
+
+def wire_finish_reason(reason: str | None) -> FinishReason | None:
+    """An engine finish reason as outputs carry it: a prefill-only sequence's PREFILLED is no end."""
+    if reason is None or reason == PREFILLED:
+        return None
+    if reason not in get_args(FinishReason):
+        raise ValueError(f"unknown finish reason {reason!r}")
+    return cast(FinishReason, reason)
 
 
 @dataclass(frozen=True)
@@ -60,8 +70,11 @@ class LLMEngine:
         log.info("model %s loaded in %.1fs: dtype %s, %d KV blocks x %d tokens (%.1f MiB)",
                  mc.path, time.perf_counter() - t0, self.dtype, num_blocks, self.block_size,
                  num_blocks * self.kv_spec.bytes_per_block / 2**20)
-        self.pool = BlockPool(num_blocks)
-        self.scheduler = Scheduler(config.scheduler, self.pool, self.block_size)
+        caching = config.cache.enable_prefix_caching
+        self.pool = BlockPool(num_blocks, enable_caching=caching)
+        # a block's KV depends on the model, its dtype and the block's place in the prefix
+        self.hasher = BlockHasher(mc.fingerprint(self.dtype), self.block_size) if caching else None
+        self.scheduler = Scheduler(config.scheduler, self.pool, self.block_size, self.hasher)
         self.runner = ModelRunner(model, kv_cache, self.block_size,
                                   Sampler(mc.eos_token_ids, seed=config.seed))
         self.seqs: dict[str, Sequence] = {}
@@ -105,6 +118,7 @@ class LLMEngine:
         seq = self._new_sequence(request_id, prompt_token_ids, sampling)
         seq.block_table = list(block_ids)
         seq.num_computed_tokens = len(prompt_token_ids)
+        self._publish(seq, seq.num_computed_tokens)
         self.scheduler.add_running(seq)
         reason = self._append_token(seq, first_token, first_logprob)
         if reason is not None:
@@ -142,11 +156,14 @@ class LLMEngine:
         fp = self.runner.begin(sched, on_layer_stored)
         for chunk in sched.chunks:
             chunk.seq.num_computed_tokens += chunk.num_tokens
+            fp.computed_upto.append((chunk.seq, chunk.seq.num_computed_tokens))
         self.num_steps += 1
         return fp
 
     def finish_step(self, fp: ForwardPass, logits: torch.Tensor | None) -> list[StepOutput]:
         """Sample from a launched step's logits (`ModelRunner.logits`) and account the tokens."""
+        for seq, upto in fp.computed_upto:  # their KV is written now: reusable by others
+            self._publish(seq, upto)
         sampled, out = self.runner.sample(fp, logits)
         if out is None:
             return []
@@ -162,6 +179,19 @@ class LLMEngine:
 
     def step(self, on_layer_stored: Callable[[int], None] | None = None) -> list[StepOutput]:
         return self.execute(self.schedule(), on_layer_stored)
+
+    def _publish(self, seq: Sequence, computed: int) -> None:
+        """Register `seq`'s full blocks whose KV is computed (its first `computed` tokens) with
+        the prefix cache. Called only once their KV is written: a step's after its layers ran."""
+        if self.hasher is None or seq.is_finished or not seq.block_table:
+            return
+        full = min(computed // self.block_size, len(seq.block_table))
+        if full <= seq.num_registered_blocks:
+            return
+        hashes = self.hasher.extend(seq, full)
+        for i in range(seq.num_registered_blocks, full):
+            self.pool.register(seq.block_table[i], hashes[i])
+        seq.num_registered_blocks = full
 
     # --- outcomes -------------------------------------------------------------------------
     def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> str | None:

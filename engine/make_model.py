@@ -16,6 +16,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -50,12 +51,14 @@ PRESETS["default"] = PRESETS["bench"]
 
 def _hf_config(arch: str, p: ModelPreset, vocab: int, eos_id: int, rope_scaling: dict | None):
     from transformers import LlamaConfig, Qwen2Config
-    common = dict(vocab_size=vocab, hidden_size=p.hidden_size, intermediate_size=p.intermediate_size,
-                  num_hidden_layers=p.num_layers, num_attention_heads=p.num_heads,
-                  num_key_value_heads=p.num_kv_heads, max_position_embeddings=p.max_position_embeddings,
-                  rms_norm_eps=1e-5, tie_word_embeddings=p.tie_word_embeddings,
-                  bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id, torch_dtype="float32")
+    common: dict[str, Any] = dict(
+        vocab_size=vocab, hidden_size=p.hidden_size, intermediate_size=p.intermediate_size,
+        num_hidden_layers=p.num_layers, num_attention_heads=p.num_heads,
+        num_key_value_heads=p.num_kv_heads, max_position_embeddings=p.max_position_embeddings,
+        rms_norm_eps=1e-5, tie_word_embeddings=p.tie_word_embeddings,
+        bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id, torch_dtype="float32")
     rope = {"rope_type": "default", "rope_theta": p.rope_theta, **(rope_scaling or {})}
+    cfg: LlamaConfig | Qwen2Config
     if arch == "llama":
         cfg = LlamaConfig(**common, attention_bias=False, mlp_bias=False, head_dim=p.hidden_size // p.num_heads)
     elif arch == "qwen2":
@@ -100,6 +103,7 @@ def make_model(out_dir: str | Path, preset: str = "tiny", arch: str = "llama", s
         vocab = build_tokenizer(tmp, p.vocab_size, seed=0)
         from tokenizers import Tokenizer
         eos_id = Tokenizer.from_file(str(tmp / "tokenizer.json")).token_to_id(EOS)
+        assert eos_id is not None, f"{EOS} missing from the tokenizer just built"
         cfg = _hf_config(arch, p, vocab, eos_id, rope_scaling)
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)

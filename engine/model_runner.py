@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -12,6 +12,7 @@ from pdserve.engine.config import ModelConfig
 from pdserve.engine.models.llama import ForwardContext, LlamaForCausalLM, Rope
 from pdserve.engine.sampler import Sampler, SamplerOutput
 from pdserve.engine.scheduler import ScheduledChunk, SchedulerOutput
+from pdserve.engine.sequence import Sequence
 from pdserve.engine.weights import load_weights
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,8 @@ class ForwardPass:
     x: torch.Tensor  # [T, H] hidden states after `next_layer` layers
     rope: Rope
     next_layer: int = 0
+    # (sequence, its tokens with KV once this pass is done): the engine publishes full blocks then
+    computed_upto: list[tuple[Sequence, int]] = field(default_factory=list)
 
 
 class ModelRunner:

@@ -5,7 +5,9 @@ Every step, under a token budget:
   2. running sequences mid-prompt (chunked prefill) -- next chunk;
   3. waiting sequences, in policy order, while seats (`max_num_seqs`), budget and blocks last:
      FCFS, or shortest-first (fewest prompt tokens left, minus `aging_tokens_per_s` per second
-     waited, so a long prompt is not starved); preempted sequences always go first.
+     waited, so a long prompt is not starved); preempted sequences always go first. A sequence
+     admitted takes the longest run of its leading full blocks found in the prefix cache and
+     computes only the rest (at least its last block, so a step samples its next token).
 When a running sequence needs a block and none is free, the latest-arriving running sequence
 not yet in this step's batch is preempted (recompute: blocks freed, requeued at the front with
 its tokens so far, so it later resumes with identical output); if there is none, the sequence
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.config import SchedulerConfig
+from pdserve.engine.prefix_cache import BlockHasher
 from pdserve.engine.sequence import SeqStatus, Sequence
 
 
@@ -53,10 +56,14 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, pool: BlockPool, block_size: int) -> None:
+    def __init__(self, cfg: SchedulerConfig, pool: BlockPool, block_size: int,
+                 hasher: BlockHasher | None = None) -> None:
         self.cfg = cfg
         self.pool = pool
         self.block_size = block_size
+        self.hasher = hasher  # None: no prefix cache
+        self.prefix_query_tokens = 0  # prompt tokens looked up in the prefix cache (counter)
+        self.prefix_hit_tokens = 0  # of them, found cached (not computed)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # arrival (admission) order
 
@@ -102,11 +109,20 @@ class Scheduler:
             self._order_shortest_first()
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_uncomputed, budget)
-            need = self._blocks_needed(seq, n)
-            if not self.pool.can_allocate(need):
+            hit = self._cached_prefix(seq)
+            cached = len(hit) * self.block_size
+            n = min(seq.num_tokens - cached, budget)
+            need = -(-(cached + n) // self.block_size) - len(hit)
+            if need + self.pool.num_evictable(hit) > self.pool.num_free:
                 break  # FCFS: the head waits for blocks; nobody overtakes it
             self.waiting.popleft()
+            if self.hasher is not None:
+                self.prefix_query_tokens += seq.num_tokens
+                self.prefix_hit_tokens += cached
+            self.pool.acquire(hit)
+            seq.block_table = hit
+            seq.num_computed_tokens = seq.num_cached_tokens = cached
+            seq.num_registered_blocks = len(hit)
             seq.block_table.extend(self._allocate_for(seq, need))
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
@@ -114,6 +130,14 @@ class Scheduler:
             in_batch.add(id(seq))
             budget -= n
         return out
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Blocks holding the longest cached run of `seq`'s leading full blocks, leaving at least
+        one token (a whole block) to compute: the step that computes it samples the next token."""
+        if self.hasher is None:
+            return []
+        usable = (seq.num_tokens - 1) // self.block_size
+        return self.pool.lookup(self.hasher.extend(seq, usable)[:usable])
 
     def _order_shortest_first(self) -> None:
         now = time.monotonic()
@@ -153,6 +177,7 @@ class Scheduler:
         """Recompute preemption: drop the KV, keep the tokens, go to the front of the queue."""
         self._release(seq)
         seq.num_computed_tokens = 0
+        seq.num_registered_blocks = 0
         seq.num_preemptions += 1
         seq.status = SeqStatus.WAITING
         self.running.remove(seq)

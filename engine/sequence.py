@@ -38,6 +38,11 @@ class Sequence:
     num_preemptions: int = 0
     # Prefill-only engines finish a sequence once it has its first token.
     stop_after_first_token: bool = False
+    # Prefix cache (engine/prefix_cache.py): tokens whose KV was found cached at admission (not
+    # computed), chained hashes of its full blocks (computed once), blocks registered so far.
+    num_cached_tokens: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_registered_blocks: int = 0
 
     @property
     def num_tokens(self) -> int:

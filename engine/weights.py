@@ -11,11 +11,14 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
-from torch import nn
 from tqdm import tqdm
+
+if TYPE_CHECKING:
+    from pdserve.engine.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +45,10 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def _fused_slices(model: nn.Module) -> dict[str, tuple[str, int, int]]:
+def _fused_slices(model: LlamaForCausalLM) -> dict[str, tuple[str, int, int]]:
     """HF name (without `model.`) -> (our param, row start, row end)."""
     out: dict[str, tuple[str, int, int]] = {}
-    for i, layer in enumerate(model.layers):
+    for i, layer in enumerate(model.decoder_layers):
         attn, mlp = layer.self_attn, layer.mlp
         q, kv = attn.q_size, attn.kv_size
         rows = {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}
@@ -58,7 +61,7 @@ def _fused_slices(model: nn.Module) -> dict[str, tuple[str, int, int]]:
     return out
 
 
-def load_weights(model: nn.Module, folder: str | Path, show_progress: bool = True) -> None:
+def load_weights(model: LlamaForCausalLM, folder: str | Path, show_progress: bool = True) -> None:
     folder = Path(folder)
     params = dict(model.named_parameters(remove_duplicate=False))
     fused = _fused_slices(model)

@@ -15,6 +15,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import AsyncGenerator
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -28,7 +29,7 @@ from pdserve.gateway.generation import GenerationRun
 from pdserve.gateway.limits import GatewayLimits
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.openapi import openapi_endpoint
-from pdserve.gateway.schemas import ParsedRequest, parse_request
+from pdserve.gateway.schemas import ParsedRequest, RequestKind, parse_request
 from pdserve.protocol.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,8 @@ class _EventStream(StreamingResponse):
     """An SSE response that closes its event generator however the response ends: a client gone
     mid-write (or cut by gateway/slow_clients.py) would otherwise leave the generator suspended,
     its request still counted in flight and open upstream, until garbage collection."""
+
+    body_iterator: AsyncGenerator[str, None]  # GenerationRun.sse()
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -125,7 +128,7 @@ class GatewayApp:
         return self.tokenizer.decode([token_id])
 
     # --- one request --------------------------------------------------------------------------
-    async def handle(self, request: Request, kind: str) -> Response:
+    async def handle(self, request: Request, kind: RequestKind) -> Response:
         arrival = time.monotonic()
         try:
             req = parse_request(await self._read_json(request), kind, self.limits)
@@ -205,7 +208,8 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_model_len: i
     async def metrics(_: Request) -> Response:
         return Response(gw.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    async def http_error(_: Request, exc: HTTPException) -> Response:  # unknown path, wrong method
+    async def http_error(_: Request, exc: Exception) -> Response:  # unknown path, wrong method
+        assert isinstance(exc, HTTPException)  # the only exception it is registered for
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         return error_response(exc.status_code, str(exc.detail), code=code, headers=exc.headers)
 

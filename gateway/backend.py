@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from pdserve.gateway.queue_stats import QueueStats
 from pdserve.protocol.messages import TokenOutput, WorkerStats
@@ -24,7 +24,7 @@ class BackendUnavailable(Exception):
 class Backend(ABC):
     @abstractmethod
     def generate(self, request_id: str, prompt_token_ids: list[int],
-                 sampling: SamplingParams) -> AsyncIterator[TokenOutput]:
+                 sampling: SamplingParams) -> AsyncGenerator[TokenOutput, None]:
         """Yield TokenOutputs until one has finish_reason set. May raise BackendUnavailable
         before the first yield. Closing the iterator early (aclose) aborts the request."""
 

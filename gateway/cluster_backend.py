@@ -19,8 +19,9 @@ import logging
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any, Literal
 
 import zmq
 import zmq.asyncio
@@ -95,10 +96,9 @@ class ClusterBackend(Backend):
         self._at_prefill: dict[str, _AtPrefill] = {}
         self.queue_wait = Histogram("pdserve_queue_wait_seconds", "Time a request waited in a pool's queue",
                                     ["pool"], buckets=_WAIT_BUCKETS, registry=None)
-        self._queues = {"disaggregated": AdmissionQueue("disaggregated", queue_limits, self._free_decode_seats,
-                                                        self._observe_wait),
-                        "colocated": AdmissionQueue("colocated", queue_limits, self._free_colocated_seats,
-                                                    self._observe_wait)}
+        self._queues: dict[str, AdmissionQueue[Any]] = {
+            "disaggregated": AdmissionQueue("disaggregated", queue_limits, self._free_decode_seats, self._observe_wait),
+            "colocated": AdmissionQueue("colocated", queue_limits, self._free_colocated_seats, self._observe_wait)}
         # leases handed to a prefill worker that was lost before it resolved them (no first token):
         # prefill worker id -> {request id: (decode worker id, lease deadline)}
         self._orphaned_leases: dict[str, dict[str, tuple[str, float]]] = {}
@@ -244,6 +244,7 @@ class ClusterBackend(Backend):
         if got is None:
             return None
         d, reply = got
+        assert reply.lease is not None  # _reserve returns granted leases only
         # KV is only exchanged between workers running the same model, dtype and shapes.
         prefills = [p for p in self.table.live("prefill") if p.info.model_fingerprint == d.info.model_fingerprint]
         if not prefills:
@@ -294,7 +295,7 @@ class ClusterBackend(Backend):
             queue.put_nowait(TokenOutput(request_id=request_id, finish_reason="abort"))
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       sampling: SamplingParams) -> AsyncIterator[TokenOutput]:
+                       sampling: SamplingParams) -> AsyncGenerator[TokenOutput, None]:
         if self.table.live("prefill") and self.table.live("decode"):
             stream = self._generate_disaggregated(request_id, prompt_token_ids, sampling)
         elif self.table.live("colocated"):
@@ -339,7 +340,7 @@ class ClusterBackend(Backend):
         raise BackendUnavailable("no decode worker can take the request (" + "; ".join(reasons) + ")",
                                  retry_after_s=1.0)
 
-    def _transport_for(self, p: WorkerEntry, d: WorkerEntry) -> str:
+    def _transport_for(self, p: WorkerEntry, d: WorkerEntry) -> Literal["zmq", "shm"]:
         can_shm = d.info.shm_name is not None and p.info.host == d.info.host
         if self.kv_transport == "shm" and not can_shm:
             log.warning("shm transport asked for but %s and %s do not share a host", p.worker_id, d.worker_id)

@@ -1,6 +1,8 @@
 """OpenAI error envelope: {"error": {"message", "type", "param", "code"}}."""
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from starlette.responses import JSONResponse
 
 
@@ -19,7 +21,7 @@ class APIError(Exception):
 
 def error_response(status: int, message: str, *, param: str | None = None,
                    type_: str = "invalid_request_error", code: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
+                   headers: Mapping[str, str] | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
                         status_code=status, headers=headers)
 

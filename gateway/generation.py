@@ -40,6 +40,7 @@ class Choice:
     first_token_at: float | None = None
     timings: dict[str, float] = field(default_factory=dict)
     timed_out: bool = False
+    cached_tokens: int = 0  # prompt tokens a worker found in its prefix cache
 
 
 class StreamCut(Exception):
@@ -138,6 +139,7 @@ class GenerationRun:
         now = time.monotonic()
         if out.timings:
             choice.timings.update(out.timings)
+        choice.cached_tokens = max(choice.cached_tokens, out.cached_tokens)
         if out.error is not None:
             choice.finish_reason, choice.error = "error", out.error
             return "", [], "error"
@@ -180,7 +182,8 @@ class GenerationRun:
     def _usage(self) -> dict:
         completion = sum(c.num_tokens for c in self.choices)
         return {"prompt_tokens": len(self.prompt), "completion_tokens": completion,
-                "total_tokens": len(self.prompt) + completion}
+                "total_tokens": len(self.prompt) + completion,
+                "prompt_tokens_details": {"cached_tokens": max(c.cached_tokens for c in self.choices)}}
 
     def _timings(self) -> dict:
         merged: dict[str, float] = {}

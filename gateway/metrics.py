@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pdserve.gateway.queue_stats import QueueStats
 from pdserve.protocol.messages import WorkerStats
@@ -36,6 +36,14 @@ class _WorkerCollector:
             "lease_renewals": GaugeMetricFamily("pdserve_kv_lease_renewals",
                                                 "Leases extended for prefill workers still holding them (total)",
                                                 labels=["node"]),
+            "kv_blocks_cached": GaugeMetricFamily("pdserve_kv_blocks_cached",
+                                                  "Free KV blocks whose KV the prefix cache keeps (reclaimable)",
+                                                  labels=["node"]),
+            "prefix_query_tokens": CounterMetricFamily("pdserve_prefix_cache_queries",
+                                                       "Prompt tokens looked up in the prefix cache", labels=["node"]),
+            "prefix_hit_tokens": CounterMetricFamily("pdserve_prefix_cache_hits",
+                                                     "Prompt tokens found in the prefix cache (not computed)",
+                                                     labels=["node"]),
         }
         for node, st in self._stats().items():
             for attr, fam in fams.items():

@@ -10,7 +10,7 @@ tests/gateway/test_api_fuzz.py fuzzes the server against this document.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, get_args
+from typing import TYPE_CHECKING, Any, get_args
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from pdserve.gateway.app import GatewayApp
 
 _REF = "#/components/schemas/"
-_API_KEY = [{}, {"bearer": []}]  # /v1/* needs the bearer key only when the server has one
+_API_KEY: list[dict[str, list[str]]] = [{}, {"bearer": []}]  # /v1/* needs the bearer key only when the server has one
 
 
 def _ref(name: str) -> dict:
@@ -53,7 +53,7 @@ def _needs_true(*rules: tuple[str, str]) -> dict:
 
     Spelled as one anyOf over every combination of (field is null | flag is true): schemathesis's
     coverage phase finds valid bodies for that, but hardly any for an allOf of several anyOfs."""
-    branches = [{"required": [], "properties": {}}]
+    branches: list[dict[str, Any]] = [{"required": [], "properties": {}}]
     for field, flag in rules:
         branches = [{"required": b["required"] + req, "properties": {**b["properties"], **props}}
                     for b in branches for req, props in (([], {field: {"type": "null"}}),
@@ -130,8 +130,9 @@ def _response_schemas(model_name: str) -> dict:
         token_logprobs={"type": "array", "items": num},
         top_logprobs={"type": "array", "items": {"type": "object", "additionalProperties": num}},
         text_offset={"type": "array", "items": integer}))
-    usage = _object(["prompt_tokens", "completion_tokens", "total_tokens"],
-                    prompt_tokens=integer, completion_tokens=integer, total_tokens=integer)
+    usage = _object(["prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details"],
+                    prompt_tokens=integer, completion_tokens=integer, total_tokens=integer,
+                    prompt_tokens_details=_object(["cached_tokens"], cached_tokens=integer))
     timings = {"type": "object", "additionalProperties": num, "description": "pdserve's per-phase timings"}
 
     def body(obj: str, choice: dict, *, chunk: bool = False) -> dict:
@@ -196,9 +197,10 @@ def _generate(request: str, result: str, chunk: str, summary: str) -> dict:
 
 
 
-def _get(summary: str, media_type: str, schema: dict, *, secured: bool = False, **more_responses) -> dict:
-    op = {"summary": summary, "responses": {
-        "200": {"description": "OK", "content": {media_type: {"schema": schema}}}, **more_responses}}
+def _get(summary: str, media_type: str, schema: dict, *, secured: bool = False,
+         more_responses: dict[str, dict] | None = None) -> dict:
+    op: dict[str, Any] = {"summary": summary, "responses": {
+        "200": {"description": "OK", "content": {media_type: {"schema": schema}}}, **(more_responses or {})}}
     if secured:
         op["security"] = _API_KEY
         op["responses"]["401"] = _error("missing or wrong API key")
@@ -221,8 +223,8 @@ def openapi_document(limits: GatewayLimits, *, model_name: str, max_model_len: i
                 ["object", "data"], object={"const": "list"},
                 data={"type": "array", "minItems": 1, "maxItems": 1, "items": model}), secured=True),
             "/health": _get("whether each pool has a live worker", "application/json", health,
-                            **{"503": {"description": "a pool has no live worker",
-                                       "content": {"application/json": {"schema": health}}}}),
+                            more_responses={"503": {"description": "a pool has no live worker",
+                                                    "content": {"application/json": {"schema": health}}}}),
             "/metrics": _get("Prometheus metrics", "text/plain", {"type": "string"}),
             "/openapi.json": _get("this document", "application/json", {"type": "object"}),
         },

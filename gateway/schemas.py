@@ -14,10 +14,12 @@ from pdserve.gateway.limits import GatewayLimits
 
 _INT64 = 2**63
 
+RequestKind = Literal["completion", "chat"]  # the endpoint: /v1/completions or /v1/chat/completions
+
 
 @dataclass
 class ParsedRequest:
-    kind: Literal["completion", "chat"]
+    kind: RequestKind
     model: str | None
     prompt_text: str | None = None
     prompt_ids: list[int] | None = None
@@ -48,6 +50,10 @@ class Range(NamedTuple):
     lo: float | None = None
     hi: float | None = None
     lo_open: bool = False  # lo itself is refused
+
+    def admits(self, value: float) -> bool:
+        return ((self.lo is None or (value > self.lo if self.lo_open else value >= self.lo))
+                and (self.hi is None or value <= self.hi))
 
 
 # Sampling fields both endpoints take; their defaults are ParsedRequest's.
@@ -168,7 +174,7 @@ def _logit_bias(value: Any) -> list[tuple[int, float]]:
     return sorted(out)
 
 
-def parse_request(body: Any, kind: Literal["completion", "chat"], limits: GatewayLimits) -> ParsedRequest:
+def parse_request(body: Any, kind: RequestKind, limits: GatewayLimits) -> ParsedRequest:
     if not isinstance(body, dict):
         raise invalid("request body must be a JSON object")
     _refuse_what_is_not_implemented(body, kind)
@@ -246,7 +252,8 @@ def parse_request(body: Any, kind: Literal["completion", "chat"], limits: Gatewa
         req.stop = stops
     ids = body.get("stop_token_ids")
     if ids is not None:
-        req.stop_token_ids = _token_ids(ids)
-        if req.stop_token_ids is None or not all(STOP_TOKEN_ID.lo <= t <= STOP_TOKEN_ID.hi for t in req.stop_token_ids):
+        stop_ids = _token_ids(ids)
+        if stop_ids is None or not all(STOP_TOKEN_ID.admits(t) for t in stop_ids):
             raise invalid("'stop_token_ids' must be a list of 64-bit integers", "stop_token_ids")
+        req.stop_token_ids = stop_ids
     return req

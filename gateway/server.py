@@ -68,7 +68,8 @@ def serve_gateway(opts: GatewayOptions, auth: FrameAuth) -> None:
         gw = app.state.gateway  # its limits: header, body and write deadlines on each connection
         server = uvicorn.Server(uvicorn.Config(app, host=opts.host, port=opts.port, log_level="warning",
                                                lifespan="off", timeout_graceful_shutdown=25,
-                                               http=http_protocol(gw.limits, gw.stream_cut)))
+                                               # typed as a Protocol class; uvicorn only calls it, a factory works
+                                               http=http_protocol(gw.limits, gw.stream_cut)))  # type: ignore[arg-type]
         log.info("gateway on http://%s:%d", opts.host, opts.port)
         try:
             await server.serve()

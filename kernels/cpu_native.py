@@ -33,12 +33,14 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
 from pdserve.env import settings
 
 log = logging.getLogger(__name__)
+_Lib = TypeVar("_Lib")
 
 ATTENTION_SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
 PREFILL_SOURCE = Path(__file__).with_name("cpu_prefill_attention.c")
@@ -110,6 +112,13 @@ def load_kernel(source: Path) -> ctypes.CDLL | None:
         return None
 
 
+def built(lib: _Lib | None) -> _Lib:
+    """A kernel library (`_library()` and the like) its caller has checked was built (`available()`)."""
+    if lib is None:
+        raise RuntimeError("kernel library not built: check available() before calling it")
+    return lib
+
+
 @functools.lru_cache(maxsize=None)
 def _library() -> ctypes.CDLL | None:
     lib = load_kernel(ATTENTION_SOURCE)
@@ -129,7 +138,7 @@ def _prefill_library() -> ctypes.CDLL | None:
         fn = lib.paged_prefill_attention_f32
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                       ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 6 + [
+                       ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int] * 6,
                        ctypes.c_float, ctypes.c_int]
     return lib
 
@@ -154,8 +163,8 @@ def gemv(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> 
     n_in, n_out = weight_t.shape
     assert x.shape == (1, n_in) and x.is_contiguous() and weight_t.is_contiguous()
     y = torch.empty(1, n_out, dtype=torch.float32)
-    _gemv_library().gemv_f32(x.data_ptr(), weight_t.data_ptr(), None if bias is None else bias.data_ptr(),
-                             y.data_ptr(), n_in, n_out, torch.get_num_threads())
+    built(_gemv_library()).gemv_f32(x.data_ptr(), weight_t.data_ptr(), None if bias is None else bias.data_ptr(),
+                                    y.data_ptr(), n_in, n_out, torch.get_num_threads())
     return y
 
 
@@ -192,7 +201,7 @@ def paged_decode_attention(query: torch.Tensor, kv_layer: torch.Tensor, block_ta
     _, num_blocks, bs, hkv, _ = kv_layer.shape
     assert block_tables.dtype == torch.int32 and context_lens.dtype == torch.int32
     assert block_tables.is_contiguous() and context_lens.is_contiguous() and out.is_contiguous()
-    rc = _library().paged_decode_attention_f32(
+    rc = built(_library()).paged_decode_attention_f32(
         query.data_ptr(), query.stride(0), kv_layer.data_ptr(), num_blocks * bs, block_tables.data_ptr(),
         block_tables.stride(0), context_lens.data_ptr(), out.data_ptr(), n, hq, hkv, d, bs, scale,
         torch.get_num_threads())
@@ -221,7 +230,7 @@ def paged_prefill_attention(query: torch.Tensor, kv_layer: torch.Tensor, block_t
     assert out.is_contiguous() and out.shape == query.shape
     if n <= 0:
         return True
-    rc = _prefill_library().paged_prefill_attention_f32(
+    rc = built(_prefill_library()).paged_prefill_attention_f32(
         query.data_ptr(), query.stride(0), kv_layer.data_ptr(), num_blocks * bs, block_tables.data_ptr(),
         block_tables.stride(0), cu_seqlens_q.data_ptr(), context_lens.data_ptr(), out.data_ptr(), first, n,
         hq, hkv, d, bs, scale, torch.get_num_threads())

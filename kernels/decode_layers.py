@@ -18,7 +18,7 @@ import torch
 
 from pdserve.env import settings
 from pdserve.kernels import cpu_native, layer_ops, panel_gemm
-from pdserve.kernels.cpu_native import load_kernel
+from pdserve.kernels.cpu_native import built, load_kernel
 
 SOURCE = Path(__file__).with_name("cpu_decode_layers.c")
 SLOT_PAST_POOL, ATTENTION_REFUSED = -1, -2
@@ -40,7 +40,7 @@ class StackShape(ctypes.Structure):
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
 
 
-def _address(lib: ctypes.CDLL, name: str) -> int:
+def _address(lib: ctypes.CDLL, name: str) -> int | None:
     return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
 
 
@@ -48,7 +48,9 @@ def _address(lib: ctypes.CDLL, name: str) -> int:
 def _library() -> tuple[ctypes.CDLL, KernelTable] | None:
     """The driver and the table of kernels it calls; None when any of them did not build."""
     ops, gemm, attention = layer_ops._library(), panel_gemm._library(), cpu_native._library()
-    lib = load_kernel(SOURCE) if ops and gemm and attention else None
+    if not (ops and gemm and attention):
+        return None
+    lib = load_kernel(SOURCE)
     if lib is None:
         return None
     p, i64 = ctypes.c_void_p, ctypes.c_int64
@@ -82,14 +84,15 @@ class DecodeLayers:
         self.kv_cache = kv_cache  # [L, 2, N, bs, Hkv, D]: held, so the layers' pool pointers stay valid
         self.shape = shape
         self.slots = kv_cache.shape[2] * kv_cache.shape[3]
-        self.work_floats_per_row = _library()[0].decode_layers_work_floats(ctypes.byref(shape), 1)  # scratch is per row
+        lib = built(_library())[0]
+        self.work_floats_per_row = lib.decode_layers_work_floats(ctypes.byref(shape), 1)  # scratch is per row
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
             block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor | None:
         """x [m, H] (m decode rows) -> [m, H] after every layer, each layer's K, V stored at
         slot_mapping [m]; cos, sin [m, 1, D]; block_tables [>=m, W], context_lens [>=m] int32.
         None when the attention kernel refuses these shapes (the per-op path runs instead)."""
-        lib, table = _library()
+        lib, table = built(_library())
         m, hidden = x.shape
         assert x.is_contiguous() and hidden == self.shape.hidden and slot_mapping.dtype == torch.int64
         assert cos.is_contiguous() and sin.is_contiguous() and slot_mapping.is_contiguous()

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.env import settings
-from pdserve.kernels.cpu_native import load_kernel
+from pdserve.kernels.cpu_native import built, load_kernel
 
 SOURCE = Path(__file__).with_name("cpu_layer_ops.c")
 
@@ -59,8 +59,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm_torch(x, weight, eps)
     rows, n = x.shape
     out = torch.empty(rows, n, dtype=torch.float32)
-    _library().rmsnorm_f32(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), rows, n, eps,
-                           torch.get_num_threads())
+    built(_library()).rmsnorm_f32(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), rows, n, eps,
+                                  torch.get_num_threads())
     return out
 
 
@@ -73,8 +73,8 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
     rows, n = x.shape
     total = torch.empty(rows, n, dtype=torch.float32)
     out = torch.empty(rows, n, dtype=torch.float32)
-    _library().add_rmsnorm_f32(x.data_ptr(), delta.data_ptr(), delta.stride(0), weight.data_ptr(),
-                               total.data_ptr(), out.data_ptr(), rows, n, eps, torch.get_num_threads())
+    built(_library()).add_rmsnorm_f32(x.data_ptr(), delta.data_ptr(), delta.stride(0), weight.data_ptr(),
+                                      total.data_ptr(), out.data_ptr(), rows, n, eps, torch.get_num_threads())
     return total, out
 
 
@@ -86,8 +86,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return F.silu(gate) * up
     rows = gate_up.shape[0]
     out = torch.empty(rows, n, dtype=torch.float32)
-    _library().silu_mul_f32(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, n,
-                            torch.get_num_threads())
+    built(_library()).silu_mul_f32(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, n,
+                                   torch.get_num_threads())
     return out
 
 
@@ -106,9 +106,10 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_head
     _, n, bs, hkv, _ = kv_layer.shape
     q = torch.empty(rows, num_heads, d, dtype=torch.float32)
     k = torch.empty(rows, num_kv_heads, d, dtype=torch.float32)
-    rc = _library().rope_store_f32(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), q.data_ptr(),
-                                   k.data_ptr(), kv_layer.data_ptr(), n * bs, slot_mapping.data_ptr(), rows,
-                                   num_heads, num_kv_heads, d, torch.get_num_threads())
+    rc = built(_library()).rope_store_f32(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(),
+                                          q.data_ptr(), k.data_ptr(), kv_layer.data_ptr(), n * bs,
+                                          slot_mapping.data_ptr(), rows, num_heads, num_kv_heads, d,
+                                          torch.get_num_threads())
     if rc != 0:
         raise IndexError(f"slot_mapping holds a slot past the KV pool ({n * bs} slots)")
     v = qkv[:, (num_heads + num_kv_heads) * d:].view(rows, num_kv_heads, d)

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels.cpu_native import load_kernel
+from pdserve.kernels.cpu_native import built, load_kernel
 
 SOURCE = Path(__file__).with_name("cpu_panel_gemm.c")
 PANEL = 16  # output columns a panel (two 8-float vectors); the library is refused if it says otherwise
@@ -48,6 +48,7 @@ def linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out
     assert x.dtype == torch.float32 and x.stride(1) == 1 and panels.shape[1] == n_in and panels.is_contiguous()
     assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())
     y = torch.empty(m, out_features, dtype=torch.float32)
-    _library().panel_gemm_f32(x.data_ptr(), x.stride(0), panels.data_ptr(), None if bias is None else bias.data_ptr(),
-                              y.data_ptr(), m, n_in, out_features, torch.get_num_threads())
+    built(_library()).panel_gemm_f32(x.data_ptr(), x.stride(0), panels.data_ptr(),
+                                     None if bias is None else bias.data_ptr(), y.data_ptr(), m, n_in, out_features,
+                                     torch.get_num_threads())
     return y

@@ -34,7 +34,7 @@ import zmq
 from pdserve.kvtransfer.lease import LeaseTable
 from pdserve.kvtransfer.malloc_tuning import keep_large_allocations_in_heap
 from pdserve.kvtransfer.receiver import KvReceiver
-from pdserve.kvtransfer.sender import ShmKvSender, ZmqKvSender
+from pdserve.kvtransfer.sender import KvSender, ShmKvSender, ZmqKvSender
 from pdserve.kvtransfer.shm import SharedTensor
 from pdserve.kvtransfer.wire import PAYLOAD_MAC_MODES, payload_mac_enabled, torch_dtype
 from pdserve.protocol.auth import FrameAuth, generate_cluster_secret
@@ -125,9 +125,10 @@ class _Transport:
         bind = f"ipc://{tmpdir}/kv-{name}.sock" if name == "zmq-ipc" else "tcp://127.0.0.1:0"
         self.payload_mac = name != "shm" and payload_mac_enabled(payload_mac, bind)
         self.leases = LeaseTable(layout.num_layers)
+        assert pool.tensor is not None  # open until the bench ends
         self.receiver = KvReceiver(ctx, auth, bind, pool.tensor, self.leases, payload_mac=self.payload_mac)
         self.thread = _ReceiverThread(self.receiver)
-        self.sender = None
+        self.sender: KvSender
         try:
             if name == "shm":
                 self.sender = ShmKvSender(auth, self.receiver.addr, pool.name, layout, ctx=ctx)
@@ -144,6 +145,7 @@ class _Transport:
         """Move one request's KV; returns (seconds until D accepted KvDone, bytes)."""
         L = self.layout.num_layers
         dst = self.pool.tensor
+        assert dst is not None
         dst.zero_()
         lease = self.leases.grant(rid, dst_ids, ttl_s=120)
         t0 = time.perf_counter()
@@ -161,8 +163,7 @@ class _Transport:
         self.thread.stop = True
         if self.thread.is_alive():
             self.thread.join(5)
-        if self.sender is not None:
-            self.sender.close()
+        self.sender.close()
         self.receiver.close()
 
 

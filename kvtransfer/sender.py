@@ -116,6 +116,7 @@ class KvSender(ABC):
     """Owned by a prefill worker, one per destination; called from the forward pass."""
 
     transport = "?"
+    ctx: zmq.Context  # the context its outbox lives in
 
     def __init__(self, outbox: Outbox, *, send_timeout_ms: int = SEND_TIMEOUT_MS) -> None:
         self.outbox = outbox
@@ -352,6 +353,7 @@ def make_kv_sender(transport: str, *, ctx: zmq.Context, auth: FrameAuth, kv_addr
         if sender is not None and not sender.closed and sender.ctx is ctx:
             return sender
         if transport == "shm":
+            assert shm_name and layout is not None  # checked above
             sender = ShmKvSender(auth, kv_addr, shm_name, layout, ctx=ctx, **kwargs)
         else:
             sender = ZmqKvSender(ctx, auth, kv_addr, payload_mac=payload_mac, **kwargs)

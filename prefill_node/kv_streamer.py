@@ -8,6 +8,8 @@ touched, mapped onto the decode worker's leased blocks:
     P block_table        [p0][p1][p2][p3][p4]            blocks start//bs .. ceil(end/bs)-1
     lease.block_ids      [d0][d1][d2][d3][d4]            same indices on D
 A block a chunk only partly fills is sent again with the next chunk (its old part unchanged).
+A request's first chunk also sends the blocks its prompt found in this worker's prefix cache
+(engine/prefix_cache.py): computed by an earlier request, but the decode worker lacks them.
 Each layer's send reads the request's lease from the worker's routes at that moment, so a
 renewal that arrives while the step computes counts for its remaining layers.
 """
@@ -92,7 +94,8 @@ class KvStreamer:
             dest, sender = route
             start = seq.num_computed_tokens
             end = start + chunk.num_tokens
-            b0, b1 = start // bs, -(-end // bs)
+            b0 = 0 if start <= seq.num_cached_tokens else start // bs  # first chunk: the cached prefix too
+            b1 = -(-end // bs)
             jobs.append(_Job(seq.request_id, dest.lease, seq.block_table[b0:b1],
                              dest.lease.block_ids[b0:b1], sender,
                              stats.setdefault(seq.request_id, TransferStats())))

@@ -170,6 +170,7 @@ class PrefillLanes:
                     self._free_normal -= 1
                 if self._stop:
                     return
+                assert job is not None  # the wait above ends with a job or a stop
                 job.held = True
                 self._cond.notify_all()  # fewer normal lanes free: an idle lane may take what is left
             self._advance(job)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from pdserve.engine.llm_engine import PREFILLED, LLMEngine
+from pdserve.engine.llm_engine import PREFILLED, LLMEngine, wire_finish_reason
 from pdserve.kvtransfer.sender import KvSender, make_kv_sender
 from pdserve.kvtransfer.wire import payload_mac_enabled
 from pdserve.prefill_node.kv_streamer import KvStreamer, TransferStats
@@ -204,11 +204,11 @@ class PrefillWorker(WorkerBase):
                                             kv_bytes=ts.bytes, timings=timings))
             else:  # ended at its first token (stop/length): D's lease is not needed
                 self._release(out.request_id)
-            reason = None if out.finish_reason == PREFILLED else out.finish_reason
+            reason = wire_finish_reason(out.finish_reason)
             self.rt.to_gateway(req.gateway_id, TokenOutput(
                 request_id=req.request_id, worker_id=self.worker_id, index=0,
                 token_ids=out.new_token_ids, logprobs=out.logprobs, finish_reason=reason,
-                timings=timings))
+                timings=timings, cached_tokens=out.seq.num_cached_tokens))
             self._forget(out.request_id)
         for request_id in list(self._abort_after):
             self._abort(request_id)

@@ -170,16 +170,18 @@ class Inbox(_InboxBase):
 class AsyncInbox(_InboxBase):
     """Inbox for asyncio code (zmq.asyncio context). `timeout_ms=None` waits for a valid message."""
 
+    socket: zmq.asyncio.Socket
+
     def __init__(self, ctx: zmq.asyncio.Context, auth: FrameAuth, bind_addr: str | None = DEFAULT_BIND,
                  allow_wildcard: bool = False, *, decoder: Decoder = decode, max_message_bytes: int = -1) -> None:
         super().__init__(ctx.socket(zmq.PULL), auth, bind_addr, allow_wildcard, decoder, max_message_bytes)
 
     async def poll(self, timeout_ms: int | None = 0) -> bool:
-        return bool(await self.socket.poll(timeout_ms, zmq.POLLIN))
+        return bool(await self.socket.poll(timeout_ms))  # POLLIN, the default (pyzmq's stub has no flags)
 
     async def recv_raw(self, timeout_ms: int | None = None) -> tuple[Any, list[memoryview]] | None:
         deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000
-        while await self.socket.poll(_remaining_ms(deadline), zmq.POLLIN):
+        while await self.socket.poll(_remaining_ms(deadline)):  # POLLIN
             parsed = self._parse(await self.socket.recv_multipart(copy=False))
             if parsed is not None:
                 return parsed

@@ -37,6 +37,8 @@ Role = Literal["prefill", "decode", "colocated"]
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
+# Each message restates frozen=True: msgspec inherits it, but type checkers (dataclass_transform)
+# refuse a subclass that does not say so.
 class _Msg(msgspec.Struct, tag=True, frozen=True, forbid_unknown_fields=True, kw_only=True):
     # W3C traceparent, so a trace can follow gateway -> prefill -> transfer -> decode later.
     traceparent: str | None = None
@@ -65,6 +67,9 @@ class WorkerStats(msgspec.Struct, frozen=True):
     leases_active: int = 0  # decode: reservations waiting for their KV
     kv_blocks_quarantined: int = 0  # decode: blocks of ended leases held until their deadline
     lease_renewals: int = 0  # decode: leases extended so far for prefill workers still holding them
+    kv_blocks_cached: int = 0  # of kv_blocks_free: blocks whose KV the prefix cache keeps until needed
+    prefix_query_tokens: int = 0  # prompt tokens looked up in the prefix cache so far
+    prefix_hit_tokens: int = 0  # of them, found cached (not computed)
 
 
 class WorkerInfo(msgspec.Struct, frozen=True):
@@ -82,17 +87,17 @@ class WorkerInfo(msgspec.Struct, frozen=True):
     version: int = PROTOCOL_VERSION
 
 
-class Register(_Msg, kw_only=True):
+class Register(_Msg, kw_only=True, frozen=True):
     info: WorkerInfo
 
 
-class Heartbeat(_Msg, kw_only=True):
+class Heartbeat(_Msg, kw_only=True, frozen=True):
     worker_id: str
     stats: WorkerStats = WorkerStats()
     info: WorkerInfo | None = None  # lets a restarted gateway re-learn its workers
 
 
-class Welcome(_Msg, kw_only=True):
+class Welcome(_Msg, kw_only=True, frozen=True):
     gateway_id: str
     inbox_addr: str  # must be one of the worker's configured gateway addresses
 
@@ -112,7 +117,7 @@ class Lease(msgspec.Struct, frozen=True):
     ttl_s: float = 0.0
 
 
-class ReserveRequest(_Msg, kw_only=True):
+class ReserveRequest(_Msg, kw_only=True, frozen=True):
     request_id: str
     gateway_id: str
     to_worker: str = ""  # the intended decode worker: a restarted worker on the same address ignores it
@@ -122,7 +127,7 @@ class ReserveRequest(_Msg, kw_only=True):
     block_hashes: list[int] | None = None
 
 
-class ReserveReply(_Msg, kw_only=True):
+class ReserveReply(_Msg, kw_only=True, frozen=True):
     request_id: str
     worker_id: str
     lease: Lease | None = None  # None => refused
@@ -139,7 +144,7 @@ class KvDestination(msgspec.Struct, frozen=True):
     layout: KvLayout  # the decode worker's pool (shm writers map it with this shape)
 
 
-class PrefillRequest(_Msg, kw_only=True):
+class PrefillRequest(_Msg, kw_only=True, frozen=True):
     request_id: str
     gateway_id: str
     prompt_token_ids: list[int]
@@ -148,7 +153,7 @@ class PrefillRequest(_Msg, kw_only=True):
     arrival_time: float = 0.0
 
 
-class GenerateRequest(_Msg, kw_only=True):
+class GenerateRequest(_Msg, kw_only=True, frozen=True):
     request_id: str
     gateway_id: str
     prompt_token_ids: list[int]
@@ -163,7 +168,7 @@ class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
     top_logprobs: list[float]
 
 
-class KvDone(_Msg, kw_only=True):
+class KvDone(_Msg, kw_only=True, frozen=True):
     """Sent by P on the KV stream after the last layer frame: D verifies and admits."""
 
     request_id: str
@@ -178,7 +183,7 @@ class KvDone(_Msg, kw_only=True):
     timings: dict[str, float] = {}
 
 
-class KvRelease(_Msg, kw_only=True):
+class KvRelease(_Msg, kw_only=True, frozen=True):
     """P -> D on the KV stream: P has dropped this request (aborted, or it ended at its first
     token) and will never write its lease again. The stream is FIFO, so nothing of it can
     follow: D reclaims the leased blocks at once instead of waiting out the deadline."""
@@ -187,7 +192,7 @@ class KvRelease(_Msg, kw_only=True):
     lease_epoch: int
 
 
-class KvRenew(_Msg, kw_only=True):
+class KvRenew(_Msg, kw_only=True, frozen=True):
     """P -> D on the KV stream: P still holds this request (queued behind other prompts, or
     computing it) and will write its lease. D extends an active lease of this epoch to
     now + ttl and says so with `LeaseRenewed`; an expired or revoked lease stays ended."""
@@ -196,7 +201,7 @@ class KvRenew(_Msg, kw_only=True):
     lease_epoch: int
 
 
-class LeaseRenewed(_Msg, kw_only=True):
+class LeaseRenewed(_Msg, kw_only=True, frozen=True):
     """D -> G -> P: D moved the lease's deadline (and quarantines its blocks until then if it is
     aborted). P writes by the new deadline only after it hears this, so P's idea of the
     deadline is never later than D's: the fencing of late shared-memory writes holds."""
@@ -207,7 +212,7 @@ class LeaseRenewed(_Msg, kw_only=True):
     deadline: float
 
 
-class TokenOutput(_Msg, kw_only=True):
+class TokenOutput(_Msg, kw_only=True, frozen=True):
     request_id: str
     worker_id: str = ""
     index: int = 0  # position of token_ids[0] in the output (the gateway reorders by it)
@@ -218,15 +223,16 @@ class TokenOutput(_Msg, kw_only=True):
     # TTFT breakdown (seconds, bytes) filled by P and D: prefill_queue, prefill_compute,
     # kv_transfer, kv_bytes, decode_admission ...
     timings: dict[str, float] = {}
+    cached_tokens: int = 0  # first output: prompt tokens whose KV came from the prefix cache
 
 
-class TokenOutputBatch(_Msg, kw_only=True):
+class TokenOutputBatch(_Msg, kw_only=True, frozen=True):
     """A step's outputs for every request of one gateway: one frame (one HMAC, one send, one
     receive) a step instead of one a request. Each entry is handled as if it came alone."""
     outputs: list[TokenOutput] = []
 
 
-class Abort(_Msg, kw_only=True):
+class Abort(_Msg, kw_only=True, frozen=True):
     request_id: str
     reason: str = ""
     # The gateway never sent the lease to any prefill worker (reservation it gave up on): nobody

@@ -6,7 +6,7 @@ through `kernels`. Linear layers are fused (qkv, gate_up) -- `engine.weights` ma
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, cast
 
 import torch
 from torch import nn
@@ -99,6 +99,14 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(h)
 
 
+def _few_row_panels(layer: DecoderLayer) -> list[torch.Tensor] | None:
+    """The few-row GEMM panels of the layer's qkv, o, gate_up and down linears (relaid as
+    PackedLinear); None when one of them has none."""
+    linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    panels: list[torch.Tensor] = [m.panels for m in linears if isinstance(m, PackedLinear) and m.panels is not None]
+    return panels if len(panels) == len(linears) else None
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
@@ -110,6 +118,11 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    @property
+    def decoder_layers(self) -> list[DecoderLayer]:
+        """`layers`, typed (an nn.ModuleList yields plain Modules)."""
+        return [cast(DecoderLayer, layer) for layer in self.layers]
 
     def materialize(self, device: torch.device, dtype: torch.dtype) -> None:
         """Give a meta-built model real (uninitialised) storage; weights come from the loader."""
@@ -143,18 +156,20 @@ class LlamaForCausalLM(nn.Module):
         path, a linear without few-row panels, or the driver not built."""
         if not (kv_cache.device.type == "cpu" and kv_cache.dtype == torch.float32 and kv_cache.is_contiguous()):
             return None
-        linears = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj) for layer in self.layers]
-        if not all(isinstance(m, PackedLinear) and m.panels is not None for group in linears for m in group):
+        layers = self.decoder_layers
+        panels = [p for p in map(_few_row_panels, layers) if p is not None]
+        if len(panels) < len(layers):
             return None
         if not decode_layers.available():
             return None
         described = []
-        for i, (layer, (qkv, o, gate_up, down)) in enumerate(zip(self.layers, linears)):
+        for i, (layer, (qkv, o, gate_up, down)) in enumerate(zip(layers, panels)):
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)  # fp32 with the panels
+            qkv_bias = layer.self_attn.qkv_proj.bias
             described.append(decode_layers.LayerWeights(
-                norms[0].data_ptr(), norms[1].data_ptr(), qkv.panels.data_ptr(),
-                None if qkv.bias is None else qkv.bias.data_ptr(), o.panels.data_ptr(), gate_up.panels.data_ptr(),
-                down.panels.data_ptr(), kv_cache[i].data_ptr()))
+                norms[0].data_ptr(), norms[1].data_ptr(), qkv.data_ptr(),
+                None if qkv_bias is None else qkv_bias.data_ptr(), o.data_ptr(), gate_up.data_ptr(),
+                down.data_ptr(), kv_cache[i].data_ptr()))
         c = self.cfg
         shape = decode_layers.StackShape(c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim,
                                          kv_cache.shape[3], c.rms_norm_eps, c.head_dim ** -0.5)

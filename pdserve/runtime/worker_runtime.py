@@ -31,6 +31,7 @@ from pdserve.protocol.messages import (
     KvLayout,
     Message,
     Register,
+    Role,
     TokenOutput,
     TokenOutputBatch,
     Welcome,
@@ -45,11 +46,11 @@ HEARTBEAT_INTERVAL_S = 0.5
 REGISTER_INTERVAL_S = 1.0
 
 
-def new_worker_id(role: str) -> str:
+def new_worker_id(role: Role) -> str:
     return f"{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
-def describe_worker(engine, role: str, control_addr: str, host: str, **extra) -> WorkerInfo:
+def describe_worker(engine, role: Role, control_addr: str, host: str, **extra) -> WorkerInfo:
     """The WorkerInfo a worker registers with: identity, addresses, model and KV pool shape."""
     spec = engine.kv_spec
     layout = KvLayout(spec.num_layers, engine.pool.num_blocks, spec.block_size, spec.num_kv_heads,
@@ -65,6 +66,8 @@ def engine_stats(engine, last_progress: float, dropped_frames: int, extra_waitin
     """Heartbeat stats; `last_step_age_s` grows only while there is work and no step completes."""
     sch = engine.scheduler
     return WorkerStats(kv_blocks_free=engine.pool.num_free, kv_blocks_total=engine.pool.num_blocks,
+                       kv_blocks_cached=engine.pool.num_cached, prefix_query_tokens=sch.prefix_query_tokens,
+                       prefix_hit_tokens=sch.prefix_hit_tokens,
                        num_running=len(sch.running), num_waiting=len(sch.waiting) + extra_waiting,
                        steps=engine.num_steps,
                        last_step_age_s=time.monotonic() - last_progress if engine.has_work() else 0.0,

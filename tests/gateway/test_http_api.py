@@ -111,7 +111,8 @@ def test_completion_shape_usage_and_server_side_ids(backend, tokenizer):
     assert r.status_code == 200 and body["object"] == "text_completion"
     assert body["id"].startswith("cmpl-") and body["choices"][0]["finish_reason"] == "length"
     assert body["choices"][0]["text"] == tokenizer.decode([5, 6, 7, 5])
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     assert backend.finished == [body["id"]]
 
 

@@ -1,0 +1,59 @@
+"""Prefix caching through the whole cluster: a shared system prompt is computed once per
+prefill (or colocated) worker, later requests report it in `usage.prompt_tokens_details`,
+and every answer still equals HF greedy, streamed or not."""
+from __future__ import annotations
+
+import time
+import urllib.request
+
+import pytest
+from openai import OpenAI
+from transformers import AutoTokenizer
+
+from tests.conftest import hf_greedy, random_prompts
+from tests.e2e.cluster import running_server
+
+pytestmark = pytest.mark.slow
+
+MAX_NEW = 8
+MODES = {"1P1D": [], "colocated": ["--colocated"]}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_shared_system_prompt_is_reused_and_reported(tiny_llama, mode):
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    system = random_prompts(tok.vocab_size, [70], seed=4)[0]  # 4 full 16-token blocks + 6
+    prompts = [system + tail for tail in random_prompts(tok.vocab_size, [5, 11, 3], seed=5)]
+    want = [tok.decode(hf_greedy(str(tiny_llama), tuple(p), MAX_NEW), skip_special_tokens=True) for p in prompts]
+    with running_server(tiny_llama, *MODES[mode]) as base:
+        client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        model = client.models.list().data[0].id
+        first = client.completions.create(model=model, prompt=prompts[0], max_tokens=MAX_NEW, temperature=0)
+        assert first.choices[0].text == want[0]
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        second = client.completions.create(model=model, prompt=prompts[1], max_tokens=MAX_NEW, temperature=0)
+        assert second.choices[0].text == want[1]
+        assert second.usage.prompt_tokens_details.cached_tokens == 64  # the system prompt's full blocks
+        chunks = list(client.completions.create(model=model, prompt=prompts[2], max_tokens=MAX_NEW, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == want[2]
+        assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 64
+        chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi there"}],
+                                              max_tokens=4, temperature=0)
+        assert chat.usage.prompt_tokens_details.cached_tokens >= 0
+        assert wait_until(lambda: prefix_hits(base) >= 128, 10)  # heartbeats carry the counters
+
+
+def prefix_hits(base: str) -> float:
+    text = urllib.request.urlopen(f"{base}/metrics", timeout=5).read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("pdserve_prefix_cache_hits_total"))
+
+
+def wait_until(cond, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
