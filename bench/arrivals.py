@@ -1,4 +1,5 @@
 """Request arrival times: Poisson (burstiness 1) or gamma-distributed gaps; rate inf = one burst."""
+
 from __future__ import annotations
 
 import math

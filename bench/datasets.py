@@ -1,4 +1,5 @@
 """Benchmark prompts: random (exact token lengths), ShareGPT, or JSONL."""
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,16 @@ def _lengths(rng, n: int, mean: int, ratio: float) -> list[int]:
     return rng.integers(lo, hi + 1, size=n).tolist()
 
 
-def random_requests(tokenizer, n: int, input_len: int, output_len: int, range_ratio: float = 0.0,
-                    prefix_len: int = 0, seed: int = 0, tokenized: bool = False) -> list[BenchRequest]:
+def random_requests(
+    tokenizer,
+    n: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float = 0.0,
+    prefix_len: int = 0,
+    seed: int = 0,
+    tokenized: bool = False,
+) -> list[BenchRequest]:
     """Prompts of exactly the drawn token length (text that re-tokenizes to it, or raw ids)."""
     rng = np.random.default_rng(seed)
     special = set(tokenizer.all_special_ids)
@@ -69,8 +78,11 @@ def jsonl_requests(tokenizer, path: str, n: int, default_output_len: int = 128) 
         if not line.strip():
             continue
         row = json.loads(line)
-        out.append(BenchRequest(row["prompt"], len(tokenizer.encode(row["prompt"])),
-                                int(row.get("output_len", default_output_len))))
+        out.append(
+            BenchRequest(
+                row["prompt"], len(tokenizer.encode(row["prompt"])), int(row.get("output_len", default_output_len))
+            )
+        )
         if len(out) == n:
             break
     return out

@@ -10,6 +10,7 @@ On the CPU each ceiling is measured before and after the rows and the higher tak
 row's figures are the best of --repeats runs: on a shared host the read rate alone was seen
 anywhere from 27 to 54 GB/s within minutes.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -65,19 +66,28 @@ def _cpu_ceilings() -> tuple[float, float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="pdserve bench-engine", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="pdserve bench-engine", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default=None, help="model folder (default: the embedded ~30M model)")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--context", type=int, default=256, help="decode context length")
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--repeats", type=int, default=3,
-                    help="each figure is the best of this many runs, as the ceilings are the best of theirs")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens,
-                    help="token budget of a step, as a serving worker's: a batch's prompts are prefilled "
-                         "in steps of this many tokens (one 8k-token step runs at ~70%% of the speed of 2k ones)")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="each figure is the best of this many runs, as the ceilings are the best of theirs",
+    )
+    ap.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=SchedulerConfig.max_num_batched_tokens,
+        help="token budget of a step, as a serving worker's: a batch's prompts are prefilled "
+        "in steps of this many tokens (one 8k-token step runs at ~70%% of the speed of 2k ones)",
+    )
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--json", action="store_true")
@@ -85,13 +95,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     from pdserve.cli.engine_args import resolve_model
+
     batches = [int(b) for b in args.batches.split(",")]
     max_b = max(batches)
-    engine = LLMEngine(EngineConfig(
-        model=resolve_model(args.model), dtype=args.dtype, device=args.device,
-        cache=CacheConfig(num_blocks=max_b * (max(args.prompt_len, args.context) + args.decode_steps + 64) // 16 + 64),
-        scheduler=SchedulerConfig(max_num_seqs=max_b, max_num_batched_tokens=max(args.max_num_batched_tokens, max_b),
-                                  max_model_len=max(args.prompt_len, args.context) + args.decode_steps + 16)))
+    engine = LLMEngine(
+        EngineConfig(
+            model=resolve_model(args.model),
+            dtype=args.dtype,
+            device=args.device,
+            cache=CacheConfig(
+                num_blocks=max_b * (max(args.prompt_len, args.context) + args.decode_steps + 64) // 16 + 64
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_b,
+                max_num_batched_tokens=max(args.max_num_batched_tokens, max_b),
+                max_model_len=max(args.prompt_len, args.context) + args.decode_steps + 16,
+            ),
+        )
+    )
     mc = engine.model_config
     with torch.device("meta"):  # the dense model's counts (CPU layouts may hold extra weight copies)
         dense = LlamaForCausalLM(mc, 16)
@@ -102,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     kv_bytes_per_token = engine.kv_spec.bytes_per_block // engine.block_size
     if engine.device.type == "cuda":  # the device's own ceilings (copy counted read + write)
         from pdserve.bench.gpu_kernels import device_copy_gbps, matmul_tflops
+
         flops = matmul_tflops(dtype=engine.dtype) * 1e12
         memcpy = device_copy_gbps() / 2 * 1e9
         read = memcpy  # the device's copy rate, each byte counted once per direction
@@ -114,8 +136,14 @@ def main(argv: list[str] | None = None) -> int:
     for b in batches:
         t_pre = min(bench_prefill(engine, b, args.prompt_len) for _ in range(args.repeats))
         t_dec = min(bench_decode(engine, b, args.context, args.decode_steps) for _ in range(args.repeats))
-        rows.append({"batch": b, "prefill_tokens_per_s": b * args.prompt_len / t_pre,
-                     "decode_tokens_per_s": b / t_dec, "decode_step_ms": t_dec * 1e3})
+        rows.append(
+            {
+                "batch": b,
+                "prefill_tokens_per_s": b * args.prompt_len / t_pre,
+                "decode_tokens_per_s": b / t_dec,
+                "decode_step_ms": t_dec * 1e3,
+            }
+        )
         engine.pool.assert_all_free()
     if engine.device.type != "cuda":
         flops, memcpy, read = map(max, zip((flops, memcpy, read), _cpu_ceilings()))
@@ -123,19 +151,31 @@ def main(argv: list[str] | None = None) -> int:
         step_bytes = weight_bytes + r["batch"] * (args.context + args.decode_steps // 2) * kv_bytes_per_token
         r["prefill_mfu"] = 2 * params * r["prefill_tokens_per_s"] / flops
         r["decode_bw_util"] = step_bytes / (r["decode_step_ms"] / 1e3) / read
-    result = {"model": mc.path, "params_decoder_layers": params, "threads": torch.get_num_threads(),
-              "matmul_gflops": flops / 1e9, "memcpy_gbps": memcpy / 1e9, "read_gbps": read / 1e9,
-              "prompt_len": args.prompt_len, "decode_context": args.context, "rows": rows}
+    result = {
+        "model": mc.path,
+        "params_decoder_layers": params,
+        "threads": torch.get_num_threads(),
+        "matmul_gflops": flops / 1e9,
+        "memcpy_gbps": memcpy / 1e9,
+        "read_gbps": read / 1e9,
+        "prompt_len": args.prompt_len,
+        "decode_context": args.context,
+        "rows": rows,
+    }
     if args.json:
         print(json.dumps(result))
         return 0
     print(f"model {mc.path}: {params / 1e6:.1f}M decoder-layer params, {torch.get_num_threads()} threads")
-    print(f"{engine.device}: matmul {flops / 1e9:.1f} GFLOP/s {engine.dtype}, read {read / 1e9:.2f} GB/s "
-          f"(BW util against it), memcpy {memcpy / 1e9:.2f} GB/s (same run)")
+    print(
+        f"{engine.device}: matmul {flops / 1e9:.1f} GFLOP/s {engine.dtype}, read {read / 1e9:.2f} GB/s "
+        f"(BW util against it), memcpy {memcpy / 1e9:.2f} GB/s (same run)"
+    )
     print(f"{'batch':>5} {'prefill tok/s':>14} {'MFU':>6} {'decode tok/s':>13} {'step ms':>8} {'BW util':>8}")
     for r in rows:
-        print(f"{r['batch']:>5} {r['prefill_tokens_per_s']:>14.0f} {r['prefill_mfu']:>6.1%} "
-              f"{r['decode_tokens_per_s']:>13.1f} {r['decode_step_ms']:>8.2f} {r['decode_bw_util']:>8.1%}")
+        print(
+            f"{r['batch']:>5} {r['prefill_tokens_per_s']:>14.0f} {r['prefill_mfu']:>6.1%} "
+            f"{r['decode_tokens_per_s']:>13.1f} {r['decode_step_ms']:>8.2f} {r['decode_bw_util']:>8.1%}"
+        )
     return 0
 
 

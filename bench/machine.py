@@ -1,4 +1,5 @@
 """This machine's ceilings, measured in the same run as any figure compared against them."""
+
 from __future__ import annotations
 
 import time
@@ -36,6 +37,7 @@ def measure_matmul_gflops(n: int = 2048, dtype: torch.dtype = torch.float32, rep
     `mm` (MKL for fp32) and oneDNN with a prepacked weight (what the engine's CPU linears use;
     on AMD CPUs MKL falls well short of it), so MFU is taken against the best this machine does."""
     from pdserve.engine.models.cpu_linear import PackedLinear, cpu_linear_kind
+
     a = torch.randn(n, n, dtype=dtype)
     b = torch.randn(n, n, dtype=dtype)
     best = _best_of(lambda: a @ b, repeat)

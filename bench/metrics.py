@@ -6,6 +6,7 @@ ITL   = gaps between content chunks, pooled over all requests.
 E2EL  = last byte - request sent.
 Goodput = requests/s meeting every given SLO (DistServe); attainment = fraction meeting them.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -36,21 +37,27 @@ class RequestResult:
 def meets_slos(r: RequestResult, slos_ms: dict[str, float]) -> bool:
     if not r.success:
         return False
-    values = {"ttft": r.ttft * 1e3, "e2el": r.latency * 1e3,
-              "tpot": (r.tpot or 0.0) * 1e3}
+    values = {"ttft": r.ttft * 1e3, "e2el": r.latency * 1e3, "tpot": (r.tpot or 0.0) * 1e3}
     return all(values[k] <= v for k, v in slos_ms.items())
 
 
-def compute_metrics(results: list[RequestResult], duration_s: float, *,
-                    percentiles: tuple[float, ...] = (50, 90, 99),
-                    selected: tuple[str, ...] = METRICS,
-                    goodput_slos_ms: dict[str, float] | None = None) -> dict:
+def compute_metrics(
+    results: list[RequestResult],
+    duration_s: float,
+    *,
+    percentiles: tuple[float, ...] = (50, 90, 99),
+    selected: tuple[str, ...] = METRICS,
+    goodput_slos_ms: dict[str, float] | None = None,
+) -> dict:
     ok = [r for r in results if r.success]
     out_tokens = sum(r.output_tokens for r in ok)
     in_tokens = sum(r.prompt_len for r in ok)
     m: dict = {
-        "duration": duration_s, "completed": len(ok), "failed": len(results) - len(ok),
-        "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
+        "duration": duration_s,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
         "request_throughput": len(ok) / duration_s if duration_s > 0 else 0.0,
         "output_throughput": out_tokens / duration_s if duration_s > 0 else 0.0,
         "total_token_throughput": (in_tokens + out_tokens) / duration_s if duration_s > 0 else 0.0,

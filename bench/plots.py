@@ -1,4 +1,5 @@
 """SLO plots from rate sweeps: one line per server (label)."""
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -9,6 +9,7 @@ every core busy: no server of that cost can hold a higher rate on this machine, 
 scheduling. The time includes OpenMP threads spinning at barriers, which is CPU the server
 really took from the machine.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,7 +21,7 @@ _CLK_TCK = os.sysconf("SC_CLK_TCK")
 def _stat_fields(stat: str) -> list[str]:
     """Fields of /proc/PID/stat after the command name (which may hold spaces and parentheses):
     index 0 is field 3 (state) of proc(5)."""
-    return stat[stat.rindex(")") + 2:].split()
+    return stat[stat.rindex(")") + 2 :].split()
 
 
 ROLES = ("prefill", "decode", "colocated", "gateway", "serve")  # pdserve's process kinds (`pdserve.cli ROLE`)
@@ -31,7 +32,7 @@ def _role(cmdline: bytes) -> str:
     `server`: a peer's processes are counted together."""
     args = cmdline.split(b"\0")
     if b"pdserve.cli" in args:
-        rest = args[args.index(b"pdserve.cli") + 1:]
+        rest = args[args.index(b"pdserve.cli") + 1 :]
         if rest and rest[0].decode(errors="replace") in ROLES:
             return rest[0].decode()
     return "server"
@@ -79,9 +80,12 @@ def cpu_figures(by_role: dict[str, float], completed: int, duration_s: float, co
     would fill every core."""
     cpu_s = sum(by_role.values())
     per_request = cpu_s / completed if completed else float("inf")
-    return {"server_cpu_s": cpu_s,
-            "server_cpu_s_per_request": per_request,
-            "server_cpu_s_per_request_by_role": {r: s / completed if completed else float("inf")
-                                                 for r, s in sorted(by_role.items())},
-            "server_cpu_utilization": cpu_s / (duration_s * cores) if duration_s > 0 else 0.0,
-            "cpu_bound_req_s": cores / per_request if per_request > 0 else float("inf")}
+    return {
+        "server_cpu_s": cpu_s,
+        "server_cpu_s_per_request": per_request,
+        "server_cpu_s_per_request_by_role": {
+            r: s / completed if completed else float("inf") for r, s in sorted(by_role.items())
+        },
+        "server_cpu_utilization": cpu_s / (duration_s * cores) if duration_s > 0 else 0.0,
+        "cpu_bound_req_s": cores / per_request if per_request > 0 else float("inf"),
+    }

@@ -1,4 +1,5 @@
 """Rate sweeps: capacity = the highest request rate at which >= 90% of requests meet the SLOs."""
+
 from __future__ import annotations
 
 

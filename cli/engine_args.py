@@ -1,4 +1,5 @@
 """Engine flags shared by every worker role, and their typed config."""
+
 from __future__ import annotations
 
 import argparse
@@ -23,19 +24,35 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="cpu")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-blocks", type=int, default=None, help="KV blocks (overrides --kv-cache-memory)")
-    g.add_argument("--kv-cache-memory", type=parse_size, default=parse_size("1GiB"),
-                   help="KV cache budget, e.g. 512MiB (default 1GiB)")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="keep the KV of full prompt blocks after their request ends and reuse it for any "
-                        "request with the same prefix (--no-enable-prefix-caching: compute every prompt)")
+    g.add_argument(
+        "--kv-cache-memory",
+        type=parse_size,
+        default=parse_size("1GiB"),
+        help="KV cache budget, e.g. 512MiB (default 1GiB)",
+    )
+    g.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep the KV of full prompt blocks after their request ends and reuse it for any "
+        "request with the same prefix (--no-enable-prefix-caching: compute every prompt)",
+    )
     g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="token budget of a step (default: 512 for a prefill or colocated worker on CPU, "
-                        "else 2048; cli/topology.py)")
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="token budget of a step (default: 512 for a prefill or colocated worker on CPU, "
+        "else 2048; cli/topology.py)",
+    )
     g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "shortest-first"],
-                   help="which waiting prompt is prefilled next: arrival order, or the shortest "
-                        "(aged by its wait, so none starves): more requests within a TTFT SLO under load")
+    g.add_argument(
+        "--scheduling-policy",
+        default="fcfs",
+        choices=["fcfs", "shortest-first"],
+        help="which waiting prompt is prefilled next: arrival order, or the shortest "
+        "(aged by its wait, so none starves): more requests within a TTFT SLO under load",
+    )
     g.add_argument("--threads", type=int, default=None, help="torch threads for this worker")
     g.add_argument("--seed", type=int, default=None)
 
@@ -44,6 +61,7 @@ def resolve_model(model: str | None) -> str:
     if model:
         return model
     from pdserve.engine.make_model import default_model_path
+
     return str(default_model_path())
 
 
@@ -51,10 +69,20 @@ def engine_config(args: argparse.Namespace, role: str, budget: int | None = None
     """The engine flags as a `role` worker's config (its step budget planned by cli/topology.py;
     `budget` given wins)."""
     return EngineConfig(
-        model=resolve_model(args.model), dtype=args.dtype, device=args.device, seed=args.seed,
-        cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
-                          memory_bytes=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching),
-        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
-                                  max_num_batched_tokens=step_budget(role, args.device,
-                                                                     budget or args.max_num_batched_tokens),
-                                  max_model_len=args.max_model_len, policy=args.scheduling_policy))
+        model=resolve_model(args.model),
+        dtype=args.dtype,
+        device=args.device,
+        seed=args.seed,
+        cache=CacheConfig(
+            block_size=args.block_size,
+            num_blocks=args.num_blocks,
+            memory_bytes=args.kv_cache_memory,
+            enable_prefix_caching=args.enable_prefix_caching,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=step_budget(role, args.device, budget or args.max_num_batched_tokens),
+            max_model_len=args.max_model_len,
+            policy=args.scheduling_policy,
+        ),
+    )

@@ -4,6 +4,7 @@ A worker starts from one settings struct (pdserve/runtime/worker_settings.py): b
 its flags, with the machine-dependent defaults planned by cli/topology.py as for a worker alone
 on its machine, or read from `--settings FILE` (what `pdserve serve` writes for its children).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,68 +19,106 @@ log = logging.getLogger("pdserve")
 
 
 def _setup(role: str, threads: int | None) -> None:
-    logging.basicConfig(level=settings().log_level,
-                        format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=settings().log_level, format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
     if role != "gateway":
         from pdserve.kvtransfer.malloc_tuning import keep_large_allocations_in_heap
+
         keep_large_allocations_in_heap()
     if threads:
         import torch
+
         torch.set_num_threads(threads)
         torch.set_num_interop_threads(1)
 
 
 def _auth():
     from pdserve.protocol.auth import FrameAuth, load_cluster_secret
+
     return FrameAuth(load_cluster_secret())
 
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
-    p.add_argument("--settings", default=None, metavar="FILE",
-                   help="start from this settings file (JSON, as `pdserve serve` writes), with no other flags")
-    p.add_argument("--gateway", action="append", required=True,
-                   help="gateway inbox address, e.g. tcp://10.0.0.5:7100 (repeatable)")
+    p.add_argument(
+        "--settings",
+        default=None,
+        metavar="FILE",
+        help="start from this settings file (JSON, as `pdserve serve` writes), with no other flags",
+    )
+    p.add_argument(
+        "--gateway", action="append", required=True, help="gateway inbox address, e.g. tcp://10.0.0.5:7100 (repeatable)"
+    )
     p.add_argument("--bind", default="tcp://127.0.0.1:0", help="this worker's control inbox")
-    p.add_argument("--advertise-host", default=None,
-                   help="host name peers use to decide on shared memory (default: this host)")
+    p.add_argument(
+        "--advertise-host", default=None, help="host name peers use to decide on shared memory (default: this host)"
+    )
 
 
 def add_kv_args(p: argparse.ArgumentParser, role: str) -> None:
     """KV data-path flags of prefill and decode workers."""
-    p.add_argument("--kv-payload-mac", default="auto", choices=["auto", "on", "off"],
-                   help="HMAC over every KV payload's bytes, checked before they land in KV blocks: "
-                        "auto = on for tcp://, off for ipc:// and shared memory (same host)")
+    p.add_argument(
+        "--kv-payload-mac",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="HMAC over every KV payload's bytes, checked before they land in KV blocks: "
+        "auto = on for tcp://, off for ipc:// and shared memory (same host)",
+    )
     if role == "decode":
-        p.add_argument("--kv-advertise", default=None,
-                       help="KV address sent in the registration for prefill workers to connect to "
-                            "(default: the bound --kv-bind address)")
+        p.add_argument(
+            "--kv-advertise",
+            default=None,
+            help="KV address sent in the registration for prefill workers to connect to "
+            "(default: the bound --kv-bind address)",
+        )
 
 
 # --- settings from flags (a worker alone on its machine) ------------------------------------
 def prefill_settings(args: argparse.Namespace):
     from pdserve.prefill_node.settings import PrefillSettings
+
     topo = Topology.alone("prefill", args.threads)
-    return PrefillSettings(engine=engine_config(args, "prefill"), control_bind=args.bind, gateways=args.gateway,
-                           host=_host(args), threads=args.threads, kv_payload_mac=args.kv_payload_mac,
-                           lanes=args.lanes, idle_lanes=prefill_idle_lanes(topo, args.idle_lanes))
+    return PrefillSettings(
+        engine=engine_config(args, "prefill"),
+        control_bind=args.bind,
+        gateways=args.gateway,
+        host=_host(args),
+        threads=args.threads,
+        kv_payload_mac=args.kv_payload_mac,
+        lanes=args.lanes,
+        idle_lanes=prefill_idle_lanes(topo, args.idle_lanes),
+    )
 
 
 def decode_settings(args: argparse.Namespace):
     from pdserve.decode_node.settings import DecodeSettings
+
     topo = Topology.alone("decode", args.threads)
-    return DecodeSettings(engine=engine_config(args, "decode"), control_bind=args.bind, gateways=args.gateway,
-                          host=_host(args), threads=args.threads, kv_bind=args.kv_bind,
-                          kv_advertise=args.kv_advertise, shared_memory=not args.no_shm,
-                          lease_ttl_s=args.lease_ttl, kv_payload_mac=args.kv_payload_mac,
-                          idle_threads=decode_idle_threads(topo, args.idle_threads),
-                          step_interval_ms=decode_step_interval_ms(topo, 0, 0.0, args.step_interval_ms))
+    return DecodeSettings(
+        engine=engine_config(args, "decode"),
+        control_bind=args.bind,
+        gateways=args.gateway,
+        host=_host(args),
+        threads=args.threads,
+        kv_bind=args.kv_bind,
+        kv_advertise=args.kv_advertise,
+        shared_memory=not args.no_shm,
+        lease_ttl_s=args.lease_ttl,
+        kv_payload_mac=args.kv_payload_mac,
+        idle_threads=decode_idle_threads(topo, args.idle_threads),
+        step_interval_ms=decode_step_interval_ms(topo, 0, 0.0, args.step_interval_ms),
+    )
 
 
 def colocated_settings(args: argparse.Namespace):
     from pdserve.decode_node.settings import ColocatedSettings
-    return ColocatedSettings(engine=engine_config(args, "colocated"), control_bind=args.bind, gateways=args.gateway,
-                             host=_host(args), threads=args.threads)
+
+    return ColocatedSettings(
+        engine=engine_config(args, "colocated"),
+        control_bind=args.bind,
+        gateways=args.gateway,
+        host=_host(args),
+        threads=args.threads,
+    )
 
 
 # --- running a role -------------------------------------------------------------------------
@@ -99,13 +138,16 @@ def run_worker(role: str, worker_settings) -> int:
 def settings_type(role: str) -> type:
     if role == "prefill":
         from pdserve.prefill_node.settings import PrefillSettings
+
         return PrefillSettings
     from pdserve.decode_node.settings import ColocatedSettings, DecodeSettings
+
     return {"decode": DecodeSettings, "colocated": ColocatedSettings}[role]
 
 
 def run_from_file(role: str, path: str) -> int:
     from pdserve.runtime.worker_settings import WorkerSettings, read_settings
+
     if role == "gateway":
         return _run_gateway(read_gateway_options(path))
     try:
@@ -131,21 +173,32 @@ def run_colocated(args: argparse.Namespace) -> int:
 def gateway_options(args: argparse.Namespace):
     from pdserve.gateway.admission import QueueLimits
     from pdserve.gateway.server import GatewayOptions
-    return GatewayOptions(model=resolve_model(args.model), host=args.host, port=args.port,
-                          worker_bind=args.worker_bind, kv_transport=args.kv_transport, api_key=args.api_key,
-                          max_model_len=args.max_model_len, served_model_name=args.served_model_name,
-                          on_decode_failure=args.on_decode_failure, request_timeout_s=args.request_timeout,
-                          stream_write_timeout_s=args.stream_write_timeout, chat_template=args.chat_template,
-                          queue_limits=QueueLimits(max_requests=args.max_queued_requests,
-                                                   max_tokens=args.max_queued_tokens,
-                                                   max_wait_s=args.max_queue_wait),
-                          stuck_after_s=args.stuck_after)
+
+    return GatewayOptions(
+        model=resolve_model(args.model),
+        host=args.host,
+        port=args.port,
+        worker_bind=args.worker_bind,
+        kv_transport=args.kv_transport,
+        api_key=args.api_key,
+        max_model_len=args.max_model_len,
+        served_model_name=args.served_model_name,
+        on_decode_failure=args.on_decode_failure,
+        request_timeout_s=args.request_timeout,
+        stream_write_timeout_s=args.stream_write_timeout,
+        chat_template=args.chat_template,
+        queue_limits=QueueLimits(
+            max_requests=args.max_queued_requests, max_tokens=args.max_queued_tokens, max_wait_s=args.max_queue_wait
+        ),
+        stuck_after_s=args.stuck_after,
+    )
 
 
 def read_gateway_options(path: str):
     import msgspec
 
     from pdserve.gateway.server import GatewayOptions
+
     try:
         with open(path, "rb") as f:
             return msgspec.json.decode(f.read(), type=GatewayOptions)
@@ -162,6 +215,7 @@ def _run_gateway(options) -> int:
 
     _setup("gateway", None)
     from pdserve.gateway.server import serve_gateway
+
     serve_gateway(dataclasses.replace(options, api_key=options.api_key or settings().api_key), _auth())
     return 0
 

@@ -5,6 +5,7 @@ struct per process, planned for this machine by cli/topology.py). Control socket
 files in a private 0700 runtime directory; a fresh cluster secret is handed to the children
 through the environment. A worker that dies is restarted; Ctrl-C / SIGTERM stops them all.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,13 +59,20 @@ class Child:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             if nice > 0:
                 os.nice(nice)
+
         self.proc = subprocess.Popen(self.argv, env=env, preexec_fn=in_child)
 
 
 def topology(args: argparse.Namespace) -> Topology:
-    return Topology(cpus=cpu_count(), prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
-                    colocated=args.colocated, threads=args.threads, prefill_threads=args.prefill_threads,
-                    decode_threads=args.decode_threads)
+    return Topology(
+        cpus=cpu_count(),
+        prefill_workers=args.prefill_workers,
+        decode_workers=args.decode_workers,
+        colocated=args.colocated,
+        threads=args.threads,
+        prefill_threads=args.prefill_threads,
+        decode_threads=args.decode_threads,
+    )
 
 
 def plan_children(args: argparse.Namespace, run_dir: str) -> list[Child]:
@@ -81,42 +89,74 @@ def plan_children(args: argparse.Namespace, run_dir: str) -> list[Child]:
     topo = topology(args)
     gw_inbox = f"ipc://{run_dir}/gateway.sock"
     gw_transport = {"auto": "auto", "shm": "shm", "zmq-ipc": "zmq", "zmq-tcp": "zmq"}[args.kv_transport]
-    gw_args = argparse.Namespace(**{**vars(args), "worker_bind": gw_inbox, "kv_transport": gw_transport,
-                                    "api_key": None})  # the key travels in the environment, not in a file
+    gw_args = argparse.Namespace(
+        **{**vars(args), "worker_bind": gw_inbox, "kv_transport": gw_transport, "api_key": None}
+    )  # the key travels in the environment, not in a file
     children = [child("gateway", "gateway", roles.gateway_options(gw_args))]
     host = socket.gethostname()
 
     def common(name: str) -> dict[str, Any]:
         return {"control_bind": f"ipc://{run_dir}/{name}.sock", "gateways": [gw_inbox], "host": host}
+
     if args.colocated:
         name = "colocated-0"
-        children.append(child(name, "colocated", ColocatedSettings(
-            engine=engine_config(args, "colocated", args.prefill_max_num_batched_tokens),
-            threads=topo.share, **common(name))))
+        children.append(
+            child(
+                name,
+                "colocated",
+                ColocatedSettings(
+                    engine=engine_config(args, "colocated", args.prefill_max_num_batched_tokens),
+                    threads=topo.share,
+                    **common(name),
+                ),
+            )
+        )
         return children
     idle_lanes = prefill_idle_lanes(topo, args.prefill_idle_lanes)
     for i in range(args.prefill_workers):
         name = f"prefill-{i}"
-        children.append(child(name, "prefill", PrefillSettings(
-            engine=engine_config(args, "prefill", args.prefill_max_num_batched_tokens),
-            threads=topo.prefill_share, kv_payload_mac=args.kv_payload_mac, idle_lanes=idle_lanes,
-            **common(name)), nice=args.prefill_nice))
+        children.append(
+            child(
+                name,
+                "prefill",
+                PrefillSettings(
+                    engine=engine_config(args, "prefill", args.prefill_max_num_batched_tokens),
+                    threads=topo.prefill_share,
+                    kv_payload_mac=args.kv_payload_mac,
+                    idle_lanes=idle_lanes,
+                    **common(name),
+                ),
+                nice=args.prefill_nice,
+            )
+        )
     for i in range(args.decode_workers):
         name = f"decode-{i}"
         kv_bind = "tcp://127.0.0.1:0" if args.kv_transport == "zmq-tcp" else f"ipc://{run_dir}/{name}-kv.sock"
-        children.append(child(name, "decode", DecodeSettings(
-            engine=engine_config(args, "decode"), threads=topo.decode_share, kv_bind=kv_bind,
-            shared_memory=args.kv_transport not in ("zmq-ipc", "zmq-tcp"), lease_ttl_s=args.lease_ttl,
-            kv_payload_mac=args.kv_payload_mac,
-            idle_threads=decode_idle_threads(topo, args.decode_idle_threads),
-            step_interval_ms=decode_step_interval_ms(topo, idle_lanes, args.tpot_slo_ms,
-                                                     args.decode_step_interval_ms),
-            **common(name))))
+        children.append(
+            child(
+                name,
+                "decode",
+                DecodeSettings(
+                    engine=engine_config(args, "decode"),
+                    threads=topo.decode_share,
+                    kv_bind=kv_bind,
+                    shared_memory=args.kv_transport not in ("zmq-ipc", "zmq-tcp"),
+                    lease_ttl_s=args.lease_ttl,
+                    kv_payload_mac=args.kv_payload_mac,
+                    idle_threads=decode_idle_threads(topo, args.decode_idle_threads),
+                    step_interval_ms=decode_step_interval_ms(
+                        topo, idle_lanes, args.tpot_slo_ms, args.decode_step_interval_ms
+                    ),
+                    **common(name),
+                ),
+            )
+        )
     return children
 
 
-def wait_healthy(url: str, children: list[Child], timeout_s: float,
-                 stopping: Callable[[], bool] = lambda: False) -> bool:
+def wait_healthy(
+    url: str, children: list[Child], timeout_s: float, stopping: Callable[[], bool] = lambda: False
+) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and not stopping():
         if any(c.proc is not None and c.proc.poll() is not None for c in children):
@@ -158,6 +198,7 @@ def serve(args: argparse.Namespace) -> int:
     def on_signal(signum, _frame):
         stopped_by.append(signal.Signals(signum).name)
         stop()
+
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
@@ -186,8 +227,11 @@ def serve(args: argparse.Namespace) -> int:
         _stop_all([c for c in children if c.name != "gateway"], timeout_s=10)
         shutil.rmtree(run_dir, ignore_errors=True)
         if stopped_by:
-            print(f"pdserve: stopped on {stopped_by[0]}; all {len(children)} processes exited", file=sys.stderr,
-                  flush=True)
+            print(
+                f"pdserve: stopped on {stopped_by[0]}; all {len(children)} processes exited",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def _stop_all(children: list[Child], timeout_s: float) -> None:

@@ -3,6 +3,7 @@ thread lending, decode step pacing. `pdserve serve` knows every worker it starts
 machine; a worker started alone (`pdserve prefill|decode|colocated`) plans as the only worker
 on its machine. Both then build the same settings struct (pdserve/runtime/worker_settings.py).
 """
+
 from __future__ import annotations
 
 import os
@@ -20,6 +21,7 @@ def cpu_count() -> int:
 @dataclass(frozen=True)
 class Topology:
     """The workers sharing this machine's cores."""
+
     cpus: int
     prefill_workers: int = 0
     decode_workers: int = 0
@@ -31,8 +33,13 @@ class Topology:
     @classmethod
     def alone(cls, role: str, threads: int | None) -> "Topology":
         """A worker started by itself: the only one on its machine."""
-        return cls(cpus=cpu_count(), prefill_workers=int(role == "prefill"), decode_workers=int(role == "decode"),
-                   colocated=role == "colocated", threads=threads or cpu_count())
+        return cls(
+            cpus=cpu_count(),
+            prefill_workers=int(role == "prefill"),
+            decode_workers=int(role == "decode"),
+            colocated=role == "colocated",
+            threads=threads or cpu_count(),
+        )
 
     @property
     def num_workers(self) -> int:

@@ -2,6 +2,7 @@
 prefill chunks under the token budget). The baseline that shows what disaggregation buys, and
 a deployment choice for small setups. Speaks the same protocol as the pools (GenerateRequest).
 """
+
 from __future__ import annotations
 
 import logging
@@ -32,8 +33,10 @@ class ColocatedWorker(WorkerBase):
         try:
             self.engine.add_request(req.request_id, req.prompt_token_ids, req.sampling)
         except ValueError as e:
-            self.rt.to_gateway(req.gateway_id, TokenOutput(request_id=req.request_id, worker_id=self.worker_id,
-                                                           finish_reason="error", error=str(e)))
+            self.rt.to_gateway(
+                req.gateway_id,
+                TokenOutput(request_id=req.request_id, worker_id=self.worker_id, finish_reason="error", error=str(e)),
+            )
             return
         self.gateway_of[req.request_id] = req.gateway_id
         self.received[req.request_id] = time.monotonic()
@@ -47,22 +50,31 @@ class ColocatedWorker(WorkerBase):
         self.rt.mark_step()
         sched = self.engine.schedule()
         now = time.monotonic()
-        first_seen = {c.seq.request_id: now - self.received.pop(c.seq.request_id)
-                      for c in sched.prefills if c.seq.request_id in self.received}
+        first_seen = {
+            c.seq.request_id: now - self.received.pop(c.seq.request_id)
+            for c in sched.prefills
+            if c.seq.request_id in self.received
+        }
         for out in self.engine.execute(sched):
             gateway = self.gateway_of.get(out.request_id)
             if gateway is None:
                 continue
             timings = {}
             if out.seq.num_output_tokens == 1 and out.request_id in first_seen:
-                timings = {"prefill_queue_s": first_seen[out.request_id],
-                           "prefill_compute_s": time.monotonic() - now}
-            self.rt.hold_output(gateway, TokenOutput(
-                request_id=out.request_id, worker_id=self.worker_id,
-                index=out.seq.num_output_tokens - len(out.new_token_ids),
-                token_ids=out.new_token_ids, logprobs=out.logprobs,
-                finish_reason=wire_finish_reason(out.finish_reason), timings=timings,
-                cached_tokens=out.seq.num_cached_tokens if out.seq.num_output_tokens == 1 else 0))
+                timings = {"prefill_queue_s": first_seen[out.request_id], "prefill_compute_s": time.monotonic() - now}
+            self.rt.hold_output(
+                gateway,
+                TokenOutput(
+                    request_id=out.request_id,
+                    worker_id=self.worker_id,
+                    index=out.seq.num_output_tokens - len(out.new_token_ids),
+                    token_ids=out.new_token_ids,
+                    logprobs=out.logprobs,
+                    finish_reason=wire_finish_reason(out.finish_reason),
+                    timings=timings,
+                    cached_tokens=out.seq.num_cached_tokens if out.seq.num_output_tokens == 1 else 0,
+                ),
+            )
             if out.finish_reason is not None:
                 self.gateway_of.pop(out.request_id, None)
         self.rt.flush_outputs()  # the step's outputs, one frame a gateway

@@ -1,4 +1,5 @@
 """Decode and colocated workers' settings (planned by cli/topology.py, passed as one struct)."""
+
 from __future__ import annotations
 
 from typing import Literal

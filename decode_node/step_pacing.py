@@ -14,6 +14,7 @@ A lone prefill does not slow decode at all (nothing queues behind it, so TTFT is
 a backlog, which is what puts TTFT at risk, gets the most. No token waits longer than
 `max_interval_ms` for its step, and only while prompts are queued for the cores.
 """
+
 from __future__ import annotations
 
 import math

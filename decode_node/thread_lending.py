@@ -8,6 +8,7 @@ now; the worker then steps with `idle` threads, and goes back to `busy` at its n
 reservation arrives (an OpenMP step split over a core a prefill is also using waits at every
 barrier for the slower half, so lending only while the cores are free is what makes it pay).
 """
+
 from __future__ import annotations
 
 import logging

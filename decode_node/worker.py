@@ -13,6 +13,7 @@ revocations, quarantine, early releases; clock injected); its calls return the b
 Settings (decode_node/settings.py): where KV arrives and who may write it, the lease ttl,
 thread lending while no prefill is in flight, and step pacing while prompts queue.
 """
+
 from __future__ import annotations
 
 import logging
@@ -59,13 +60,25 @@ class DecodeWorker(WorkerBase):
         self.engine = LLMEngine(settings.engine, kv_allocator=shm_allocator if settings.shared_memory else None)
         self.leases = LeaseTable(self.engine.model_config.num_layers)  # every block not in a sequence
         self.lease_ttl_s = settings.lease_ttl_s
-        self.receiver = KvReceiver(self.ctx, auth, settings.kv_bind, self.engine.kv_cache, self.leases,
-                                   payload_mac=payload_mac_enabled(settings.kv_payload_mac, settings.kv_bind,
-                                                                   settings.kv_advertise))
+        self.receiver = KvReceiver(
+            self.ctx,
+            auth,
+            settings.kv_bind,
+            self.engine.kv_cache,
+            self.leases,
+            payload_mac=payload_mac_enabled(settings.kv_payload_mac, settings.kv_bind, settings.kv_advertise),
+        )
         self.kv_advertised = settings.kv_advertise or self.receiver.addr
-        self.describe(describe_worker(self.engine, "decode", self.rt.control_addr, settings.host,
-                                      kv_addr=self.kv_advertised,
-                                      shm_name=self._shm.name if self._shm else None))
+        self.describe(
+            describe_worker(
+                self.engine,
+                "decode",
+                self.rt.control_addr,
+                settings.host,
+                kv_addr=self.kv_advertised,
+                shm_name=self._shm.name if self._shm else None,
+            )
+        )
         self.handlers.update({ReserveRequest: self._on_reserve, Abort: self._on_abort})
         self.gateway_of: dict[str, str] = {}  # request id -> gateway id
         self.admitted_at: dict[str, float] = {}
@@ -95,13 +108,16 @@ class DecodeWorker(WorkerBase):
         elif not eng.pool.can_allocate(n_blocks):
             reason, full = f"no KV blocks ({n_blocks} needed, {eng.pool.num_free} free)", True
         if reason:
-            self.rt.to_gateway(req.gateway_id, ReserveReply(request_id=req.request_id, worker_id=self.worker_id,
-                                                            reason=reason, capacity=full))
+            self.rt.to_gateway(
+                req.gateway_id,
+                ReserveReply(request_id=req.request_id, worker_id=self.worker_id, reason=reason, capacity=full),
+            )
             return
         lease = self.leases.grant(req.request_id, eng.pool.allocate(n_blocks), self.lease_ttl_s)
         self.gateway_of[req.request_id] = req.gateway_id
-        self.rt.to_gateway(req.gateway_id, ReserveReply(request_id=req.request_id,
-                                                        worker_id=self.worker_id, lease=lease))
+        self.rt.to_gateway(
+            req.gateway_id, ReserveReply(request_id=req.request_id, worker_id=self.worker_id, lease=lease)
+        )
 
     def _on_kv_done(self, done: KvDone) -> None:
         lease = self.leases.get(done.request_id)
@@ -111,8 +127,14 @@ class DecodeWorker(WorkerBase):
         self.leases.release(done.request_id)  # blocks now belong to the sequence
         self.admitted_at[done.request_id] = time.monotonic()
         try:
-            finished = self.engine.add_prefilled(done.request_id, done.prompt_token_ids, done.first_token,
-                                                 done.first_logprob, done.sampling, lease.block_ids)
+            finished = self.engine.add_prefilled(
+                done.request_id,
+                done.prompt_token_ids,
+                done.first_token,
+                done.first_logprob,
+                done.sampling,
+                lease.block_ids,
+            )
         except ValueError as e:  # e.g. a prompt that does not fit: give the blocks back, report
             self.engine.pool.free(lease.block_ids)
             self._emit(done.request_id, [], None, "error", 1, error=str(e))
@@ -127,8 +149,14 @@ class DecodeWorker(WorkerBase):
         if not blocks:
             return  # not this lease's epoch (a stale or replayed KvDone): nothing to end
         self.engine.pool.free(blocks)
-        self._emit(done.request_id, [], None, "error", 1,
-                   error=f"KV transfer failed on the decode worker ({reason}: frames missing or rejected)")
+        self._emit(
+            done.request_id,
+            [],
+            None,
+            "error",
+            1,
+            error=f"KV transfer failed on the decode worker ({reason}: frames missing or rejected)",
+        )
 
     def _on_abort(self, msg: Abort) -> None:
         """A running sequence frees its blocks in the engine; a lease's go back now when its
@@ -144,8 +172,15 @@ class DecodeWorker(WorkerBase):
         for request_id, lease in self.receiver.renewed:
             gateway = self.gateway_of.get(request_id)
             if gateway is not None:
-                self.rt.to_gateway(gateway, LeaseRenewed(request_id=request_id, worker_id=self.worker_id,
-                                                         lease_epoch=lease.epoch, deadline=lease.deadline))
+                self.rt.to_gateway(
+                    gateway,
+                    LeaseRenewed(
+                        request_id=request_id,
+                        worker_id=self.worker_id,
+                        lease_epoch=lease.epoch,
+                        deadline=lease.deadline,
+                    ),
+                )
         self.receiver.renewed.clear()
 
     def _reclaim(self) -> None:
@@ -153,9 +188,15 @@ class DecodeWorker(WorkerBase):
         for request_id in self.leases.expire(now):
             gateway = self.gateway_of.pop(request_id, None)
             if gateway is not None:
-                self.rt.to_gateway(gateway, TokenOutput(request_id=request_id, worker_id=self.worker_id,
-                                                        finish_reason="error",
-                                                        error="KV transfer did not complete before the lease deadline"))
+                self.rt.to_gateway(
+                    gateway,
+                    TokenOutput(
+                        request_id=request_id,
+                        worker_id=self.worker_id,
+                        finish_reason="error",
+                        error="KV transfer did not complete before the lease deadline",
+                    ),
+                )
         blocks = self.leases.reclaimable(now)
         if blocks:
             self.engine.pool.free(blocks)
@@ -165,9 +206,19 @@ class DecodeWorker(WorkerBase):
         gateway = self.gateway_of.get(request_id)
         if gateway is None:
             return
-        self.rt.hold_output(gateway, TokenOutput(request_id=request_id, worker_id=self.worker_id,
-                                                 index=index, token_ids=tokens, logprobs=logprobs,
-                                                 finish_reason=reason, error=error, timings=timings or {}))
+        self.rt.hold_output(
+            gateway,
+            TokenOutput(
+                request_id=request_id,
+                worker_id=self.worker_id,
+                index=index,
+                token_ids=tokens,
+                logprobs=logprobs,
+                finish_reason=reason,
+                error=error,
+                timings=timings or {},
+            ),
+        )
         if reason is not None:
             self.gateway_of.pop(request_id, None)
             self.admitted_at.pop(request_id, None)
@@ -182,24 +233,40 @@ class DecodeWorker(WorkerBase):
             admitted = self.admitted_at.pop(out.request_id, None)
             if admitted is not None:
                 timings = {"decode_admission_s": now - admitted}
-            self._emit(out.request_id, out.new_token_ids, out.logprobs, out.finish_reason,
-                       out.seq.num_output_tokens - len(out.new_token_ids), timings)
+            self._emit(
+                out.request_id,
+                out.new_token_ids,
+                out.logprobs,
+                out.finish_reason,
+                out.seq.num_output_tokens - len(out.new_token_ids),
+                timings,
+            )
         self.rt.flush_outputs()
         self._last_progress = time.monotonic()
 
     def stats(self) -> WorkerStats:
         dropped = sum(self.rt.inbox.dropped.values()) + sum(self.receiver.dropped.values())
-        return engine_stats(self.engine, self._last_progress, dropped, extra_waiting=self.leases.num_active,
-                            leases_active=self.leases.num_active,
-                            kv_blocks_quarantined=self.leases.num_quarantined_blocks,
-                            lease_renewals=self.leases.num_renewals)
+        return engine_stats(
+            self.engine,
+            self._last_progress,
+            dropped,
+            extra_waiting=self.leases.num_active,
+            leases_active=self.leases.num_active,
+            kv_blocks_quarantined=self.leases.num_quarantined_blocks,
+            lease_renewals=self.leases.num_renewals,
+        )
 
     def describe_start(self) -> str:
-        return (f"kv {self.receiver.addr}, advertised {self.kv_advertised}, payload mac {self.receiver.payload_mac}, "
-                f"shm {self._shm.name if self._shm else None}, threads {self.threads.busy}"
-                + (f", {self.threads.idle} while no prefill is in flight" if self.threads.enabled else "")
-                + (f", steps up to {self.pacer.max_interval_s * 1000:g} ms apart while prompts queue"
-                   if self.pacer.enabled else ""))
+        return (
+            f"kv {self.receiver.addr}, advertised {self.kv_advertised}, payload mac {self.receiver.payload_mac}, "
+            f"shm {self._shm.name if self._shm else None}, threads {self.threads.busy}"
+            + (f", {self.threads.idle} while no prefill is in flight" if self.threads.enabled else "")
+            + (
+                f", steps up to {self.pacer.max_interval_s * 1000:g} ms apart while prompts queue"
+                if self.pacer.enabled
+                else ""
+            )
+        )
 
     def run_once(self) -> None:
         if self._wait_ms:  # sleep on both inboxes: no work, or (paced) the next step is not due

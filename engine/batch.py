@@ -1,4 +1,5 @@
 """Turn a scheduler step into flat ragged tensors (no padding) for one forward pass."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,8 +21,7 @@ class ForwardBatch:
     sampled: list[ScheduledChunk]  # the S chunks that complete their sequence, in row order
 
 
-def build_batch(chunks: list[ScheduledChunk], num_decodes: int, block_size: int,
-                device: torch.device) -> ForwardBatch:
+def build_batch(chunks: list[ScheduledChunk], num_decodes: int, block_size: int, device: torch.device) -> ForwardBatch:
     """`chunks` = decodes (first `num_decodes`, one token each) then prefill chunks."""
     input_ids: list[int] = []
     positions: list[int] = []

@@ -17,6 +17,7 @@ its last one when that is free. Anything else falls back to the lowest free bloc
     free map:  ###.............##....###      largest gap: 13 blocks
     new seq:   ###......AAA....##....###      starts at its middle, grows into the dots after
 """
+
 from __future__ import annotations
 
 import re

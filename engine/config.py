@@ -1,4 +1,5 @@
 """Typed, validated configuration: the model (read from an HF folder) and the engine knobs."""
+
 from __future__ import annotations
 
 import json
@@ -31,8 +32,7 @@ class RopeConfig:
 
     def __post_init__(self) -> None:
         if self.kind not in ("default", "linear", "llama3"):
-            raise ValueError(f"unsupported rope scaling type {self.kind!r}; "
-                             "supported: default, linear, llama3")
+            raise ValueError(f"unsupported rope scaling type {self.kind!r}; supported: default, linear, llama3")
 
 
 @dataclass(frozen=True)
@@ -56,8 +56,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads {self.num_heads} not a multiple of "
-                             f"num_kv_heads {self.num_kv_heads}")
+            raise ValueError(f"num_heads {self.num_heads} not a multiple of num_kv_heads {self.num_kv_heads}")
 
     @property
     def max_context(self) -> int:
@@ -68,8 +67,10 @@ class ModelConfig:
 
     def fingerprint(self, dtype: "torch.dtype") -> str:
         """Pools exchanging KV must agree on this."""
-        return (f"{self.architecture}/L{self.num_layers}/H{self.num_heads}/KV{self.num_kv_heads}"
-                f"/D{self.head_dim}/V{self.vocab_size}/{str(dtype).removeprefix('torch.')}")
+        return (
+            f"{self.architecture}/L{self.num_layers}/H{self.num_heads}/KV{self.num_kv_heads}"
+            f"/D{self.head_dim}/V{self.vocab_size}/{str(dtype).removeprefix('torch.')}"
+        )
 
     @classmethod
     def from_folder(cls, path: str | Path) -> "ModelConfig":
@@ -81,8 +82,10 @@ class ModelConfig:
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
-            raise ValueError(f"unsupported architecture {archs or cfg.get('model_type')!r} in "
-                             f"{cfg_file}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+            raise ValueError(
+                f"unsupported architecture {archs or cfg.get('model_type')!r} in "
+                f"{cfg_file}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
         traits = SUPPORTED_ARCHITECTURES[arch]
         num_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
@@ -120,10 +123,13 @@ def _rope_from_hf(cfg: dict) -> RopeConfig:
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
     kind = params.get("rope_type", params.get("type", "default")) or "default"
     return RopeConfig(
-        theta=float(theta), kind=kind, factor=float(params.get("factor", 1.0)),
+        theta=float(theta),
+        kind=kind,
+        factor=float(params.get("factor", 1.0)),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position=int(params.get("original_max_position_embeddings", 8192)))
+        original_max_position=int(params.get("original_max_position_embeddings", 8192)),
+    )
 
 
 def _eos_ids(path: Path, cfg: dict) -> tuple[int, ...]:
@@ -134,7 +140,7 @@ def _eos_ids(path: Path, cfg: dict) -> tuple[int, ...]:
         sources.insert(0, json.loads(gen_file.read_text()))
     for src in sources:
         eos = src.get("eos_token_id")
-        for e in (eos if isinstance(eos, list) else [eos]):
+        for e in eos if isinstance(eos, list) else [eos]:
             if e is not None and e not in ids:
                 ids.append(int(e))
     return tuple(ids)
@@ -143,6 +149,7 @@ def _eos_ids(path: Path, cfg: dict) -> tuple[int, ...]:
 def resolve_dtype(name: str, device: "torch.device") -> "torch.dtype":
     """`auto`: bf16 on CUDA, or on a CPU with bf16 matrix units (AVX512-BF16/AMX); else fp32."""
     import torch
+
     table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if name != "auto":
         if name not in table:

@@ -3,6 +3,7 @@
 Layout `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`: each layer's K and V
 are one contiguous slab, so a layer can be shipped (or mapped by a peer) as a unit.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -50,18 +51,19 @@ def plan_num_blocks(spec: KVCacheSpec, cache: CacheConfig, max_model_len: int) -
         raise ValueError(
             f"KV cache too small: {source} gives {num_blocks} blocks of {spec.block_size} tokens "
             f"({spec.bytes_per_block / 2**10:.1f} KiB each), but one sequence of max_model_len="
-            f"{max_model_len} needs {needed}. Raise the KV budget or lower --max-model-len.")
+            f"{max_model_len} needs {needed}. Raise the KV budget or lower --max-model-len."
+        )
     return num_blocks
 
 
-def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device,
-                      allocator: KvAllocator | None = None) -> torch.Tensor:
+def allocate_kv_cache(
+    spec: KVCacheSpec, num_blocks: int, device: torch.device, allocator: KvAllocator | None = None
+) -> torch.Tensor:
     shape = spec.shape(num_blocks)
     if allocator is not None:
         cache = allocator(shape, spec.dtype)
         if tuple(cache.shape) != shape or cache.dtype != spec.dtype:
-            raise ValueError(f"KV allocator returned {tuple(cache.shape)}/{cache.dtype}, "
-                             f"expected {shape}/{spec.dtype}")
+            raise ValueError(f"KV allocator returned {tuple(cache.shape)}/{cache.dtype}, expected {shape}/{spec.dtype}")
         cache.zero_()
         return cache
     return torch.zeros(shape, dtype=spec.dtype, device=device)  # [L, 2, N, bs, Hkv, D]

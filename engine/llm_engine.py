@@ -1,9 +1,10 @@
 """The engine every worker kind runs: requests in, one batched step at a time, tokens out.
 
-    colocated worker : add_request()        -> step() ... (prefill and decode in mixed batches)
-    prefill worker   : add_request(prefill_only=True) -> step(on_layer_stored=ship KV) -> first token
-    decode worker    : add_prefilled() (KV already in leased blocks) -> step() ...
+colocated worker : add_request()        -> step() ... (prefill and decode in mixed batches)
+prefill worker   : add_request(prefill_only=True) -> step(on_layer_stored=ship KV) -> first token
+decode worker    : add_prefilled() (KV already in leased blocks) -> step() ...
 """
+
 from __future__ import annotations
 
 import logging
@@ -48,17 +49,23 @@ class StepOutput:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, *, kv_allocator: KvAllocator | None = None,
-                 show_progress: bool = True) -> None:
+    def __init__(
+        self, config: EngineConfig, *, kv_allocator: KvAllocator | None = None, show_progress: bool = True
+    ) -> None:
         self.config = config
         self.device = torch.device(config.device)
         self.model_config = ModelConfig.from_folder(config.model)
         self.dtype = resolve_dtype(config.dtype, self.device)
         if config.dtype == "auto":
-            log.info("--dtype auto -> %s (%s)", str(self.dtype).removeprefix("torch."),
-                     "CUDA" if self.device.type == "cuda" else
-                     "CPU has bf16 matrix units" if self.dtype != torch.float32 else
-                     "CPU has no bf16 matrix units (AVX512-BF16/AMX)")
+            log.info(
+                "--dtype auto -> %s (%s)",
+                str(self.dtype).removeprefix("torch."),
+                "CUDA"
+                if self.device.type == "cuda"
+                else "CPU has bf16 matrix units"
+                if self.dtype != torch.float32
+                else "CPU has no bf16 matrix units (AVX512-BF16/AMX)",
+            )
         mc = self.model_config
         self.max_model_len = min(config.scheduler.max_model_len or mc.max_context, mc.max_context)
         self.block_size = config.cache.block_size
@@ -67,16 +74,21 @@ class LLMEngine:
         t0 = time.perf_counter()
         model = load_model(mc, self.dtype, self.device, self.max_model_len, show_progress)
         kv_cache = allocate_kv_cache(self.kv_spec, num_blocks, self.device, kv_allocator)
-        log.info("model %s loaded in %.1fs: dtype %s, %d KV blocks x %d tokens (%.1f MiB)",
-                 mc.path, time.perf_counter() - t0, self.dtype, num_blocks, self.block_size,
-                 num_blocks * self.kv_spec.bytes_per_block / 2**20)
+        log.info(
+            "model %s loaded in %.1fs: dtype %s, %d KV blocks x %d tokens (%.1f MiB)",
+            mc.path,
+            time.perf_counter() - t0,
+            self.dtype,
+            num_blocks,
+            self.block_size,
+            num_blocks * self.kv_spec.bytes_per_block / 2**20,
+        )
         caching = config.cache.enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_caching=caching)
         # a block's KV depends on the model, its dtype and the block's place in the prefix
         self.hasher = BlockHasher(mc.fingerprint(self.dtype), self.block_size) if caching else None
         self.scheduler = Scheduler(config.scheduler, self.pool, self.block_size, self.hasher)
-        self.runner = ModelRunner(model, kv_cache, self.block_size,
-                                  Sampler(mc.eos_token_ids, seed=config.seed))
+        self.runner = ModelRunner(model, kv_cache, self.block_size, Sampler(mc.eos_token_ids, seed=config.seed))
         self.seqs: dict[str, Sequence] = {}
         self.num_steps = 0
 
@@ -91,8 +103,7 @@ class LLMEngine:
         if not prompt:
             raise ValueError("empty prompt")
         if len(prompt) >= self.max_model_len:
-            raise ValueError(f"prompt of {len(prompt)} tokens leaves no room in max_model_len "
-                             f"{self.max_model_len}")
+            raise ValueError(f"prompt of {len(prompt)} tokens leaves no room in max_model_len {self.max_model_len}")
         bad = [t for t in prompt if not 0 <= t < self.model_config.vocab_size]
         if bad:
             raise ValueError(f"token ids out of vocabulary: {bad[:5]}")
@@ -100,16 +111,23 @@ class LLMEngine:
         self.seqs[request_id] = seq
         return seq
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                    *, prefill_only: bool = False) -> Sequence:
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, *, prefill_only: bool = False
+    ) -> Sequence:
         seq = self._new_sequence(request_id, prompt_token_ids, sampling)
         seq.stop_after_first_token = prefill_only
         self.scheduler.add(seq)
         return seq
 
-    def add_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token: int,
-                      first_logprob: TokenLogprob | None, sampling: SamplingParams,
-                      block_ids: list[int]) -> StepOutput | None:
+    def add_prefilled(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        first_token: int,
+        first_logprob: TokenLogprob | None,
+        sampling: SamplingParams,
+        block_ids: list[int],
+    ) -> StepOutput | None:
         """Admit a sequence whose prompt KV sits in `block_ids` (owned from now on by the engine).
 
         The first token was sampled by the prefill worker; returns a finished StepOutput when
@@ -140,8 +158,7 @@ class LLMEngine:
     def schedule(self) -> SchedulerOutput:
         return self.scheduler.schedule()
 
-    def execute(self, sched: SchedulerOutput,
-                on_layer_stored: Callable[[int], None] | None = None) -> list[StepOutput]:
+    def execute(self, sched: SchedulerOutput, on_layer_stored: Callable[[int], None] | None = None) -> list[StepOutput]:
         if sched.is_empty:
             return []
         fp = self.launch(sched, on_layer_stored)
@@ -149,8 +166,7 @@ class LLMEngine:
         return self.finish_step(fp, self.runner.logits(fp))
 
     # execute() in parts, for a caller that runs the layers elsewhere (prefill lanes)
-    def launch(self, sched: SchedulerOutput,
-               on_layer_stored: Callable[[int], None] | None = None) -> ForwardPass:
+    def launch(self, sched: SchedulerOutput, on_layer_stored: Callable[[int], None] | None = None) -> ForwardPass:
         """Start a step: its batch is built and its chunks count as computed from now on, so the
         next schedule() already plans the chunks after them (the caller runs the layers)."""
         fp = self.runner.begin(sched, on_layer_stored)
@@ -173,8 +189,7 @@ class LLMEngine:
             reason = self._append_token(seq, token, logprob)
             if reason is not None:
                 self._finish(seq, reason)
-            results.append(StepOutput(seq.request_id, [token],
-                                      [logprob] if logprob is not None else None, reason, seq))
+            results.append(StepOutput(seq.request_id, [token], [logprob] if logprob is not None else None, reason, seq))
         return results
 
     def step(self, on_layer_stored: Callable[[int], None] | None = None) -> list[StepOutput]:

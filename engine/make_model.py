@@ -6,6 +6,7 @@ model's shape, where step costs matter); benchmarks use `bench`.
 Weights are drawn so logits are well spread (random HF-style init at std 0.02 gives nearly
 equal logits, and greedy argmax would hinge on float rounding between implementations).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,12 +52,22 @@ PRESETS["default"] = PRESETS["bench"]
 
 def _hf_config(arch: str, p: ModelPreset, vocab: int, eos_id: int, rope_scaling: dict | None):
     from transformers import LlamaConfig, Qwen2Config
+
     common: dict[str, Any] = dict(
-        vocab_size=vocab, hidden_size=p.hidden_size, intermediate_size=p.intermediate_size,
-        num_hidden_layers=p.num_layers, num_attention_heads=p.num_heads,
-        num_key_value_heads=p.num_kv_heads, max_position_embeddings=p.max_position_embeddings,
-        rms_norm_eps=1e-5, tie_word_embeddings=p.tie_word_embeddings,
-        bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id, torch_dtype="float32")
+        vocab_size=vocab,
+        hidden_size=p.hidden_size,
+        intermediate_size=p.intermediate_size,
+        num_hidden_layers=p.num_layers,
+        num_attention_heads=p.num_heads,
+        num_key_value_heads=p.num_kv_heads,
+        max_position_embeddings=p.max_position_embeddings,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=p.tie_word_embeddings,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,
+        torch_dtype="float32",
+    )
     rope = {"rope_type": "default", "rope_theta": p.rope_theta, **(rope_scaling or {})}
     cfg: LlamaConfig | Qwen2Config
     if arch == "llama":
@@ -88,8 +99,15 @@ def _init_weights(model: torch.nn.Module, seed: int) -> None:
             param.copy_(torch.randn(param.shape, generator=gen) / param.shape[1] ** 0.5)
 
 
-def make_model(out_dir: str | Path, preset: str = "tiny", arch: str = "llama", seed: int = 0,
-               max_shard_size: str | None = None, quiet: bool = False, **overrides) -> Path:
+def make_model(
+    out_dir: str | Path,
+    preset: str = "tiny",
+    arch: str = "llama",
+    seed: int = 0,
+    max_shard_size: str | None = None,
+    quiet: bool = False,
+    **overrides,
+) -> Path:
     """Write an HF folder; returns its path. Same arguments -> byte-identical weights."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -102,6 +120,7 @@ def make_model(out_dir: str | Path, preset: str = "tiny", arch: str = "llama", s
     try:
         vocab = build_tokenizer(tmp, p.vocab_size, seed=0)
         from tokenizers import Tokenizer
+
         eos_id = Tokenizer.from_file(str(tmp / "tokenizer.json")).token_to_id(EOS)
         assert eos_id is not None, f"{EOS} missing from the tokenizer just built"
         cfg = _hf_config(arch, p, vocab, eos_id, rope_scaling)
@@ -110,11 +129,13 @@ def make_model(out_dir: str | Path, preset: str = "tiny", arch: str = "llama", s
         _init_weights(model, seed)
         kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
         model.save_pretrained(tmp, **kwargs)
-        GenerationConfig(bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id,
-                         do_sample=False).save_pretrained(tmp)
+        GenerationConfig(
+            bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id, do_sample=False
+        ).save_pretrained(tmp)
         n_params = sum(t.numel() for t in model.parameters())
-        (tmp / "pdserve_model.json").write_text(json.dumps(
-            {"preset": preset, "arch": arch, "seed": seed, "parameters": n_params}, indent=2))
+        (tmp / "pdserve_model.json").write_text(
+            json.dumps({"preset": preset, "arch": arch, "seed": seed, "parameters": n_params}, indent=2)
+        )
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         if out_dir.exists():
             shutil.rmtree(out_dir)
@@ -142,8 +163,9 @@ def default_model_path() -> Path:
 
 
 def make_model_main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="pdserve make-model",
-                                 description="Write a random-initialised Hugging Face model folder.")
+    ap = argparse.ArgumentParser(
+        prog="pdserve make-model", description="Write a random-initialised Hugging Face model folder."
+    )
     ap.add_argument("--out", required=True)
     ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     ap.add_argument("--arch", default="llama", choices=["llama", "qwen2"])

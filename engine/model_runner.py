@@ -1,4 +1,5 @@
 """Owns the model and its KV pool; runs one scheduled step and samples."""
+
 from __future__ import annotations
 
 import logging
@@ -18,8 +19,9 @@ from pdserve.engine.weights import load_weights
 log = logging.getLogger(__name__)
 
 
-def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int,
-               show_progress: bool = True) -> LlamaForCausalLM:
+def load_model(
+    cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int, show_progress: bool = True
+) -> LlamaForCausalLM:
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, max_positions)
     model.materialize(device, dtype)
@@ -29,8 +31,12 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_p
         from pdserve.kernels import (
             cpu_native,  # built now (about a second, once per machine), not at the first decode step
         )
-        log.info("CPU linear weights: %s; decode attention: %s", kind,
-                 "C kernel" if cpu_native.available() else "torch (no C kernel)")
+
+        log.info(
+            "CPU linear weights: %s; decode attention: %s",
+            kind,
+            "C kernel" if cpu_native.available() else "torch (no C kernel)",
+        )
     return model.eval()
 
 
@@ -49,8 +55,7 @@ class ForwardPass:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int,
-                 sampler: Sampler) -> None:
+    def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int, sampler: Sampler) -> None:
         self.model = model
         self.kv_cache = kv_cache  # [L, 2, N, bs, Hkv, D]
         self.block_size = block_size
@@ -60,8 +65,7 @@ class ModelRunner:
         self.decode_layers = model.describe_decode_layers(kv_cache)  # None: small decode steps go layer by layer
 
     @torch.inference_mode()
-    def begin(self, sched: SchedulerOutput,
-              on_layer_stored: Callable[[int], None] | None = None) -> ForwardPass:
+    def begin(self, sched: SchedulerOutput, on_layer_stored: Callable[[int], None] | None = None) -> ForwardPass:
         """Build the step's batch (from the chunks' current `num_computed_tokens`) and embed it."""
         batch = build_batch(sched.chunks, len(sched.decodes), self.block_size, self.device)
         ctx = ForwardContext(batch.attn, batch.slot_mapping, self.kv_cache, on_layer_stored)
@@ -73,7 +77,9 @@ class ModelRunner:
         """The pass's next `count` layers (default: all that are left)."""
         stop = self.num_layers if count is None else min(self.num_layers, fp.next_layer + count)
         if self.decode_layers is not None and fp.next_layer == 0 and stop == self.num_layers:
-            fused = self.model.fused_decode(self.decode_layers, fp.x, fp.rope, fp.ctx)  # a small decode step: one C call
+            fused = self.model.fused_decode(
+                self.decode_layers, fp.x, fp.rope, fp.ctx
+            )  # a small decode step: one C call
             if fused is not None:
                 fp.x, fp.next_layer = fused, stop
                 return
@@ -89,11 +95,11 @@ class ModelRunner:
         return self.model.head(fp.x, fp.batch.logits_indices)
 
     @torch.inference_mode()
-    def sample(self, fp: ForwardPass, logits: torch.Tensor | None
-               ) -> tuple[list[ScheduledChunk], SamplerOutput | None]:
+    def sample(self, fp: ForwardPass, logits: torch.Tensor | None) -> tuple[list[ScheduledChunk], SamplerOutput | None]:
         if logits is None:
             return [], None
         seqs = [c.seq for c in fp.batch.sampled]
-        out = self.sampler(logits, [s.sampling for s in seqs],
-                           [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs])
+        out = self.sampler(
+            logits, [s.sampling for s in seqs], [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs]
+        )
         return fp.batch.sampled, out

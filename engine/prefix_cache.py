@@ -9,6 +9,7 @@ blocks have no hash: they are never shared.
     tokens   [t0 .. t15][t16 .. t31][t32 .. t40]
     hashes   h0=H(root,b0) h1=H(h0,b1)   (partial: none)
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -35,7 +36,7 @@ class BlockHasher:
         n = len(token_ids) // bs if num_blocks is None else min(num_blocks, len(token_ids) // bs)
         out, parent = [], self.root
         for i in range(n):
-            parent = self.chain(parent, token_ids[i * bs:(i + 1) * bs])
+            parent = self.chain(parent, token_ids[i * bs : (i + 1) * bs])
             out.append(parent)
         return out
 
@@ -45,6 +46,6 @@ class BlockHasher:
         num_blocks = min(num_blocks, seq.num_tokens // bs)
         parent = have[-1] if have else self.root
         for i in range(len(have), num_blocks):
-            parent = self.chain(parent, seq.token_ids[i * bs:(i + 1) * bs])
+            parent = self.chain(parent, seq.token_ids[i * bs : (i + 1) * bs])
             have.append(parent)
         return have

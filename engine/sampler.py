@@ -9,6 +9,7 @@ A seeded row draws from a generator seeded by (seed, number of tokens it has gen
 output does not depend on batch composition, on which worker samples it (a prefill worker
 draws the first token, a decode worker the rest) or on preemption.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -45,13 +46,19 @@ class Sampler:
         else:
             self._generator.manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams],
-                 prompt_token_ids: Sequence[Sequence[int]],
-                 output_token_ids: Sequence[Sequence[int]]) -> SamplerOutput:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        prompt_token_ids: Sequence[Sequence[int]],
+        output_token_ids: Sequence[Sequence[int]],
+    ) -> SamplerOutput:
         """logits [B, V] -> one token per row (the caller's tensor is not modified)."""
         logits = logits.float()
-        simple = all(p.greedy and not p.uses_penalties and p.logprobs is None
-                     and len(out) >= p.min_tokens for p, out in zip(params, output_token_ids))
+        simple = all(
+            p.greedy and not p.uses_penalties and p.logprobs is None and len(out) >= p.min_tokens
+            for p, out in zip(params, output_token_ids)
+        )
         if simple:  # the decode hot path
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(params))
 
@@ -75,8 +82,7 @@ class Sampler:
         return SamplerOutput(token_list, self._logprobs(raw, params, token_list))
 
     @staticmethod
-    def _apply_penalties(row: torch.Tensor, p: SamplingParams, prompt: Sequence[int],
-                         out: Sequence[int]) -> None:
+    def _apply_penalties(row: torch.Tensor, p: SamplingParams, prompt: Sequence[int], out: Sequence[int]) -> None:
         """row [V] in place. Repetition (HF): over prompt + output; presence/frequency (OpenAI): output;
         then logit_bias (OpenAI) added to the named tokens."""
         if p.repetition_penalty != 1.0:
@@ -125,8 +131,7 @@ class Sampler:
         return int((probs / noise).argmax())
 
     @staticmethod
-    def _logprobs(raw: torch.Tensor, params: Sequence[SamplingParams],
-                  tokens: list[int]) -> list[TokenLogprob | None]:
+    def _logprobs(raw: torch.Tensor, params: Sequence[SamplingParams], tokens: list[int]) -> list[TokenLogprob | None]:
         if all(p.logprobs is None for p in params):
             return [None] * len(params)
         out: list[TokenLogprob | None] = []
@@ -136,7 +141,12 @@ class Sampler:
                 continue
             lp = raw[i].log_softmax(dim=-1)  # [V]
             top = lp.topk(p.logprobs) if p.logprobs else None
-            out.append(TokenLogprob(tokens[i], float(lp[tokens[i]]),
-                                    top.indices.tolist() if top is not None else [],
-                                    top.values.tolist() if top is not None else []))
+            out.append(
+                TokenLogprob(
+                    tokens[i],
+                    float(lp[tokens[i]]),
+                    top.indices.tolist() if top is not None else [],
+                    top.values.tolist() if top is not None else [],
+                )
+            )
         return out

@@ -13,6 +13,7 @@ not yet in this step's batch is preempted (recompute: blocks freed, requeued at 
 its tokens so far, so it later resumes with identical output); if there is none, the sequence
 preempts itself.
 """
+
 from __future__ import annotations
 
 import time
@@ -56,8 +57,9 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, pool: BlockPool, block_size: int,
-                 hasher: BlockHasher | None = None) -> None:
+    def __init__(
+        self, cfg: SchedulerConfig, pool: BlockPool, block_size: int, hasher: BlockHasher | None = None
+    ) -> None:
         self.cfg = cfg
         self.pool = pool
         self.block_size = block_size
@@ -145,18 +147,26 @@ class Scheduler:
 
         def key(seq: Sequence) -> tuple[int, float]:
             return (0 if seq.num_preemptions else 1, seq.num_uncomputed - aging * (now - seq.arrival_time))
+
         self.waiting = deque(sorted(self.waiting, key=key))
 
     def _blocks_needed(self, seq: Sequence, n: int) -> int:
         total = -(-(seq.num_computed_tokens + n) // self.block_size)
         return max(0, total - len(seq.block_table))
 
-    def _reserve_blocks(self, seq: Sequence, n: int, in_batch: set[int], in_flight: frozenset[int],
-                        out: SchedulerOutput) -> bool:
+    def _reserve_blocks(
+        self, seq: Sequence, n: int, in_batch: set[int], in_flight: frozenset[int], out: SchedulerOutput
+    ) -> bool:
         need = self._blocks_needed(seq, n)
         while not self.pool.can_allocate(need):
-            victim = next((s for s in reversed(self.running)
-                           if id(s) not in in_batch and id(s) not in in_flight and s is not seq), None)
+            victim = next(
+                (
+                    s
+                    for s in reversed(self.running)
+                    if id(s) not in in_batch and id(s) not in in_flight and s is not seq
+                ),
+                None,
+            )
             if victim is None and id(seq) in in_flight:
                 return False  # its blocks are being written: it waits for blocks instead
             if victim is None:

@@ -1,4 +1,5 @@
 """One generation request inside an engine: tokens, progress, blocks, sampling, outcome."""
+
 from __future__ import annotations
 
 import enum
@@ -54,7 +55,7 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_output_tokens(self) -> int:

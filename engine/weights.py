@@ -6,6 +6,7 @@ model.layers.i.mlp.{gate,up}_proj.weight  -> layers.i.mlp.gate_up_proj.weight (r
 model.* / lm_head.weight                  -> same name without the `model.` prefix
 Every parameter must be covered exactly; unknown, missing or mis-shaped tensors raise.
 """
+
 from __future__ import annotations
 
 import json
@@ -40,8 +41,9 @@ def safetensors_files(folder: Path) -> list[Path]:
         return files
     files = sorted(folder.glob("*.safetensors"))
     if not files:
-        raise WeightLoadError(f"no *.safetensors in {folder} (.bin/pickle checkpoints are "
-                              "not loaded: they can carry code)")
+        raise WeightLoadError(
+            f"no *.safetensors in {folder} (.bin/pickle checkpoints are not loaded: they can carry code)"
+        )
     return files
 
 
@@ -69,8 +71,10 @@ def load_weights(model: LlamaForCausalLM, folder: str | Path, show_progress: boo
     tied = getattr(model.cfg, "tie_word_embeddings", False)
     unexpected: list[str] = []
     files = safetensors_files(folder)
-    with torch.no_grad(), tqdm(desc=f"loading {folder.name}", unit="tensor",
-                               disable=not show_progress, leave=False) as bar:
+    with (
+        torch.no_grad(),
+        tqdm(desc=f"loading {folder.name}", unit="tensor", disable=not show_progress, leave=False) as bar,
+    ):
         for file in files:
             with safe_open(str(file), framework="pt") as f:
                 for hf_name in f.keys():
@@ -91,8 +95,10 @@ def load_weights(model: LlamaForCausalLM, folder: str | Path, show_progress: boo
                     tensor = f.get_tensor(hf_name)
                     dest = params[target][a:b]
                     if tensor.shape != dest.shape:
-                        raise WeightLoadError(f"{hf_name}: checkpoint shape {tuple(tensor.shape)} "
-                                              f"!= expected {tuple(dest.shape)} in {file.name}")
+                        raise WeightLoadError(
+                            f"{hf_name}: checkpoint shape {tuple(tensor.shape)} "
+                            f"!= expected {tuple(dest.shape)} in {file.name}"
+                        )
                     dest.copy_(tensor.to(dest.dtype))
                     covered[target] += b - a
     if unexpected:
@@ -101,5 +107,6 @@ def load_weights(model: LlamaForCausalLM, folder: str | Path, show_progress: boo
         covered["lm_head.weight"] = covered.get("embed_tokens.weight", 0)
     incomplete = [n for n, rows in covered.items() if rows != params[n].shape[0]]
     if incomplete:
-        raise WeightLoadError(f"missing weights in {folder}: {incomplete[:8]}"
-                              + (" ..." if len(incomplete) > 8 else ""))
+        raise WeightLoadError(
+            f"missing weights in {folder}: {incomplete[:8]}" + (" ..." if len(incomplete) > 8 else "")
+        )

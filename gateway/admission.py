@@ -19,6 +19,7 @@ and at least one, so a wrong estimate costs a retry, not a stall. When a turn fi
 the waiter goes back to its place at the front and the queue stops handing out turns until
 capacity may have changed.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -36,12 +37,14 @@ T = TypeVar("T")
 
 class QueueFull(BackendUnavailable):
     """The queue holds its maximum already: refused at once (HTTP 429)."""
+
     status = 429
     code = "queue_full"
 
 
 class QueueTimeout(BackendUnavailable):
     """Waited `max_wait_s` without a worker taking it (HTTP 503)."""
+
     status = 503
     code = "queue_timeout"
 
@@ -69,8 +72,13 @@ class _Waiter:
 
 
 class AdmissionQueue(Generic[T]):
-    def __init__(self, pool: str, limits: QueueLimits, free_slots: Callable[[], int],
-                 on_wait: Callable[[str, float], None] | None = None) -> None:
+    def __init__(
+        self,
+        pool: str,
+        limits: QueueLimits,
+        free_slots: Callable[[], int],
+        on_wait: Callable[[str, float], None] | None = None,
+    ) -> None:
         self.pool = pool
         self.limits = limits
         self._free_slots = free_slots
@@ -89,8 +97,7 @@ class AdmissionQueue(Generic[T]):
         self._blocked = False
         self._dispatch()
 
-    async def admit(self, num_tokens: int, try_start: Callable[[], Awaitable[T | None]], *,
-                    resumed: bool = False) -> T:
+    async def admit(self, num_tokens: int, try_start: Callable[[], Awaitable[T | None]], *, resumed: bool = False) -> T:
         """Run `try_start` (None = no room now) in this request's turn until it starts; raises
         QueueFull / QueueTimeout. Errors from `try_start` end the wait and propagate.
         `resumed`: a request that already streamed tokens (moving off a dead worker) goes first
@@ -118,9 +125,12 @@ class AdmissionQueue(Generic[T]):
                     await asyncio.wait_for(asyncio.shield(waiter.turn), None if resumed else max(0.0, remaining))
                 except asyncio.TimeoutError:
                     if not waiter.turn.done():
-                        raise QueueTimeout(f"the {self.pool} pool did not take the request within "
-                                           f"{self.limits.max_wait_s:g} s ({len(self._waiting)} requests "
-                                           f"waiting)", retry_after_s=self._retry_after()) from None
+                        raise QueueTimeout(
+                            f"the {self.pool} pool did not take the request within "
+                            f"{self.limits.max_wait_s:g} s ({len(self._waiting)} requests "
+                            f"waiting)",
+                            retry_after_s=self._retry_after(),
+                        ) from None
                 try:
                     started = await try_start()
                 finally:
@@ -144,9 +154,11 @@ class AdmissionQueue(Generic[T]):
     def _check_room(self, num_tokens: int) -> None:
         lim = self.limits
         if len(self._waiting) + 1 > lim.max_requests or self._tokens + num_tokens > lim.max_tokens:
-            raise QueueFull(f"the {self.pool} queue is full ({len(self._waiting)} requests, {self._tokens} "
-                            f"prompt tokens waiting; limits {lim.max_requests} and {lim.max_tokens})",
-                            retry_after_s=self._retry_after())
+            raise QueueFull(
+                f"the {self.pool} queue is full ({len(self._waiting)} requests, {self._tokens} "
+                f"prompt tokens waiting; limits {lim.max_requests} and {lim.max_tokens})",
+                retry_after_s=self._retry_after(),
+            )
 
     def _dispatch(self) -> None:
         """Hand turns to the oldest waiters, as many as there may be free seats (at least one)."""

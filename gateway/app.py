@@ -7,6 +7,7 @@ Request ids are made here (`cmpl-...`/`chatcmpl-...`), never taken from the clie
 request early for any reason (client gone, stop string, error) closes its backend streams,
 which aborts the request on every worker holding it.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -59,15 +60,23 @@ class _ApiKeyMiddleware:
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
             auth = dict(scope.get("headers", [])).get(b"authorization", b"")
             if not hmac.compare_digest(auth, self.expected):
-                resp = error_response(401, "invalid or missing API key", type_="authentication_error",
-                                      code="invalid_api_key")
+                resp = error_response(
+                    401, "invalid or missing API key", type_="authentication_error", code="invalid_api_key"
+                )
                 return await resp(scope, receive, send)
         return await self.app(scope, receive, send)
 
 
 class GatewayApp:
-    def __init__(self, backend: Backend, tokenizer, model_name: str, max_model_len: int,
-                 limits: GatewayLimits, chat_template: str | None) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        tokenizer,
+        model_name: str,
+        max_model_len: int,
+        limits: GatewayLimits,
+        chat_template: str | None,
+    ) -> None:
         self.backend = backend
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -75,8 +84,9 @@ class GatewayApp:
         self.limits = limits
         self.chat_template = chat_template
         self.vocab_size = len(tokenizer)
-        self.metrics = GatewayMetrics(backend.worker_stats, backend.routed_requests, backend.queue_stats,
-                                      tuple(backend.collectors()))
+        self.metrics = GatewayMetrics(
+            backend.worker_stats, backend.routed_requests, backend.queue_stats, tuple(backend.collectors())
+        )
         self.in_flight = 0
 
     # --- plumbing ---------------------------------------------------------------------------
@@ -93,8 +103,12 @@ class GatewayApp:
             except StopAsyncIteration:
                 break
             except asyncio.TimeoutError:
-                raise APIError(408, f"request body not received within {self.limits.body_read_timeout_s:g} s",
-                               code="body_timeout", headers={"Connection": "close"}) from None
+                raise APIError(
+                    408,
+                    f"request body not received within {self.limits.body_read_timeout_s:g} s",
+                    code="body_timeout",
+                    headers={"Connection": "close"},
+                ) from None
             body += chunk
             if len(body) > self.limits.max_body_bytes:
                 raise APIError(413, f"request body over {self.limits.max_body_bytes} bytes", code="body_too_large")
@@ -108,21 +122,35 @@ class GatewayApp:
             return req.prompt_ids
         if req.messages is not None:
             if self.chat_template is None and not getattr(self.tokenizer, "chat_template", None):
-                raise invalid("this model has no chat template: use /v1/completions, or start the server "
-                              "with --chat-template FILE", "messages")
-            text = self.tokenizer.apply_chat_template(req.messages, chat_template=self.chat_template,
-                                                      add_generation_prompt=True, tokenize=False)
+                raise invalid(
+                    "this model has no chat template: use /v1/completions, or start the server "
+                    "with --chat-template FILE",
+                    "messages",
+                )
+            text = self.tokenizer.apply_chat_template(
+                req.messages, chat_template=self.chat_template, add_generation_prompt=True, tokenize=False
+            )
             return self.tokenizer.encode(text, add_special_tokens=False)
         return self.tokenizer.encode(req.prompt_text)
 
     def _sampling(self, req: ParsedRequest, max_tokens: int, i: int) -> SamplingParams:
         seed = None if req.seed is None else (req.seed + i) % 2**63
         return SamplingParams(
-            max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-            min_p=req.min_p, seed=seed, repetition_penalty=req.repetition_penalty,
-            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-            stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos,
-            min_tokens=min(req.min_tokens, max_tokens), logprobs=req.logprobs, logit_bias=tuple(req.logit_bias))
+            max_tokens=max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            min_p=req.min_p,
+            seed=seed,
+            repetition_penalty=req.repetition_penalty,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            stop_token_ids=tuple(req.stop_token_ids),
+            ignore_eos=req.ignore_eos,
+            min_tokens=min(req.min_tokens, max_tokens),
+            logprobs=req.logprobs,
+            logit_bias=tuple(req.logit_bias),
+        )
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -133,8 +161,12 @@ class GatewayApp:
         try:
             req = parse_request(await self._read_json(request), kind, self.limits)
             if req.model is not None and req.model != self.model_name:
-                raise APIError(404, f"model '{req.model}' does not exist; this server serves "
-                               f"'{self.model_name}'", param="model", code="model_not_found")
+                raise APIError(
+                    404,
+                    f"model '{req.model}' does not exist; this server serves '{self.model_name}'",
+                    param="model",
+                    code="model_not_found",
+                )
             prompt = await asyncio.to_thread(self._tokenize, req)
             if not prompt:
                 raise invalid("the prompt is empty after tokenization", "prompt")
@@ -143,13 +175,17 @@ class GatewayApp:
                 raise invalid(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", "prompt")
             bad = next((t for t, _ in req.logit_bias if t >= self.vocab_size), None)
             if bad is not None:
-                raise invalid(f"logit_bias token id {bad} is outside the vocabulary [0, {self.vocab_size})",
-                              "logit_bias")
+                raise invalid(
+                    f"logit_bias token id {bad} is outside the vocabulary [0, {self.vocab_size})", "logit_bias"
+                )
             max_tokens = req.max_tokens if req.max_tokens is not None else max(1, self.max_model_len - len(prompt))
             if len(prompt) + max_tokens > self.max_model_len:
-                raise invalid(f"this model's maximum context length is {self.max_model_len} tokens; the "
-                              f"prompt has {len(prompt)} and max_tokens is {max_tokens} "
-                              f"({len(prompt) + max_tokens} in total)", "max_tokens")
+                raise invalid(
+                    f"this model's maximum context length is {self.max_model_len} tokens; the "
+                    f"prompt has {len(prompt)} and max_tokens is {max_tokens} "
+                    f"({len(prompt) + max_tokens} in total)",
+                    "max_tokens",
+                )
         except APIError as e:
             self.metrics.http_errors.labels(status=str(e.status)).inc()
             return e.response()
@@ -166,8 +202,7 @@ class GatewayApp:
             self._done()
             return first
         if req.stream:
-            return _EventStream(run.sse(first), media_type="text/event-stream",
-                                headers={"Cache-Control": "no-cache"})
+            return _EventStream(run.sse(first), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
             return await run.collect(first, request)
         finally:
@@ -176,17 +211,26 @@ class GatewayApp:
     def stream_cut(self, reason: str) -> None:
         self.metrics.streams_cut.labels(reason=reason).inc()
         if reason == "buffer_full":
-            log.warning("aborted a request whose client read too slowly (%d outputs waiting)",
-                        self.limits.max_stream_buffer)
+            log.warning(
+                "aborted a request whose client read too slowly (%d outputs waiting)", self.limits.max_stream_buffer
+            )
 
     def _done(self) -> None:
         self.in_flight -= 1
         self.metrics.in_flight.dec()
 
 
-def create_app(backend: Backend, tokenizer, *, model_name: str, max_model_len: int,
-               limits: GatewayLimits | None = None, api_key: str | None = None,
-               chat_template: str | None = None, model_root: str | None = None) -> Starlette:
+def create_app(
+    backend: Backend,
+    tokenizer,
+    *,
+    model_name: str,
+    max_model_len: int,
+    limits: GatewayLimits | None = None,
+    api_key: str | None = None,
+    chat_template: str | None = None,
+    model_root: str | None = None,
+) -> Starlette:
     gw = GatewayApp(backend, tokenizer, model_name, max_model_len, limits or GatewayLimits(), chat_template)
 
     async def completions(request: Request) -> Response:
@@ -196,10 +240,21 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_model_len: i
         return await _guard(gw, gw.handle(request, "chat"))
 
     async def models(_: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{"id": model_name, "object": "model",
-                                                         "created": 0, "owned_by": "pdserve",
-                                                         "root": model_root or model_name,  # the model folder
-                                                         "max_model_len": max_model_len}]})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": model_name,
+                        "object": "model",
+                        "created": 0,
+                        "owned_by": "pdserve",
+                        "root": model_root or model_name,  # the model folder
+                        "max_model_len": max_model_len,
+                    }
+                ],
+            }
+        )
 
     async def health(_: Request) -> Response:
         ok, detail = backend.health()
@@ -213,14 +268,17 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_model_len: i
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         return error_response(exc.status_code, str(exc.detail), code=code, headers=exc.headers)
 
-    app = Starlette(exception_handlers={HTTPException: http_error}, routes=[
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/chat/completions", chat, methods=["POST"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/metrics", metrics, methods=["GET"]),
-        Route("/openapi.json", openapi_endpoint(gw), methods=["GET"]),
-    ])
+    app = Starlette(
+        exception_handlers={HTTPException: http_error},
+        routes=[
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/chat/completions", chat, methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+            Route("/openapi.json", openapi_endpoint(gw), methods=["GET"]),
+        ],
+    )
     app.state.gateway = gw
     if api_key:
         app.add_middleware(_ApiKeyMiddleware, api_key=api_key)

@@ -1,4 +1,5 @@
 """What the HTTP layer needs from whatever serves tokens (the cluster, or a fake in tests)."""
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -23,8 +24,9 @@ class BackendUnavailable(Exception):
 
 class Backend(ABC):
     @abstractmethod
-    def generate(self, request_id: str, prompt_token_ids: list[int],
-                 sampling: SamplingParams) -> AsyncGenerator[TokenOutput, None]:
+    def generate(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
+    ) -> AsyncGenerator[TokenOutput, None]:
         """Yield TokenOutputs until one has finish_reason set. May raise BackendUnavailable
         before the first yield. Closing the iterator early (aclose) aborts the request."""
 

@@ -12,6 +12,7 @@ Requests are handed to prefill workers as soon as they hold a lease, not held ba
 gateway-side window of 4 steps of a prefill worker's budget cut a 1P1D burst on the bench model
 to 156-421 output tok/s against 480-622 without it (two variants, A/B in the same runs).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -67,6 +68,7 @@ _WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
 @dataclass
 class _AtPrefill:
     """A request handed to a prefill worker that has not sent its first token yet."""
+
     prefill_id: str
     decode_id: str
     deadline: float  # of its lease, as last renewed
@@ -74,10 +76,19 @@ class _AtPrefill:
 
 
 class ClusterBackend(Backend):
-    def __init__(self, auth: FrameAuth, inbox_bind: str, *, kv_transport: str = "auto",
-                 dead_after_s: float = 2.0, stuck_after_s: float = 30.0, reserve_timeout_s: float = 5.0,
-                 on_decode_failure: str = "migrate", max_attempts: int = 3,
-                 queue_limits: QueueLimits = QueueLimits()) -> None:
+    def __init__(
+        self,
+        auth: FrameAuth,
+        inbox_bind: str,
+        *,
+        kv_transport: str = "auto",
+        dead_after_s: float = 2.0,
+        stuck_after_s: float = 30.0,
+        reserve_timeout_s: float = 5.0,
+        on_decode_failure: str = "migrate",
+        max_attempts: int = 3,
+        queue_limits: QueueLimits = QueueLimits(),
+    ) -> None:
         if kv_transport not in ("auto", "shm", "zmq"):
             raise ValueError("kv_transport must be auto, shm or zmq")
         if on_decode_failure not in ("migrate", "fail"):
@@ -94,11 +105,17 @@ class ClusterBackend(Backend):
         self._reserve_waiters: dict[str, asyncio.Future[ReserveReply]] = {}
         self._streams: dict[str, asyncio.Queue[TokenOutput]] = {}
         self._at_prefill: dict[str, _AtPrefill] = {}
-        self.queue_wait = Histogram("pdserve_queue_wait_seconds", "Time a request waited in a pool's queue",
-                                    ["pool"], buckets=_WAIT_BUCKETS, registry=None)
+        self.queue_wait = Histogram(
+            "pdserve_queue_wait_seconds",
+            "Time a request waited in a pool's queue",
+            ["pool"],
+            buckets=_WAIT_BUCKETS,
+            registry=None,
+        )
         self._queues: dict[str, AdmissionQueue[Any]] = {
             "disaggregated": AdmissionQueue("disaggregated", queue_limits, self._free_decode_seats, self._observe_wait),
-            "colocated": AdmissionQueue("colocated", queue_limits, self._free_colocated_seats, self._observe_wait)}
+            "colocated": AdmissionQueue("colocated", queue_limits, self._free_colocated_seats, self._observe_wait),
+        }
         # leases handed to a prefill worker that was lost before it resolved them (no first token):
         # prefill worker id -> {request id: (decode worker id, lease deadline)}
         self._orphaned_leases: dict[str, dict[str, tuple[str, float]]] = {}
@@ -166,8 +183,7 @@ class ClusterBackend(Backend):
             if fut is not None and not fut.done():
                 fut.set_result(msg)
             elif msg.lease is not None:  # nobody waits for it any more: hand the lease back
-                self._send(msg.worker_id, Abort(request_id=msg.request_id, reason="lease not used",
-                                                lease_unused=True))
+                self._send(msg.worker_id, Abort(request_id=msg.request_id, reason="lease not used", lease_unused=True))
         elif isinstance(msg, (Register, Heartbeat)):
             info = msg.info
             if info is None:
@@ -221,8 +237,7 @@ class ClusterBackend(Backend):
 
     def _release_orphans(self, prefill_id: str) -> None:
         for request_id, (decode_id, _) in self._orphaned_leases.pop(prefill_id, {}).items():
-            log.info("lease of %s on %s: prefill worker %s is gone, handing it back", request_id,
-                     decode_id, prefill_id)
+            log.info("lease of %s on %s: prefill worker %s is gone, handing it back", request_id, decode_id, prefill_id)
             self._send(decode_id, Abort(request_id=request_id, reason="prefill worker gone", lease_unused=True))
 
     # --- admission --------------------------------------------------------------------------
@@ -234,8 +249,9 @@ class ClusterBackend(Backend):
         """This gateway's estimate of how many more requests the decode pool can take now."""
         return sum(max(0, d.info.max_num_seqs - d.inflight - d.reserving) for d in self.table.live("decode"))
 
-    async def _start_pair(self, request_id: str, prompt: list[int],
-                          sampling: SamplingParams) -> tuple[WorkerEntry, WorkerEntry, ReserveReply] | None:
+    async def _start_pair(
+        self, request_id: str, prompt: list[int], sampling: SamplingParams
+    ) -> tuple[WorkerEntry, WorkerEntry, ReserveReply] | None:
         """One admission turn: a decode worker's lease and a prefill worker for it; None when
         no decode worker has room now."""
         if not self.table.live("prefill"):
@@ -294,20 +310,23 @@ class ClusterBackend(Backend):
         if queue is not None:
             queue.put_nowait(TokenOutput(request_id=request_id, finish_reason="abort"))
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       sampling: SamplingParams) -> AsyncGenerator[TokenOutput, None]:
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
+    ) -> AsyncGenerator[TokenOutput, None]:
         if self.table.live("prefill") and self.table.live("decode"):
             stream = self._generate_disaggregated(request_id, prompt_token_ids, sampling)
         elif self.table.live("colocated"):
             stream = self._generate_colocated(request_id, prompt_token_ids, sampling)
         else:
-            raise BackendUnavailable("no live workers: need a prefill and a decode worker, "
-                                     "or a colocated worker", retry_after_s=2.0)
+            raise BackendUnavailable(
+                "no live workers: need a prefill and a decode worker, or a colocated worker", retry_after_s=2.0
+            )
         async for out in stream:
             yield out
 
-    async def _reserve(self, request_id: str, n_prompt: int,
-                       sampling: SamplingParams) -> tuple[WorkerEntry, ReserveReply] | None:
+    async def _reserve(
+        self, request_id: str, n_prompt: int, sampling: SamplingParams
+    ) -> tuple[WorkerEntry, ReserveReply] | None:
         """A lease from the first live decode worker that grants one; None when every one is full
         now (the request waits in the queue), BackendUnavailable when none could ever take it."""
         decodes = self.table.live("decode")
@@ -318,15 +337,21 @@ class ClusterBackend(Backend):
             fut = asyncio.get_running_loop().create_future()
             self._reserve_waiters[request_id] = fut
             d.reserving += 1
-            self._send(d.worker_id, ReserveRequest(request_id=request_id, gateway_id=self.gateway_id,
-                                                   to_worker=d.worker_id, num_prompt_tokens=n_prompt,
-                                                   max_tokens=sampling.max_tokens))
+            self._send(
+                d.worker_id,
+                ReserveRequest(
+                    request_id=request_id,
+                    gateway_id=self.gateway_id,
+                    to_worker=d.worker_id,
+                    num_prompt_tokens=n_prompt,
+                    max_tokens=sampling.max_tokens,
+                ),
+            )
             try:
                 reply = await asyncio.wait_for(fut, self.reserve_timeout_s)
             except asyncio.TimeoutError:  # busy or dying: try the others, then wait in the queue
                 full = True
-                self._send(d.worker_id, Abort(request_id=request_id, reason="reservation timed out",
-                                              lease_unused=True))
+                self._send(d.worker_id, Abort(request_id=request_id, reason="reservation timed out", lease_unused=True))
                 continue
             finally:
                 d.reserving -= 1
@@ -337,8 +362,9 @@ class ClusterBackend(Backend):
             reasons.append(f"{d.worker_id}: {reply.reason}")
         if full:
             return None
-        raise BackendUnavailable("no decode worker can take the request (" + "; ".join(reasons) + ")",
-                                 retry_after_s=1.0)
+        raise BackendUnavailable(
+            "no decode worker can take the request (" + "; ".join(reasons) + ")", retry_after_s=1.0
+        )
 
     def _transport_for(self, p: WorkerEntry, d: WorkerEntry) -> Literal["zmq", "shm"]:
         can_shm = d.info.shm_name is not None and p.info.host == d.info.host
@@ -357,8 +383,11 @@ class ClusterBackend(Backend):
         while True:
             attempt += 1
             sub_id = request_id if attempt == 1 else f"{request_id}.m{attempt}"
-            remaining = replace(sampling, max_tokens=sampling.max_tokens - len(generated),
-                                min_tokens=max(0, sampling.min_tokens - len(generated)))
+            remaining = replace(
+                sampling,
+                max_tokens=sampling.max_tokens - len(generated),
+                min_tokens=max(0, sampling.min_tokens - len(generated)),
+            )
             try:
                 async for out in self._one_pair(sub_id, prompt + generated, remaining, resumed=bool(generated)):
                     if out.token_ids or out.index:
@@ -372,24 +401,44 @@ class ClusterBackend(Backend):
                 return
             except WorkerLost as lost:
                 retry = attempt < self.max_attempts and (not generated or self.on_decode_failure == "migrate")
-                log.warning("request %s lost worker(s) %s after %d tokens; %s", request_id, lost.worker_ids,
-                            len(generated), "retrying on a live pair" if retry else "failing it")
+                log.warning(
+                    "request %s lost worker(s) %s after %d tokens; %s",
+                    request_id,
+                    lost.worker_ids,
+                    len(generated),
+                    "retrying on a live pair" if retry else "failing it",
+                )
                 if not retry:
-                    yield TokenOutput(request_id=request_id, index=len(generated), finish_reason="error",
-                                      error=f"worker {', '.join(lost.worker_ids)} stopped responding")
+                    yield TokenOutput(
+                        request_id=request_id,
+                        index=len(generated),
+                        finish_reason="error",
+                        error=f"worker {', '.join(lost.worker_ids)} stopped responding",
+                    )
                     return
                 if not self.table.live("prefill") or not self.table.live("decode"):
                     await asyncio.sleep(min(2.0, self.table.dead_after_s))  # a restart may be on its way
                     if not self.table.live("prefill") or not self.table.live("decode"):
-                        yield TokenOutput(request_id=request_id, index=len(generated), finish_reason="error",
-                                          error="no live prefill/decode pair to continue the request")
+                        yield TokenOutput(
+                            request_id=request_id,
+                            index=len(generated),
+                            finish_reason="error",
+                            error="no live prefill/decode pair to continue the request",
+                        )
                         return
 
     async def _one_pair(self, request_id, prompt, sampling, resumed: bool = False):
         p, d, reply = await self._queues["disaggregated"].admit(
-            len(prompt), lambda: self._start_pair(request_id, prompt, sampling), resumed=resumed)
-        dest = KvDestination(worker_id=d.worker_id, kv_addr=d.info.kv_addr or "", shm_name=d.info.shm_name,
-                             transport=self._transport_for(p, d), lease=reply.lease, layout=d.info.kv_layout)
+            len(prompt), lambda: self._start_pair(request_id, prompt, sampling), resumed=resumed
+        )
+        dest = KvDestination(
+            worker_id=d.worker_id,
+            kv_addr=d.info.kv_addr or "",
+            shm_name=d.info.shm_name,
+            transport=self._transport_for(p, d),
+            lease=reply.lease,
+            layout=d.info.kv_layout,
+        )
         queue: asyncio.Queue[TokenOutput] = asyncio.Queue()
         self._streams[request_id] = queue
         d.inflight += 1
@@ -397,9 +446,17 @@ class ClusterBackend(Backend):
         finished = False
         got_first = False
         try:
-            self._send(p.worker_id, PrefillRequest(request_id=request_id, gateway_id=self.gateway_id,
-                                                   prompt_token_ids=prompt, sampling=sampling, dest=dest,
-                                                   arrival_time=time.time()))
+            self._send(
+                p.worker_id,
+                PrefillRequest(
+                    request_id=request_id,
+                    gateway_id=self.gateway_id,
+                    prompt_token_ids=prompt,
+                    sampling=sampling,
+                    dest=dest,
+                    arrival_time=time.time(),
+                ),
+            )
             async for out in self._ordered(request_id, queue, lambda: (d,) if got_first else (p, d)):
                 if not got_first:  # the prefill worker is done with it
                     got_first = True
@@ -448,9 +505,16 @@ class ClusterBackend(Backend):
         self._streams[request_id] = queue
         finished = False
         try:
-            self._send(c.worker_id, GenerateRequest(request_id=request_id, gateway_id=self.gateway_id,
-                                                    prompt_token_ids=prompt, sampling=sampling,
-                                                    arrival_time=time.time()))
+            self._send(
+                c.worker_id,
+                GenerateRequest(
+                    request_id=request_id,
+                    gateway_id=self.gateway_id,
+                    prompt_token_ids=prompt,
+                    sampling=sampling,
+                    arrival_time=time.time(),
+                ),
+            )
             try:
                 async for out in self._ordered(request_id, queue, lambda: (c,)):
                     finished = out.finish_reason is not None and bool(out.worker_id)
@@ -458,8 +522,11 @@ class ClusterBackend(Backend):
                     if out.finish_reason is not None:
                         return
             except WorkerLost as lost:
-                yield TokenOutput(request_id=request_id, finish_reason="error",
-                                  error=f"worker {', '.join(lost.worker_ids)} stopped responding")
+                yield TokenOutput(
+                    request_id=request_id,
+                    finish_reason="error",
+                    error=f"worker {', '.join(lost.worker_ids)} stopped responding",
+                )
         finally:
             c.inflight -= 1
             self._streams.pop(request_id, None)
@@ -467,8 +534,9 @@ class ClusterBackend(Backend):
                 self._send(c.worker_id, Abort(request_id=request_id, reason="client gone"))
             self._notify_queues()  # a colocated seat is free
 
-    async def _ordered(self, request_id: str, queue: asyncio.Queue[TokenOutput],
-                       watched: Callable[[], tuple[WorkerEntry, ...]]) -> AsyncIterator[TokenOutput]:
+    async def _ordered(
+        self, request_id: str, queue: asyncio.Queue[TokenOutput], watched: Callable[[], tuple[WorkerEntry, ...]]
+    ) -> AsyncIterator[TokenOutput]:
         """Yield outputs in token order (P and D send on different sockets); raise WorkerLost
         when a worker the request still depends on (`watched()`) stops heartbeating."""
         next_index = 0

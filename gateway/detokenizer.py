@@ -4,6 +4,7 @@ Byte-level BPE tokens can end inside a multi-byte UTF-8 character; decoding such
 yields U+FFFD. We decode a small window [prefix_offset, end) and emit only once the window's
 text grows without ending in U+FFFD; the window then slides forward.
 """
+
 from __future__ import annotations
 
 _REPLACEMENT = "\ufffd"
@@ -22,18 +23,18 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> str:
         self.ids.append(token_id)
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        text = self._decode(self.ids[self.prefix_offset:])
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        text = self._decode(self.ids[self.prefix_offset :])
         if len(text) > len(prefix) and not text.endswith(_REPLACEMENT):
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-            return text[len(prefix):]
+            return text[len(prefix) :]
         return ""
 
     def flush(self) -> str:
         """Whatever is still held back (at the end of a sequence)."""
         if self.read_offset == len(self.ids):
             return ""
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        text = self._decode(self.ids[self.prefix_offset:])
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        text = self._decode(self.ids[self.prefix_offset :])
         self.prefix_offset = self.read_offset = len(self.ids)
-        return text[len(prefix):]
+        return text[len(prefix) :]

@@ -1,6 +1,7 @@
 """OpenAI response shapes, completions and chat: what a choice, a stream chunk and logprobs look
 like. Pure formatting (no I/O, no request state): gateway/generation.py's `GenerationRun` decides what to say,
 these say it in each endpoint's dialect."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -29,9 +30,12 @@ class CompletionFormat:
             offsets.append(pos)
             pos += len(t)
         tok = self.token_text
-        return {"tokens": [t for t, _ in entries], "token_logprobs": [lp.logprob for _, lp in entries],
-                "top_logprobs": [{tok(i): v for i, v in zip(lp.top_ids, lp.top_logprobs)} for _, lp in entries],
-                "text_offset": offsets}
+        return {
+            "tokens": [t for t, _ in entries],
+            "token_logprobs": [lp.logprob for _, lp in entries],
+            "top_logprobs": [{tok(i): v for i, v in zip(lp.top_ids, lp.top_logprobs)} for _, lp in entries],
+            "text_offset": offsets,
+        }
 
     def stream_item(self, index: int, delta: str, logprobs: dict | None, finish_reason: str | None) -> dict:
         return {"index": index, "text": delta, "logprobs": logprobs, "finish_reason": finish_reason}
@@ -47,24 +51,38 @@ class ChatFormat(CompletionFormat):
     chunk_object_name = "chat.completion.chunk"
 
     def opening_chunks(self, indices: list[int]) -> list[dict]:
-        return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-                for i in indices]
+        return [
+            {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            for i in indices
+        ]
 
     def logprobs(self, entries: LogprobEntries, offset: int = 0) -> dict:
         def entry(text: str, logprob: float) -> dict:
             return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
         tok = self.token_text
-        return {"content": [entry(t, lp.logprob) | {"top_logprobs": [entry(tok(i), v) for i, v in
-                                                                     zip(lp.top_ids, lp.top_logprobs)]}
-                            for t, lp in entries]}
+        return {
+            "content": [
+                entry(t, lp.logprob) | {"top_logprobs": [entry(tok(i), v) for i, v in zip(lp.top_ids, lp.top_logprobs)]}
+                for t, lp in entries
+            ]
+        }
 
     def stream_item(self, index: int, delta: str, logprobs: dict | None, finish_reason: str | None) -> dict:
-        return {"index": index, "delta": {"content": delta} if delta else {}, "logprobs": logprobs,
-                "finish_reason": finish_reason}
+        return {
+            "index": index,
+            "delta": {"content": delta} if delta else {},
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
 
     def final_choice(self, index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
-        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                "finish_reason": finish_reason}
+        return {
+            "index": index,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
 
 
 FORMATS = {"completion": CompletionFormat, "chat": ChatFormat}

@@ -1,6 +1,7 @@
 """One generation run: an HTTP request's n backend streams merged into one ordered sequence of
 events (detokenized, stop strings applied, bounded per client), written out as SSE or one JSON
 body. gateway/app.py owns the HTTP side; gateway/formats.py the endpoint's response shapes."""
+
 from __future__ import annotations
 
 import asyncio
@@ -50,17 +51,23 @@ class StreamCut(Exception):
 class GenerationRun:
     """One HTTP request: n backend streams merged into one sequence of events."""
 
-    def __init__(self, app: GatewayApp, req: ParsedRequest, prompt: list[int], max_tokens: int,
-                 base_id: str, arrival: float) -> None:
+    def __init__(
+        self, app: GatewayApp, req: ParsedRequest, prompt: list[int], max_tokens: int, base_id: str, arrival: float
+    ) -> None:
         self.app, self.req, self.prompt, self.base_id, self.arrival = app, req, prompt, base_id, arrival
         self.created = int(time.time())
         self.fmt = FORMATS[req.kind](app._token_text)  # the endpoint's response shapes
         self.queue: asyncio.Queue = asyncio.Queue()
-        self.choices = [Choice(i, f"{base_id}-{i}" if req.n > 1 else base_id,
-                                IncrementalDetokenizer(app.tokenizer), StopMatcher(req.stop))
-                        for i in range(req.n)]
-        self.tasks = [asyncio.create_task(self._pump(c, app._sampling(req, max_tokens, c.index)))
-                      for c in self.choices]
+        self.choices = [
+            Choice(
+                i,
+                f"{base_id}-{i}" if req.n > 1 else base_id,
+                IncrementalDetokenizer(app.tokenizer),
+                StopMatcher(req.stop),
+            )
+            for i in range(req.n)
+        ]
+        self.tasks = [asyncio.create_task(self._pump(c, app._sampling(req, max_tokens, c.index))) for c in self.choices]
         self.open = req.n
 
     async def _pump(self, choice: Choice, sampling: SamplingParams) -> None:
@@ -70,8 +77,14 @@ class GenerationRun:
                     if self.queue.qsize() >= self.app.limits.max_stream_buffer:
                         # the client reads slower than tokens come: abort upstream (closing gen)
                         self.app.stream_cut("buffer_full")
-                        self.queue.put_nowait((choice, StreamCut(
-                            f"stream cut: the client read too slowly ({self.queue.qsize()} outputs waiting)")))
+                        self.queue.put_nowait(
+                            (
+                                choice,
+                                StreamCut(
+                                    f"stream cut: the client read too slowly ({self.queue.qsize()} outputs waiting)"
+                                ),
+                            )
+                        )
                         break
                     self.queue.put_nowait((choice, out))
         except asyncio.CancelledError:
@@ -87,8 +100,13 @@ class GenerationRun:
         if isinstance(item, BackendUnavailable):  # refused before any token: a status code
             await self.cancel()
             self.app.metrics.http_errors.labels(status=str(item.status)).inc()
-            return error_response(item.status, str(item), type_="server_error", code=item.code,
-                                  headers={"Retry-After": str(max(1, round(item.retry_after_s)))})
+            return error_response(
+                item.status,
+                str(item),
+                type_="server_error",
+                code=item.code,
+                headers={"Retry-After": str(max(1, round(item.retry_after_s)))},
+            )
         return choice, item
 
     def _remaining(self) -> float | None:
@@ -181,9 +199,12 @@ class GenerationRun:
     # --- response shapes ----------------------------------------------------------------------
     def _usage(self) -> dict:
         completion = sum(c.num_tokens for c in self.choices)
-        return {"prompt_tokens": len(self.prompt), "completion_tokens": completion,
-                "total_tokens": len(self.prompt) + completion,
-                "prompt_tokens_details": {"cached_tokens": max(c.cached_tokens for c in self.choices)}}
+        return {
+            "prompt_tokens": len(self.prompt),
+            "completion_tokens": completion,
+            "total_tokens": len(self.prompt) + completion,
+            "prompt_tokens_details": {"cached_tokens": max(c.cached_tokens for c in self.choices)},
+        }
 
     def _timings(self) -> dict:
         merged: dict[str, float] = {}
@@ -194,8 +215,14 @@ class GenerationRun:
         return merged
 
     def _chunk(self, choices: list[dict], **extra) -> str:
-        obj = {"id": self.base_id, "object": self.fmt.chunk_object_name, "created": self.created,
-               "model": self.app.model_name, "choices": choices, **extra}
+        obj = {
+            "id": self.base_id,
+            "object": self.fmt.chunk_object_name,
+            "created": self.created,
+            "model": self.app.model_name,
+            "choices": choices,
+            **extra,
+        }
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
     async def sse(self, first):
@@ -207,15 +234,18 @@ class GenerationRun:
                 yield self._chunk(opening)
             async for choice, delta, lps, reason in self.events(first):
                 if reason == "error":
-                    err = {"message": choice.error or "generation failed", "type": "server_error",
-                           "param": None, "code": "generation_failed"}
+                    err = {
+                        "message": choice.error or "generation failed",
+                        "type": "server_error",
+                        "param": None,
+                        "code": "generation_failed",
+                    }
                     yield f"data: {json.dumps({'error': err})}\n\n"
                     continue
                 lp = self.fmt.logprobs(lps, text_pos[choice.index]) if want_lp else None
                 text_pos[choice.index] += len(delta)
                 item = self.fmt.stream_item(choice.index, delta, lp, reason)
-                last = reason is not None and self.open <= 1 and all(
-                    c.finish_reason is not None for c in self.choices)
+                last = reason is not None and self.open <= 1 and all(c.finish_reason is not None for c in self.choices)
                 extra = {"pdserve_timings": self._timings()} if last and not self.req.include_usage else {}
                 yield self._chunk([item], **extra)
             if self.req.include_usage:
@@ -245,16 +275,28 @@ class GenerationRun:
             await self.cancel()
         if any(c.timed_out for c in self.choices):
             self.app.metrics.http_errors.labels(status="504").inc()
-            return error_response(504, "request timed out (--request-timeout)", type_="server_error",
-                                  code="timeout")
+            return error_response(504, "request timed out (--request-timeout)", type_="server_error", code="timeout")
         errors = [c.error for c in self.choices if c.finish_reason == "error"]
         if errors:
             self.app.metrics.http_errors.labels(status="500").inc()
-            return error_response(500, f"generation failed: {errors[0]}", type_="server_error",
-                                  code="generation_failed")
+            return error_response(
+                500, f"generation failed: {errors[0]}", type_="server_error", code="generation_failed"
+            )
         want_lp = self.req.logprobs is not None
-        choices = [self.fmt.final_choice(c.index, "".join(c.text), self.fmt.logprobs(c.logprobs) if want_lp else None,
-                                         c.finish_reason) for c in self.choices]
-        return JSONResponse({"id": self.base_id, "object": self.fmt.object_name, "created": self.created,
-                             "model": self.app.model_name, "choices": choices, "usage": self._usage(),
-                             "pdserve_timings": self._timings()})
+        choices = [
+            self.fmt.final_choice(
+                c.index, "".join(c.text), self.fmt.logprobs(c.logprobs) if want_lp else None, c.finish_reason
+            )
+            for c in self.choices
+        ]
+        return JSONResponse(
+            {
+                "id": self.base_id,
+                "object": self.fmt.object_name,
+                "created": self.created,
+                "model": self.app.model_name,
+                "choices": choices,
+                "usage": self._usage(),
+                "pdserve_timings": self._timings(),
+            }
+        )

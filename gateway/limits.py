@@ -1,4 +1,5 @@
 """Caps on what one HTTP request may ask for."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

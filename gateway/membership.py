@@ -1,4 +1,5 @@
 """Which workers exist, which are alive, and how loaded they are (from Register/Heartbeat)."""
+
 from __future__ import annotations
 
 import time
@@ -42,8 +43,7 @@ class WorkerTable:
 
     def is_live(self, entry: WorkerEntry, now: float | None = None) -> bool:
         now = time.monotonic() if now is None else now
-        return (now - entry.last_seen <= self.dead_after_s
-                and entry.stats.last_step_age_s <= self.stuck_after_s)
+        return now - entry.last_seen <= self.dead_after_s and entry.stats.last_step_age_s <= self.stuck_after_s
 
     def live(self, role: str) -> list[WorkerEntry]:
         now = time.monotonic()

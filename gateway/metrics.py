@@ -1,4 +1,5 @@
 """Prometheus metrics, one registry per app (two gateways in one process never collide)."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -16,8 +17,7 @@ _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.25, 0.5, 1
 class _WorkerCollector:
     """Per-worker gauges read from the backend at scrape time."""
 
-    def __init__(self, stats: Callable[[], dict[str, WorkerStats]],
-                 routed: Callable[[], dict[str, int]]) -> None:
+    def __init__(self, stats: Callable[[], dict[str, WorkerStats]], routed: Callable[[], dict[str, int]]) -> None:
         self._stats, self._routed = stats, routed
 
     def collect(self):
@@ -26,31 +26,38 @@ class _WorkerCollector:
             "kv_blocks_total": GaugeMetricFamily("pdserve_kv_blocks_total", "KV blocks", labels=["node"]),
             "num_running": GaugeMetricFamily("pdserve_num_requests_running", "Running sequences", labels=["node"]),
             "num_waiting": GaugeMetricFamily("pdserve_num_requests_waiting", "Queued requests", labels=["node"]),
-            "dropped_frames": GaugeMetricFamily("pdserve_dropped_frames", "Bad internal frames dropped",
-                                                labels=["node"]),
-            "leases_active": GaugeMetricFamily("pdserve_kv_leases_active", "Reservations awaiting KV",
-                                               labels=["node"]),
-            "kv_blocks_quarantined": GaugeMetricFamily("pdserve_kv_blocks_quarantined",
-                                                       "Blocks of ended leases held until their deadline",
-                                                       labels=["node"]),
-            "lease_renewals": GaugeMetricFamily("pdserve_kv_lease_renewals",
-                                                "Leases extended for prefill workers still holding them (total)",
-                                                labels=["node"]),
-            "kv_blocks_cached": GaugeMetricFamily("pdserve_kv_blocks_cached",
-                                                  "Free KV blocks whose KV the prefix cache keeps (reclaimable)",
-                                                  labels=["node"]),
-            "prefix_query_tokens": CounterMetricFamily("pdserve_prefix_cache_queries",
-                                                       "Prompt tokens looked up in the prefix cache", labels=["node"]),
-            "prefix_hit_tokens": CounterMetricFamily("pdserve_prefix_cache_hits",
-                                                     "Prompt tokens found in the prefix cache (not computed)",
-                                                     labels=["node"]),
+            "dropped_frames": GaugeMetricFamily(
+                "pdserve_dropped_frames", "Bad internal frames dropped", labels=["node"]
+            ),
+            "leases_active": GaugeMetricFamily("pdserve_kv_leases_active", "Reservations awaiting KV", labels=["node"]),
+            "kv_blocks_quarantined": GaugeMetricFamily(
+                "pdserve_kv_blocks_quarantined", "Blocks of ended leases held until their deadline", labels=["node"]
+            ),
+            "lease_renewals": GaugeMetricFamily(
+                "pdserve_kv_lease_renewals",
+                "Leases extended for prefill workers still holding them (total)",
+                labels=["node"],
+            ),
+            "kv_blocks_cached": GaugeMetricFamily(
+                "pdserve_kv_blocks_cached",
+                "Free KV blocks whose KV the prefix cache keeps (reclaimable)",
+                labels=["node"],
+            ),
+            "prefix_query_tokens": CounterMetricFamily(
+                "pdserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", labels=["node"]
+            ),
+            "prefix_hit_tokens": CounterMetricFamily(
+                "pdserve_prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed)", labels=["node"]
+            ),
         }
         for node, st in self._stats().items():
             for attr, fam in fams.items():
                 fam.add_metric([node], getattr(st, attr))
-        routed = GaugeMetricFamily("pdserve_worker_requests_routed",
-                                   "Requests this gateway has routed to the worker and not seen end",
-                                   labels=["node"])
+        routed = GaugeMetricFamily(
+            "pdserve_worker_requests_routed",
+            "Requests this gateway has routed to the worker and not seen end",
+            labels=["node"],
+        )
         for node, count in self._routed().items():
             routed.add_metric([node], count)
         yield from fams.values()
@@ -77,24 +84,37 @@ class _QueueCollector:
 
 
 class GatewayMetrics:
-    def __init__(self, worker_stats: Callable[[], dict[str, WorkerStats]],
-                 routed_requests: Callable[[], dict[str, int]],
-                 queue_stats: Callable[[], dict[str, QueueStats]] = dict, collectors: tuple = ()) -> None:
+    def __init__(
+        self,
+        worker_stats: Callable[[], dict[str, WorkerStats]],
+        routed_requests: Callable[[], dict[str, int]],
+        queue_stats: Callable[[], dict[str, QueueStats]] = dict,
+        collectors: tuple = (),
+    ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.ttft = Histogram("pdserve_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram("pdserve_time_per_output_token_seconds", "Time per output token after the first",
-                              buckets=_TPOT_BUCKETS, registry=r)
-        self.e2e = Histogram("pdserve_e2e_request_latency_seconds", "End-to-end request latency",
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.ttft_stage = Histogram("pdserve_ttft_breakdown_seconds", "TTFT by stage", ["stage"],
-                                    buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "pdserve_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.tpot = Histogram(
+            "pdserve_time_per_output_token_seconds",
+            "Time per output token after the first",
+            buckets=_TPOT_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "pdserve_e2e_request_latency_seconds", "End-to-end request latency", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.ttft_stage = Histogram(
+            "pdserve_ttft_breakdown_seconds", "TTFT by stage", ["stage"], buckets=_LATENCY_BUCKETS, registry=r
+        )
         self.kv_bytes = Counter("pdserve_kv_transfer_bytes", "KV bytes moved prefill -> decode", registry=r)
         self.finished = Counter("pdserve_requests", "Finished requests (per choice)", ["finish_reason"], registry=r)
         self.http_errors = Counter("pdserve_http_errors", "Error responses", ["status"], registry=r)
         self.in_flight = Gauge("pdserve_gateway_requests_in_flight", "HTTP requests in flight", registry=r)
-        self.streams_cut = Counter("pdserve_streams_cut", "Streams ended because the client read too slowly",
-                                   ["reason"], registry=r)
+        self.streams_cut = Counter(
+            "pdserve_streams_cut", "Streams ended because the client read too slowly", ["reason"], registry=r
+        )
         r.register(_WorkerCollector(worker_stats, routed_requests))
         r.register(_QueueCollector(queue_stats))
         for collector in collectors:  # the backend's own (e.g. queue wait histograms)

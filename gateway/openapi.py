@@ -8,6 +8,7 @@ best_of must be 1 or n.
 An optional field given as null means its default; a field not listed is refused (400).
 tests/gateway/test_api_fuzz.py fuzzes the server against this document.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, get_args
@@ -55,9 +56,11 @@ def _needs_true(*rules: tuple[str, str]) -> dict:
     coverage phase finds valid bodies for that, but hardly any for an allOf of several anyOfs."""
     branches: list[dict[str, Any]] = [{"required": [], "properties": {}}]
     for field, flag in rules:
-        branches = [{"required": b["required"] + req, "properties": {**b["properties"], **props}}
-                    for b in branches for req, props in (([], {field: {"type": "null"}}),
-                                                         ([flag], {flag: {"const": True}}))]
+        branches = [
+            {"required": b["required"] + req, "properties": {**b["properties"], **props}}
+            for b in branches
+            for req, props in (([], {field: {"type": "null"}}), ([flag], {flag: {"const": True}}))
+        ]
     return {"anyOf": branches}
 
 
@@ -77,39 +80,60 @@ def _request_schemas(limits: GatewayLimits, model_name: str, max_model_len: int,
         "ignore_eos": _optional({"type": "boolean"}),
         "stop": _optional({"anyOf": [stop, {"type": "array", "maxItems": limits.max_stop, "items": stop}]}),
         "stop_token_ids": _optional({"type": "array", "items": _number(STOP_TOKEN_ID)}),
-        "logit_bias": _optional({"type": "object", "propertyNames": {"pattern": "^[0-9]{1,18}$"},
-                                 "additionalProperties": _number(Range(False, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS))})
+        "logit_bias": _optional(
+            {
+                "type": "object",
+                "propertyNames": {"pattern": "^[0-9]{1,18}$"},
+                "additionalProperties": _number(Range(False, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)),
+            }
+        )
         | {"description": "token id (below the vocabulary size) -> bias added to its logit"},
         "user": _optional({"type": "string"}),
     }
-    completion = _object(["prompt"], **common, **{
-        # One prompt per request: a batch of one is unwrapped.
-        "prompt": {"anyOf": [text, tokens,
-                             {"type": "array", "minItems": 1, "maxItems": 1, "items": text},
-                             {"type": "array", "minItems": 1, "maxItems": 1, "items": tokens}],
-                   "description": "text, or token ids below the vocabulary size"},
-        "max_tokens": max_tokens | {"default": 16},
-        "logprobs": _optional(_number(Range(True, 0, limits.max_logprobs))),
-        "best_of": _optional(_number(Range(True, 1))) | {"description": "1 or n"},
-        "echo": {"enum": [False, None], "description": "not supported"},
-        "suffix": {"enum": ["", None], "description": "not supported"},
-    })
+    completion = _object(
+        ["prompt"],
+        **common,
+        **{
+            # One prompt per request: a batch of one is unwrapped.
+            "prompt": {
+                "anyOf": [
+                    text,
+                    tokens,
+                    {"type": "array", "minItems": 1, "maxItems": 1, "items": text},
+                    {"type": "array", "minItems": 1, "maxItems": 1, "items": tokens},
+                ],
+                "description": "text, or token ids below the vocabulary size",
+            },
+            "max_tokens": max_tokens | {"default": 16},
+            "logprobs": _optional(_number(Range(True, 0, limits.max_logprobs))),
+            "best_of": _optional(_number(Range(True, 1))) | {"description": "1 or n"},
+            "echo": {"enum": [False, None], "description": "not supported"},
+            "suffix": {"enum": ["", None], "description": "not supported"},
+        },
+    )
     text_part = _object(["type", "text"], type={"const": "text"}, text={"type": "string"})
-    message = _object(["role"], role={"type": "string"}, content={
-        "anyOf": [{"type": "string"}, {"type": "array", "items": text_part}, {"type": "null"}]})
-    chat = _object(["messages"], **common, **{
-        "messages": {"type": "array", "minItems": 1, "items": message},
-        "max_completion_tokens": max_tokens,
-        # The older name: the context bound applies only when max_completion_tokens is null.
-        "max_tokens": _optional(_number(Range(True, 1))),
-        "logprobs": _optional({"type": "boolean"}),
-        "top_logprobs": _optional(_number(Range(True, 0, limits.max_logprobs)))
-        | {"description": "only with logprobs: true"},
-        # refused (400) until implemented: function calling, JSON mode and schemas
-        "tools": _optional({"type": "array", "maxItems": 0}),
-        "tool_choice": {"enum": ["none", None]},
-        "response_format": _optional(_object(["type"], type={"const": "text"})),
-    })
+    message = _object(
+        ["role"],
+        role={"type": "string"},
+        content={"anyOf": [{"type": "string"}, {"type": "array", "items": text_part}, {"type": "null"}]},
+    )
+    chat = _object(
+        ["messages"],
+        **common,
+        **{
+            "messages": {"type": "array", "minItems": 1, "items": message},
+            "max_completion_tokens": max_tokens,
+            # The older name: the context bound applies only when max_completion_tokens is null.
+            "max_tokens": _optional(_number(Range(True, 1))),
+            "logprobs": _optional({"type": "boolean"}),
+            "top_logprobs": _optional(_number(Range(True, 0, limits.max_logprobs)))
+            | {"description": "only with logprobs: true"},
+            # refused (400) until implemented: function calling, JSON mode and schemas
+            "tools": _optional({"type": "array", "maxItems": 0}),
+            "tool_choice": {"enum": ["none", None]},
+            "response_format": _optional(_object(["type"], type={"const": "text"})),
+        },
+    )
     for schema in (completion, chat):  # an unknown field is a 400: nothing is ignored silently
         schema["additionalProperties"] = False
     completion |= _needs_true(("stream_options", "stream"))
@@ -120,87 +144,163 @@ def _request_schemas(limits: GatewayLimits, model_name: str, max_model_len: int,
 def _response_schemas(model_name: str) -> dict:
     finish = {"enum": [r for r in get_args(FinishReason) if r != "error"]}  # an error is a 500
     num, string, integer = {"type": "number"}, {"type": "string"}, {"type": "integer"}
-    top = _object(["token", "logprob", "bytes"], token=string, logprob=num,
-                  bytes={"type": "array", "items": integer})
-    chat_lp = _optional(_object(["content"], content={"type": "array", "items": _object(
-        ["token", "logprob", "bytes", "top_logprobs"], token=string, logprob=num,
-        bytes={"type": "array", "items": integer}, top_logprobs={"type": "array", "items": top})}))
-    text_lp = _optional(_object(
-        ["tokens", "token_logprobs", "top_logprobs", "text_offset"], tokens={"type": "array", "items": string},
-        token_logprobs={"type": "array", "items": num},
-        top_logprobs={"type": "array", "items": {"type": "object", "additionalProperties": num}},
-        text_offset={"type": "array", "items": integer}))
-    usage = _object(["prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details"],
-                    prompt_tokens=integer, completion_tokens=integer, total_tokens=integer,
-                    prompt_tokens_details=_object(["cached_tokens"], cached_tokens=integer))
+    top = _object(["token", "logprob", "bytes"], token=string, logprob=num, bytes={"type": "array", "items": integer})
+    chat_lp = _optional(
+        _object(
+            ["content"],
+            content={
+                "type": "array",
+                "items": _object(
+                    ["token", "logprob", "bytes", "top_logprobs"],
+                    token=string,
+                    logprob=num,
+                    bytes={"type": "array", "items": integer},
+                    top_logprobs={"type": "array", "items": top},
+                ),
+            },
+        )
+    )
+    text_lp = _optional(
+        _object(
+            ["tokens", "token_logprobs", "top_logprobs", "text_offset"],
+            tokens={"type": "array", "items": string},
+            token_logprobs={"type": "array", "items": num},
+            top_logprobs={"type": "array", "items": {"type": "object", "additionalProperties": num}},
+            text_offset={"type": "array", "items": integer},
+        )
+    )
+    usage = _object(
+        ["prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details"],
+        prompt_tokens=integer,
+        completion_tokens=integer,
+        total_tokens=integer,
+        prompt_tokens_details=_object(["cached_tokens"], cached_tokens=integer),
+    )
     timings = {"type": "object", "additionalProperties": num, "description": "pdserve's per-phase timings"}
 
     def body(obj: str, choice: dict, *, chunk: bool = False) -> dict:
         extra = {"usage": usage, "pdserve_timings": timings}
         required = ["id", "object", "created", "model", "choices"] + ([] if chunk else list(extra))
-        return _object(required, id=string, object={"const": obj}, created=integer, model={"const": model_name},
-                       choices={"type": "array", "items": choice}, **extra)
+        return _object(
+            required,
+            id=string,
+            object={"const": obj},
+            created=integer,
+            model={"const": model_name},
+            choices={"type": "array", "items": choice},
+            **extra,
+        )
 
     index = {"type": "integer", "minimum": 0}
     return {
-        "Error": _object(["error"], error=_object(
-            ["message", "type", "param", "code"], message=string,
-            type={"enum": ["invalid_request_error", "authentication_error", "server_error"]},
-            param=_optional(string), code=_optional(string))),
-        "Completion": body("text_completion", _object(
-            ["index", "text", "logprobs", "finish_reason"], index=index, text=string, logprobs=text_lp,
-            finish_reason=finish)),
-        "ChatCompletion": body("chat.completion", _object(
-            ["index", "message", "logprobs", "finish_reason"], index=index, logprobs=chat_lp, finish_reason=finish,
-            message=_object(["role", "content"], role={"const": "assistant"}, content=string))),
+        "Error": _object(
+            ["error"],
+            error=_object(
+                ["message", "type", "param", "code"],
+                message=string,
+                type={"enum": ["invalid_request_error", "authentication_error", "server_error"]},
+                param=_optional(string),
+                code=_optional(string),
+            ),
+        ),
+        "Completion": body(
+            "text_completion",
+            _object(
+                ["index", "text", "logprobs", "finish_reason"],
+                index=index,
+                text=string,
+                logprobs=text_lp,
+                finish_reason=finish,
+            ),
+        ),
+        "ChatCompletion": body(
+            "chat.completion",
+            _object(
+                ["index", "message", "logprobs", "finish_reason"],
+                index=index,
+                logprobs=chat_lp,
+                finish_reason=finish,
+                message=_object(["role", "content"], role={"const": "assistant"}, content=string),
+            ),
+        ),
         # Streams: one JSON object per `data:` event, an error event if generation fails, then [DONE].
-        "CompletionChunk": body("text_completion", _object(
-            ["index", "text", "logprobs", "finish_reason"], index=index, text=string, logprobs=text_lp,
-            finish_reason=_optional(finish)), chunk=True),
-        "ChatCompletionChunk": body("chat.completion.chunk", _object(
-            ["index", "delta", "logprobs", "finish_reason"], index=index, logprobs=chat_lp,
-            finish_reason=_optional(finish),
-            delta=_object([], role={"const": "assistant"}, content=string)), chunk=True),
+        "CompletionChunk": body(
+            "text_completion",
+            _object(
+                ["index", "text", "logprobs", "finish_reason"],
+                index=index,
+                text=string,
+                logprobs=text_lp,
+                finish_reason=_optional(finish),
+            ),
+            chunk=True,
+        ),
+        "ChatCompletionChunk": body(
+            "chat.completion.chunk",
+            _object(
+                ["index", "delta", "logprobs", "finish_reason"],
+                index=index,
+                logprobs=chat_lp,
+                finish_reason=_optional(finish),
+                delta=_object([], role={"const": "assistant"}, content=string),
+            ),
+            chunk=True,
+        ),
     }
 
 
 def _error(description: str, *, retry_after: bool = False) -> dict:
     resp = {"description": description, "content": {"application/json": {"schema": _ref("Error")}}}
     if retry_after:
-        resp["headers"] = {"Retry-After": {"required": True, "description": "seconds",
-                                           "schema": {"type": "integer", "minimum": 1}}}
+        resp["headers"] = {
+            "Retry-After": {"required": True, "description": "seconds", "schema": {"type": "integer", "minimum": 1}}
+        }
     return resp
 
 
 def _generate(request: str, result: str, chunk: str, summary: str) -> dict:
-    event = _object(["data"], data={"anyOf": [
-        {"const": "[DONE]"},
-        {"contentMediaType": "application/json", "contentSchema": {"anyOf": [_ref(chunk), _ref("Error")]}}]})
-    return {"post": {
-        "summary": summary,
-        "security": _API_KEY,
-        "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}},
-        "responses": {
-            "200": {"description": "the result; with stream: true, server-sent events",
-                    "content": {"application/json": {"schema": _ref(result)},
-                                "text/event-stream": {"schema": event}}},
-            "400": _error("invalid request"),
-            "401": _error("missing or wrong API key (servers started with --api-key)"),
-            "404": _error("unknown model"),
-            "413": _error("request body over the size limit"),
-            "429": _error("the waiting queue is full", retry_after=True),
-            "500": _error("generation failed, or an internal error"),
-            "503": _error("no capacity now, or the queue wait ran out", retry_after=True),
-            "504": _error("the request ran past --request-timeout"),
+    event = _object(
+        ["data"],
+        data={
+            "anyOf": [
+                {"const": "[DONE]"},
+                {"contentMediaType": "application/json", "contentSchema": {"anyOf": [_ref(chunk), _ref("Error")]}},
+            ]
         },
-    }}
+    )
+    return {
+        "post": {
+            "summary": summary,
+            "security": _API_KEY,
+            "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}},
+            "responses": {
+                "200": {
+                    "description": "the result; with stream: true, server-sent events",
+                    "content": {"application/json": {"schema": _ref(result)}, "text/event-stream": {"schema": event}},
+                },
+                "400": _error("invalid request"),
+                "401": _error("missing or wrong API key (servers started with --api-key)"),
+                "404": _error("unknown model"),
+                "413": _error("request body over the size limit"),
+                "429": _error("the waiting queue is full", retry_after=True),
+                "500": _error("generation failed, or an internal error"),
+                "503": _error("no capacity now, or the queue wait ran out", retry_after=True),
+                "504": _error("the request ran past --request-timeout"),
+            },
+        }
+    }
 
 
-
-def _get(summary: str, media_type: str, schema: dict, *, secured: bool = False,
-         more_responses: dict[str, dict] | None = None) -> dict:
-    op: dict[str, Any] = {"summary": summary, "responses": {
-        "200": {"description": "OK", "content": {media_type: {"schema": schema}}}, **(more_responses or {})}}
+def _get(
+    summary: str, media_type: str, schema: dict, *, secured: bool = False, more_responses: dict[str, dict] | None = None
+) -> dict:
+    op: dict[str, Any] = {
+        "summary": summary,
+        "responses": {
+            "200": {"description": "OK", "content": {media_type: {"schema": schema}}},
+            **(more_responses or {}),
+        },
+    }
     if secured:
         op["security"] = _API_KEY
         op["responses"]["401"] = _error("missing or wrong API key")
@@ -209,39 +309,69 @@ def _get(summary: str, media_type: str, schema: dict, *, secured: bool = False,
 
 def openapi_document(limits: GatewayLimits, *, model_name: str, max_model_len: int, vocab_size: int) -> dict:
     health = {"type": "object", "required": ["status"], "properties": {"status": {"enum": ["ok", "unavailable"]}}}
-    model = _object(["id", "object", "created", "owned_by", "max_model_len"], id={"const": model_name},
-                    object={"const": "model"}, created={"type": "integer"}, owned_by={"type": "string"},
-                    max_model_len={"const": max_model_len})
+    model = _object(
+        ["id", "object", "created", "owned_by", "max_model_len"],
+        id={"const": model_name},
+        object={"const": "model"},
+        created={"type": "integer"},
+        owned_by={"type": "string"},
+        max_model_len={"const": max_model_len},
+    )
     return {
         "openapi": "3.1.0",
         "info": {"title": "pdserve", "version": "1", "description": "OpenAI-compatible completions API"},
         "paths": {
             "/v1/completions": _generate("CompletionRequest", "Completion", "CompletionChunk", "text completion"),
-            "/v1/chat/completions": _generate("ChatCompletionRequest", "ChatCompletion", "ChatCompletionChunk",
-                                              "chat completion"),
-            "/v1/models": _get("the served model", "application/json", _object(
-                ["object", "data"], object={"const": "list"},
-                data={"type": "array", "minItems": 1, "maxItems": 1, "items": model}), secured=True),
-            "/health": _get("whether each pool has a live worker", "application/json", health,
-                            more_responses={"503": {"description": "a pool has no live worker",
-                                                    "content": {"application/json": {"schema": health}}}}),
+            "/v1/chat/completions": _generate(
+                "ChatCompletionRequest", "ChatCompletion", "ChatCompletionChunk", "chat completion"
+            ),
+            "/v1/models": _get(
+                "the served model",
+                "application/json",
+                _object(
+                    ["object", "data"],
+                    object={"const": "list"},
+                    data={"type": "array", "minItems": 1, "maxItems": 1, "items": model},
+                ),
+                secured=True,
+            ),
+            "/health": _get(
+                "whether each pool has a live worker",
+                "application/json",
+                health,
+                more_responses={
+                    "503": {
+                        "description": "a pool has no live worker",
+                        "content": {"application/json": {"schema": health}},
+                    }
+                },
+            ),
             "/metrics": _get("Prometheus metrics", "text/plain", {"type": "string"}),
             "/openapi.json": _get("this document", "application/json", {"type": "object"}),
         },
         "components": {
-            "schemas": {**_request_schemas(limits, model_name, max_model_len, vocab_size),
-                        **_response_schemas(model_name)},
-            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer",
-                                           "description": "the server's --api-key; needed on /v1/* when set"}},
+            "schemas": {
+                **_request_schemas(limits, model_name, max_model_len, vocab_size),
+                **_response_schemas(model_name),
+            },
+            "securitySchemes": {
+                "bearer": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "the server's --api-key; needed on /v1/* when set",
+                }
+            },
         },
     }
 
 
 def openapi_endpoint(gw: GatewayApp):
     """The GET /openapi.json handler for this app."""
-    doc = openapi_document(gw.limits, model_name=gw.model_name, max_model_len=gw.max_model_len,
-                           vocab_size=gw.vocab_size)
+    doc = openapi_document(
+        gw.limits, model_name=gw.model_name, max_model_len=gw.max_model_len, vocab_size=gw.vocab_size
+    )
 
     async def openapi(_: Request) -> Response:
         return JSONResponse(doc)
+
     return openapi

@@ -1,4 +1,5 @@
 """How much waits in one pool's queue (a plain value, read by /metrics)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -3,6 +3,7 @@
 Checks are explicit rather than delegated to a schema library so each failure names its
 parameter in the OpenAI error envelope. A JSON bool is not accepted where a number is expected.
 """
+
 from __future__ import annotations
 
 import math
@@ -46,14 +47,16 @@ class ParsedRequest:
 
 class Range(NamedTuple):
     """Accepted values of a numeric field (also what gateway/openapi.py publishes)."""
+
     integer: bool
     lo: float | None = None
     hi: float | None = None
     lo_open: bool = False  # lo itself is refused
 
     def admits(self, value: float) -> bool:
-        return ((self.lo is None or (value > self.lo if self.lo_open else value >= self.lo))
-                and (self.hi is None or value <= self.hi))
+        return (self.lo is None or (value > self.lo if self.lo_open else value >= self.lo)) and (
+            self.hi is None or value <= self.hi
+        )
 
 
 # Sampling fields both endpoints take; their defaults are ParsedRequest's.
@@ -129,12 +132,31 @@ def _message_text(content: Any, idx: int) -> str:
 
 
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range: [-100, 100]
-_COMMON_FIELDS = {"model", "n", "stream", "stream_options", *SAMPLING_RANGES, "ignore_eos", "stop",
-                  "stop_token_ids", "logit_bias", "user"}  # user: the caller's end-user id, kept by nobody
+_COMMON_FIELDS = {
+    "model",
+    "n",
+    "stream",
+    "stream_options",
+    *SAMPLING_RANGES,
+    "ignore_eos",
+    "stop",
+    "stop_token_ids",
+    "logit_bias",
+    "user",
+}  # user: the caller's end-user id, kept by nobody
 FIELDS = {
     "completion": _COMMON_FIELDS | {"prompt", "max_tokens", "logprobs", "best_of", "echo", "suffix"},
-    "chat": _COMMON_FIELDS | {"messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs",
-                              "tools", "tool_choice", "response_format"},
+    "chat": _COMMON_FIELDS
+    | {
+        "messages",
+        "max_tokens",
+        "max_completion_tokens",
+        "logprobs",
+        "top_logprobs",
+        "tools",
+        "tool_choice",
+        "response_format",
+    },
 }
 
 
@@ -153,8 +175,10 @@ def _refuse_what_is_not_implemented(body: dict, kind: str) -> None:
             raise invalid("'tool_choice' is not supported (no tools)", "tool_choice")
         fmt = body.get("response_format")
         if fmt is not None and fmt != {"type": "text"}:
-            raise invalid("'response_format' other than {\"type\": \"text\"} (JSON mode, schemas) is not "
-                          "supported", "response_format")
+            raise invalid(
+                '\'response_format\' other than {"type": "text"} (JSON mode, schemas) is not supported',
+                "response_format",
+            )
 
 
 def _logit_bias(value: Any) -> list[tuple[int, float]]:
@@ -168,7 +192,11 @@ def _logit_bias(value: Any) -> list[tuple[int, float]]:
     for key, bias in value.items():
         if not (isinstance(key, str) and key.isdigit() and len(key) < 19):
             raise invalid(f"logit_bias key {key!r} is not a token id", "logit_bias")
-        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+        if (
+            isinstance(bias, bool)
+            or not isinstance(bias, (int, float))
+            or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS
+        ):
             raise invalid(f"logit_bias[{key}] must be a number in [-100, 100]", "logit_bias")
         out.append((int(key), float(bias)))
     return sorted(out)

@@ -1,4 +1,5 @@
 """The gateway process: tokenizer + ClusterBackend + Starlette app under uvicorn."""
+
 from __future__ import annotations
 
 import asyncio
@@ -54,22 +55,42 @@ def serve_gateway(opts: GatewayOptions, auth: FrameAuth) -> None:
     tokenizer = AutoTokenizer.from_pretrained(opts.model)
     model_cfg = ModelConfig.from_folder(opts.model)
     max_len = min(opts.max_model_len or model_cfg.max_context, model_cfg.max_context)
-    backend = ClusterBackend(auth, opts.worker_bind, kv_transport=opts.kv_transport,
-                             on_decode_failure=opts.on_decode_failure, stuck_after_s=opts.stuck_after_s,
-                             queue_limits=opts.queue_limits)
-    app = create_app(backend, tokenizer, model_name=opts.served_model_name or Path(opts.model).name,
-                     max_model_len=max_len, limits=GatewayLimits(request_timeout_s=opts.request_timeout_s,
-                                                             stream_write_timeout_s=opts.stream_write_timeout_s),
-                     api_key=opts.api_key, chat_template=_chat_template(opts.chat_template),
-                     model_root=str(Path(opts.model).resolve()))
+    backend = ClusterBackend(
+        auth,
+        opts.worker_bind,
+        kv_transport=opts.kv_transport,
+        on_decode_failure=opts.on_decode_failure,
+        stuck_after_s=opts.stuck_after_s,
+        queue_limits=opts.queue_limits,
+    )
+    app = create_app(
+        backend,
+        tokenizer,
+        model_name=opts.served_model_name or Path(opts.model).name,
+        max_model_len=max_len,
+        limits=GatewayLimits(
+            request_timeout_s=opts.request_timeout_s, stream_write_timeout_s=opts.stream_write_timeout_s
+        ),
+        api_key=opts.api_key,
+        chat_template=_chat_template(opts.chat_template),
+        model_root=str(Path(opts.model).resolve()),
+    )
 
     async def main() -> None:
         await backend.start()
         gw = app.state.gateway  # its limits: header, body and write deadlines on each connection
-        server = uvicorn.Server(uvicorn.Config(app, host=opts.host, port=opts.port, log_level="warning",
-                                               lifespan="off", timeout_graceful_shutdown=25,
-                                               # typed as a Protocol class; uvicorn only calls it, a factory works
-                                               http=http_protocol(gw.limits, gw.stream_cut)))  # type: ignore[arg-type]
+        server = uvicorn.Server(
+            uvicorn.Config(
+                app,
+                host=opts.host,
+                port=opts.port,
+                log_level="warning",
+                lifespan="off",
+                timeout_graceful_shutdown=25,
+                # typed as a Protocol class; uvicorn only calls it, a factory works
+                http=http_protocol(gw.limits, gw.stream_cut),  # type: ignore[arg-type]
+            )
+        )
         log.info("gateway on http://%s:%d", opts.host, opts.port)
         try:
             await server.serve()

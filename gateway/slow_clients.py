@@ -15,6 +15,7 @@ and blocks no one (asyncio: every connection is its own set of callbacks).
   httptools); a body not received whole within `body_read_timeout_s` gets a 408 (gateway/app.py).
 Each cut of a reader is counted in `pdserve_streams_cut_total{reason}` and logged in one line.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -56,8 +57,7 @@ class SlowClientProtocol(HttpToolsProtocol):
         if self._header_timer is not None:  # the headers are still coming
             self._header_bytes += len(data)
             if self._header_bytes > self.limits.max_header_bytes:
-                self._refuse(431, f"request headers over {self.limits.max_header_bytes} bytes",
-                             "headers_too_large")
+                self._refuse(431, f"request headers over {self.limits.max_header_bytes} bytes", "headers_too_large")
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -78,14 +78,27 @@ class SlowClientProtocol(HttpToolsProtocol):
 
     async def _headers_too_large(self, scope, receive, send) -> None:
         body = _envelope(f"request headers over {self.limits.max_header_bytes} bytes", "headers_too_large")
-        await send({"type": "http.response.start", "status": 431, "headers": [
-            (b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)), (b"connection", b"close")]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 431,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", b"%d" % len(body)),
+                    (b"connection", b"close"),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
     def _arm_header_timer(self) -> None:
         self._header_timer = self.loop.call_later(
-            self.limits.header_timeout_s, self._refuse, 408,
-            f"request headers not received within {self.limits.header_timeout_s:g} s", "header_timeout")
+            self.limits.header_timeout_s,
+            self._refuse,
+            408,
+            f"request headers not received within {self.limits.header_timeout_s:g} s",
+            "header_timeout",
+        )
 
     def _cancel_header_timer(self) -> None:
         if self._header_timer is not None:
@@ -106,8 +119,10 @@ class SlowClientProtocol(HttpToolsProtocol):
             self.cycle.keep_alive = False  # a pipelined request: close once the response in progress ends
             return
         body = _envelope(message, code)
-        self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-                             b"connection: close\r\n\r\n%s" % (status, _REASONS[status], len(body), body))
+        self.transport.write(
+            b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+            b"connection: close\r\n\r\n%s" % (status, _REASONS[status], len(body), body)
+        )
         self.transport.write_eof()
         self.loop.call_later(self.limits.header_timeout_s, self.transport.abort)
 
@@ -148,15 +163,21 @@ class SlowClientProtocol(HttpToolsProtocol):
         self.on_cut("write_timeout")
         client = self.client or ("?", 0)
         path = self.scope.get("path", "") if self.scope else ""
-        log.warning("cut the connection of %s:%s (%s): it read nothing for %g s, %d bytes left unsent",
-                    client[0], client[1], path, self.limits.stream_write_timeout_s,
-                    self.transport.get_write_buffer_size())
+        log.warning(
+            "cut the connection of %s:%s (%s): it read nothing for %g s, %d bytes left unsent",
+            client[0],
+            client[1],
+            path,
+            self.limits.stream_write_timeout_s,
+            self.transport.get_write_buffer_size(),
+        )
         self.transport.abort()  # connection_lost: the request ends as for any client gone
 
 
 def _envelope(message: str, code: str) -> bytes:
-    return json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                 "code": code}}).encode()
+    return json.dumps(
+        {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
+    ).encode()
 
 
 def http_protocol(limits: GatewayLimits, on_cut: Callable[[str], None]) -> Callable[..., SlowClientProtocol]:

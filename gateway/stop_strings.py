@@ -1,5 +1,6 @@
 """Streaming stop-string matching: text that might begin a stop string is held back until it
 either completes one (output ends before it) or can no longer match (it is released)."""
+
 from __future__ import annotations
 
 
@@ -23,7 +24,7 @@ class StopMatcher:
                 if s.endswith(stop[:k]):
                     hold = k
                     break
-        self._held = s[len(s) - hold:]
+        self._held = s[len(s) - hold :]
         return s[: len(s) - hold], False
 
     def flush(self) -> str:

@@ -6,6 +6,7 @@ place) when they built, and to pure torch when they did not.
 everywhere, the reference). Triton on CPU tensors needs TRITON_INTERPRET=1 set before triton is
 first imported.
 """
+
 from __future__ import annotations
 
 import functools
@@ -44,43 +45,54 @@ def use_triton(t: torch.Tensor, choice: str | None = None) -> bool:
     return t.is_cuda and triton_available()
 
 
-def _native_decode(query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata,
-                   scale: float, out: torch.Tensor, choice: str) -> bool:
+def _native_decode(
+    query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor, choice: str
+) -> bool:
     """Decode sequences through the C kernel when allowed and it can take them."""
     nd = meta.num_decode_seqs
     if not nd or choice not in ("", "auto") or not cpu_native.can_run(query, kv_layer):
         return False
-    return cpu_native.paged_decode_attention(query[:nd], kv_layer, meta.block_tables, meta.context_lens,
-                                             scale, out[:nd])
+    return cpu_native.paged_decode_attention(
+        query[:nd], kv_layer, meta.block_tables, meta.context_lens, scale, out[:nd]
+    )
 
 
-def _native_prefill(query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata,
-                    scale: float, out: torch.Tensor, choice: str) -> bool:
+def _native_prefill(
+    query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor, choice: str
+) -> bool:
     """Prefill chunks through the C kernel when allowed and it can take them (their K/V is
     already in the pool: the model stores a layer's KV before attending)."""
     if meta.num_decode_seqs == meta.num_seqs:
         return True
     if choice not in ("", "auto") or not cpu_native.can_run_prefill(query, kv_layer):
         return False
-    return cpu_native.paged_prefill_attention(query, kv_layer, meta.block_tables, meta.cu_seqlens_q,
-                                              meta.context_lens, meta.num_decode_seqs, scale, out)
+    return cpu_native.paged_prefill_attention(
+        query, kv_layer, meta.block_tables, meta.cu_seqlens_q, meta.context_lens, meta.num_decode_seqs, scale, out
+    )
 
 
-def store_kv(key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+def store_kv(key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write key/value [T, Hkv, D] into kv_layer [2, N, bs, Hkv, D] at slots [T] int64 (-1 = skip)."""
     if use_triton(key):
         from pdserve.kernels import triton_attention
+
         return triton_attention.store_kv(key, value, kv_layer, slot_mapping)
     return torch_attention.store_kv(key, value, kv_layer, slot_mapping)
 
 
-def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_layer: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
     """query [T, Hq, D], this step's key/value [T, Hkv, D] (already stored) -> out [T, Hq, D]."""
     choice = _choice()  # read once per call
     if use_triton(query, choice):
         from pdserve.kernels import triton_attention
+
         return triton_attention.paged_attention(query, key, value, kv_layer, meta, scale)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # [T, Hq, D]
     if not _native_decode(query, kv_layer, meta, scale, out, choice):

@@ -21,6 +21,7 @@ flags and this machine's CPU (the code is compiled for it: -march=native). With 
 a failed build, its `available()` is False and the torch path runs instead.
 `PDSERVE_ATTENTION=torch` keeps the attention kernel off.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -78,10 +79,15 @@ def _build(source: Path, cc: str, openmp: bool) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:  # workers may build at once: rename is atomic
         obj, lib = Path(tmp) / "k.o", Path(tmp) / "k.so"
-        subprocess.run([cc, *COMPILE_FLAGS, *extra, "-c", str(source), "-o", str(obj)], check=True,
-                       capture_output=True, timeout=120)
-        subprocess.run([cc, str(obj), "-o", str(lib), *LINK_FLAGS, *extra], check=True, capture_output=True,
-                       timeout=120)
+        subprocess.run(
+            [cc, *COMPILE_FLAGS, *extra, "-c", str(source), "-o", str(obj)],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+        subprocess.run(
+            [cc, str(obj), "-o", str(lib), *LINK_FLAGS, *extra], check=True, capture_output=True, timeout=120
+        )
         os.replace(lib, out)
     return out
 
@@ -90,8 +96,12 @@ def _build_any(source: Path, cc: str) -> Path:
     try:
         return _build(source, cc, openmp=True)
     except subprocess.SubprocessError as e:
-        log.warning("no OpenMP with %s (%s): %s runs on one thread", cc,
-                    (getattr(e, "stderr", b"") or b"").decode(errors="replace")[-300:], source.name)
+        log.warning(
+            "no OpenMP with %s (%s): %s runs on one thread",
+            cc,
+            (getattr(e, "stderr", b"") or b"").decode(errors="replace")[-300:],
+            source.name,
+        )
         return _build(source, cc, openmp=False)
 
 
@@ -107,8 +117,12 @@ def load_kernel(source: Path) -> ctypes.CDLL | None:
         return ctypes.CDLL(str(_build_any(source, cc)))
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", b"") or b""
-        log.warning("building %s failed (%s %s): its torch twin runs instead",
-                    source.name, e, detail.decode(errors="replace")[-500:])
+        log.warning(
+            "building %s failed (%s %s): its torch twin runs instead",
+            source.name,
+            e,
+            detail.decode(errors="replace")[-500:],
+        )
         return None
 
 
@@ -125,9 +139,23 @@ def _library() -> ctypes.CDLL | None:
     if lib is not None:
         fn = lib.paged_decode_attention_f32
         fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                       ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int]
+        fn.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_float,
+            ctypes.c_int,
+        ]
     return lib
 
 
@@ -137,9 +165,20 @@ def _prefill_library() -> ctypes.CDLL | None:
     if lib is not None:
         fn = lib.paged_prefill_attention_f32
         fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                       ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int] * 6,
-                       ctypes.c_float, ctypes.c_int]
+        fn.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            *[ctypes.c_int] * 6,
+            ctypes.c_float,
+            ctypes.c_int,
+        ]
     return lib
 
 
@@ -163,8 +202,15 @@ def gemv(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> 
     n_in, n_out = weight_t.shape
     assert x.shape == (1, n_in) and x.is_contiguous() and weight_t.is_contiguous()
     y = torch.empty(1, n_out, dtype=torch.float32)
-    built(_gemv_library()).gemv_f32(x.data_ptr(), weight_t.data_ptr(), None if bias is None else bias.data_ptr(),
-                                    y.data_ptr(), n_in, n_out, torch.get_num_threads())
+    built(_gemv_library()).gemv_f32(
+        x.data_ptr(),
+        weight_t.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        n_in,
+        n_out,
+        torch.get_num_threads(),
+    )
     return y
 
 
@@ -176,8 +222,12 @@ def available() -> bool:
 def _takes(query: torch.Tensor, kv_layer: torch.Tensor) -> bool:
     """What both attention kernels take: fp32 CPU tensors, the pool contiguous (query rows may lie
     apart, as in the model's fused qkv; heads and head_dim must be dense, else they are copied)."""
-    return (query.device.type == "cpu" and query.dtype == torch.float32 and kv_layer.dtype == torch.float32
-            and kv_layer.is_contiguous())
+    return (
+        query.device.type == "cpu"
+        and query.dtype == torch.float32
+        and kv_layer.dtype == torch.float32
+        and kv_layer.is_contiguous()
+    )
 
 
 def can_run(query: torch.Tensor, kv_layer: torch.Tensor) -> bool:
@@ -190,8 +240,14 @@ def can_run_prefill(query: torch.Tensor, kv_layer: torch.Tensor) -> bool:
     return _takes(query, kv_layer) and prefill_available()
 
 
-def paged_decode_attention(query: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
-                           context_lens: torch.Tensor, scale: float, out: torch.Tensor) -> bool:
+def paged_decode_attention(
+    query: torch.Tensor,
+    kv_layer: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> bool:
     """query [n, Hq, D], kv_layer [2, N, bs, Hkv, D], block_tables [>=n, W] int32,
     context_lens [>=n] int32 -> out [n, Hq, D]. False when the kernel refuses the shapes
     (over its limits); the caller then takes the torch path. Runs without the GIL."""
@@ -202,9 +258,22 @@ def paged_decode_attention(query: torch.Tensor, kv_layer: torch.Tensor, block_ta
     assert block_tables.dtype == torch.int32 and context_lens.dtype == torch.int32
     assert block_tables.is_contiguous() and context_lens.is_contiguous() and out.is_contiguous()
     rc = built(_library()).paged_decode_attention_f32(
-        query.data_ptr(), query.stride(0), kv_layer.data_ptr(), num_blocks * bs, block_tables.data_ptr(),
-        block_tables.stride(0), context_lens.data_ptr(), out.data_ptr(), n, hq, hkv, d, bs, scale,
-        torch.get_num_threads())
+        query.data_ptr(),
+        query.stride(0),
+        kv_layer.data_ptr(),
+        num_blocks * bs,
+        block_tables.data_ptr(),
+        block_tables.stride(0),
+        context_lens.data_ptr(),
+        out.data_ptr(),
+        n,
+        hq,
+        hkv,
+        d,
+        bs,
+        scale,
+        torch.get_num_threads(),
+    )
     return rc == 0
 
 
@@ -213,9 +282,16 @@ def prefill_available() -> bool:
     return _prefill_library() is not None
 
 
-def paged_prefill_attention(query: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
-                            cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, first: int, scale: float,
-                            out: torch.Tensor) -> bool:
+def paged_prefill_attention(
+    query: torch.Tensor,
+    kv_layer: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    first: int,
+    scale: float,
+    out: torch.Tensor,
+) -> bool:
     """The chunks of sequences `first..` of a ragged batch: query [T, Hq, D] (all the batch's
     rows), their K/V already stored in kv_layer [2, N, bs, Hkv, D]; block_tables [B, W],
     cu_seqlens_q [B+1], context_lens [B] int32 -> out [T, Hq, D] at those sequences' rows.
@@ -231,7 +307,22 @@ def paged_prefill_attention(query: torch.Tensor, kv_layer: torch.Tensor, block_t
     if n <= 0:
         return True
     rc = built(_prefill_library()).paged_prefill_attention_f32(
-        query.data_ptr(), query.stride(0), kv_layer.data_ptr(), num_blocks * bs, block_tables.data_ptr(),
-        block_tables.stride(0), cu_seqlens_q.data_ptr(), context_lens.data_ptr(), out.data_ptr(), first, n,
-        hq, hkv, d, bs, scale, torch.get_num_threads())
+        query.data_ptr(),
+        query.stride(0),
+        kv_layer.data_ptr(),
+        num_blocks * bs,
+        block_tables.data_ptr(),
+        block_tables.stride(0),
+        cu_seqlens_q.data_ptr(),
+        context_lens.data_ptr(),
+        out.data_ptr(),
+        first,
+        n,
+        hq,
+        hkv,
+        d,
+        bs,
+        scale,
+        torch.get_num_threads(),
+    )
     return rc == 0

@@ -8,6 +8,7 @@ decides when it applies (engine/models/llama.py: `LlamaForCausalLM.fused_decode`
 layers `describe_decode_layers` described once per KV pool);
 `PDSERVE_FUSED_DECODE=off` keeps it off.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -25,19 +26,29 @@ SLOT_PAST_POOL, ATTENTION_REFUSED = -1, -2
 
 
 class KernelTable(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_void_p)
-                for name in ("rmsnorm", "add_rmsnorm", "silu_mul", "rope_store", "attention", "gemm")]
+    _fields_ = [
+        (name, ctypes.c_void_p) for name in ("rmsnorm", "add_rmsnorm", "silu_mul", "rope_store", "attention", "gemm")
+    ]
 
 
 class LayerWeights(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_void_p)
-                for name in ("input_norm", "post_attention_norm", "qkv", "qkv_bias", "o", "gate_up", "down", "kv")]
+    _fields_ = [
+        (name, ctypes.c_void_p)
+        for name in ("input_norm", "post_attention_norm", "qkv", "qkv_bias", "o", "gate_up", "down", "kv")
+    ]
 
 
 class StackShape(ctypes.Structure):
-    _fields_ = [("hidden", ctypes.c_int64), ("intermediate", ctypes.c_int64), ("hq", ctypes.c_int32),
-                ("hkv", ctypes.c_int32), ("d", ctypes.c_int32), ("block_size", ctypes.c_int32),
-                ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+    _fields_ = [
+        ("hidden", ctypes.c_int64),
+        ("intermediate", ctypes.c_int64),
+        ("hq", ctypes.c_int32),
+        ("hkv", ctypes.c_int32),
+        ("d", ctypes.c_int32),
+        ("block_size", ctypes.c_int32),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+    ]
 
 
 def _address(lib: ctypes.CDLL, name: str) -> int | None:
@@ -58,9 +69,14 @@ def _library() -> tuple[ctypes.CDLL, KernelTable] | None:
     lib.decode_layers_work_floats.argtypes = [p, i64]
     lib.decode_layers_f32.restype = ctypes.c_int
     lib.decode_layers_f32.argtypes = [p, p, ctypes.c_int, p, p, p, i64, p, p, p, i64, p, i64, p, p, ctypes.c_int]
-    table = KernelTable(_address(ops, "rmsnorm_f32"), _address(ops, "add_rmsnorm_f32"), _address(ops, "silu_mul_f32"),
-                        _address(ops, "rope_store_f32"), _address(attention, "paged_decode_attention_f32"),
-                        _address(gemm, "panel_gemm_f32"))
+    table = KernelTable(
+        _address(ops, "rmsnorm_f32"),
+        _address(ops, "add_rmsnorm_f32"),
+        _address(ops, "silu_mul_f32"),
+        _address(ops, "rope_store_f32"),
+        _address(attention, "paged_decode_attention_f32"),
+        _address(gemm, "panel_gemm_f32"),
+    )
     return lib, table
 
 
@@ -87,8 +103,15 @@ class DecodeLayers:
         lib = built(_library())[0]
         self.work_floats_per_row = lib.decode_layers_work_floats(ctypes.byref(shape), 1)  # scratch is per row
 
-    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
-            block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor | None:
+    def run(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+    ) -> torch.Tensor | None:
         """x [m, H] (m decode rows) -> [m, H] after every layer, each layer's K, V stored at
         slot_mapping [m]; cos, sin [m, 1, D]; block_tables [>=m, W], context_lens [>=m] int32.
         None when the attention kernel refuses these shapes (the per-op path runs instead)."""
@@ -99,11 +122,24 @@ class DecodeLayers:
         assert block_tables.is_contiguous() and context_lens.is_contiguous()
         work = torch.empty(self.work_floats_per_row * m, dtype=torch.float32)
         out = torch.empty(m, hidden, dtype=torch.float32)
-        rc = lib.decode_layers_f32(ctypes.byref(table), self.layers, len(self.layers), ctypes.byref(self.shape),
-                                   x.data_ptr(), out.data_ptr(), m, cos.data_ptr(), sin.data_ptr(),
-                                   slot_mapping.data_ptr(), self.slots, block_tables.data_ptr(),
-                                   block_tables.stride(0), context_lens.data_ptr(), work.data_ptr(),
-                                   torch.get_num_threads())
+        rc = lib.decode_layers_f32(
+            ctypes.byref(table),
+            self.layers,
+            len(self.layers),
+            ctypes.byref(self.shape),
+            x.data_ptr(),
+            out.data_ptr(),
+            m,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            slot_mapping.data_ptr(),
+            self.slots,
+            block_tables.data_ptr(),
+            block_tables.stride(0),
+            context_lens.data_ptr(),
+            work.data_ptr(),
+            torch.get_num_threads(),
+        )
         if rc == SLOT_PAST_POOL:
             raise IndexError(f"slot_mapping holds a slot past the KV pool ({self.slots} slots)")
         return None if rc == ATTENTION_REFUSED else out

@@ -4,6 +4,7 @@ kernels/cpu_layer_ops.c (one pass over the rows; torch needs six to eight ops, e
 memory); everything else, and `PDSERVE_LAYER_OPS=torch`, takes the torch formulas (HF's), which
 are the reference.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -25,10 +26,12 @@ def _library() -> ctypes.CDLL | None:
     if lib is None:
         return None
     i64, f32, p, i32 = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
-    for name, args in (("rmsnorm_f32", [p, i64, p, p, i64, i64, f32, i32]),
-                       ("add_rmsnorm_f32", [p, p, i64, p, p, p, i64, i64, f32, i32]),
-                       ("silu_mul_f32", [p, i64, p, i64, i64, i32]),
-                       ("rope_store_f32", [p, i64, p, p, p, p, p, i64, p, i64, i32, i32, i32, i32])):
+    for name, args in (
+        ("rmsnorm_f32", [p, i64, p, p, i64, i64, f32, i32]),
+        ("add_rmsnorm_f32", [p, p, i64, p, p, p, i64, i64, f32, i32]),
+        ("silu_mul_f32", [p, i64, p, i64, i64, i32]),
+        ("rope_store_f32", [p, i64, p, p, p, p, p, i64, p, i64, i32, i32, i32, i32]),
+    ):
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = ctypes.c_int, args
     return lib
@@ -41,9 +44,11 @@ def native_available() -> bool:
 
 def _native(*tensors: torch.Tensor) -> bool:
     """fp32 CPU tensors whose last dim is dense, with the C ops built and not switched off."""
-    return (all(t.device.type == "cpu" and t.dtype == torch.float32 and t.dim() == 2 and t.stride(1) == 1
-                for t in tensors)
-            and settings().layer_ops != "torch" and native_available())
+    return (
+        all(t.device.type == "cpu" and t.dtype == torch.float32 and t.dim() == 2 and t.stride(1) == 1 for t in tensors)
+        and settings().layer_ops != "torch"
+        and native_available()
+    )
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -59,13 +64,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm_torch(x, weight, eps)
     rows, n = x.shape
     out = torch.empty(rows, n, dtype=torch.float32)
-    built(_library()).rmsnorm_f32(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), rows, n, eps,
-                                  torch.get_num_threads())
+    built(_library()).rmsnorm_f32(
+        x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), rows, n, eps, torch.get_num_threads()
+    )
     return out
 
 
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual add and the norm after it: x, delta [T, H] -> (x + delta, rms_norm(x + delta))."""
     if not (_native(x, delta) and x.is_contiguous() and weight.dtype == torch.float32 and weight.is_contiguous()):
         total = x + delta
@@ -73,8 +80,18 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
     rows, n = x.shape
     total = torch.empty(rows, n, dtype=torch.float32)
     out = torch.empty(rows, n, dtype=torch.float32)
-    built(_library()).add_rmsnorm_f32(x.data_ptr(), delta.data_ptr(), delta.stride(0), weight.data_ptr(),
-                                      total.data_ptr(), out.data_ptr(), rows, n, eps, torch.get_num_threads())
+    built(_library()).add_rmsnorm_f32(
+        x.data_ptr(),
+        delta.data_ptr(),
+        delta.stride(0),
+        weight.data_ptr(),
+        total.data_ptr(),
+        out.data_ptr(),
+        rows,
+        n,
+        eps,
+        torch.get_num_threads(),
+    )
     return total, out
 
 
@@ -86,31 +103,59 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return F.silu(gate) * up
     rows = gate_up.shape[0]
     out = torch.empty(rows, n, dtype=torch.float32)
-    built(_library()).silu_mul_f32(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, n,
-                                   torch.get_num_threads())
+    built(_library()).silu_mul_f32(
+        gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, n, torch.get_num_threads()
+    )
     return out
 
 
-def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
-               kv_layer: torch.Tensor, slot_mapping: torch.Tensor):
+def rope_store(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    kv_layer: torch.Tensor,
+    slot_mapping: torch.Tensor,
+):
     """The fused qkv projection's rows [T, (Hq + 2 Hkv) D]: q and k rotated by cos, sin [T, 1, D],
     k and v stored into kv_layer [2, N, bs, Hkv, D] at slot_mapping [T] (-1: not stored).
     Returns q [T, Hq, D], k [T, Hkv, D] (rotated, dense) and v [T, Hkv, D] (a view of qkv), or
     None when these tensors are not for the C op (the caller then rotates and stores in torch)."""
     d = cos.shape[-1]
-    if not (_native(qkv) and cos.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
-            and kv_layer.device.type == "cpu" and kv_layer.dtype == torch.float32 and kv_layer.is_contiguous()
-            and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()):
+    if not (
+        _native(qkv)
+        and cos.dtype == torch.float32
+        and cos.is_contiguous()
+        and sin.is_contiguous()
+        and kv_layer.device.type == "cpu"
+        and kv_layer.dtype == torch.float32
+        and kv_layer.is_contiguous()
+        and slot_mapping.dtype == torch.int64
+        and slot_mapping.is_contiguous()
+    ):
         return None
     rows = qkv.shape[0]
     _, n, bs, hkv, _ = kv_layer.shape
     q = torch.empty(rows, num_heads, d, dtype=torch.float32)
     k = torch.empty(rows, num_kv_heads, d, dtype=torch.float32)
-    rc = built(_library()).rope_store_f32(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(),
-                                          q.data_ptr(), k.data_ptr(), kv_layer.data_ptr(), n * bs,
-                                          slot_mapping.data_ptr(), rows, num_heads, num_kv_heads, d,
-                                          torch.get_num_threads())
+    rc = built(_library()).rope_store_f32(
+        qkv.data_ptr(),
+        qkv.stride(0),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        q.data_ptr(),
+        k.data_ptr(),
+        kv_layer.data_ptr(),
+        n * bs,
+        slot_mapping.data_ptr(),
+        rows,
+        num_heads,
+        num_kv_heads,
+        d,
+        torch.get_num_threads(),
+    )
     if rc != 0:
         raise IndexError(f"slot_mapping holds a slot past the KV pool ({n * bs} slots)")
-    v = qkv[:, (num_heads + num_kv_heads) * d:].view(rows, num_kv_heads, d)
+    v = qkv[:, (num_heads + num_kv_heads) * d :].view(rows, num_kv_heads, d)
     return q, k, v

@@ -1,4 +1,5 @@
 """Attention metadata for one ragged batch (see docs/ARCHITECTURE.md for the picture)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -32,9 +33,14 @@ class AttentionMetadata:
         return len(self.context_lens_cpu)
 
     @classmethod
-    def build(cls, q_lens: Sequence[int], context_lens: Sequence[int],
-              block_tables: Sequence[Sequence[int]], num_decode_seqs: int,
-              device: torch.device | str = "cpu") -> AttentionMetadata:
+    def build(
+        cls,
+        q_lens: Sequence[int],
+        context_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        num_decode_seqs: int,
+        device: torch.device | str = "cpu",
+    ) -> AttentionMetadata:
         """From python lists (tests, tools); block tables are padded with 0 to the longest."""
         if len(q_lens) != len(context_lens) or len(q_lens) != len(block_tables):
             raise ValueError("q_lens, context_lens and block_tables need one entry per sequence")

@@ -1,6 +1,7 @@
 """Few-row linear layers (a decode step's batch) in C, kernels/cpu_panel_gemm.c, on weights packed
 once into panels of 16 output columns. Callers check `available()`; fp32, CPU.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -48,7 +49,15 @@ def linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out
     assert x.dtype == torch.float32 and x.stride(1) == 1 and panels.shape[1] == n_in and panels.is_contiguous()
     assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())
     y = torch.empty(m, out_features, dtype=torch.float32)
-    built(_library()).panel_gemm_f32(x.data_ptr(), x.stride(0), panels.data_ptr(),
-                                     None if bias is None else bias.data_ptr(), y.data_ptr(), m, n_in, out_features,
-                                     torch.get_num_threads())
+    built(_library()).panel_gemm_f32(
+        x.data_ptr(),
+        x.stride(0),
+        panels.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        m,
+        n_in,
+        out_features,
+        torch.get_num_threads(),
+    )
     return y

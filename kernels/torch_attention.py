@@ -20,6 +20,7 @@ sequence's blocks so when it can), else gathers it from the pool and needs a bot
     i=1    x x x x .
     i=2    x x x x x
 """
+
 from __future__ import annotations
 
 import torch
@@ -31,8 +32,7 @@ from pdserve.kernels.metadata import AttentionMetadata
 DECODE_CHUNK_BYTES = 4 << 20
 
 
-def store_kv(key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+def store_kv(key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write key/value [T, Hkv, D] into kv_layer [2, N, bs, Hkv, D] at `slot_mapping` [T] (-1 = skip)."""
     if slot_mapping.numel() == 0:
         return
@@ -65,8 +65,9 @@ def flat_pool(kv_layer: torch.Tensor) -> torch.Tensor | None:
     return kv_layer.flatten(1, 2)
 
 
-def _decode(query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float,
-            out: torch.Tensor) -> None:
+def _decode(
+    query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor
+) -> None:
     """query [nd, Hq, D] (one token per decode sequence) -> out [nd, Hq, D].
 
     Always gathered, even for sequences whose blocks form a run: one SDPA per sequence on a view
@@ -102,8 +103,14 @@ def _sdpa4d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, gqa
     return F.scaled_dot_product_attention(q[None], k[None], v[None], scale=scale, enable_gqa=gqa, **kw)[0]
 
 
-def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_layer: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
     """query [T, Hq, D]; key/value [T, Hkv, D] (this step's, already stored) -> out [T, Hq, D]."""
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # [T, Hq, D]
     attend_decodes(query, kv_layer, meta, scale, out)
@@ -111,16 +118,24 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return out
 
 
-def attend_decodes(query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float,
-                   out: torch.Tensor) -> None:
+def attend_decodes(
+    query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor
+) -> None:
     """The decode sequences (the first num_decode_seqs) of paged_attention, into out [T, Hq, D]."""
     nd = meta.num_decode_seqs
     if nd:
         _decode(query[:nd], kv_layer, meta, scale, out[:nd])
 
 
-def attend_prefills(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+def attend_prefills(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_layer: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
     """The prefill chunks (sequences after the decodes) of paged_attention, into out [T, Hq, D]."""
     nd = meta.num_decode_seqs
     cu, ctx = meta.cu_seqlens_q_cpu, meta.context_lens_cpu
@@ -138,10 +153,10 @@ def attend_prefills(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             run = meta.kv_run_start_cpu[b] if meta.kv_run_start_cpu is not None else -1
             flat = flat_pool(kv_layer) if run >= 0 else None
             if flat is not None:  # one run of blocks: read in place
-                k = flat[0, run * bs:run * bs + c].transpose(0, 1)  # [Hkv, c, D]
-                v = flat[1, run * bs:run * bs + c].transpose(0, 1)  # [Hkv, c, D]
+                k = flat[0, run * bs : run * bs + c].transpose(0, 1)  # [Hkv, c, D]
+                v = flat[1, run * bs : run * bs + c].transpose(0, 1)  # [Hkv, c, D]
             else:
-                kv = gather_kv(kv_layer, meta.block_tables[b:b + 1, : -(-c // bs)])  # [2, 1, nb*bs, Hkv, D]
+                kv = gather_kv(kv_layer, meta.block_tables[b : b + 1, : -(-c // bs)])  # [2, 1, nb*bs, Hkv, D]
                 k = kv[0, 0, :c].transpose(0, 1)  # [Hkv, c, D]
                 v = kv[1, 0, :c].transpose(0, 1)  # [Hkv, c, D]
             i = torch.arange(q_len, device=query.device)[:, None]  # [q, 1]

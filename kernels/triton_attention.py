@@ -17,6 +17,7 @@ This module imports triton; `kernels.attention` imports it only when dispatching
 `import kernels` works without triton. On CPU tensors these kernels need TRITON_INTERPRET=1 set
 before triton is first imported (tests/kernels/test_triton_kernels.py runs them in a subprocess).
 """
+
 from __future__ import annotations
 
 import torch
@@ -40,11 +41,28 @@ def _dot(a, b, FP32: tl.constexpr):
 
 
 @triton.jit
-def _store_kv_kernel(key_ptr, value_ptr, kv_ptr, slot_ptr,
-                     sk_t, sk_h, sk_d, sv_t, sv_h, sv_d,
-                     skv_kv, skv_blk, skv_off, skv_h, skv_d,
-                     HKV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+def _store_kv_kernel(
+    key_ptr,
+    value_ptr,
+    kv_ptr,
+    slot_ptr,
+    sk_t,
+    sk_h,
+    sk_d,
+    sv_t,
+    sv_h,
+    sv_d,
+    skv_kv,
+    skv_blk,
+    skv_off,
+    skv_h,
+    skv_d,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
@@ -54,20 +72,46 @@ def _store_kv_kernel(key_ptr, value_ptr, kv_ptr, slot_ptr,
         t64 = t.to(tl.int64)
         k = tl.load(key_ptr + t64 * sk_t + offs_h[:, None] * sk_h + offs_d[None, :] * sk_d, mask=mask)
         v = tl.load(value_ptr + t64 * sv_t + offs_h[:, None] * sv_h + offs_d[None, :] * sv_d, mask=mask)
-        dst = (kv_ptr + (slot // BS) * skv_blk + (slot % BS) * skv_off
-               + offs_h[:, None] * skv_h + offs_d[None, :] * skv_d)
+        dst = (
+            kv_ptr + (slot // BS) * skv_blk + (slot % BS) * skv_off + offs_h[:, None] * skv_h + offs_d[None, :] * skv_d
+        )
         tl.store(dst, k.to(kv_ptr.dtype.element_ty), mask=mask)
         tl.store(dst + skv_kv, v.to(kv_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _decode_kernel(q_ptr, kv_ptr, out_ptr, cu_ptr, ctx_ptr, bt_ptr, qk_scale, chunk,
-                   part_ptr, lse_ptr,
-                   sq_t, sq_h, sq_d, so_t, so_h, so_d,
-                   skv_kv, skv_blk, skv_off, skv_h, skv_d, sbt_b,
-                   G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                   BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                   FP32: tl.constexpr, SPLIT: tl.constexpr):
+def _decode_kernel(
+    q_ptr,
+    kv_ptr,
+    out_ptr,
+    cu_ptr,
+    ctx_ptr,
+    bt_ptr,
+    qk_scale,
+    chunk,
+    part_ptr,
+    lse_ptr,
+    sq_t,
+    sq_h,
+    sq_d,
+    so_t,
+    so_h,
+    so_d,
+    skv_kv,
+    skv_blk,
+    skv_off,
+    skv_h,
+    skv_d,
+    sbt_b,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FP32: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
     """One (decode sequence, KV head, KV split). SPLIT: this program covers KV positions
     [split * chunk, (split + 1) * chunk) and writes its normalised partial output to
     part [nd, Hq, S, D] and its log2-sum-exp to lse [nd, Hq, S] (combined by `_combine_splits`)."""
@@ -84,8 +128,11 @@ def _decode_kernel(q_ptr, kv_ptr, out_ptr, cu_ptr, ctx_ptr, bt_ptr, qk_scale, ch
     heads = kvh * G + offs_g  # [BLOCK_G] query heads of this KV head
     g_mask = offs_g < G
     d_mask = offs_d < D
-    q = tl.load(q_ptr + row * sq_t + heads[:, None] * sq_h + offs_d[None, :] * sq_d,
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
+    q = tl.load(
+        q_ptr + row * sq_t + heads[:, None] * sq_h + offs_d[None, :] * sq_d,
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )  # [BLOCK_G, BLOCK_D]
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -118,13 +165,17 @@ def _decode_kernel(q_ptr, kv_ptr, out_ptr, cu_ptr, ctx_ptr, bt_ptr, qk_scale, ch
         tl.store(lse_ptr + slot, lse, mask=g_mask)
     else:
         acc = acc / l_i[:, None]
-        tl.store(out_ptr + row * so_t + heads[:, None] * so_h + offs_d[None, :] * so_d,
-                 acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(
+            out_ptr + row * so_t + heads[:, None] * so_h + offs_d[None, :] * so_d,
+            acc.to(out_ptr.dtype.element_ty),
+            mask=out_mask,
+        )
 
 
 @triton.jit
-def _combine_splits_kernel(part_ptr, lse_ptr, out_ptr, so_t, so_h, so_d, S,
-                           D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+def _combine_splits_kernel(
+    part_ptr, lse_ptr, out_ptr, so_t, so_h, so_d, S, D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr
+):
     """One (decode row, query head): out = sum_s 2^(lse_s - lse) * part_s over the KV splits."""
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -135,20 +186,45 @@ def _combine_splits_kernel(part_ptr, lse_ptr, out_ptr, so_t, so_h, so_d, S,
     lse = tl.load(lse_ptr + slot, mask=s_mask, other=float("-inf"))
     w = tl.exp2(lse - tl.max(lse, 0))  # split 0 is never empty, so the max is finite
     w = w / tl.sum(w, 0)
-    part = tl.load(part_ptr + slot[:, None] * D + offs_d[None, :],
-                   mask=s_mask[:, None] & (offs_d[None, :] < D), other=0.0)  # [BLOCK_S, BLOCK_D]
+    part = tl.load(
+        part_ptr + slot[:, None] * D + offs_d[None, :], mask=s_mask[:, None] & (offs_d[None, :] < D), other=0.0
+    )  # [BLOCK_S, BLOCK_D]
     acc = tl.sum(part * w[:, None], 0)  # [BLOCK_D]
-    tl.store(out_ptr + b.to(tl.int64) * so_t + h * so_h + offs_d * so_d, acc.to(out_ptr.dtype.element_ty),
-             mask=offs_d < D)
+    tl.store(
+        out_ptr + b.to(tl.int64) * so_t + h * so_h + offs_d * so_d, acc.to(out_ptr.dtype.element_ty), mask=offs_d < D
+    )
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, kv_ptr, out_ptr, cu_ptr, ctx_ptr, bt_ptr, qk_scale, first_seq,
-                    sq_t, sq_h, sq_d, so_t, so_h, so_d,
-                    skv_kv, skv_blk, skv_off, skv_h, skv_d, sbt_b,
-                    G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                    FP32: tl.constexpr):
+def _prefill_kernel(
+    q_ptr,
+    kv_ptr,
+    out_ptr,
+    cu_ptr,
+    ctx_ptr,
+    bt_ptr,
+    qk_scale,
+    first_seq,
+    sq_t,
+    sq_h,
+    sq_d,
+    so_t,
+    so_h,
+    so_d,
+    skv_kv,
+    skv_blk,
+    skv_off,
+    skv_h,
+    skv_d,
+    sbt_b,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FP32: tl.constexpr,
+):
     b = first_seq + tl.program_id(0)
     m0 = tl.program_id(1) * BLOCK_M
     h = tl.program_id(2)
@@ -164,8 +240,11 @@ def _prefill_kernel(q_ptr, kv_ptr, out_ptr, cu_ptr, ctx_ptr, bt_ptr, qk_scale, f
         d_mask = offs_d < D
         pos = ctx - q_len + offs_m  # [BLOCK_M] absolute positions of the queries
         rows = (q_start + offs_m).to(tl.int64)
-        q = tl.load(q_ptr + rows[:, None] * sq_t + h * sq_h + offs_d[None, :] * sq_d,
-                    mask=m_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+        q = tl.load(
+            q_ptr + rows[:, None] * sq_t + h * sq_h + offs_d[None, :] * sq_d,
+            mask=m_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )  # [BLOCK_M, BLOCK_D]
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -191,8 +270,11 @@ def _prefill_kernel(q_ptr, kv_ptr, out_ptr, cu_ptr, ctx_ptr, bt_ptr, qk_scale, f
             acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, FP32)
             m_i = m_new
         acc = acc / l_i[:, None]
-        tl.store(out_ptr + rows[:, None] * so_t + h * so_h + offs_d[None, :] * so_d,
-                 acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+        tl.store(
+            out_ptr + rows[:, None] * so_t + h * so_h + offs_d[None, :] * so_d,
+            acc.to(out_ptr.dtype.element_ty),
+            mask=m_mask[:, None] & d_mask[None, :],
+        )
 
 
 def _interpreting() -> bool:
@@ -203,17 +285,29 @@ def _pow2(n: int, at_least: int = 1) -> int:
     return max(at_least, triton.next_power_of_2(n))
 
 
-def store_kv(key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+def store_kv(key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write key/value [T, Hkv, D] into kv_layer [2, N, bs, Hkv, D] at `slot_mapping` [T] (-1 = skip)."""
     t, hkv, d = key.shape
     if t == 0:
         return
     _store_kv_kernel[(t,)](
-        key, value, kv_layer, slot_mapping,
-        *key.stride(), *value.stride(),
-        kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3), kv_layer.stride(4),
-        HKV=hkv, D=d, BS=kv_layer.shape[2], BLOCK_H=_pow2(hkv), BLOCK_D=_pow2(d))
+        key,
+        value,
+        kv_layer,
+        slot_mapping,
+        *key.stride(),
+        *value.stride(),
+        kv_layer.stride(0),
+        kv_layer.stride(1),
+        kv_layer.stride(2),
+        kv_layer.stride(3),
+        kv_layer.stride(4),
+        HKV=hkv,
+        D=d,
+        BS=kv_layer.shape[2],
+        BLOCK_H=_pow2(hkv),
+        BLOCK_D=_pow2(d),
+    )
 
 
 def decode_block_n(head_dim: int) -> int:
@@ -250,10 +344,16 @@ def default_prefill_tiles(block_d: int, max_q: int, fp32: bool) -> tuple[int, in
     return block_m, 64, 4, 3
 
 
-def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float,
-                    decode_splits: int | None = None,
-                    prefill_tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+def paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_layer: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    decode_splits: int | None = None,
+    prefill_tiles: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:
     """query [T, Hq, D]; key/value [T, Hkv, D] (already stored, unused here) -> out [T, Hq, D].
     `decode_splits`: KV splits per decode sequence (None: chosen from the GPU's size);
     `prefill_tiles`: (BLOCK_M, BLOCK_N, num_warps, num_stages) instead of the defaults."""
@@ -267,9 +367,16 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     # fp32 dots for fp32 inputs, and always under the interpreter (its bf16 dot is wrong).
     fp32_dot = query.dtype == torch.float32 or _interpreting()
     qk_scale = scale * _LOG2E
-    strides = (*query.stride(), *out.stride(),
-               kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
-               kv_layer.stride(4), meta.block_tables.stride(0))
+    strides = (
+        *query.stride(),
+        *out.stride(),
+        kv_layer.stride(0),
+        kv_layer.stride(1),
+        kv_layer.stride(2),
+        kv_layer.stride(3),
+        kv_layer.stride(4),
+        meta.block_tables.stride(0),
+    )
     nd, num_seqs = meta.num_decode_seqs, meta.num_seqs
     if nd:
         block_n = decode_block_n(d)
@@ -281,19 +388,52 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             part = torch.empty((nd, hq, splits, d), dtype=torch.float32, device=query.device)  # [nd, Hq, S, D]
             lse = torch.empty((nd, hq, splits), dtype=torch.float32, device=query.device)  # [nd, Hq, S]
         _decode_kernel[(nd, hkv, splits)](
-            query, kv_layer, out, meta.cu_seqlens_q, meta.context_lens, meta.block_tables, qk_scale, chunk,
-            part, lse, *strides, G=groups, D=d, BS=bs, BLOCK_G=_pow2(groups, 16), BLOCK_D=block_d,
-            BLOCK_N=block_n, FP32=fp32_dot, SPLIT=splits > 1)
+            query,
+            kv_layer,
+            out,
+            meta.cu_seqlens_q,
+            meta.context_lens,
+            meta.block_tables,
+            qk_scale,
+            chunk,
+            part,
+            lse,
+            *strides,
+            G=groups,
+            D=d,
+            BS=bs,
+            BLOCK_G=_pow2(groups, 16),
+            BLOCK_D=block_d,
+            BLOCK_N=block_n,
+            FP32=fp32_dot,
+            SPLIT=splits > 1,
+        )
         if splits > 1:  # decodes are the first nd rows of `out`
-            _combine_splits_kernel[(nd, hq)](part, lse, out, *out.stride(), splits, D=d,
-                                             BLOCK_S=_pow2(splits), BLOCK_D=block_d)
+            _combine_splits_kernel[(nd, hq)](
+                part, lse, out, *out.stride(), splits, D=d, BLOCK_S=_pow2(splits), BLOCK_D=block_d
+            )
     if num_seqs > nd:
         max_q = max(meta.cu_seqlens_q_cpu[b + 1] - meta.cu_seqlens_q_cpu[b] for b in range(nd, num_seqs))
         block_m, block_n, warps, stages = prefill_tiles or default_prefill_tiles(block_d, max_q, fp32_dot)
         grid = (num_seqs - nd, triton.cdiv(max_q, block_m), hq)
         _prefill_kernel[grid](
-            query, kv_layer, out, meta.cu_seqlens_q, meta.context_lens, meta.block_tables, qk_scale, nd,
-            *strides, G=groups, D=d, BS=bs, BLOCK_M=block_m, BLOCK_D=block_d,
-            BLOCK_N=block_n, FP32=fp32_dot, num_warps=warps, num_stages=stages)
+            query,
+            kv_layer,
+            out,
+            meta.cu_seqlens_q,
+            meta.context_lens,
+            meta.block_tables,
+            qk_scale,
+            nd,
+            *strides,
+            G=groups,
+            D=d,
+            BS=bs,
+            BLOCK_M=block_m,
+            BLOCK_D=block_d,
+            BLOCK_N=block_n,
+            FP32=fp32_dot,
+            num_warps=warps,
+            num_stages=stages,
+        )
     return out
-

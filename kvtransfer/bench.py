@@ -15,6 +15,7 @@ says whether its payloads were MACed (`payload_mac`). Compare zmq-tcp with `on` 
 Sender and receiver share one process (receiver in a thread, one ZMQ context): on a machine with
 few cores they compete for them, as P and D on one host would.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,8 +46,9 @@ TARGETS = {"shm": 0.5, "zmq-ipc": 0.2}
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pdserve bench-kv", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="pdserve bench-kv", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--json", action="store_true", help="print one JSON line")
     p.add_argument("--tokens", type=int, default=2048, help="prompt tokens of the request moved")
     p.add_argument("--layers", type=int, default=8)
@@ -56,14 +58,23 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--repeat", type=int, default=5, help="timed transfers per transport (best reported)")
     p.add_argument("--transports", default=",".join(TRANSPORTS), help="comma list of " + ", ".join(TRANSPORTS))
-    p.add_argument("--scattered", action="store_true",
-                   help="random, non-consecutive block ids on both sides (fragmented pools)")
-    p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
-                   help="torch threads (default: half the cores, what `pdserve serve` gives each worker "
-                        "of a 1P1D pair; memcpy is measured with the same setting)")
+    p.add_argument(
+        "--scattered", action="store_true", help="random, non-consecutive block ids on both sides (fragmented pools)"
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=max(1, (os.cpu_count() or 2) // 2),
+        help="torch threads (default: half the cores, what `pdserve serve` gives each worker "
+        "of a 1P1D pair; memcpy is measured with the same setting)",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--kv-payload-mac", default="auto", choices=PAYLOAD_MAC_MODES,
-                   help="HMAC over payload bytes (zmq transports), as the workers' flag: auto = tcp only")
+    p.add_argument(
+        "--kv-payload-mac",
+        default="auto",
+        choices=PAYLOAD_MAC_MODES,
+        help="HMAC over payload bytes (zmq transports), as the workers' flag: auto = tcp only",
+    )
     return p
 
 
@@ -109,8 +120,9 @@ class _ReceiverThread(threading.Thread):
     def wait(self, request_id: str, timeout_s: float) -> float:
         with self.cond:
             if not self.cond.wait_for(lambda: request_id in self.done_at or self.error is not None, timeout_s):
-                raise TimeoutError(f"{request_id}: no verified KvDone within {timeout_s} s "
-                                   f"(dropped: {dict(self.receiver.dropped)})")
+                raise TimeoutError(
+                    f"{request_id}: no verified KvDone within {timeout_s} s (dropped: {dict(self.receiver.dropped)})"
+                )
             if self.error is not None:
                 raise self.error
             return self.done_at.pop(request_id)
@@ -119,8 +131,16 @@ class _ReceiverThread(threading.Thread):
 class _Transport:
     """One transport's sender, receiver (polled by its own thread) and lease table."""
 
-    def __init__(self, name: str, ctx: zmq.Context, auth: FrameAuth, pool: SharedTensor, layout: KvLayout,
-                 tmpdir: str, payload_mac: str = "auto") -> None:
+    def __init__(
+        self,
+        name: str,
+        ctx: zmq.Context,
+        auth: FrameAuth,
+        pool: SharedTensor,
+        layout: KvLayout,
+        tmpdir: str,
+        payload_mac: str = "auto",
+    ) -> None:
         self.name, self.pool, self.layout = name, pool, layout
         bind = f"ipc://{tmpdir}/kv-{name}.sock" if name == "zmq-ipc" else "tcp://127.0.0.1:0"
         self.payload_mac = name != "shm" and payload_mac_enabled(payload_mac, bind)
@@ -212,9 +232,13 @@ def run_bench(args: argparse.Namespace) -> dict:
         for name, run in runs.items():
             best = min(run.times)
             result["transports"][name] = {
-                "gbps": kv_bytes / best / 1e9, "seconds": best, "median_seconds": statistics.median(run.times),
-                "verified": run.verified, "dropped": sum(run.receiver.dropped.values()),
-                "payload_mac": run.payload_mac}
+                "gbps": kv_bytes / best / 1e9,
+                "seconds": best,
+                "median_seconds": statistics.median(run.times),
+                "verified": run.verified,
+                "dropped": sum(run.receiver.dropped.values()),
+                "payload_mac": run.payload_mac,
+            }
     finally:
         for run in runs.values():
             run.close()
@@ -224,26 +248,41 @@ def run_bench(args: argparse.Namespace) -> dict:
     result["ratios"] = {k: v["gbps"] / result["memcpy_gbps"] for k, v in result["transports"].items()}
     result["targets"] = {k: v for k, v in TARGETS.items() if k in result["transports"]}
     result["meets_targets"] = all(result["ratios"][k] >= v for k, v in result["targets"].items())
-    result["config"] = {"tokens": args.tokens, "layers": L, "kv_heads": H, "head_dim": D, "block_size": bs,
-                        "dtype": args.dtype, "blocks": n, "repeat": args.repeat, "scattered": args.scattered,
-                        "threads": torch.get_num_threads(), "kv_payload_mac": args.kv_payload_mac}
+    result["config"] = {
+        "tokens": args.tokens,
+        "layers": L,
+        "kv_heads": H,
+        "head_dim": D,
+        "block_size": bs,
+        "dtype": args.dtype,
+        "blocks": n,
+        "repeat": args.repeat,
+        "scattered": args.scattered,
+        "threads": torch.get_num_threads(),
+        "kv_payload_mac": args.kv_payload_mac,
+    }
     return result
 
 
 def _table(res: dict) -> str:
     c = res["config"]
-    lines = [f"KV of one request: {c['tokens']} tokens, {c['layers']} layers x {c['kv_heads']} kv heads x "
-             f"{c['head_dim']} dim, {c['dtype']}, block {c['block_size']} ({c['blocks']} blocks"
-             f"{', scattered' if c['scattered'] else ''}) = {res['kv_bytes'] / 2**20:.1f} MiB; "
-             f"torch threads {c['threads']}",
-             f"memcpy of the same size (best, interleaved with the transfers): {res['memcpy_gbps']:.2f} GB/s",
-             f"each transport: best of {c['repeat']} transfers, first send_layer -> KvDone accepted by D", "",
-             f"{'transport':<10} {'GB/s':>8} {'ms':>9} {'x memcpy':>9} {'target':>7} {'verified':>9} {'mac':>4}"]
+    lines = [
+        f"KV of one request: {c['tokens']} tokens, {c['layers']} layers x {c['kv_heads']} kv heads x "
+        f"{c['head_dim']} dim, {c['dtype']}, block {c['block_size']} ({c['blocks']} blocks"
+        f"{', scattered' if c['scattered'] else ''}) = {res['kv_bytes'] / 2**20:.1f} MiB; "
+        f"torch threads {c['threads']}",
+        f"memcpy of the same size (best, interleaved with the transfers): {res['memcpy_gbps']:.2f} GB/s",
+        f"each transport: best of {c['repeat']} transfers, first send_layer -> KvDone accepted by D",
+        "",
+        f"{'transport':<10} {'GB/s':>8} {'ms':>9} {'x memcpy':>9} {'target':>7} {'verified':>9} {'mac':>4}",
+    ]
     for name, t in res["transports"].items():
         target = TARGETS.get(name)
-        lines.append(f"{name:<10} {t['gbps']:>8.2f} {t['seconds'] * 1e3:>9.2f} {res['ratios'][name]:>9.2f} "
-                     f"{'>= %.1f' % target if target else '-':>7} {str(t['verified']):>9} "
-                     f"{'on' if t['payload_mac'] else 'off':>4}")
+        lines.append(
+            f"{name:<10} {t['gbps']:>8.2f} {t['seconds'] * 1e3:>9.2f} {res['ratios'][name]:>9.2f} "
+            f"{'>= %.1f' % target if target else '-':>7} {str(t['verified']):>9} "
+            f"{'on' if t['payload_mac'] else 'off':>4}"
+        )
     return "\n".join(lines)
 
 

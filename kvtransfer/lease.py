@@ -30,6 +30,7 @@ or expired lease's blocks come back from `reclaimable()` only after the deadline
 grace (a write that started just before the deadline may still be finishing). Same host for shm,
 so P and D read the same clock (time.time(), unix seconds).
 """
+
 from __future__ import annotations
 
 import secrets
@@ -54,8 +55,9 @@ class _Active:
 
 
 class LeaseTable:
-    def __init__(self, num_layers: int, *, grace_s: float = QUARANTINE_GRACE_S,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, num_layers: int, *, grace_s: float = QUARANTINE_GRACE_S, clock: Callable[[], float] = time.time
+    ) -> None:
         if num_layers <= 0:
             raise ValueError("num_layers must be positive")
         self.num_layers = num_layers
@@ -138,8 +140,15 @@ class LeaseTable:
             return "duplicate"
         return None
 
-    def mark_layer(self, request_id: str, layer: int, block_ids: list[int] | None = None, *,
-                   seq: int | None = None, nbytes: int = 0) -> None:
+    def mark_layer(
+        self,
+        request_id: str,
+        layer: int,
+        block_ids: list[int] | None = None,
+        *,
+        seq: int | None = None,
+        nbytes: int = 0,
+    ) -> None:
         """Record that `layer` was written for `block_ids` (default: all the lease's blocks)."""
         entry = self._active[request_id]
         entry.covered.setdefault(layer, set()).update(entry.block_set if block_ids is None else block_ids)
@@ -148,8 +157,13 @@ class LeaseTable:
         entry.nbytes += nbytes
 
     def mark_frame(self, header) -> None:
-        self.mark_layer(header.request_id, header.layer, header.block_ids, seq=getattr(header, "seq", None),
-                        nbytes=getattr(header, "nbytes", 0))
+        self.mark_layer(
+            header.request_id,
+            header.layer,
+            header.block_ids,
+            seq=getattr(header, "seq", None),
+            nbytes=getattr(header, "nbytes", 0),
+        )
 
     def complete(self, request_id: str, epoch: int, num_layers: int, now: float | None = None) -> str | None:
         """None when every layer of every leased block has been written under this epoch."""
@@ -159,7 +173,8 @@ class LeaseTable:
         if num_layers != self.num_layers:
             return "layer_count"
         if len(entry.covered) != self.num_layers or any(
-                len(entry.covered.get(layer, ())) != len(entry.block_set) for layer in range(self.num_layers)):
+            len(entry.covered.get(layer, ())) != len(entry.block_set) for layer in range(self.num_layers)
+        ):
             return "incomplete"
         return None
 
@@ -180,8 +195,9 @@ class LeaseTable:
         entry = self._active.pop(request_id, None)
         if entry is None:
             return False
-        self._quarantine.append((entry.lease.deadline + self.grace_s, list(entry.lease.block_ids),
-                                 request_id, entry.lease.epoch))
+        self._quarantine.append(
+            (entry.lease.deadline + self.grace_s, list(entry.lease.block_ids), request_id, entry.lease.epoch)
+        )
         return True
 
     def abort(self, request_id: str, *, writer_gone: bool) -> list[int]:

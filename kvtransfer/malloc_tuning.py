@@ -5,6 +5,7 @@ those with mmap and returns them with munmap, so every frame pays first-touch pa
 that cost more than the copy itself (bench-kv: ZMQ IPC 16% -> 25% of memcpy). Raising the
 mmap/trim thresholds keeps such buffers in the heap for reuse.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -22,9 +23,11 @@ def keep_large_allocations_in_heap(mmap_threshold: int = 64 << 20, trim_threshol
         mallopt = libc.mallopt
     except (OSError, AttributeError):
         return False  # not glibc: nothing to tune
-    ok = (mallopt(_M_MMAP_THRESHOLD, mmap_threshold) == 1
-          and mallopt(_M_TRIM_THRESHOLD, trim_threshold) == 1
-          and mallopt(_M_TOP_PAD, 64 << 20) == 1)
+    ok = (
+        mallopt(_M_MMAP_THRESHOLD, mmap_threshold) == 1
+        and mallopt(_M_TRIM_THRESHOLD, trim_threshold) == 1
+        and mallopt(_M_TOP_PAD, 64 << 20) == 1
+    )
     if not ok:
         log.debug("mallopt refused the KV allocation tuning")
     return ok

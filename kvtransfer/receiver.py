@@ -15,6 +15,7 @@ A KvDone refused for a lease that is still active (a frame went missing: "incomp
 P's last message for that lease, so the owner can end the request and reclaim the blocks now
 instead of waiting for the lease deadline.
 """
+
 from __future__ import annotations
 
 import collections
@@ -39,9 +40,19 @@ _DONE_FAILURES = frozenset({"incomplete", "bytes_mismatch", "layer_count", "expi
 
 
 class KvReceiver:
-    def __init__(self, ctx: zmq.Context, auth: FrameAuth, bind_addr: str, kv_cache: torch.Tensor,
-                 lease_table: LeaseTable, *, allow_wildcard: bool = False, kv_head_start: int = 0,
-                 allow_in_place: bool = True, payload_mac: bool = False) -> None:
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        auth: FrameAuth,
+        bind_addr: str,
+        kv_cache: torch.Tensor,
+        lease_table: LeaseTable,
+        *,
+        allow_wildcard: bool = False,
+        kv_head_start: int = 0,
+        allow_in_place: bool = True,
+        payload_mac: bool = False,
+    ) -> None:
         if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
             raise ValueError(f"kv_cache must be [L, 2, N, bs, Hkv, D], got {list(kv_cache.shape)}")
         if kv_cache.shape[0] != lease_table.num_layers:
@@ -120,7 +131,10 @@ class KvReceiver:
         if reason is not None:
             return reason
         heads = self._block_shape[1]
-        if h.dtype != self._dtype or (h.kv_head_start, h.kv_head_end) != (self.kv_head_start, self.kv_head_start + heads):
+        if h.dtype != self._dtype or (h.kv_head_start, h.kv_head_end) != (
+            self.kv_head_start,
+            self.kv_head_start + heads,
+        ):
             return "layout_mismatch"
         n = len(h.block_ids)
         if h.shape != [2, n, *self._block_shape] or h.nbytes != n * self._block_bytes:

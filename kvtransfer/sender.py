@@ -20,6 +20,7 @@ stop transferring for that request and report it:
 Wrong arguments (block counts, shapes, blocks outside the lease or the pool) raise ValueError.
 A sender is not thread-safe: one per destination, used from the forward-pass thread.
 """
+
 from __future__ import annotations
 
 import collections
@@ -47,8 +48,17 @@ _MAX_TRACKED_REQUESTS = 4096
 STAGING_RING = 8  # zmq: staging buffers (= frames in flight) per destination
 MAX_FRAME_BYTES = 16 << 20  # zmq: a layer larger than this goes as several frames (bounds message size)
 
-__all__ = ["KvSender", "ZmqKvSender", "ShmKvSender", "make_kv_sender", "copy_blocks", "torch_dtype",
-           "KvTransferError", "LeaseExpired", "KvSendError"]
+__all__ = [
+    "KvSender",
+    "ZmqKvSender",
+    "ShmKvSender",
+    "make_kv_sender",
+    "copy_blocks",
+    "torch_dtype",
+    "KvTransferError",
+    "LeaseExpired",
+    "KvSendError",
+]
 
 
 class KvTransferError(RuntimeError):
@@ -90,7 +100,7 @@ def copy_blocks(dst_layer: torch.Tensor, dst_ids: list[int], src_layer: torch.Te
     runs = _runs(src_ids, dst_ids)
     if _few(runs, n):
         for s0, d0, k in runs:
-            dst_layer[:, d0:d0 + k].copy_(src_layer[:, s0:s0 + k])
+            dst_layer[:, d0 : d0 + k].copy_(src_layer[:, s0 : s0 + k])
         return
     dev_d, dev_s = dst_layer.device, src_layer.device
     n_dst, n_src = dst_layer.shape[1], src_layer.shape[1]
@@ -101,7 +111,7 @@ def copy_blocks(dst_layer: torch.Tensor, dst_ids: list[int], src_layer: torch.Te
     dst_runs = _runs(list(range(n)), dst_ids)
     if _few(dst_runs, n):
         for p0, d0, k in dst_runs:
-            dst_layer[:, d0:d0 + k].copy_(source[:, p0:p0 + k])
+            dst_layer[:, d0 : d0 + k].copy_(source[:, p0 : p0 + k])
         return
     source = source.to(dev_d)
     if dst_layer.is_contiguous() and source.is_contiguous():
@@ -131,8 +141,17 @@ class KvSender(ABC):
         return self._closed
 
     @abstractmethod
-    def send_layer(self, request_id: str, lease: Lease | int, layer: int, src_kv_layer: torch.Tensor,
-                   src_block_ids: list[int], dst_block_ids: list[int], *, deadline: float | None = None) -> int:
+    def send_layer(
+        self,
+        request_id: str,
+        lease: Lease | int,
+        layer: int,
+        src_kv_layer: torch.Tensor,
+        src_block_ids: list[int],
+        dst_block_ids: list[int],
+        *,
+        deadline: float | None = None,
+    ) -> int:
         """Ship `src_kv_layer[:, src_block_ids]` ([2, N, bs, Hkv, D]) into D's `dst_block_ids`
         of `layer`; returns the bytes moved. `lease`: the Lease (preferred: its deadline and block
         ids are checked here too) or just its epoch, with `deadline=` when known."""
@@ -148,8 +167,9 @@ class KvSender(ABC):
     def send_release(self, request_id: str, lease_epoch: int) -> bool:
         """Tell D this lease will never be written again (after any frames already queued)."""
         self._seq.pop((request_id, lease_epoch), None)
-        return self.outbox.send(KvRelease(request_id=request_id, lease_epoch=lease_epoch),
-                                timeout_ms=self.send_timeout_ms)
+        return self.outbox.send(
+            KvRelease(request_id=request_id, lease_epoch=lease_epoch), timeout_ms=self.send_timeout_ms
+        )
 
     def send_renew(self, request_id: str, lease_epoch: int) -> bool:
         """Ask D to extend a lease this worker still holds; never blocks (a full queue: next time)."""
@@ -177,8 +197,9 @@ class KvSender(ABC):
             raise LeaseExpired(f"lease deadline {deadline:.3f} passed (now {time.time():.3f}); not writing")
 
     @staticmethod
-    def _check_args(src_kv_layer: torch.Tensor, src_ids: list[int], dst_ids: list[int],
-                    leased: list[int] | None) -> None:
+    def _check_args(
+        src_kv_layer: torch.Tensor, src_ids: list[int], dst_ids: list[int], leased: list[int] | None
+    ) -> None:
         if src_kv_layer.dim() != 5 or src_kv_layer.shape[0] != 2:
             raise ValueError(f"src_kv_layer must be [2, N, bs, Hkv, D], got {list(src_kv_layer.shape)}")
         if not dst_ids or len(src_ids) != len(dst_ids):
@@ -215,10 +236,18 @@ class ZmqKvSender(KvSender):
 
     transport = "zmq"
 
-    def __init__(self, ctx: zmq.Context, auth: FrameAuth, kv_addr: str, *,
-                 send_timeout_ms: int = SEND_TIMEOUT_MS, sndhwm: int = KV_SNDHWM,
-                 max_frame_bytes: int = MAX_FRAME_BYTES, ring_size: int = STAGING_RING,
-                 payload_mac: bool = False) -> None:
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        auth: FrameAuth,
+        kv_addr: str,
+        *,
+        send_timeout_ms: int = SEND_TIMEOUT_MS,
+        sndhwm: int = KV_SNDHWM,
+        max_frame_bytes: int = MAX_FRAME_BYTES,
+        ring_size: int = STAGING_RING,
+        payload_mac: bool = False,
+    ) -> None:
         self.ctx = ctx
         self.auth = auth
         self.payload_mac = payload_mac
@@ -227,8 +256,7 @@ class ZmqKvSender(KvSender):
         self._next_slot = 0
         super().__init__(Outbox(ctx, auth, kv_addr, sndhwm=sndhwm), send_timeout_ms=send_timeout_ms)
 
-    def send_layer(self, request_id, lease, layer, src_kv_layer, src_block_ids, dst_block_ids, *,
-                   deadline=None) -> int:
+    def send_layer(self, request_id, lease, layer, src_kv_layer, src_block_ids, dst_block_ids, *, deadline=None) -> int:
         epoch, deadline, leased = self._lease_terms(lease, deadline)
         self._check_args(src_kv_layer, src_block_ids, dst_block_ids, leased)
         self._check_deadline(deadline)
@@ -236,8 +264,14 @@ class ZmqKvSender(KvSender):
         per_frame = max(1, self.max_frame_bytes // block_bytes) if self.max_frame_bytes > 0 else len(dst_block_ids)
         sent = 0
         for i in range(0, len(dst_block_ids), per_frame):
-            sent += self._send_blocks(request_id, epoch, layer, src_kv_layer, list(src_block_ids[i:i + per_frame]),
-                                      list(dst_block_ids[i:i + per_frame]))
+            sent += self._send_blocks(
+                request_id,
+                epoch,
+                layer,
+                src_kv_layer,
+                list(src_block_ids[i : i + per_frame]),
+                list(dst_block_ids[i : i + per_frame]),
+            )
         return sent
 
     def _staging(self, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[torch.Tensor, int]:
@@ -249,7 +283,9 @@ class ZmqKvSender(KvSender):
             try:
                 tracker.wait(self.send_timeout_ms / 1000)
             except zmq.NotDone:
-                raise KvSendError(f"KV frames to {self.outbox.addr} not sent within {self.send_timeout_ms} ms") from None
+                raise KvSendError(
+                    f"KV frames to {self.outbox.addr} not sent within {self.send_timeout_ms} ms"
+                ) from None
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         if buf is None or buf.numel() < nbytes:
             buf = torch.empty(nbytes, dtype=torch.uint8)  # grown on demand, then reused
@@ -264,11 +300,19 @@ class ZmqKvSender(KvSender):
         else:
             copy_blocks(data, list(range(n)), src_kv_layer, src_ids)  # slices (or a device gather)
         payload = data.reshape(-1).view(torch.uint8).numpy()  # any dtype (bf16 too) as raw bytes
-        header = KvFrameHeader(request_id=request_id, lease_epoch=epoch, layer=layer,
-                               block_ids=dst_ids, kv_head_start=0, kv_head_end=data.shape[3],
-                               dtype=dtype_name(data.dtype), shape=list(data.shape), nbytes=data.nbytes,
-                               seq=self._next_seq(request_id, epoch),
-                               payload_mac=self.auth.payload_mac(payload) if self.payload_mac else None)
+        header = KvFrameHeader(
+            request_id=request_id,
+            lease_epoch=epoch,
+            layer=layer,
+            block_ids=dst_ids,
+            kv_head_start=0,
+            kv_head_end=data.shape[3],
+            dtype=dtype_name(data.dtype),
+            shape=list(data.shape),
+            nbytes=data.nbytes,
+            seq=self._next_seq(request_id, epoch),
+            payload_mac=self.auth.payload_mac(payload) if self.payload_mac else None,
+        )
         if self._closed:
             raise KvSendError("sender is closed")
         tracker = self.outbox.send_tracked(header, [payload], timeout_ms=self.send_timeout_ms)
@@ -282,9 +326,18 @@ class ZmqKvSender(KvSender):
 class ShmKvSender(KvSender):
     transport = "shm"
 
-    def __init__(self, auth: FrameAuth, kv_addr: str, shm_name: str, layout: KvLayout, *,
-                 ctx: zmq.Context | None = None, send_timeout_ms: int = SEND_TIMEOUT_MS,
-                 sndhwm: int = KV_SNDHWM, deadline_margin_s: float = SHM_DEADLINE_MARGIN_S) -> None:
+    def __init__(
+        self,
+        auth: FrameAuth,
+        kv_addr: str,
+        shm_name: str,
+        layout: KvLayout,
+        *,
+        ctx: zmq.Context | None = None,
+        send_timeout_ms: int = SEND_TIMEOUT_MS,
+        sndhwm: int = KV_SNDHWM,
+        deadline_margin_s: float = SHM_DEADLINE_MARGIN_S,
+    ) -> None:
         self.ctx = ctx if ctx is not None else zmq.Context.instance()
         self.layout = layout
         self.deadline_margin_s = deadline_margin_s
@@ -296,8 +349,7 @@ class ShmKvSender(KvSender):
             self._pool.close()
             raise
 
-    def send_layer(self, request_id, lease, layer, src_kv_layer, src_block_ids, dst_block_ids, *,
-                   deadline=None) -> int:
+    def send_layer(self, request_id, lease, layer, src_kv_layer, src_block_ids, dst_block_ids, *, deadline=None) -> int:
         epoch, deadline, leased = self._lease_terms(lease, deadline)
         if deadline is None:
             raise ValueError("shared-memory writes need the lease deadline: pass the Lease (or deadline=)")
@@ -308,19 +360,29 @@ class ShmKvSender(KvSender):
         if not 0 <= layer < pool.shape[0]:
             raise ValueError(f"layer {layer} outside the destination pool's {pool.shape[0]} layers")
         if src_kv_layer.shape[2:] != pool.shape[3:] or src_kv_layer.dtype != pool.dtype:
-            raise ValueError(f"source layer {list(src_kv_layer.shape[2:])} {src_kv_layer.dtype} does not match "
-                             f"the destination pool {list(pool.shape[3:])} {pool.dtype}")
+            raise ValueError(
+                f"source layer {list(src_kv_layer.shape[2:])} {src_kv_layer.dtype} does not match "
+                f"the destination pool {list(pool.shape[3:])} {pool.dtype}"
+            )
         if min(dst_block_ids) < 0 or max(dst_block_ids) >= pool.shape[2]:
             raise ValueError(f"destination block ids outside [0, {pool.shape[2]})")
         self._check_deadline(deadline, self.deadline_margin_s)  # D may reuse the blocks after it
         copy_blocks(pool[layer], list(dst_block_ids), src_kv_layer, list(src_block_ids))
         shape = [2, len(dst_block_ids), *pool.shape[3:]]
         nbytes = 2 * len(dst_block_ids) * math.prod(pool.shape[3:]) * pool.element_size()
-        header = KvFrameHeader(request_id=request_id, lease_epoch=epoch, layer=layer,
-                               block_ids=list(dst_block_ids), kv_head_start=self.layout.kv_head_start,
-                               kv_head_end=self.layout.kv_head_start + pool.shape[4],
-                               dtype=dtype_name(pool.dtype), shape=shape, nbytes=nbytes,
-                               seq=self._next_seq(request_id, epoch), in_place=True)
+        header = KvFrameHeader(
+            request_id=request_id,
+            lease_epoch=epoch,
+            layer=layer,
+            block_ids=list(dst_block_ids),
+            kv_head_start=self.layout.kv_head_start,
+            kv_head_end=self.layout.kv_head_start + pool.shape[4],
+            dtype=dtype_name(pool.dtype),
+            shape=shape,
+            nbytes=nbytes,
+            seq=self._next_seq(request_id, epoch),
+            in_place=True,
+        )
         self._send(header, [])
         return nbytes
 
@@ -335,9 +397,18 @@ _cache: dict[tuple, KvSender] = {}
 _cache_lock = threading.Lock()
 
 
-def make_kv_sender(transport: str, *, ctx: zmq.Context, auth: FrameAuth, kv_addr: str,
-                   shm_name: str | None = None, layout: KvLayout | None = None, cache: bool = True,
-                   payload_mac: bool = False, **kwargs) -> KvSender:
+def make_kv_sender(
+    transport: str,
+    *,
+    ctx: zmq.Context,
+    auth: FrameAuth,
+    kv_addr: str,
+    shm_name: str | None = None,
+    layout: KvLayout | None = None,
+    cache: bool = True,
+    payload_mac: bool = False,
+    **kwargs,
+) -> KvSender:
     """A sender to one decode worker: `transport` "zmq" (tcp/ipc per kv_addr) or "shm" (needs the
     worker's shm_name and its pool `layout`). `payload_mac`: zmq only, MAC each payload's bytes
     (shm writes in place: nothing travels to authenticate). With `cache`, the same open sender is
@@ -346,8 +417,15 @@ def make_kv_sender(transport: str, *, ctx: zmq.Context, auth: FrameAuth, kv_addr
         raise ValueError(f"unknown KV transport {transport!r} (zmq or shm)")
     if transport == "shm" and (not shm_name or layout is None):
         raise ValueError("shm transport needs the decode worker's shared-memory name and KV layout")
-    key = (id(ctx), transport, kv_addr, shm_name if transport == "shm" else None,
-           layout if transport == "shm" else None, id(auth), payload_mac and transport == "zmq")
+    key = (
+        id(ctx),
+        transport,
+        kv_addr,
+        shm_name if transport == "shm" else None,
+        layout if transport == "shm" else None,
+        id(auth),
+        payload_mac and transport == "zmq",
+    )
     with _cache_lock:
         sender = _cache.get(key) if cache else None
         if sender is not None and not sender.closed and sender.ctx is ctx:

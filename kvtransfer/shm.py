@@ -14,6 +14,7 @@ same host maps and writes in place (the CPU counterpart of CUDA IPC).
 - Linux/macOS (POSIX shared memory); the segment lives in /dev/shm, which must be large enough
   for the pool (docker: --shm-size).
 """
+
 from __future__ import annotations
 
 import errno
@@ -46,8 +47,11 @@ def _reserve(fd: int, size: int, name: str) -> None:
         os.posix_fallocate(fd, 0, size)
     except OSError as e:
         if e.errno == errno.ENOSPC:
-            raise OSError(e.errno, f"no room for a {size / 2**20:.0f} MiB shared-memory KV pool ({name}): "
-                                   "enlarge /dev/shm (docker: --shm-size) or run without shared memory") from None
+            raise OSError(
+                e.errno,
+                f"no room for a {size / 2**20:.0f} MiB shared-memory KV pool ({name}): "
+                "enlarge /dev/shm (docker: --shm-size) or run without shared memory",
+            ) from None
         if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
             raise
 
@@ -100,8 +104,9 @@ class SharedTensor:
         self.shape = tuple(shape)
         self.dtype = dtype
         self.nbytes = _nbytes(self.shape, dtype)
-        self.tensor: torch.Tensor | None = torch.frombuffer(
-            segment.buf, dtype=torch.uint8, count=self.nbytes).view(dtype).view(self.shape)
+        self.tensor: torch.Tensor | None = (
+            torch.frombuffer(segment.buf, dtype=torch.uint8, count=self.nbytes).view(dtype).view(self.shape)
+        )
         self._closed = False
 
     @property
@@ -130,8 +135,7 @@ class SharedTensor:
         nbytes = _nbytes(shape, dtype)
         if segment.size < nbytes:
             segment.release()
-            raise ValueError(f"shared memory {name} holds {segment.size} bytes; "
-                             f"{list(shape)} {dtype} needs {nbytes}")
+            raise ValueError(f"shared memory {name} holds {segment.size} bytes; {list(shape)} {dtype} needs {nbytes}")
         return cls(segment, shape, dtype, owner=False)
 
     @property

@@ -23,6 +23,7 @@ flight. Policy `--kv-payload-mac {auto,on,off}` (`payload_mac_enabled`): auto = 
 off for ipc:// and shared memory (same host, private 0700 runtime directory). A receiver with it
 on drops frames whose tag is missing or wrong before their bytes reach a KV block.
 """
+
 from __future__ import annotations
 
 import math
@@ -64,8 +65,7 @@ def decode_kv(data: bytes | memoryview) -> KvFrameHeader | KvDone | KvRelease | 
     return _decoder.decode(data)
 
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-           "float64": torch.float64}
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 if hasattr(torch, "float8_e4m3fn"):
     _DTYPES["float8_e4m3fn"] = torch.float8_e4m3fn
     _DTYPES["float8_e5m2"] = torch.float8_e5m2

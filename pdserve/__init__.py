@@ -14,4 +14,5 @@ pyproject.toml's `package-dir` (an editable install and a wheel both see the sam
     pdserve.cli           cli/            the `pdserve` command
     pdserve.runtime       pdserve/runtime membership and messaging every worker process shares
 """
+
 __version__ = "0.1.0"

@@ -15,6 +15,7 @@
 `settings()` reads them at first use and keeps the result; the kernels' switches are then
 attribute reads on the hot path. Tests that change the environment call `reload()`.
 """
+
 from __future__ import annotations
 
 import functools

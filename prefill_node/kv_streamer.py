@@ -13,6 +13,7 @@ A request's first chunk also sends the blocks its prompt found in this worker's 
 Each layer's send reads the request's lease from the worker's routes at that moment, so a
 renewal that arrives while the step computes counts for its remaining layers.
 """
+
 from __future__ import annotations
 
 import threading
@@ -46,8 +47,13 @@ class _Job:
 class StepTransfers:
     """One step's transfers; the model calls it after each layer stored its KV."""
 
-    def __init__(self, kv_cache: torch.Tensor, jobs: list[_Job], lock: threading.Lock,
-                 routes: dict[str, tuple[KvDestination, KvSender]]) -> None:
+    def __init__(
+        self,
+        kv_cache: torch.Tensor,
+        jobs: list[_Job],
+        lock: threading.Lock,
+        routes: dict[str, tuple[KvDestination, KvSender]],
+    ) -> None:
         self.kv_cache = kv_cache  # [L, 2, N, bs, Hkv, D]
         self.jobs = jobs
         self.lock = lock
@@ -68,8 +74,9 @@ class StepTransfers:
             t0 = time.perf_counter()
             try:
                 with self.lock:  # senders are shared by the worker's lanes and its loop
-                    job.stats.bytes += job.sender.send_layer(job.request_id, self._lease(job), layer, kv_layer,
-                                                             job.src_blocks, job.dst_blocks)
+                    job.stats.bytes += job.sender.send_layer(
+                        job.request_id, self._lease(job), layer, kv_layer, job.src_blocks, job.dst_blocks
+                    )
             except KvTransferError as e:  # lease expired, decode worker gone: fail this request only
                 job.stats.error = f"KV transfer failed: {e}"
             job.stats.seconds += time.perf_counter() - t0
@@ -81,8 +88,9 @@ class KvStreamer:
         self.block_size = block_size
         self.lock = lock or threading.Lock()  # held around every send to a decode worker
 
-    def prepare(self, sched: SchedulerOutput, dests: dict[str, tuple[KvDestination, KvSender]],
-                stats: dict[str, TransferStats]) -> StepTransfers:
+    def prepare(
+        self, sched: SchedulerOutput, dests: dict[str, tuple[KvDestination, KvSender]], stats: dict[str, TransferStats]
+    ) -> StepTransfers:
         """Plan a step's transfers (before it launches: block tables and chunk starts are final)."""
         bs = self.block_size
         jobs = []
@@ -96,7 +104,14 @@ class KvStreamer:
             end = start + chunk.num_tokens
             b0 = 0 if start <= seq.num_cached_tokens else start // bs  # first chunk: the cached prefix too
             b1 = -(-end // bs)
-            jobs.append(_Job(seq.request_id, dest.lease, seq.block_table[b0:b1],
-                             dest.lease.block_ids[b0:b1], sender,
-                             stats.setdefault(seq.request_id, TransferStats())))
+            jobs.append(
+                _Job(
+                    seq.request_id,
+                    dest.lease,
+                    seq.block_table[b0:b1],
+                    dest.lease.block_ids[b0:b1],
+                    sender,
+                    stats.setdefault(seq.request_id, TransferStats()),
+                )
+            )
         return StepTransfers(self.kv_cache, jobs, self.lock, dests)

@@ -22,6 +22,7 @@ the earlier chunk, which the later chunk's attention reads. So a long prompt's c
 through the layers as a pipeline, one lane a layer behind the other, and a decode worker
 receives every layer's frames for a block in chunk order.
 """
+
 from __future__ import annotations
 
 import logging
@@ -76,10 +77,14 @@ class PrefillLanes:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._num_idle = idle_lanes
-        self._threads = [threading.Thread(target=self._run, args=(False,), daemon=True,
-                                          name=f"prefill-lane{i}") for i in range(lanes)]
-        self._threads += [threading.Thread(target=self._run, args=(True,), daemon=True,
-                                           name=f"prefill-idle-lane{i}") for i in range(idle_lanes)]
+        self._threads = [
+            threading.Thread(target=self._run, args=(False,), daemon=True, name=f"prefill-lane{i}")
+            for i in range(lanes)
+        ]
+        self._threads += [
+            threading.Thread(target=self._run, args=(True,), daemon=True, name=f"prefill-idle-lane{i}")
+            for i in range(idle_lanes)
+        ]
         for t in self._threads:
             t.start()
 

@@ -1,4 +1,5 @@
 """A prefill worker's settings (planned by cli/topology.py, passed as one struct)."""
+
 from __future__ import annotations
 
 from typing import Literal

@@ -13,6 +13,7 @@ this worker makes progress; a stuck or dead worker stops renewing and its leases
 
 Settings (prefill_node/settings.py): lanes, idle lanes, and whether KV payloads carry a MAC.
 """
+
 from __future__ import annotations
 
 import logging
@@ -63,8 +64,13 @@ class PrefillWorker(WorkerBase):
         self.kv_payload_mac = settings.kv_payload_mac
         self.engine = LLMEngine(settings.engine)
         self.describe(describe_worker(self.engine, "prefill", self.rt.control_addr, settings.host))
-        self.handlers.update({PrefillRequest: self._on_prefill, Abort: lambda msg: self._abort(msg.request_id),
-                              LeaseRenewed: self._on_lease_renewed})
+        self.handlers.update(
+            {
+                PrefillRequest: self._on_prefill,
+                Abort: lambda msg: self._abort(msg.request_id),
+                LeaseRenewed: self._on_lease_renewed,
+            }
+        )
         self.pending: dict[str, _Pending] = {}
         self.routes: dict[str, tuple[KvDestination, KvSender]] = {}
         self.transfer_stats: dict[str, TransferStats] = {}
@@ -78,10 +84,15 @@ class PrefillWorker(WorkerBase):
     def _sender(self, dest: KvDestination) -> KvSender:
         key = (dest.worker_id, dest.transport)
         if key not in self._senders:
-            self._senders[key] = make_kv_sender(dest.transport, ctx=self.ctx, auth=self.auth,
-                                                kv_addr=dest.kv_addr, shm_name=dest.shm_name,
-                                                layout=dest.layout,
-                                                payload_mac=payload_mac_enabled(self.kv_payload_mac, dest.kv_addr))
+            self._senders[key] = make_kv_sender(
+                dest.transport,
+                ctx=self.ctx,
+                auth=self.auth,
+                kv_addr=dest.kv_addr,
+                shm_name=dest.shm_name,
+                layout=dest.layout,
+                payload_mac=payload_mac_enabled(self.kv_payload_mac, dest.kv_addr),
+            )
         return self._senders[key]
 
     # --- messages -----------------------------------------------------------------------------
@@ -91,8 +102,10 @@ class PrefillWorker(WorkerBase):
                 raise ValueError("lease holds too few blocks for the prompt")
             self.engine.add_request(req.request_id, req.prompt_token_ids, req.sampling, prefill_only=True)
         except ValueError as e:
-            self.rt.to_gateway(req.gateway_id, TokenOutput(request_id=req.request_id, worker_id=self.worker_id,
-                                                           finish_reason="error", error=str(e)))
+            self.rt.to_gateway(
+                req.gateway_id,
+                TokenOutput(request_id=req.request_id, worker_id=self.worker_id, finish_reason="error", error=str(e)),
+            )
             with self._send_lock:
                 self._sender(req.dest).send_release(req.request_id, req.dest.lease.epoch)
             return
@@ -109,8 +122,13 @@ class PrefillWorker(WorkerBase):
         self._renew_checked = now
         for request_id, (dest, sender) in self.routes.items():
             lease, p = dest.lease, self.pending.get(request_id)
-            if (p is None or lease.ttl_s <= 0 or request_id in self._abort_after
-                    or lease.deadline - now > lease.ttl_s / 2 or now - p.renew_sent < lease.ttl_s / 4):
+            if (
+                p is None
+                or lease.ttl_s <= 0
+                or request_id in self._abort_after
+                or lease.deadline - now > lease.ttl_s / 2
+                or now - p.renew_sent < lease.ttl_s / 4
+            ):
                 continue
             p.renew_sent = now
             with self._send_lock:
@@ -121,7 +139,11 @@ class PrefillWorker(WorkerBase):
         if route is None:
             return
         dest, sender = route
-        if msg.worker_id != dest.worker_id or msg.lease_epoch != dest.lease.epoch or msg.deadline <= dest.lease.deadline:
+        if (
+            msg.worker_id != dest.worker_id
+            or msg.lease_epoch != dest.lease.epoch
+            or msg.deadline <= dest.lease.deadline
+        ):
             return
         lease = msgspec.structs.replace(dest.lease, deadline=msg.deadline)
         self.routes[msg.request_id] = (msgspec.structs.replace(dest, lease=lease), sender)
@@ -184,31 +206,59 @@ class PrefillWorker(WorkerBase):
                 continue
             req = p.req
             ts = self.transfer_stats.get(out.request_id, TransferStats())
-            timings = {"prefill_queue_s": (p.first_scheduled or p.received) - p.received,
-                       "prefill_compute_s": done_at - (p.first_scheduled or p.received),
-                       "kv_transfer_s": ts.seconds, "kv_bytes": float(ts.bytes)}
+            timings = {
+                "prefill_queue_s": (p.first_scheduled or p.received) - p.received,
+                "prefill_compute_s": done_at - (p.first_scheduled or p.received),
+                "kv_transfer_s": ts.seconds,
+                "kv_bytes": float(ts.bytes),
+            }
             lp = out.logprobs[0] if out.logprobs else None
             if ts.error is not None:  # the decode side never got its KV: fail the request
-                self.rt.to_gateway(req.gateway_id, TokenOutput(
-                    request_id=req.request_id, worker_id=self.worker_id, finish_reason="error",
-                    error=ts.error, timings=timings))
+                self.rt.to_gateway(
+                    req.gateway_id,
+                    TokenOutput(
+                        request_id=req.request_id,
+                        worker_id=self.worker_id,
+                        finish_reason="error",
+                        error=ts.error,
+                        timings=timings,
+                    ),
+                )
                 self._forget(out.request_id)
                 continue
             if out.finish_reason == PREFILLED:
                 dest, sender = self.routes[out.request_id]
                 with self._send_lock:
-                    sender.send_done(KvDone(request_id=req.request_id, gateway_id=req.gateway_id,
-                                            lease_epoch=dest.lease.epoch, prompt_token_ids=req.prompt_token_ids,
-                                            first_token=out.new_token_ids[0], first_logprob=lp,
-                                            sampling=req.sampling, num_layers=self.engine.model_config.num_layers,
-                                            kv_bytes=ts.bytes, timings=timings))
+                    sender.send_done(
+                        KvDone(
+                            request_id=req.request_id,
+                            gateway_id=req.gateway_id,
+                            lease_epoch=dest.lease.epoch,
+                            prompt_token_ids=req.prompt_token_ids,
+                            first_token=out.new_token_ids[0],
+                            first_logprob=lp,
+                            sampling=req.sampling,
+                            num_layers=self.engine.model_config.num_layers,
+                            kv_bytes=ts.bytes,
+                            timings=timings,
+                        )
+                    )
             else:  # ended at its first token (stop/length): D's lease is not needed
                 self._release(out.request_id)
             reason = wire_finish_reason(out.finish_reason)
-            self.rt.to_gateway(req.gateway_id, TokenOutput(
-                request_id=req.request_id, worker_id=self.worker_id, index=0,
-                token_ids=out.new_token_ids, logprobs=out.logprobs, finish_reason=reason,
-                timings=timings, cached_tokens=out.seq.num_cached_tokens))
+            self.rt.to_gateway(
+                req.gateway_id,
+                TokenOutput(
+                    request_id=req.request_id,
+                    worker_id=self.worker_id,
+                    index=0,
+                    token_ids=out.new_token_ids,
+                    logprobs=out.logprobs,
+                    finish_reason=reason,
+                    timings=timings,
+                    cached_tokens=out.seq.num_cached_tokens,
+                ),
+            )
             self._forget(out.request_id)
         for request_id in list(self._abort_after):
             self._abort(request_id)

@@ -27,6 +27,7 @@ before copying them into KV blocks (kvtransfer/receiver.py). HMAC-SHA256 was mea
 keyed BLAKE2b on the reference machine (16 MiB buffers, CPython 3.11 hashlib): 1.81 vs 0.93 GB/s
 (SHA extensions), so HMAC-SHA256 it is.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -73,7 +74,8 @@ def load_cluster_secret() -> bytes:
             raise ClusterSecretError(
                 f"no cluster secret: set {ENV_SECRET} to a hex string or {ENV_SECRET_FILE} to a file "
                 f"holding one (e.g. python -c 'import secrets; print(secrets.token_hex(32))'); "
-                "`pdserve serve` makes one for the workers it starts")
+                "`pdserve serve` makes one for the workers it starts"
+            )
         try:
             text = Path(path).read_text().strip()
         except OSError as e:
@@ -86,8 +88,10 @@ def load_cluster_secret() -> bytes:
     except ValueError:
         raise ClusterSecretError(f"{source} must be hex (got {len(text)} characters that are not)") from None
     if len(secret) < MIN_SECRET_BYTES:
-        raise ClusterSecretError(f"{source}: cluster secret must be at least {MIN_SECRET_BYTES} bytes "
-                                 f"({2 * MIN_SECRET_BYTES} hex digits), got {len(secret)}")
+        raise ClusterSecretError(
+            f"{source}: cluster secret must be at least {MIN_SECRET_BYTES} bytes "
+            f"({2 * MIN_SECRET_BYTES} hex digits), got {len(secret)}"
+        )
     return secret
 
 
@@ -114,8 +118,7 @@ class FrameAuth:
 
     def _mac(self, header: memoryview, payloads: Sequence[memoryview]) -> bytes:
         mode = _MODE_DIGEST if self.digest_payloads else _MODE_LENGTHS
-        prefix = struct.pack(f"<BQQ{len(payloads)}Q", mode, header.nbytes, len(payloads),
-                             *(p.nbytes for p in payloads))
+        prefix = struct.pack(f"<BQQ{len(payloads)}Q", mode, header.nbytes, len(payloads), *(p.nbytes for p in payloads))
         h = hmac.new(self._secret, prefix, hashlib.sha256)
         h.update(header)
         if self.digest_payloads:

@@ -15,6 +15,7 @@ Binding defaults to loopback (tcp://127.0.0.1:0 = any free port; `.addr` is the 
 address); ipc:// and inproc:// work too. Wildcard binds (tcp://*, 0.0.0.0, ::) are refused unless
 `allow_wildcard=True`. Sockets are not thread-safe: one owner thread per channel.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -50,8 +51,10 @@ def check_bind_address(addr: str, allow_wildcard: bool = False) -> None:
     # tcp://[source;]host:port ; host may be an IPv6 literal in brackets
     host = rest.rsplit(";", 1)[-1].rpartition(":")[0]
     if host.strip().lower() in _WILDCARD_HOSTS:
-        raise ValueError(f"refusing wildcard bind {addr!r}: bind a specific interface "
-                         "(127.0.0.1 by default) or pass allow_wildcard=True")
+        raise ValueError(
+            f"refusing wildcard bind {addr!r}: bind a specific interface "
+            "(127.0.0.1 by default) or pass allow_wildcard=True"
+        )
 
 
 def bind_socket(sock: zmq.Socket, addr: str | None, allow_wildcard: bool = False) -> str:
@@ -66,8 +69,15 @@ Decoder = Callable[[bytes], Any]
 
 
 class _InboxBase:
-    def __init__(self, sock: zmq.Socket, auth: FrameAuth, bind_addr: str | None, allow_wildcard: bool,
-                 decoder: Decoder, max_message_bytes: int) -> None:
+    def __init__(
+        self,
+        sock: zmq.Socket,
+        auth: FrameAuth,
+        bind_addr: str | None,
+        allow_wildcard: bool,
+        decoder: Decoder,
+        max_message_bytes: int,
+    ) -> None:
         self.socket = sock
         self.auth = auth
         self._decode = decoder
@@ -134,8 +144,16 @@ class Inbox(_InboxBase):
 
     `timeout_ms`: None blocks until a valid message arrives, 0 returns at once."""
 
-    def __init__(self, ctx: zmq.Context, auth: FrameAuth, bind_addr: str | None = DEFAULT_BIND,
-                 allow_wildcard: bool = False, *, decoder: Decoder = decode, max_message_bytes: int = -1) -> None:
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        auth: FrameAuth,
+        bind_addr: str | None = DEFAULT_BIND,
+        allow_wildcard: bool = False,
+        *,
+        decoder: Decoder = decode,
+        max_message_bytes: int = -1,
+    ) -> None:
         super().__init__(ctx.socket(zmq.PULL), auth, bind_addr, allow_wildcard, decoder, max_message_bytes)
 
     def poll(self, timeout_ms: int | None = 0) -> bool:
@@ -172,8 +190,16 @@ class AsyncInbox(_InboxBase):
 
     socket: zmq.asyncio.Socket
 
-    def __init__(self, ctx: zmq.asyncio.Context, auth: FrameAuth, bind_addr: str | None = DEFAULT_BIND,
-                 allow_wildcard: bool = False, *, decoder: Decoder = decode, max_message_bytes: int = -1) -> None:
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        auth: FrameAuth,
+        bind_addr: str | None = DEFAULT_BIND,
+        allow_wildcard: bool = False,
+        *,
+        decoder: Decoder = decode,
+        max_message_bytes: int = -1,
+    ) -> None:
         super().__init__(ctx.socket(zmq.PULL), auth, bind_addr, allow_wildcard, decoder, max_message_bytes)
 
     async def poll(self, timeout_ms: int | None = 0) -> bool:
@@ -289,8 +315,7 @@ class AsyncOutbox(_OutboxBase):
     callback, never an un-awaited future: the socket lives on a sync shadow of the asyncio
     context); `await send_async(..., timeout_ms)` waits for room without blocking the loop."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, auth: FrameAuth, connect_addr: str, *,
-                 sndhwm: int = SEND_HWM) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, auth: FrameAuth, connect_addr: str, *, sndhwm: int = SEND_HWM) -> None:
         super().__init__(zmq.Context.shadow(ctx).socket(zmq.PUSH), auth, connect_addr, sndhwm)
 
     def send(self, msg: Any, payloads: Sequence = ()) -> bool:

@@ -23,6 +23,7 @@ Who sends what (G = gateway, P = prefill worker, D = decode worker, C = colocate
     D,C -> G  TokenOutputBatch               one step's TokenOutputs for one gateway, in one frame
     G -> P,D,C  Abort                        client went away or stop string hit
 """
+
 from __future__ import annotations
 
 from typing import Literal, Union
@@ -229,6 +230,7 @@ class TokenOutput(_Msg, kw_only=True, frozen=True):
 class TokenOutputBatch(_Msg, kw_only=True, frozen=True):
     """A step's outputs for every request of one gateway: one frame (one HMAC, one send, one
     receive) a step instead of one a request. Each entry is handled as if it came alone."""
+
     outputs: list[TokenOutput] = []
 
 
@@ -240,8 +242,20 @@ class Abort(_Msg, kw_only=True, frozen=True):
     lease_unused: bool = False
 
 
-Message = Union[Register, Heartbeat, Welcome, ReserveRequest, ReserveReply, PrefillRequest,
-                GenerateRequest, KvDone, TokenOutput, TokenOutputBatch, Abort, LeaseRenewed]
+Message = Union[
+    Register,
+    Heartbeat,
+    Welcome,
+    ReserveRequest,
+    ReserveReply,
+    PrefillRequest,
+    GenerateRequest,
+    KvDone,
+    TokenOutput,
+    TokenOutputBatch,
+    Abort,
+    LeaseRenewed,
+]
 # What each kind of inbox accepts: anything else is dropped and counted like a garbled frame.
 ToGateway = Union[Register, Heartbeat, ReserveReply, TokenOutput, TokenOutputBatch, LeaseRenewed]
 ToWorker = Union[Welcome, ReserveRequest, PrefillRequest, GenerateRequest, Abort, LeaseRenewed]

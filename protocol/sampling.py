@@ -4,6 +4,7 @@ Plain msgspec (no torch import) so the gateway can build it cheaply and it cross
 msgpack. Validation of user input happens at the gateway; `__post_init__` only guards internal
 invariants so a bad struct never reaches the sampler.
 """
+
 from __future__ import annotations
 
 import msgspec
@@ -50,5 +51,9 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     @property
     def uses_penalties(self) -> bool:
         """Anything that changes the logits before sampling (penalties, logit_bias)."""
-        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0 or bool(self.logit_bias))
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or bool(self.logit_bias)
+        )

@@ -1,4 +1,5 @@
 """Shared fixtures: tiny random HF model folders (made once per session) and HF references."""
+
 from __future__ import annotations
 
 import functools
@@ -13,6 +14,7 @@ def fresh_env_settings():
     """pdserve reads its environment once (pdserve/env.py): a test that changes the environment
     calls reload(); this makes each test start from, and leave, the settings of the environment."""
     from pdserve.env import reload
+
     reload()
     yield
     reload()
@@ -26,12 +28,14 @@ def models_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_llama(models_dir) -> Path:
     from pdserve.engine.make_model import make_model
+
     return make_model(models_dir / "tiny-llama", preset="tiny", arch="llama", seed=1)
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen2(models_dir) -> Path:
     from pdserve.engine.make_model import make_model
+
     return make_model(models_dir / "tiny-qwen2", preset="tiny", arch="qwen2", seed=2)
 
 
@@ -40,6 +44,7 @@ def real_llama(models_dir) -> Path:
     """A real small model's shape (30 layers, hidden 576; ~115M parameters): a 512-token
     prefill takes seconds here, so queueing and lease clocks behave as in production."""
     from pdserve.engine.make_model import make_model
+
     return make_model(models_dir / "real-llama", preset="real", arch="llama", seed=3)
 
 
@@ -53,6 +58,7 @@ def tiny_model(request) -> Path:
 def _hf_model(path: str):
     import torch
     from transformers import AutoModelForCausalLM
+
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
@@ -60,12 +66,18 @@ def _hf_model(path: str):
 def hf_greedy(path: str, prompt: tuple[int, ...], max_new_tokens: int, min_new_tokens: int = 0) -> list[int]:
     """Hugging Face transformers greedy `generate` output ids (the reference), fp32, batch 1."""
     import torch
+
     model = _hf_model(path)
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             max_new_tokens=max_new_tokens, do_sample=False, min_new_tokens=min_new_tokens,
-                             pad_token_id=model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else 0)
-    return out[0, len(prompt):].tolist()
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            min_new_tokens=min_new_tokens,
+            pad_token_id=model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else 0,
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 def random_prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:

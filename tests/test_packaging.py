@@ -1,4 +1,5 @@
 """The distribution installs one import name, `pdserve`, and its layers point one way."""
+
 from __future__ import annotations
 
 import ast
@@ -23,9 +24,16 @@ FORBIDDEN = {
     "prefill_node": {"decode_node", "gateway", "cli"},
     "decode_node": {"prefill_node", "gateway", "cli"},
 }
-FOLDERS = {"protocol": "protocol", "kvtransfer": "kvtransfer", "kernels": "kernels", "engine": "engine",
-           "gateway": "gateway", "prefill_node": "prefill_node", "decode_node": "decode_node",
-           "runtime": "pdserve/runtime"}
+FOLDERS = {
+    "protocol": "protocol",
+    "kvtransfer": "kvtransfer",
+    "kernels": "kernels",
+    "engine": "engine",
+    "gateway": "gateway",
+    "prefill_node": "prefill_node",
+    "decode_node": "decode_node",
+    "runtime": "pdserve/runtime",
+}
 
 
 def imported_pdserve_packages(path: Path) -> set[str]:
@@ -62,8 +70,13 @@ def test_no_module_imports_a_bare_top_level_name():
         if ".git" in path.parts or "tests" in path.relative_to(ROOT).parts[:1]:
             continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            mods = ([node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0
-                    else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            mods = (
+                [node.module]
+                if isinstance(node, ast.ImportFrom) and node.module and node.level == 0
+                else [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else []
+            )
             bad += [f"{path.relative_to(ROOT)}: {m}" for m in mods if m.split(".")[0] in names]
     assert not bad, "\n".join(bad)
 
@@ -72,14 +85,33 @@ def test_no_module_imports_a_bare_top_level_name():
 def test_wheel_installs_only_pdserve(tmp_path):
     src = tmp_path / "src"  # a copy: building in the checkout would leave build/ behind
     shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", "build", "*.egg-info", "__pycache__", "docs"))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(tmp_path), str(src)], check=True, timeout=600)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(src),
+        ],
+        check=True,
+        timeout=600,
+    )
     wheel = next(tmp_path.glob("pdserve-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     others = {n.split("/")[0] for n in names} - {"pdserve"}
     assert len(others) == 1 and others.pop().endswith(".dist-info"), names
-    for needed in ("pdserve/gateway/app.py", "pdserve/engine/models/llama.py", "pdserve/kernels/cpu_decode_attention.c",
-                   "pdserve/cli/main.py", "pdserve/protocol/messages.py"):
+    for needed in (
+        "pdserve/gateway/app.py",
+        "pdserve/engine/models/llama.py",
+        "pdserve/kernels/cpu_decode_attention.c",
+        "pdserve/cli/main.py",
+        "pdserve/protocol/messages.py",
+    ):
         assert needed in names, needed
     assert not any(n.startswith("pdserve/tests") for n in names)
 

@@ -1,4 +1,5 @@
 """mypy (pyproject.toml [tool.mypy]) is clean on the whole `pdserve` package."""
+
 from __future__ import annotations
 
 import os
@@ -33,7 +34,21 @@ def package_tree(dest: Path) -> Path:
 
 def test_mypy_is_clean(tmp_path):
     tree = package_tree(tmp_path / "tree")
-    r = subprocess.run([sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"),
-                        "--cache-dir", str(CACHE), "-p", "pdserve"], cwd=tree, capture_output=True, text=True,
-                       timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mypy",
+            "--config-file",
+            str(ROOT / "pyproject.toml"),
+            "--cache-dir",
+            str(CACHE),
+            "-p",
+            "pdserve",
+        ],
+        cwd=tree,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stdout + r.stderr

@@ -18,6 +18,7 @@ kernel, one-row inputs use an `[in, out]` copy (GEMV).
 `TransposedLinear` (fallback: other dtypes, or a torch built without oneDNN): the weight stored
 [in, out], `x @ W_t` (MKL's GEMV is slower on the usual [out, in] layout; docs/benchmarks/engine.md).
 """
+
 from __future__ import annotations
 
 import functools
@@ -65,8 +66,9 @@ class PackedLinear(nn.Module):
         super().__init__()
         w = linear.weight.detach()  # [out, in]
         self.in_features, self.out_features = w.shape[1], w.shape[0]
-        self.weight_packed = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT),
-                                          requires_grad=False)
+        self.weight_packed = nn.Parameter(
+            torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT), requires_grad=False
+        )
         self.bias = linear.bias
         self.panels = self.gemv = None
         if gemv_copy and few_row_kernel_enabled(w.dtype) and (self.bias is None or self.bias.is_contiguous()):
@@ -95,9 +97,13 @@ class TransposedLinear(nn.Module):
         super().__init__()
         self.weight_t = nn.Parameter(linear.weight.detach().t().contiguous(), requires_grad=False)  # [in, out]
         self.bias = linear.bias
-        self.native_gemv = (self.weight_t.dtype == torch.float32 and self.weight_t.device.type == "cpu"
-                            and settings().cpu_gemv != "torch" and cpu_native.gemv_available()
-                            and (self.bias is None or self.bias.is_contiguous()))
+        self.native_gemv = (
+            self.weight_t.dtype == torch.float32
+            and self.weight_t.device.type == "cpu"
+            and settings().cpu_gemv != "torch"
+            and cpu_native.gemv_available()
+            and (self.bias is None or self.bias.is_contiguous())
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native_gemv and x.shape[0] == 1 and x.dtype == torch.float32 and x.is_contiguous():
@@ -109,8 +115,7 @@ class TransposedLinear(nn.Module):
 
 def few_row_kernel_enabled(dtype: torch.dtype) -> bool:
     """The C few-row GEMM for fp32 weights, when it built and PDSERVE_CPU_GEMV is not `torch`."""
-    return (dtype == torch.float32 and settings().cpu_gemv != "torch"
-            and panel_gemm.available())
+    return dtype == torch.float32 and settings().cpu_gemv != "torch" and panel_gemm.available()
 
 
 def cpu_linear_kind(dtype: torch.dtype) -> str:
@@ -120,8 +125,7 @@ def cpu_linear_kind(dtype: torch.dtype) -> str:
 
 def gemv_copy_fits(model: nn.Module) -> bool:
     """Whether an extra [in, out] copy of every linear weight stays under 1/8 of physical memory."""
-    linear_bytes = sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
-                       if isinstance(m, nn.Linear))
+    linear_bytes = sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, nn.Linear))
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):

@@ -3,6 +3,7 @@
 Input is a flat ragged batch of T tokens (no padding); attention reads/writes the paged pool
 through `kernels`. Linear layers are fused (qkv, gate_up) -- `engine.weights` maps HF names.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ class ForwardContext:
     kv_cache: torch.Tensor  # [L, 2, N, bs, Hkv, D]
     # Called after layer l stored its KV (prefill workers stream KV from here).
     on_layer_stored: Callable[[int], None] | None = None
+
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, 1, D]: this step's tokens, shared by every layer
 
@@ -54,7 +56,7 @@ class Attention(nn.Module):
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.head_dim**-0.5
 
     def forward(self, x: torch.Tensor, rope: Rope, ctx: ForwardContext) -> torch.Tensor:
         T = x.shape[0]
@@ -142,8 +144,9 @@ class LlamaForCausalLM(nn.Module):
         relayout_linears(self, kind, gemv_copy)
         return kind + (" (+ copies for few-row steps)" if gemv_copy else "")
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
-                logits_indices: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext, logits_indices: torch.Tensor
+    ) -> torch.Tensor:
         """input_ids/positions [T] -> logits [S, V] for the S rows in `logits_indices`."""
         x, rope = self.embed(input_ids, positions)
         for layer in self.layers:
@@ -166,24 +169,45 @@ class LlamaForCausalLM(nn.Module):
         for i, (layer, (qkv, o, gate_up, down)) in enumerate(zip(layers, panels)):
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)  # fp32 with the panels
             qkv_bias = layer.self_attn.qkv_proj.bias
-            described.append(decode_layers.LayerWeights(
-                norms[0].data_ptr(), norms[1].data_ptr(), qkv.data_ptr(),
-                None if qkv_bias is None else qkv_bias.data_ptr(), o.data_ptr(), gate_up.data_ptr(),
-                down.data_ptr(), kv_cache[i].data_ptr()))
+            described.append(
+                decode_layers.LayerWeights(
+                    norms[0].data_ptr(),
+                    norms[1].data_ptr(),
+                    qkv.data_ptr(),
+                    None if qkv_bias is None else qkv_bias.data_ptr(),
+                    o.data_ptr(),
+                    gate_up.data_ptr(),
+                    down.data_ptr(),
+                    kv_cache[i].data_ptr(),
+                )
+            )
         c = self.cfg
-        shape = decode_layers.StackShape(c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim,
-                                         kv_cache.shape[3], c.rms_norm_eps, c.head_dim ** -0.5)
+        shape = decode_layers.StackShape(
+            c.hidden_size,
+            c.intermediate_size,
+            c.num_heads,
+            c.num_kv_heads,
+            c.head_dim,
+            kv_cache.shape[3],
+            c.rms_norm_eps,
+            c.head_dim**-0.5,
+        )
         return decode_layers.DecodeLayers(described, kv_cache, shape)
 
     @staticmethod
-    def fused_decode(stack: decode_layers.DecodeLayers, x: torch.Tensor, rope: Rope,
-                     ctx: ForwardContext) -> torch.Tensor | None:
+    def fused_decode(
+        stack: decode_layers.DecodeLayers, x: torch.Tensor, rope: Rope, ctx: ForwardContext
+    ) -> torch.Tensor | None:
         """Every layer in one C call (`stack`, from `describe_decode_layers`) for a step of up to
         FEW_ROWS decodes with no per-layer callback: x [T, H] -> [T, H]. None when the step is
         not such a one, or the driver is switched off (the caller runs the layers one by one)."""
         attn = ctx.attn
-        if not (0 < x.shape[0] <= FEW_ROWS and attn.num_decode_seqs == attn.num_seqs == x.shape[0]
-                and ctx.on_layer_stored is None and decode_layers.enabled()):
+        if not (
+            0 < x.shape[0] <= FEW_ROWS
+            and attn.num_decode_seqs == attn.num_seqs == x.shape[0]
+            and ctx.on_layer_stored is None
+            and decode_layers.enabled()
+        ):
             return None
         cos, sin = rope
         return stack.run(x, cos, sin, ctx.slot_mapping, attn.block_tables, attn.context_lens)

@@ -1,4 +1,5 @@
 """Rotary position embedding (HF's rotate-half convention), with default/linear/llama3 scaling."""
+
 from __future__ import annotations
 
 import math
@@ -11,7 +12,7 @@ from pdserve.engine.config import RopeConfig
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    inv_freq = 1.0 / (rope.theta ** exponents)  # [D/2]
+    inv_freq = 1.0 / (rope.theta**exponents)  # [D/2]
     if rope.kind == "linear":
         return inv_freq / rope.factor
     if rope.kind == "llama3":
@@ -20,8 +21,9 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
         high_wavelen = rope.original_max_position / rope.high_freq_factor
         wavelen = 2 * math.pi / inv_freq
         scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
-        smooth = ((rope.original_max_position / wavelen - rope.low_freq_factor)
-                  / (rope.high_freq_factor - rope.low_freq_factor))
+        smooth = (rope.original_max_position / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor
+        )
         blended = (1 - smooth) * scaled / rope.factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, blended, scaled)

@@ -6,6 +6,7 @@ A message with no handler is dropped and counted the same way everywhere: under
 "unknown_message" in the inbox's drop counter (reported in heartbeats as dropped frames),
 logged at the 1st, 2nd, 4th ... occurrence.
 """
+
 from __future__ import annotations
 
 import logging

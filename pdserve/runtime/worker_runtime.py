@@ -11,6 +11,7 @@ publishes a stats snapshot. A stuck loop still shows: `last_step_age_s` keeps gr
 work is pending, and the gateway treats a worker stuck past its limit as dead. A stopped or
 killed process sends nothing, which the gateway notices within ~2 s.
 """
+
 from __future__ import annotations
 
 import logging
@@ -53,25 +54,46 @@ def new_worker_id(role: Role) -> str:
 def describe_worker(engine, role: Role, control_addr: str, host: str, **extra) -> WorkerInfo:
     """The WorkerInfo a worker registers with: identity, addresses, model and KV pool shape."""
     spec = engine.kv_spec
-    layout = KvLayout(spec.num_layers, engine.pool.num_blocks, spec.block_size, spec.num_kv_heads,
-                      spec.head_dim, str(spec.dtype).removeprefix("torch."))
-    return WorkerInfo(worker_id=new_worker_id(role), role=role, control_addr=control_addr, host=host,
-                      pid=os.getpid(), model_fingerprint=engine.model_config.fingerprint(engine.dtype),
-                      kv_layout=layout, max_model_len=engine.max_model_len,
-                      max_num_seqs=engine.config.scheduler.max_num_seqs, **extra)
+    layout = KvLayout(
+        spec.num_layers,
+        engine.pool.num_blocks,
+        spec.block_size,
+        spec.num_kv_heads,
+        spec.head_dim,
+        str(spec.dtype).removeprefix("torch."),
+    )
+    return WorkerInfo(
+        worker_id=new_worker_id(role),
+        role=role,
+        control_addr=control_addr,
+        host=host,
+        pid=os.getpid(),
+        model_fingerprint=engine.model_config.fingerprint(engine.dtype),
+        kv_layout=layout,
+        max_model_len=engine.max_model_len,
+        max_num_seqs=engine.config.scheduler.max_num_seqs,
+        **extra,
+    )
 
 
-def engine_stats(engine, last_progress: float, dropped_frames: int, extra_waiting: int = 0,
-                 **lease_stats: int) -> WorkerStats:
+def engine_stats(
+    engine, last_progress: float, dropped_frames: int, extra_waiting: int = 0, **lease_stats: int
+) -> WorkerStats:
     """Heartbeat stats; `last_step_age_s` grows only while there is work and no step completes."""
     sch = engine.scheduler
-    return WorkerStats(kv_blocks_free=engine.pool.num_free, kv_blocks_total=engine.pool.num_blocks,
-                       kv_blocks_cached=engine.pool.num_cached, prefix_query_tokens=sch.prefix_query_tokens,
-                       prefix_hit_tokens=sch.prefix_hit_tokens,
-                       num_running=len(sch.running), num_waiting=len(sch.waiting) + extra_waiting,
-                       steps=engine.num_steps,
-                       last_step_age_s=time.monotonic() - last_progress if engine.has_work() else 0.0,
-                       dropped_frames=dropped_frames, **lease_stats)
+    return WorkerStats(
+        kv_blocks_free=engine.pool.num_free,
+        kv_blocks_total=engine.pool.num_blocks,
+        kv_blocks_cached=engine.pool.num_cached,
+        prefix_query_tokens=sch.prefix_query_tokens,
+        prefix_hit_tokens=sch.prefix_hit_tokens,
+        num_running=len(sch.running),
+        num_waiting=len(sch.waiting) + extra_waiting,
+        steps=engine.num_steps,
+        last_step_age_s=time.monotonic() - last_progress if engine.has_work() else 0.0,
+        dropped_frames=dropped_frames,
+        **lease_stats,
+    )
 
 
 class Heartbeater:
@@ -136,8 +158,7 @@ class Heartbeater:
 
 
 class WorkerRuntime:
-    def __init__(self, ctx: zmq.Context, auth: FrameAuth, control_bind: str,
-                 gateway_addrs: list[str]) -> None:
+    def __init__(self, ctx: zmq.Context, auth: FrameAuth, control_bind: str, gateway_addrs: list[str]) -> None:
         if not gateway_addrs:
             raise ValueError("a worker needs at least one --gateway address")
         self.ctx = ctx

@@ -5,6 +5,7 @@ JSON file (`pdserve prefill --settings FILE`); `pdserve prefill|decode|colocated
 builds the same struct from its flags through the same planner. A field that is missing, of
 the wrong type, unknown, or out of range fails at start with a message naming it.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -15,6 +16,7 @@ import msgspec
 
 class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """What every worker role has: where it listens, which gateways it reports to, its threads."""
+
     control_bind: str = "tcp://127.0.0.1:0"  # this worker's control inbox
     gateways: list[str]  # gateway inbox addresses (at least one)
     host: str  # the host name peers compare to decide on shared memory

@@ -1,4 +1,5 @@
 """`pdserve bench-compare` end to end on the tiny model: runs, skips a missing peer, writes the report."""
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,24 @@ pytestmark = pytest.mark.slow
 
 def test_compare_writes_report_and_skips_missing_peers(tiny_llama, tmp_path):
     out = tmp_path / "cmp"
-    rc = main(["--model", str(tiny_llama), "--out", str(out), "--servers", "pdserve-colocated,vllm-cpu",
-               "--rates", "16", "--sweep-prompts", "4", "--burst-repeats", "2", "--vllm-python", str(tmp_path / "no-such-python")])
+    rc = main(
+        [
+            "--model",
+            str(tiny_llama),
+            "--out",
+            str(out),
+            "--servers",
+            "pdserve-colocated,vllm-cpu",
+            "--rates",
+            "16",
+            "--sweep-prompts",
+            "4",
+            "--burst-repeats",
+            "2",
+            "--vllm-python",
+            str(tmp_path / "no-such-python"),
+        ]
+    )
     assert rc == 0
     results = json.loads((out / "results.json").read_text())
     assert "no vLLM CPU venv" in results["vllm-cpu"]["skipped"]
@@ -26,4 +43,6 @@ def test_compare_writes_report_and_skips_missing_peers(tiny_llama, tmp_path):
     assert ours["burst"]["server_cpu_s_per_request"] > 0 and 0 < ours["sweep"][0]["server_cpu_utilization"] <= 1.05
     assert ours["burst"]["server_cpu_s_per_request_by_role"]["colocated"] > 0  # its worker did the model's work
     report = (out / "README.md").read_text()
-    assert "| pdserve-colocated |" in report and "core-s per request" in report and (out / "slo_attainment.png").is_file()
+    assert (
+        "| pdserve-colocated |" in report and "core-s per request" in report and (out / "slo_attainment.png").is_file()
+    )

@@ -1,5 +1,6 @@
 """`pdserve bench-engine` end to end on a tiny model: every row's figures are there and sane, and
 decode bandwidth is taken against the read ceiling (a read-only stream), not memcpy's."""
+
 from __future__ import annotations
 
 import json
@@ -8,8 +9,24 @@ from pdserve.bench.engine_throughput import main
 
 
 def test_engine_bench_reports_against_the_read_ceiling(tiny_llama, capsys):
-    assert main(["--model", str(tiny_llama), "--batches", "1,2", "--prompt-len", "16", "--context", "16",
-                 "--decode-steps", "2", "--json"]) == 0
+    assert (
+        main(
+            [
+                "--model",
+                str(tiny_llama),
+                "--batches",
+                "1,2",
+                "--prompt-len",
+                "16",
+                "--context",
+                "16",
+                "--decode-steps",
+                "2",
+                "--json",
+            ]
+        )
+        == 0
+    )
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert [r["batch"] for r in res["rows"]] == [1, 2]
     assert res["matmul_gflops"] > 0 and res["memcpy_gbps"] > 0 and res["read_gbps"] > 0

@@ -1,4 +1,5 @@
 """The server CPU meter: /proc parsing on a made-up tree, and a real session that burns CPU."""
+
 from __future__ import annotations
 
 import os
@@ -36,11 +37,15 @@ def test_session_sum_counts_only_that_session_by_role(tmp_path):
 
 def test_meter_sees_a_forked_child_burn_cpu(tmp_path):
     done = tmp_path / "burned"
-    burn = ("import time\nt = time.process_time()\nwhile time.process_time() - t < 0.6: pass\n"
-            f"open({str(done)!r}, 'w').close()\ntime.sleep(60)")
+    burn = (
+        "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.6: pass\n"
+        f"open({str(done)!r}, 'w').close()\ntime.sleep(60)"
+    )
     # the session leader forks a child that burns CPU: the child's time must be counted too
-    leader = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys; subprocess.run([sys.executable, '-c', {burn!r}])"],
-                              start_new_session=True)
+    leader = subprocess.Popen(
+        [sys.executable, "-c", f"import subprocess, sys; subprocess.run([sys.executable, '-c', {burn!r}])"],
+        start_new_session=True,
+    )
     try:
         meter = CpuMeter(leader.pid)
         meter.start()
@@ -48,7 +53,9 @@ def test_meter_sees_a_forked_child_burn_cpu(tmp_path):
         while not done.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         used = meter.stop()
-        assert set(used) == {"server"} and done.exists() and 0.5 <= used["server"] <= 2.0, used  # the child's 0.6 s burn, nothing outside the session
+        assert set(used) == {"server"} and done.exists() and 0.5 <= used["server"] <= 2.0, (
+            used
+        )  # the child's 0.6 s burn, nothing outside the session
     finally:
         os.killpg(leader.pid, 9)
         leader.wait()
@@ -56,7 +63,11 @@ def test_meter_sees_a_forked_child_burn_cpu(tmp_path):
 
 def test_cpu_figures_arithmetic():
     f = cpu_figures({"prefill": 4.0, "decode": 8.0}, completed=8, duration_s=10.0, cores=2)
-    assert f == {"server_cpu_s": 12.0, "server_cpu_s_per_request": 1.5,
-                 "server_cpu_s_per_request_by_role": {"decode": 1.0, "prefill": 0.5},
-                 "server_cpu_utilization": 0.6, "cpu_bound_req_s": pytest.approx(2 / 1.5)}
+    assert f == {
+        "server_cpu_s": 12.0,
+        "server_cpu_s_per_request": 1.5,
+        "server_cpu_s_per_request_by_role": {"decode": 1.0, "prefill": 0.5},
+        "server_cpu_utilization": 0.6,
+        "cpu_bound_req_s": pytest.approx(2 / 1.5),
+    }
     assert cpu_figures({"server": 1.0}, 0, 1.0, 2)["server_cpu_s_per_request"] == float("inf")

@@ -1,5 +1,6 @@
 """Ctrl-C on `pdserve serve`: SIGINT to its whole process group (as a terminal sends it) shuts
 every process down cleanly: exit code 0, one closing line, no traceback, nobody left."""
+
 from __future__ import annotations
 
 import os
@@ -32,9 +33,23 @@ def group_empty_within(pgid: int, seconds: float) -> bool:
 
 def test_sigint_to_the_process_group_exits_cleanly(tiny_llama):
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "serve", "--model", str(tiny_llama),
-                             "--port", str(port), "--num-blocks", "64"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "serve",
+            "--model",
+            str(tiny_llama),
+            "--port",
+            str(port),
+            "--num-blocks",
+            "64",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while True:

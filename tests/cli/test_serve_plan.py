@@ -1,5 +1,6 @@
 """`pdserve serve` plans every child's settings for this machine (cli/topology.py): it splits
 the cores between the pools, and each child starts from one typed settings file."""
+
 from __future__ import annotations
 
 import subprocess
@@ -37,19 +38,25 @@ def test_lending_can_be_turned_off_and_is_per_decode_worker(tmp_path, monkeypatc
     assert children["decode-1"].idle_threads == 4  # 8 cores / 2 decode workers
 
 
-@pytest.mark.parametrize("cores,flags,lanes", [(2, (), 1), (8, (), 1), (2, ("--prefill-workers", "2"), 0),
-                                               (2, ("--prefill-idle-lanes", "0"), 0)])
+@pytest.mark.parametrize(
+    "cores,flags,lanes",
+    [(2, (), 1), (8, (), 1), (2, ("--prefill-workers", "2"), 0), (2, ("--prefill-idle-lanes", "0"), 0)],
+)
 def test_prefill_idle_lanes_cover_the_cores_outside_the_prefill_pool(tmp_path, monkeypatch, cores, flags, lanes):
     children = plan(tmp_path, monkeypatch, cores, *flags)
     assert children["prefill-0"].idle_lanes == lanes
 
 
-@pytest.mark.parametrize("cores,flags,interval", [
-    (2, (), 36.0),  # 1P1D: the prefill worker's idle lane takes the gaps, 0.6 x the 60 ms TPOT target
-    (2, ("--tpot-slo-ms", "30"), 18.0),  # a tighter target paces closer
-    (2, ("--prefill-workers", "2"), 36.0),  # 2P1D: three threads on two cores
-    (2, ("--prefill-idle-lanes", "0"), 0.0),  # nobody to yield the core to
-    (8, ("--decode-workers", "2", "--decode-step-interval-ms", "40"), 40.0)])
+@pytest.mark.parametrize(
+    "cores,flags,interval",
+    [
+        (2, (), 36.0),  # 1P1D: the prefill worker's idle lane takes the gaps, 0.6 x the 60 ms TPOT target
+        (2, ("--tpot-slo-ms", "30"), 18.0),  # a tighter target paces closer
+        (2, ("--prefill-workers", "2"), 36.0),  # 2P1D: three threads on two cores
+        (2, ("--prefill-idle-lanes", "0"), 0.0),  # nobody to yield the core to
+        (8, ("--decode-workers", "2", "--decode-step-interval-ms", "40"), 40.0),
+    ],
+)
 def test_decode_steps_are_paced_when_prefill_can_use_their_cores(tmp_path, monkeypatch, cores, flags, interval):
     children = plan(tmp_path, monkeypatch, cores, *flags)
     decoders = [s for name, s in children.items() if name.startswith("decode-")]
@@ -88,18 +95,35 @@ def test_a_worker_alone_plans_as_the_only_one_on_its_machine(tmp_path, monkeypat
 
 
 def test_a_bad_settings_file_fails_at_start_naming_the_field(tmp_path):
-    good = PrefillSettings(engine=prefill_settings(build_parser().parse_args(
-        ["prefill", "--model", str(tmp_path), "--gateway", "ipc:///tmp/g"])).engine, gateways=["ipc:///tmp/g"], host="h")
+    good = PrefillSettings(
+        engine=prefill_settings(
+            build_parser().parse_args(["prefill", "--model", str(tmp_path), "--gateway", "ipc:///tmp/g"])
+        ).engine,
+        gateways=["ipc:///tmp/g"],
+        host="h",
+    )
     raw = msgspec.json.decode(msgspec.json.encode(good))
-    for change, words in (({"lanes": 0}, "lanes"), ({"gateways": []}, "gateway"), ({"lanez": 1}, "lanez"),
-                          ({"engine": {**raw["engine"], "cache": {"block_size": 3}}}, "block_size")):
+    for change, words in (
+        ({"lanes": 0}, "lanes"),
+        ({"gateways": []}, "gateway"),
+        ({"lanez": 1}, "lanez"),
+        ({"engine": {**raw["engine"], "cache": {"block_size": 3}}}, "block_size"),
+    ):
         path = tmp_path / "bad.json"
         path.write_bytes(msgspec.json.encode({**raw, **change}))
-        r = subprocess.run([sys.executable, "-m", "pdserve.cli", "prefill", "--settings", str(path)],
-                           capture_output=True, text=True, timeout=60)
+        r = subprocess.run(
+            [sys.executable, "-m", "pdserve.cli", "prefill", "--settings", str(path)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert r.returncode != 0 and words in r.stderr and "Traceback" not in r.stderr, r.stderr
-    r = subprocess.run([sys.executable, "-m", "pdserve.cli", "prefill", "--settings", str(path), "--lanes", "2"],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "prefill", "--settings", str(path), "--lanes", "2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode != 0 and "takes no other flags" in r.stderr
 
 

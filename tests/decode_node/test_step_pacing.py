@@ -1,5 +1,6 @@
 """A decode worker paces its steps only while prompts for it queue behind a prefill, more the
 more of them there are."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,5 @@
 """A decode worker steps with the prefill cores while no prefill for it is in flight."""
+
 from __future__ import annotations
 
 import pytest

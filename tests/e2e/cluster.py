@@ -1,5 +1,6 @@
 """Start a real `pdserve serve` (gateway + worker processes) on loopback for a test, and always
 stop it: SIGTERM to the supervisor, which stops its children; SIGKILL of the group on timeout."""
+
 from __future__ import annotations
 
 import contextlib
@@ -21,6 +22,7 @@ def all_workers_joined(base: str, extra: tuple[str, ...]) -> bool:
 
     def count(flag: str) -> int:
         return int(extra[extra.index(flag) + 1]) if flag in extra else 1
+
     try:
         with urllib.request.urlopen(f"{base}/health", timeout=1) as r:
             if r.status != 200:
@@ -40,11 +42,27 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(model: Path, *extra: str, timeout_s: float = 180.0,
-                   env: dict[str, str] | None = None) -> Iterator[str]:
+def running_server(
+    model: Path, *extra: str, timeout_s: float = 180.0, env: dict[str, str] | None = None
+) -> Iterator[str]:
     port = free_port()
-    argv = [sys.executable, "-m", "pdserve.cli", "serve", "--model", str(model), "--port", str(port),
-            "--dtype", "float32", "--num-blocks", "256", "--max-model-len", "512", *extra]
+    argv = [
+        sys.executable,
+        "-m",
+        "pdserve.cli",
+        "serve",
+        "--model",
+        str(model),
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--num-blocks",
+        "256",
+        "--max-model-len",
+        "512",
+        *extra,
+    ]
     proc = subprocess.Popen(argv, start_new_session=True, env=dict(os.environ, **(env or {})))
     base = f"http://127.0.0.1:{port}"
     try:

@@ -4,6 +4,7 @@ A prefill engine streams a prompt's KV layer by layer (chunked: 3 chunks) throug
 KvStreamer, sender and receiver; a colocated engine with the same scheduling computes the same
 prompt. The decode pool's leased blocks must equal the colocated blocks bit for bit.
 """
+
 from __future__ import annotations
 
 import time
@@ -59,18 +60,38 @@ def test_received_kv_equals_colocated_kv(tiny_llama, tmp_path, transport):
         receiver = KvReceiver(ctx, auth, bind, pool.tensor, leases)
         dst_blocks = list(range(n_dst - len(ref_blocks), n_dst))[::-1]  # scattered, reversed
         lease = leases.grant("r", dst_blocks, ttl_s=30)
-        layout = KvLayout(spec.num_layers, n_dst, spec.block_size, spec.num_kv_heads, spec.head_dim,
-                          str(spec.dtype).removeprefix("torch."))
-        sender = make_kv_sender("shm" if transport == "shm" else "zmq", ctx=ctx, auth=auth,
-                                kv_addr=receiver.addr, shm_name=pool.name, layout=layout, cache=False)
-        dest = KvDestination(worker_id="d", kv_addr=receiver.addr, shm_name=pool.name,
-                             transport="shm" if transport == "shm" else "zmq", lease=lease, layout=layout)
+        layout = KvLayout(
+            spec.num_layers,
+            n_dst,
+            spec.block_size,
+            spec.num_kv_heads,
+            spec.head_dim,
+            str(spec.dtype).removeprefix("torch."),
+        )
+        sender = make_kv_sender(
+            "shm" if transport == "shm" else "zmq",
+            ctx=ctx,
+            auth=auth,
+            kv_addr=receiver.addr,
+            shm_name=pool.name,
+            layout=layout,
+            cache=False,
+        )
+        dest = KvDestination(
+            worker_id="d",
+            kv_addr=receiver.addr,
+            shm_name=pool.name,
+            transport="shm" if transport == "shm" else "zmq",
+            lease=lease,
+            layout=layout,
+        )
         streamer, stats = KvStreamer(prefill.kv_cache, prefill.block_size), {}
 
         prefill_keeping_kv(prefill, prompt, lambda sched: streamer.prepare(sched, {"r": (dest, sender)}, stats))
         assert stats["r"].error is None
-        sender.send_done(KvDone(request_id="r", lease_epoch=lease.epoch, num_layers=spec.num_layers,
-                                kv_bytes=stats["r"].bytes))
+        sender.send_done(
+            KvDone(request_id="r", lease_epoch=lease.epoch, num_layers=spec.num_layers, kv_bytes=stats["r"].bytes)
+        )
         done, deadline = [], time.monotonic() + 10
         while not done and time.monotonic() < deadline:
             done = receiver.poll(50)

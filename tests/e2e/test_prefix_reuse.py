@@ -1,6 +1,7 @@
 """Prefix caching through the whole cluster: a shared system prompt is computed once per
 prefill (or colocated) worker, later requests report it in `usage.prompt_tokens_details`,
 and every answer still equals HF greedy, streamed or not."""
+
 from __future__ import annotations
 
 import time
@@ -34,20 +35,30 @@ def test_shared_system_prompt_is_reused_and_reported(tiny_llama, mode):
         second = client.completions.create(model=model, prompt=prompts[1], max_tokens=MAX_NEW, temperature=0)
         assert second.choices[0].text == want[1]
         assert second.usage.prompt_tokens_details.cached_tokens == 64  # the system prompt's full blocks
-        chunks = list(client.completions.create(model=model, prompt=prompts[2], max_tokens=MAX_NEW, temperature=0,
-                                                stream=True, stream_options={"include_usage": True}))
+        chunks = list(
+            client.completions.create(
+                model=model,
+                prompt=prompts[2],
+                max_tokens=MAX_NEW,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
         assert "".join(c.choices[0].text for c in chunks if c.choices) == want[2]
         assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 64
-        chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi there"}],
-                                              max_tokens=4, temperature=0)
+        chat = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "hi there"}], max_tokens=4, temperature=0
+        )
         assert chat.usage.prompt_tokens_details.cached_tokens >= 0
         assert wait_until(lambda: prefix_hits(base) >= 128, 10)  # heartbeats carry the counters
 
 
 def prefix_hits(base: str) -> float:
     text = urllib.request.urlopen(f"{base}/metrics", timeout=5).read().decode()
-    return sum(float(line.split()[-1]) for line in text.splitlines()
-               if line.startswith("pdserve_prefix_cache_hits_total"))
+    return sum(
+        float(line.split()[-1]) for line in text.splitlines() if line.startswith("pdserve_prefix_cache_hits_total")
+    )
 
 
 def wait_until(cond, timeout_s: float) -> bool:

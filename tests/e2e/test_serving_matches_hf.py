@@ -1,4 +1,5 @@
 """Real processes on loopback, the official `openai` client, greedy output == HF generate."""
+
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -42,8 +43,7 @@ def test_greedy_through_http_matches_hf(tiny_llama, mode):
             return r.choices[0].text
 
         def stream(p):
-            chunks = client.completions.create(model=model, prompt=p, max_tokens=MAX_NEW,
-                                               temperature=0, stream=True)
+            chunks = client.completions.create(model=model, prompt=p, max_tokens=MAX_NEW, temperature=0, stream=True)
             return "".join(c.choices[0].text for c in chunks if c.choices)
 
         with cf.ThreadPoolExecutor(len(prompts)) as pool:  # concurrent requests

@@ -1,5 +1,6 @@
 """CPU linear layouts: prepacked oneDNN (fp32, with panels for few rows) and [in, out] (fallback)
 equal nn.Linear."""
+
 from __future__ import annotations
 
 import pytest
@@ -26,8 +27,7 @@ def test_layouts_equal_dense_linear(kind, rows, bias):
         pytest.skip("this torch has no oneDNN linear")
     torch.manual_seed(rows)
     dense = nn.Linear(96, 40, bias=bias)
-    layer = (TransposedLinear(dense) if kind == "transposed"
-             else PackedLinear(dense, gemv_copy=kind == "packed"))
+    layer = TransposedLinear(dense) if kind == "transposed" else PackedLinear(dense, gemv_copy=kind == "packed")
     if kind == "packed" and panel_gemm.available():
         assert layer.panels is not None  # few-row inputs take the C panel GEMM
     x = torch.randn(rows, 96)
@@ -58,6 +58,7 @@ def test_new_row_counts_do_not_grow_memory_without_bound():
     import os
     import subprocess
     import sys
+
     if not onednn_linear_available():
         pytest.skip("this torch has no oneDNN linear")
     code = (
@@ -80,7 +81,13 @@ def test_new_row_counts_do_not_grow_memory_without_bound():
         "print(rss() - before)\n"
     )
     env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env,
-                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert float(proc.stdout.strip()) < 120, f"grew {proc.stdout.strip()} MiB over 200 new row counts"

@@ -1,4 +1,5 @@
 """Greedy output equals HF transformers token for token (fp32) in every engine mode."""
+
 from __future__ import annotations
 
 import pytest
@@ -16,11 +17,12 @@ GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
 
 def make_engine(model, **kw) -> LLMEngine:
     cache = CacheConfig(block_size=kw.pop("block_size", 16), num_blocks=kw.pop("num_blocks", 128))
-    sched = SchedulerConfig(max_num_seqs=kw.pop("max_num_seqs", 16),
-                            max_num_batched_tokens=kw.pop("max_num_batched_tokens", 512),
-                            max_model_len=kw.pop("max_model_len", 256))
-    return LLMEngine(EngineConfig(model=str(model), dtype="float32", cache=cache, scheduler=sched),
-                     show_progress=False)
+    sched = SchedulerConfig(
+        max_num_seqs=kw.pop("max_num_seqs", 16),
+        max_num_batched_tokens=kw.pop("max_num_batched_tokens", 512),
+        max_model_len=kw.pop("max_model_len", 256),
+    )
+    return LLMEngine(EngineConfig(model=str(model), dtype="float32", cache=cache, scheduler=sched), show_progress=False)
 
 
 def expected(model, prompts):
@@ -90,8 +92,7 @@ def test_prefill_engine_hands_kv_to_decode_engine(tiny_model):
             src = tables[o.request_id]
             dst = decode.pool.allocate(len(src))
             decode.kv_cache[:, :, dst] = prefill.kv_cache[:, :, src]  # [L, 2, n, bs, H, D]
-            done = decode.add_prefilled(o.request_id, o.seq.prompt_token_ids, o.new_token_ids[0],
-                                        None, GREEDY, dst)
+            done = decode.add_prefilled(o.request_id, o.seq.prompt_token_ids, o.new_token_ids[0], None, GREEDY, dst)
             outs[o.request_id] = list(o.new_token_ids)
             assert done is None or done.finish_reason == "stop"
     prefill.pool.assert_all_free()
@@ -115,6 +116,7 @@ def test_seeded_sampling_is_reproducible_across_batches(tiny_llama):
 def test_refuses_unsupported_architecture(tmp_path, tiny_llama):
     import json
     import shutil
+
     bad = tmp_path / "bad"
     shutil.copytree(tiny_llama, bad)
     cfg = json.loads((bad / "config.json").read_text())
@@ -133,9 +135,12 @@ def test_loader_rejects_missing_and_leftover_weights(tmp_path, tiny_llama):
     import shutil
 
     from safetensors.torch import load_file, save_file
-    for mutate, msg in [(lambda d: d.pop("model.norm.weight"), "missing weights"),
-                        (lambda d: d.__setitem__("model.extra.weight", torch.zeros(2)), "unexpected"),
-                        (lambda d: d.__setitem__("model.norm.weight", torch.zeros(3)), "shape")]:
+
+    for mutate, msg in [
+        (lambda d: d.pop("model.norm.weight"), "missing weights"),
+        (lambda d: d.__setitem__("model.extra.weight", torch.zeros(2)), "unexpected"),
+        (lambda d: d.__setitem__("model.norm.weight", torch.zeros(3)), "shape"),
+    ]:
         folder = tmp_path / msg.replace(" ", "_")
         shutil.copytree(tiny_llama, folder)
         files = list(folder.glob("*.safetensors"))
@@ -147,10 +152,12 @@ def test_loader_rejects_missing_and_leftover_weights(tmp_path, tiny_llama):
             make_engine(folder)
 
 
-@pytest.mark.parametrize("arch,overrides", [("llama", {"tie_word_embeddings": False}),
-                                            ("qwen2", {"tie_word_embeddings": False})])
+@pytest.mark.parametrize(
+    "arch,overrides", [("llama", {"tie_word_embeddings": False}), ("qwen2", {"tie_word_embeddings": False})]
+)
 def test_untied_embeddings_match_hf(tmp_path, arch, overrides):
     from pdserve.engine.make_model import make_model
+
     model = make_model(tmp_path / arch, "tiny", arch, seed=7, quiet=True, **overrides)
     engine = make_engine(model)
     prompts = prompts_for(engine)
@@ -161,6 +168,7 @@ def test_mistral_architecture_matches_hf(tmp_path, tiny_llama):
     """Mistral = Llama without qkv bias plus a sliding window; within the window it is exact."""
     import json
     import shutil
+
     folder = tmp_path / "mistral"
     shutil.copytree(tiny_llama, folder)
     cfg = json.loads((folder / "config.json").read_text())

@@ -1,4 +1,5 @@
 """The model maker writes real HF folders; the loader reads sharded ones and real-style configs."""
+
 from __future__ import annotations
 
 import hashlib
@@ -49,6 +50,7 @@ def test_logits_are_well_spread(tiny_llama):
 
 def test_sharded_folder_loads_identically(tmp_path, tiny_llama):
     from tests.engine.test_engine_vs_hf import GREEDY, make_engine, prompts_for
+
     sharded = make_model(tmp_path / "sharded", "tiny", "llama", seed=1, max_shard_size="100KB", quiet=True)
     assert (sharded / "model.safetensors.index.json").is_file() and len(list(sharded.glob("*.safetensors"))) > 1
     a, b = make_engine(tiny_llama), make_engine(sharded)
@@ -58,13 +60,19 @@ def test_sharded_folder_loads_identically(tmp_path, tiny_llama):
 
 def test_config_reads_rope_scaling_and_refuses_unknown_types(tmp_path, tiny_llama):
     import shutil
+
     folder = tmp_path / "scaled"
     shutil.copytree(tiny_llama, folder)
     cfg = json.loads((folder / "config.json").read_text())
     cfg.pop("rope_parameters", None)
     cfg["rope_theta"] = 500000.0
-    cfg["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                           "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
+    cfg["rope_scaling"] = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 256,
+    }
     (folder / "config.json").write_text(json.dumps(cfg))
     mc = ModelConfig.from_folder(folder)
     assert mc.rope.kind == "llama3" and mc.rope.theta == 500000.0 and mc.rope.factor == 8.0
@@ -81,8 +89,15 @@ def test_llama3_rope_matches_transformers(tmp_path):
 
     from pdserve.engine.config import RopeConfig
     from pdserve.engine.models.rotary import RotaryEmbedding
-    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
     hf_cfg = LlamaConfig(hidden_size=64, num_attention_heads=2, rope_parameters=rope, max_position_embeddings=512)
     hf = LlamaRotaryEmbedding(hf_cfg)
     pos = torch.arange(300).unsqueeze(0)

@@ -1,5 +1,6 @@
 """The prefix cache: content-addressed blocks, reuse of the longest cached prefix, LRU eviction,
 and greedy output that equals HF transformers (and caching off) whatever is reused."""
+
 from __future__ import annotations
 
 import pytest

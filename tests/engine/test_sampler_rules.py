@@ -1,4 +1,5 @@
 """Sampler semantics on hand-made logits."""
+
 from __future__ import annotations
 
 import pytest
@@ -25,8 +26,9 @@ def test_greedy_fast_path_equals_argmax_and_leaves_logits_alone():
     assert slow.token_ids == out.token_ids
 
 
-@pytest.mark.parametrize("sp", [SP(temperature=1, top_k=1), SP(temperature=1, top_p=1e-6),
-                                SP(temperature=1, min_p=1.0)])
+@pytest.mark.parametrize(
+    "sp", [SP(temperature=1, top_k=1), SP(temperature=1, top_p=1e-6), SP(temperature=1, min_p=1.0)]
+)
 def test_degenerate_filters_are_greedy(sp):
     logits = torch.randn(8, V)
     assert sample(logits, [sp] * 8, seed=3).token_ids == logits.argmax(-1).tolist()
@@ -75,8 +77,9 @@ def test_min_tokens_suppresses_eos_and_stop_ids():
 
 def test_logprobs_are_raw_log_softmax_with_sorted_top_n():
     logits = torch.randn(2, V)
-    out = sample(logits, [SP(temperature=0.7, seed=1, logprobs=3, presence_penalty=1.0), SP(temperature=0)],
-                 outputs=[[1], []])
+    out = sample(
+        logits, [SP(temperature=0.7, seed=1, logprobs=3, presence_penalty=1.0), SP(temperature=0)], outputs=[[1], []]
+    )
     lp = out.logprobs[0]
     ref = logits[0].log_softmax(-1)
     assert lp.token_id == out.token_ids[0] and lp.logprob == pytest.approx(float(ref[lp.token_id]))
@@ -86,8 +89,15 @@ def test_logprobs_are_raw_log_softmax_with_sorted_top_n():
 
 
 def test_sampling_params_reject_bad_values():
-    for bad in (dict(max_tokens=0), dict(temperature=-1), dict(temperature=float("nan")), dict(top_p=0),
-                dict(top_k=-2), dict(min_p=2), dict(logprobs=-1)):
+    for bad in (
+        dict(max_tokens=0),
+        dict(temperature=-1),
+        dict(temperature=float("nan")),
+        dict(top_p=0),
+        dict(top_k=-2),
+        dict(min_p=2),
+        dict(logprobs=-1),
+    ):
         with pytest.raises(ValueError):
             SP(**bad)
 
@@ -97,9 +107,11 @@ def test_logit_bias_moves_the_choice_and_not_the_reported_logprobs():
     logits = torch.randn(3, V)
     top = logits.argmax(-1).tolist()
     pick = [(t + 3) % V for t in top]
-    params = [SP(temperature=0, logit_bias=((pick[0], 100.0),)),  # forced
-              SP(temperature=0, logit_bias=((top[1], -100.0),)),  # banned: the runner-up wins
-              SP(temperature=0, logprobs=0)]  # no bias in the same batch
+    params = [
+        SP(temperature=0, logit_bias=((pick[0], 100.0),)),  # forced
+        SP(temperature=0, logit_bias=((top[1], -100.0),)),  # banned: the runner-up wins
+        SP(temperature=0, logprobs=0),
+    ]  # no bias in the same batch
     out = sample(logits, params)
     assert out.token_ids[0] == pick[0]
     assert out.token_ids[1] == logits[1].topk(2).indices[1].item()

@@ -1,4 +1,5 @@
 """Scheduler and block pool as pure logic: no model, no tensors."""
+
 import pytest
 
 from pdserve.engine.block_pool import BlockPool, NoFreeBlocks
@@ -57,6 +58,7 @@ def test_block_pool_keeps_sequences_in_runs():
 
 def test_scheduler_grows_sequences_in_runs():
     from pdserve.kernels.metadata import run_start
+
     pool = BlockPool(64)
     sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=6), pool, block_size=4)
     seqs = [make_seq(f"r{i}", 9) for i in range(3)]
@@ -148,6 +150,7 @@ def test_self_preemption_when_no_victim():
 def test_shortest_first_policy_with_aging():
     """shortest-first admits the fewest-tokens-left prompt first; waiting ages a long prompt
     (aging_tokens_per_s per second) until it goes ahead of fresh short ones; FCFS keeps arrival order."""
+
     def admitted_first(policy: str, long_waited_s: float) -> str:
         pool = BlockPool(64)
         cfg = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, policy=policy, aging_tokens_per_s=100.0)
@@ -157,6 +160,7 @@ def test_shortest_first_policy_with_aging():
         sched.add(long)
         sched.add(short)
         return sched.schedule().prefills[0].seq.request_id
+
     assert admitted_first("fcfs", 0.0) == "long"
     assert admitted_first("shortest-first", 0.0) == "short"
     assert admitted_first("shortest-first", 0.2) == "short"  # 40 - 20 > 8

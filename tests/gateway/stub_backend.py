@@ -1,4 +1,5 @@
 """A deterministic in-process Backend for HTTP-layer tests: echoes the prompt's tokens."""
+
 from __future__ import annotations
 
 import asyncio
@@ -36,13 +37,23 @@ class StubBackend(Backend):
                 token = prompt_token_ids[i % len(prompt_token_ids)]
                 lp = None
                 if sampling.logprobs is not None:
-                    lp = [TokenLogprob(token, -0.5, [token, 1, 2][: sampling.logprobs], [-0.5, -1.0, -2.0][: sampling.logprobs])]
+                    lp = [
+                        TokenLogprob(
+                            token, -0.5, [token, 1, 2][: sampling.logprobs], [-0.5, -1.0, -2.0][: sampling.logprobs]
+                        )
+                    ]
                 last = i == sampling.max_tokens - 1
                 stop = token in sampling.stop_token_ids
                 reason = "stop" if stop else ("length" if last else None)
-                yield TokenOutput(request_id=request_id, worker_id="stub", index=i, token_ids=[token],
-                                  logprobs=lp, finish_reason=reason,
-                                  timings={"prefill_queue_s": 0.001, "kv_bytes": 1024.0} if i == 0 else {})
+                yield TokenOutput(
+                    request_id=request_id,
+                    worker_id="stub",
+                    index=i,
+                    token_ids=[token],
+                    logprobs=lp,
+                    finish_reason=reason,
+                    timings={"prefill_queue_s": 0.001, "kv_bytes": 1024.0} if i == 0 else {},
+                )
                 if reason is not None:
                     done = True
                     self.finished.append(request_id)

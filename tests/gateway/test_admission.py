@@ -1,4 +1,5 @@
 """The gateway's admission queue, without processes: FIFO turns, bounds, timeouts, wake-ups."""
+
 from __future__ import annotations
 
 import asyncio
@@ -28,6 +29,7 @@ class Pool:
             self.seats -= 1
             self.started.append(name)
             return name
+
         return try_start
 
 
@@ -60,6 +62,7 @@ def test_waits_in_fifo_order_until_seats_free():
         assert pool.started == ["r0", "r1", "r2", "r3", "r4"]
         assert_empty(q)
         assert [p for p, _ in waits] == ["decode"] * 5
+
     run(go())
 
 
@@ -76,6 +79,7 @@ def test_blocked_queue_makes_no_attempts_until_notified():
         pool.seats = 3  # several seats free at once: several turns go out together
         q.notify()
         assert sorted(await asyncio.gather(*tasks)) == ["r0", "r1", "r2"]
+
     run(go())
 
 
@@ -97,6 +101,7 @@ def test_bounds_refuse_with_429_and_timeouts_with_503():
         with pytest.raises(QueueFull, match="prompt tokens"):
             await q2.admit(30, pool.starter("over"))  # 80 + 30 tokens > 100
         first.cancel()
+
     run(go())
 
 
@@ -116,6 +121,7 @@ def test_cancelled_waiters_leave_no_trace():
         done = await asyncio.gather(*tasks, return_exceptions=True)
         assert sorted(r for r in done if isinstance(r, str)) in (["r2", "r3"], ["r0", "r2", "r3"])
         assert_empty(q)
+
     run(go())
 
 
@@ -125,7 +131,9 @@ def test_errors_from_the_start_propagate():
 
         async def broken():
             raise RuntimeError("no live decode worker")
+
         with pytest.raises(RuntimeError):
             await q.admit(1, broken)
         assert q.stats().depth == 0
+
     run(go())

@@ -7,6 +7,7 @@ headers and schemas (each stream event included); must refuse a body the documen
 and, when it is an error, must be an OpenAI error envelope. Schemathesis reads at most 20 events of
 a stream and then hangs up, so client disconnects get exercised too.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -34,11 +35,13 @@ from tests.gateway.stub_backend import StubBackend
 from tests.reliability.ledger import assert_canary_served, wait_ledger_balanced
 
 OPERATIONS = {"POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /health", "GET /metrics"}
-CONFIG = schemathesis.Config.from_dict({
-    "output": {"sanitization": {"enabled": False}},  # show fields named *token* in failures too
-    # How the gateway refuses an invalid body: 400, 404 for another model, 413 for one too big.
-    "checks": {"negative_data_rejection": {"expected-statuses": ["400", "404", "413"]}},
-})
+CONFIG = schemathesis.Config.from_dict(
+    {
+        "output": {"sanitization": {"enabled": False}},  # show fields named *token* in failures too
+        # How the gateway refuses an invalid body: 400, 404 for another model, 413 for one too big.
+        "checks": {"negative_data_rejection": {"expected-statuses": ["400", "404", "413"]}},
+    }
+)
 
 
 def error_envelope(ctx, response, case) -> bool | None:
@@ -54,9 +57,15 @@ def error_envelope(ctx, response, case) -> bool | None:
     return True
 
 
-CHECKS = [not_a_server_error, openapi.status_code_conformance, openapi.content_type_conformance,
-          openapi.response_headers_conformance, openapi.response_schema_conformance,
-          openapi.negative_data_rejection, error_envelope]
+CHECKS = [
+    not_a_server_error,
+    openapi.status_code_conformance,
+    openapi.content_type_conformance,
+    openapi.response_headers_conformance,
+    openapi.response_schema_conformance,
+    openapi.negative_data_rejection,
+    error_envelope,
+]
 
 
 def fuzz(schema, examples: int, record_property, **call_kwargs) -> None:
@@ -76,8 +85,14 @@ def fuzz(schema, examples: int, record_property, **call_kwargs) -> None:
             send(case)
         cases = st.one_of([op.as_strategy(generation_mode=mode) for mode in GenerationMode])
         # No shrinking: a failure is reported as found (with a curl line), in bounded time.
-        settings(max_examples=examples, derandomize=True, database=None, deadline=None, phases=[Phase.generate],
-                 suppress_health_check=list(HealthCheck))(given(cases)(send))()
+        settings(
+            max_examples=examples,
+            derandomize=True,
+            database=None,
+            deadline=None,
+            phases=[Phase.generate],
+            suppress_health_check=list(HealthCheck),
+        )(given(cases)(send))()
     record_property("fuzz_cases", dict(sent))
     print(f"{sum(sent.values())} cases in {time.monotonic() - t0:.1f} s: {dict(sent)}")
     assert set(sent) == OPERATIONS, sent
@@ -103,8 +118,9 @@ def test_fuzz_in_process(tokenizer, record_property):
 
 
 def test_openapi_document_follows_the_limits_and_needs_no_api_key(tokenizer):
-    app = create_app(StubBackend(), tokenizer, model_name="m", max_model_len=64,
-                     limits=GatewayLimits(max_n=3), api_key="sekret")
+    app = create_app(
+        StubBackend(), tokenizer, model_name="m", max_model_len=64, limits=GatewayLimits(max_n=3), api_key="sekret"
+    )
     with TestClient(app) as client:
         doc = client.get("/openapi.json")
         assert client.get("/v1/models").status_code == 401
@@ -129,18 +145,21 @@ def test_fuzz_cluster_serves_on_and_leaks_no_kv_block(tiny_llama, record_propert
 CHAT = [{"role": "user", "content": "hi"}]
 
 
-@pytest.mark.parametrize("path,body,param", [
-    # 500: a chat prompt filling the context left max_tokens (its default, the rest) at <= 0
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 100}]}, "max_tokens"),
-    # crashed the worker's sampler (torch.tensor overflow); the gateway then had no prefill worker
-    ("/v1/completions", {"prompt": "hi", "top_k": 2**63}, "top_k"),
-    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [2**64]}, "stop_token_ids"),  # no msgpack int
-    # accepted though invalid
-    ("/v1/completions", {"prompt": "hi", "echo": 0}, "echo"),
-    ("/v1/completions", {"prompt": "hi", "suffix": 0}, "suffix"),
-    ("/v1/completions", {"prompt": "hi", "best_of": True}, "best_of"),
-    ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 2, "max_tokens": "x"}, "max_tokens"),
-])
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        # 500: a chat prompt filling the context left max_tokens (its default, the rest) at <= 0
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 100}]}, "max_tokens"),
+        # crashed the worker's sampler (torch.tensor overflow); the gateway then had no prefill worker
+        ("/v1/completions", {"prompt": "hi", "top_k": 2**63}, "top_k"),
+        ("/v1/completions", {"prompt": "hi", "stop_token_ids": [2**64]}, "stop_token_ids"),  # no msgpack int
+        # accepted though invalid
+        ("/v1/completions", {"prompt": "hi", "echo": 0}, "echo"),
+        ("/v1/completions", {"prompt": "hi", "suffix": 0}, "suffix"),
+        ("/v1/completions", {"prompt": "hi", "best_of": True}, "best_of"),
+        ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 2, "max_tokens": "x"}, "max_tokens"),
+    ],
+)
 def test_found_bodies_get_a_400(tokenizer, path, body, param):
     app = create_app(StubBackend(), tokenizer, model_name="m", max_model_len=64)
     with TestClient(app) as client:
@@ -174,10 +193,20 @@ def test_a_stream_the_client_leaves_is_no_longer_in_flight(tokenizer):
     async def send(message):
         sent.append(message)
 
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-             "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
-             "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
-             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/completions",
+        "raw_path": b"/v1/completions",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+    }
     asyncio.run(app(scope, receive, send))
     assert any(m.get("more_body") for m in sent)  # it was streaming when the client left
     assert app.state.gateway.in_flight == 0 and backend.aborted

@@ -2,6 +2,7 @@
 over the stub backend with gateway/slow_clients.py's protocol: 1000 concurrent streams; a stalled
 reader is cut and aborted upstream while others stream; slow-header and slow-body clients block
 no one and are answered; bodies at and over the size limit."""
+
 from __future__ import annotations
 
 import asyncio
@@ -23,8 +24,14 @@ from pdserve.gateway.limits import GatewayLimits
 from pdserve.gateway.slow_clients import http_protocol
 from tests.gateway.stub_backend import StubBackend
 
-LIMITS = GatewayLimits(max_body_bytes=4096, body_read_timeout_s=1.0, header_timeout_s=1.0, max_header_bytes=8192,
-                       max_stream_buffer=64, stream_write_timeout_s=1.0)
+LIMITS = GatewayLimits(
+    max_body_bytes=4096,
+    body_read_timeout_s=1.0,
+    header_timeout_s=1.0,
+    max_header_bytes=8192,
+    max_stream_buffer=64,
+    stream_write_timeout_s=1.0,
+)
 
 
 class CountingBackend(StubBackend):
@@ -56,8 +63,12 @@ class Served:
         self.gw = app.state.gateway
 
     def cuts(self) -> dict[str, float]:
-        return {s.labels["reason"]: s.value for m in self.gw.metrics.streams_cut.collect() for s in m.samples
-                if s.name.endswith("_total")}
+        return {
+            s.labels["reason"]: s.value
+            for m in self.gw.metrics.streams_cut.collect()
+            for s in m.samples
+            if s.name.endswith("_total")
+        }
 
 
 @contextlib.contextmanager
@@ -71,8 +82,9 @@ def serving(tokenizer, limits: GatewayLimits = LIMITS):
     # after a few hundred events instead of megabytes
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16384)
     sock.bind(("127.0.0.1", 0))
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off",
-                                       http=http_protocol(gw.limits, gw.stream_cut)))
+    srv = uvicorn.Server(
+        uvicorn.Config(app, log_level="warning", lifespan="off", http=http_protocol(gw.limits, gw.stream_cut))
+    )
     thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
@@ -128,8 +140,10 @@ class RssPeak:
 
 # --- raw HTTP/1.1 clients ---------------------------------------------------------------------
 def request_bytes(body: bytes, path: str = "/v1/completions") -> bytes:
-    return (b"POST " + path.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            b"Connection: close\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    return (
+        b"POST " + path.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Connection: close\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    )
 
 
 def completion(prompt: list[int], n: int, stream: bool = True) -> bytes:
@@ -148,7 +162,7 @@ def dechunk(raw: bytes) -> tuple[bytes, bytes]:
         if n == 0:
             break
         body += rest[:n]
-        rest = rest[n + 2:]
+        rest = rest[n + 2 :]
     return head, bytes(body)
 
 
@@ -176,8 +190,9 @@ async def exchange(port: int, data: bytes, *, dribble: bytes = b"", every_s: flo
         with contextlib.suppress(ConnectionError):
             for i in range(len(dribble)):
                 await asyncio.sleep(every_s)
-                writer.write(dribble[i:i + 1])
+                writer.write(dribble[i : i + 1])
                 await writer.drain()
+
     dripping = asyncio.create_task(drip())
     try:
         got = bytearray()
@@ -231,6 +246,7 @@ def test_a_thousand_concurrent_streams(served):
 
     async def go():
         return await asyncio.gather(*[stream_whole(served.port, [5 + i % 50, 7], tokens) for i in range(n)])
+
     with RssPeak(lambda: served.gw.in_flight) as rss:
         t0 = time.monotonic()
         counts = asyncio.run(go())
@@ -238,8 +254,10 @@ def test_a_thousand_concurrent_streams(served):
     assert counts == [tokens] * n
     assert len(served.backend.finished) == n and served.backend.aborted == []
     wait_until(lambda: served.gw.in_flight == 0 and not served.server.server_state.connections)
-    print(f"{n} concurrent streams of {tokens} tokens in {took:.1f}s, up to {rss.gauge_peak} at once; "
-          f"process RSS +{rss.delta_mib:.0f} MiB (server and clients)")
+    print(
+        f"{n} concurrent streams of {tokens} tokens in {took:.1f}s, up to {rss.gauge_peak} at once; "
+        f"process RSS +{rss.delta_mib:.0f} MiB (server and clients)"
+    )
     assert rss.gauge_peak >= n // 2, rss.gauge_peak  # they overlapped
     assert rss.delta_mib < 256, f"RSS grew {rss.delta_mib:.0f} MiB for {n} streams"
 
@@ -254,6 +272,7 @@ def test_a_stalled_reader_is_cut_and_aborted_while_others_stream(served):
         conns = list(served.server.server_state.connections)
         held = max([held] + [c.transport.get_write_buffer_size() for c in conns])
         return not conns
+
     try:
         t0 = time.monotonic()
         took = asyncio.run(others_stream(served.port))  # meanwhile others stream normally
@@ -277,9 +296,11 @@ def test_a_stalled_reader_is_cut_and_aborted_while_others_stream(served):
         with contextlib.suppress(ConnectionResetError):
             while chunk := stalled.recv(1 << 16):
                 received += len(chunk)
-        print(f"stalled reader: aborted upstream after {aborted_after:.2f}s ({backend.produced[rid]} outputs "
-              f"produced), connection cut after {cut_after:.2f}s ({received} bytes reached it, {held} held "
-              f"unsent); others took {took:.2f}s")
+        print(
+            f"stalled reader: aborted upstream after {aborted_after:.2f}s ({backend.produced[rid]} outputs "
+            f"produced), connection cut after {cut_after:.2f}s ({received} bytes reached it, {held} held "
+            f"unsent); others took {took:.2f}s"
+        )
     finally:
         stalled.close()
 
@@ -287,7 +308,7 @@ def test_a_stalled_reader_is_cut_and_aborted_while_others_stream(served):
 def test_a_finished_response_left_unread_is_not_held_open(served):
     """Its tail sits in the gateway's buffer once the response ends; a close would wait on it forever."""
     stalled = stalled_reader(served.port, completion([9, 9], 450))  # ~75 KB: over the kernel's buffers,
-    try:                                                               # under the transport's 64 KiB mark
+    try:  # under the transport's 64 KiB mark
         wait_until(lambda: served.backend.finished)
         t0 = time.monotonic()
         wait_until(lambda: not served.server.server_state.connections)
@@ -319,7 +340,7 @@ def test_a_reader_that_falls_behind_then_reads_gets_an_error_event(tokenizer):
 def test_slow_header_and_slow_body_clients_block_no_one_and_are_answered(served):
     port = served.port
     body = completion([5, 6], 2, stream=False)
-    head = request_bytes(body)[:-len(body)]
+    head = request_bytes(body)[: -len(body)]
 
     async def go():
         clients = {
@@ -334,12 +355,18 @@ def test_slow_header_and_slow_body_clients_block_no_one_and_are_answered(served)
         tasks = {k: asyncio.create_task(c) for k, c in clients.items()}
         took = await others_stream(port)
         return took, {k: await t for k, t in tasks.items()}
+
     took, answers = asyncio.run(go())
     assert took < 5, f"other streams took {took:.1f}s beside slow clients"
-    expected = {"silent": None, "partial headers": (408, "header_timeout"), "dribbled headers": (408, "header_timeout"),
-                "headers too large": (431, "headers_too_large"), "endless header": (431, "headers_too_large"),
-                "partial body": (408, "body_timeout"),
-                "dribbled body": (408, "body_timeout")}
+    expected = {
+        "silent": None,
+        "partial headers": (408, "header_timeout"),
+        "dribbled headers": (408, "header_timeout"),
+        "headers too large": (431, "headers_too_large"),
+        "endless header": (431, "headers_too_large"),
+        "partial body": (408, "body_timeout"),
+        "dribbled body": (408, "body_timeout"),
+    }
     for name, (raw, seconds) in answers.items():
         status = expected[name]
         if status is None:
@@ -361,8 +388,10 @@ def test_body_at_the_limit_is_read_and_one_byte_over_is_413(served, chunked):
 
     def post(body: str) -> httpx.Response:
         content = iter([body.encode()]) if chunked else body.encode()  # an iterator: chunked encoding
-        return httpx.post(f"{served.base}/v1/completions", content=content,
-                          headers={"content-type": "application/json"}, timeout=10)
+        return httpx.post(
+            f"{served.base}/v1/completions", content=content, headers={"content-type": "application/json"}, timeout=10
+        )
+
     ok, over = post(at_limit), post(at_limit + " ")
     assert ok.status_code == 200, ok.text
     assert ok.json()["choices"][0]["text"] and ok.json()["usage"]["completion_tokens"] == 2

@@ -1,4 +1,5 @@
 """The OpenAI HTTP layer against a stub backend: shapes, validation, streaming, aborts."""
+
 from __future__ import annotations
 
 import asyncio
@@ -29,8 +30,14 @@ def backend():
 
 
 def client_for(backend, tokenizer, **kw):
-    app = create_app(backend, tokenizer, model_name="m", max_model_len=MAX_LEN,
-                     limits=kw.pop("limits", GatewayLimits(max_body_bytes=4096)), **kw)
+    app = create_app(
+        backend,
+        tokenizer,
+        model_name="m",
+        max_model_len=MAX_LEN,
+        limits=kw.pop("limits", GatewayLimits(max_body_bytes=4096)),
+        **kw,
+    )
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
 
 
@@ -49,32 +56,35 @@ def sse_events(text: str) -> list:
     out = []
     for block in text.strip().split("\n\n"):
         assert block.startswith("data: "), block
-        payload = block[len("data: "):]
+        payload = block[len("data: ") :]
         out.append(payload if payload == "[DONE]" else json.loads(payload))
     return out
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
-    ({"prompt": "hi", "max_tokens": -3}, "max_tokens"),
-    ({"prompt": "hi", "max_tokens": 2.5}, "max_tokens"),
-    ({"prompt": "hi", "max_tokens": True}, "max_tokens"),
-    ({"prompt": "hi", "max_tokens": 500}, "max_tokens"),  # over the context
-    ({"prompt": "hi", "n": 99}, "n"),
-    ({"prompt": "hi", "temperature": -1}, "temperature"),
-    ({"prompt": "hi", "top_p": 0}, "top_p"),
-    ({"prompt": "hi", "top_p": 1.5}, "top_p"),
-    ({"prompt": "hi", "top_k": -2}, "top_k"),
-    ({"prompt": "hi", "logprobs": 50}, "logprobs"),
-    ({"prompt": [1, 2, 99999]}, "prompt"),
-    ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
-    ({"max_tokens": 3}, "prompt"),
-    ({"prompt": ""}, "prompt"),
-    ({"prompt": "hi", "seed": 2**70}, "seed"),
-    ({"prompt": "hi", "stop": ["a"] * 40}, "stop"),
-    ({"prompt": "hi", "stop": ["x" * 1000]}, "stop"),
-    ({"prompt": 12}, "prompt"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "hi", "max_tokens": -3}, "max_tokens"),
+        ({"prompt": "hi", "max_tokens": 2.5}, "max_tokens"),
+        ({"prompt": "hi", "max_tokens": True}, "max_tokens"),
+        ({"prompt": "hi", "max_tokens": 500}, "max_tokens"),  # over the context
+        ({"prompt": "hi", "n": 99}, "n"),
+        ({"prompt": "hi", "temperature": -1}, "temperature"),
+        ({"prompt": "hi", "top_p": 0}, "top_p"),
+        ({"prompt": "hi", "top_p": 1.5}, "top_p"),
+        ({"prompt": "hi", "top_k": -2}, "top_k"),
+        ({"prompt": "hi", "logprobs": 50}, "logprobs"),
+        ({"prompt": [1, 2, 99999]}, "prompt"),
+        ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
+        ({"max_tokens": 3}, "prompt"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": "hi", "seed": 2**70}, "seed"),
+        ({"prompt": "hi", "stop": ["a"] * 40}, "stop"),
+        ({"prompt": "hi", "stop": ["x" * 1000]}, "stop"),
+        ({"prompt": 12}, "prompt"),
+    ],
+)
 def test_invalid_parameters_get_400_envelope(backend, tokenizer, body, param):
     r = run(post(backend, tokenizer, "/v1/completions", body))
     assert r.status_code == 400, r.text
@@ -96,10 +106,12 @@ def test_api_key_checked_before_the_body(backend, tokenizer):
     async def go():
         async with client_for(backend, tokenizer, api_key="sekret") as c:
             bad = await c.post("/v1/completions", json={"prompt": "hi"})
-            good = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2},
-                                headers={"Authorization": "Bearer sekret"})
+            good = await c.post(
+                "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers={"Authorization": "Bearer sekret"}
+            )
             health = await c.get("/health")
             return bad, good, health
+
     bad, good, health = run(go())
     assert bad.status_code == 401 and bad.json()["error"]["type"] == "authentication_error"
     assert good.status_code == 200 and health.status_code == 200
@@ -111,14 +123,22 @@ def test_completion_shape_usage_and_server_side_ids(backend, tokenizer):
     assert r.status_code == 200 and body["object"] == "text_completion"
     assert body["id"].startswith("cmpl-") and body["choices"][0]["finish_reason"] == "length"
     assert body["choices"][0]["text"] == tokenizer.decode([5, 6, 7, 5])
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
-                             "prompt_tokens_details": {"cached_tokens": 0}}
+    assert body["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 4,
+        "total_tokens": 7,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     assert backend.finished == [body["id"]]
 
 
 def test_streaming_chat_format(backend, tokenizer):
-    body = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 3, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "messages": [{"role": "user", "content": "hello there"}],
+        "max_tokens": 3,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     r = run(post(backend, tokenizer, "/v1/chat/completions", body))
     events = sse_events(r.text)
     assert events[-1] == "[DONE]"
@@ -132,8 +152,14 @@ def test_streaming_chat_format(backend, tokenizer):
 
 
 def test_n_choices_with_distinct_seeds(backend, tokenizer):
-    r = run(post(backend, tokenizer, "/v1/completions",
-                 {"prompt": [5, 6], "max_tokens": 2, "n": 3, "seed": 10, "temperature": 0.7}))
+    r = run(
+        post(
+            backend,
+            tokenizer,
+            "/v1/completions",
+            {"prompt": [5, 6], "max_tokens": 2, "n": 3, "seed": 10, "temperature": 0.7},
+        )
+    )
     body = r.json()
     assert [c["index"] for c in body["choices"]] == [0, 1, 2]
     assert sorted(sp.seed for sp in backend.sampling.values()) == [10, 11, 12]
@@ -142,8 +168,7 @@ def test_n_choices_with_distinct_seeds(backend, tokenizer):
 
 def test_stop_string_truncates_and_aborts_upstream(backend, tokenizer):
     ids = tokenizer.encode("the server the model the cache")
-    r = run(post(backend, tokenizer, "/v1/completions",
-                 {"prompt": ids, "max_tokens": 40, "stop": ["model"]}))
+    r = run(post(backend, tokenizer, "/v1/completions", {"prompt": ids, "max_tokens": 40, "stop": ["model"]}))
     choice = r.json()["choices"][0]
     assert choice["finish_reason"] == "stop"
     assert choice["text"] == "the server the "
@@ -155,8 +180,14 @@ def test_logprobs_shapes(backend, tokenizer):
     lp = r.json()["choices"][0]["logprobs"]
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 2
     assert lp["text_offset"][0] == 0 and len(lp["top_logprobs"][0]) == 2
-    r = run(post(backend, tokenizer, "/v1/chat/completions",
-                 {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "logprobs": True, "top_logprobs": 1}))
+    r = run(
+        post(
+            backend,
+            tokenizer,
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "logprobs": True, "top_logprobs": 1},
+        )
+    )
     content = r.json()["choices"][0]["logprobs"]["content"]
     assert len(content) == 2 and len(content[0]["top_logprobs"]) == 1 and "bytes" in content[0]
 
@@ -176,13 +207,19 @@ def test_health_metrics_and_models(backend, tokenizer):
             backend.healthy = False
             down = await c.get("/health")
             return ok, down, await c.get("/metrics"), await c.get("/v1/models")
+
     ok, down, metrics, models = run(go())
     assert ok.status_code == 200 and down.status_code == 503
     text = metrics.text
-    for name in ("pdserve_time_to_first_token_seconds_bucket", "pdserve_time_per_output_token_seconds_count",
-                 "pdserve_e2e_request_latency_seconds_count", 'pdserve_kv_blocks_free{node="stub-0"} 7.0',
-                 'pdserve_kv_blocks_total{node="stub-0"} 10.0', "pdserve_num_requests_running",
-                 "pdserve_ttft_breakdown_seconds_count"):
+    for name in (
+        "pdserve_time_to_first_token_seconds_bucket",
+        "pdserve_time_per_output_token_seconds_count",
+        "pdserve_e2e_request_latency_seconds_count",
+        'pdserve_kv_blocks_free{node="stub-0"} 7.0',
+        'pdserve_kv_blocks_total{node="stub-0"} 10.0',
+        "pdserve_num_requests_running",
+        "pdserve_ttft_breakdown_seconds_count",
+    ):
         assert name in text, name
     assert models.json()["data"][0]["id"] == "m"
 
@@ -192,9 +229,11 @@ def test_concurrent_requests_all_finish(backend, tokenizer):
 
     async def go():
         async with client_for(backend, tokenizer) as c:
-            rs = await asyncio.gather(*[c.post("/v1/completions", json={"prompt": [5 + i], "max_tokens": 5})
-                                        for i in range(20)])
+            rs = await asyncio.gather(
+                *[c.post("/v1/completions", json={"prompt": [5 + i], "max_tokens": 5}) for i in range(20)]
+            )
             return rs
+
     rs = run(go())
     assert all(r.status_code == 200 for r in rs)
     assert len(backend.finished) == 20 and backend.aborted == []
@@ -205,8 +244,9 @@ def test_request_timeout_aborts_upstream(backend, tokenizer):
     limits = GatewayLimits(max_body_bytes=4096, request_timeout_s=0.15)
     r = run(post(backend, tokenizer, "/v1/completions", {"prompt": [5, 6], "max_tokens": 50}, limits=limits))
     assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
-    r = run(post(backend, tokenizer, "/v1/completions", {"prompt": [5, 6], "max_tokens": 50, "stream": True},
-                 limits=limits))
+    r = run(
+        post(backend, tokenizer, "/v1/completions", {"prompt": [5, 6], "max_tokens": 50, "stream": True}, limits=limits)
+    )
     events = sse_events(r.text)
     assert events[-1] == "[DONE]" and "timed out" in events[-2]["error"]["message"]
     assert len(backend.aborted) == 2 and backend.finished == []
@@ -214,31 +254,48 @@ def test_request_timeout_aborts_upstream(backend, tokenizer):
 
 def test_full_queue_is_429_with_retry_after(backend, tokenizer):
     from pdserve.gateway.admission import QueueFull
+
     backend.refusal = QueueFull("the decode queue is full", retry_after_s=4)
     r = run(post(backend, tokenizer, "/v1/completions", {"prompt": "hi"}))
     assert r.status_code == 429 and r.headers["retry-after"] == "4"
     assert r.json()["error"]["code"] == "queue_full"
 
+
 def test_unknown_path_and_wrong_method_get_envelopes(backend, tokenizer):
     async def go():
         async with client_for(backend, tokenizer) as c:
             return await c.get("/v1/nope"), await c.get("/v1/completions")
+
     missing, wrong = run(go())
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
     assert wrong.status_code == 405 and wrong.json()["error"]["code"] == "method_not_allowed"
     assert "allow" in {k.lower() for k in wrong.headers}
 
 
-@pytest.mark.parametrize("path,body,param", [
-    ("/v1/completions", {"prompt": "hi", "frobnicate": 1}, "frobnicate"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}, "tool_choice"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                              "response_format": {"type": "json_object"}}, "response_format"),
-    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),
-    ("/v1/completions", {"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
-    ("/v1/completions", {"prompt": "hi", "logit_bias": {"999999": 1}}, "logit_bias"),  # past the vocabulary
-])
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        ("/v1/completions", {"prompt": "hi", "frobnicate": 1}, "frobnicate"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+            "tools",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"},
+            "tool_choice",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+            "response_format",
+        ),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"999999": 1}}, "logit_bias"),  # past the vocabulary
+    ],
+)
 def test_nothing_is_ignored_silently(backend, tokenizer, path, body, param):
     r = run(post(backend, tokenizer, path, body))
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
@@ -246,13 +303,30 @@ def test_nothing_is_ignored_silently(backend, tokenizer, path, body, param):
 
 
 def test_logit_bias_reaches_the_sampler_and_harmless_defaults_pass(backend, tokenizer):
-    r = run(post(backend, tokenizer, "/v1/completions", {"prompt": [5, 6], "max_tokens": 2,
-                                                         "logit_bias": {"7": -100, "3": 2.5}, "user": "u1"}))
+    r = run(
+        post(
+            backend,
+            tokenizer,
+            "/v1/completions",
+            {"prompt": [5, 6], "max_tokens": 2, "logit_bias": {"7": -100, "3": 2.5}, "user": "u1"},
+        )
+    )
     assert r.status_code == 200, r.text
     assert backend.sampling[backend.started[0]].logit_bias == ((3, 2.5), (7, -100.0))
-    r = run(post(backend, tokenizer, "/v1/chat/completions", {
-        "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "tools": [], "tool_choice": "none",
-        "response_format": {"type": "text"}}))
+    r = run(
+        post(
+            backend,
+            tokenizer,
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "max_tokens": 2,
+                "tools": [],
+                "tool_choice": "none",
+                "response_format": {"type": "text"},
+            },
+        )
+    )
     assert r.status_code == 200, r.text
 
 
@@ -260,12 +334,15 @@ def test_chat_template_file_and_models_root(backend, tokenizer):
     template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
 
     async def go():
-        app = create_app(backend, tokenizer, model_name="m", max_model_len=MAX_LEN, chat_template=template,
-                         model_root="/models/m")
+        app = create_app(
+            backend, tokenizer, model_name="m", max_model_len=MAX_LEN, chat_template=template, model_root="/models/m"
+        )
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
-            chat = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
-                                                              "max_tokens": 1})
+            chat = await c.post(
+                "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+            )
             return chat, await c.get("/v1/models")
+
     chat, models = run(go())
     assert chat.status_code == 200, chat.text
     assert backend.prompts[backend.started[0]] == tokenizer.encode("<user>hi", add_special_tokens=False)

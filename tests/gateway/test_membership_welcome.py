@@ -3,6 +3,7 @@
 The heartbeat thread does not wait for a Welcome, so after a gateway (re)start its first message
 from a worker may be a Heartbeat. The worker is routable from then on; without a Welcome it has
 no route back and drops the outputs of the requests it gets (seen as a hung 1P1D test)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -24,9 +25,15 @@ def test_worker_first_heard_by_heartbeat_is_welcomed(tmp_path):
         ctx = zmq.Context()
         worker_inbox = Inbox(ctx, AUTH, f"ipc://{tmp_path}/worker.sock")
         to_gateway = Outbox(ctx, AUTH, backend.inbox_addr)
-        info = WorkerInfo(worker_id="prefill-test-1", role="prefill", control_addr=worker_inbox.addr,
-                          host="localhost", pid=1, model_fingerprint="m",
-                          kv_layout=KvLayout(1, 4, 16, 1, 8, "float32"))
+        info = WorkerInfo(
+            worker_id="prefill-test-1",
+            role="prefill",
+            control_addr=worker_inbox.addr,
+            host="localhost",
+            pid=1,
+            model_fingerprint="m",
+            kv_layout=KvLayout(1, 4, 16, 1, 8, "float32"),
+        )
         try:
             assert to_gateway.send(Heartbeat(worker_id=info.worker_id, stats=WorkerStats(), info=info))
             got = []

@@ -1,4 +1,5 @@
 """Incremental detokenization and stop-string matching, property-style."""
+
 from __future__ import annotations
 
 import random

@@ -1,6 +1,7 @@
 """The engine on a CUDA device (Triton attention): greedy output equals HF transformers on the
 same device and weights (fp32, no TF32), single, ragged, chunked and preempted; bf16 runs.
 Skipped without a CUDA device."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,8 +12,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.protocol.sampling import SamplingParams
 from tests.conftest import random_prompts
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 MAX_NEW = 24
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
@@ -27,32 +27,40 @@ def _no_tf32():
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
-def cuda_engine(model, dtype="float32", block_size=16, num_blocks=256, budget=512,
-                max_model_len=256) -> LLMEngine:
-    return LLMEngine(EngineConfig(
-        model=str(model), dtype=dtype, device="cuda",
-        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
-        scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=budget, max_model_len=max_model_len)),
-        show_progress=False)
+def cuda_engine(model, dtype="float32", block_size=16, num_blocks=256, budget=512, max_model_len=256) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(
+            model=str(model),
+            dtype=dtype,
+            device="cuda",
+            cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
+            scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=budget, max_model_len=max_model_len),
+        ),
+        show_progress=False,
+    )
 
 
 def hf_greedy_cuda(model, prompts):
     from transformers import AutoModelForCausalLM
+
     hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).cuda().eval()
     outs = []
     with torch.no_grad():
         for p in prompts:
             ids = torch.tensor([p], device="cuda")
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW,
-                              do_sample=False, pad_token_id=0)
-            outs.append(out[0, len(p):].tolist())
+            out = hf.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0
+            )
+            outs.append(out[0, len(p) :].tolist())
     return outs
 
 
 @pytest.mark.parametrize("mode", ["single", "ragged", "chunked", "preempted"])
 def test_greedy_on_cuda_equals_hf(tiny_model, mode):
-    kw = {"chunked": dict(block_size=4, budget=7),
-          "preempted": dict(block_size=4, num_blocks=48, max_model_len=160)}.get(mode, {})
+    kw = {
+        "chunked": dict(block_size=4, budget=7),
+        "preempted": dict(block_size=4, num_blocks=48, max_model_len=160),
+    }.get(mode, {})
     engine = cuda_engine(tiny_model, **kw)
     assert engine.runner.kv_cache.is_cuda
     prompts = random_prompts(engine.model_config.vocab_size, LENGTHS, seed=5)

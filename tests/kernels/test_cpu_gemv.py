@@ -1,4 +1,5 @@
 """The C one-row linear (kernels/cpu_gemv.c) against float64, and where the model uses it."""
+
 from __future__ import annotations
 
 import pytest
@@ -33,7 +34,7 @@ def test_matches_float64(n_in, n_out, with_bias, restore_threads):
         torch.set_num_threads(threads)
         y = cpu_native.gemv(x, w, bias)
         assert y.shape == (1, n_out)
-        torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5 * n_in ** 0.5)
+        torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5 * n_in**0.5)
         outs.append(y)
     # each column is summed over `in` in the same order whichever thread owns it
     assert all(torch.equal(outs[0], o) for o in outs[1:])

@@ -1,5 +1,6 @@
 """The C layer ops (kernels/cpu_layer_ops.c) against their torch formulas (HF's), in float64 as
 the reference: RMSNorm, the residual add fused into it, silu(gate) * up."""
+
 from __future__ import annotations
 
 import pytest
@@ -92,8 +93,8 @@ def test_rope_store_rotates_and_stores_like_torch(hq, hkv, d):
     q, k, v = layer_ops.rope_store(qkv, cos, sin, hq, hkv, kv, slots)
     heads = qkv.view(rows, hq + 2 * hkv, d)
     torch.testing.assert_close(q, _rotate64(heads[:, :hq], cos, sin).float(), rtol=1e-6, atol=2e-6)
-    torch.testing.assert_close(k, _rotate64(heads[:, hq:hq + hkv], cos, sin).float(), rtol=1e-6, atol=2e-6)
-    assert torch.equal(v, heads[:, hq + hkv:])
+    torch.testing.assert_close(k, _rotate64(heads[:, hq : hq + hkv], cos, sin).float(), rtol=1e-6, atol=2e-6)
+    assert torch.equal(v, heads[:, hq + hkv :])
     flat = kv.view(2, blocks * bs, hkv, d)
     stored = slots >= 0
     assert torch.equal(flat[0, slots[stored]], k[stored]) and torch.equal(flat[1, slots[stored]], v[stored])

@@ -1,5 +1,6 @@
 """The C decode-attention kernel (kernels/cpu_native.py) against the float64 reference, and its
 build: cached per machine, and absent (torch path) when there is no compiler."""
+
 from __future__ import annotations
 
 import os
@@ -23,8 +24,9 @@ HAVE_CC = bool(os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 def native_decode(case) -> torch.Tensor:
     nd = case.meta.num_decode_seqs
     out = torch.full_like(case.query[:nd], float("nan"))
-    assert cpu_native.paged_decode_attention(case.query[:nd], case.kv_layer, case.meta.block_tables,
-                                             case.meta.context_lens, case.scale, out)
+    assert cpu_native.paged_decode_attention(
+        case.query[:nd], case.kv_layer, case.meta.block_tables, case.meta.context_lens, case.scale, out
+    )
     return out
 
 
@@ -56,8 +58,9 @@ def test_query_rows_apart_as_in_the_fused_qkv():
     strided = fused[:, :8]
     assert not strided.is_contiguous()
     out = torch.full_like(case.query[:nd], float("nan"))
-    assert cpu_native.paged_decode_attention(strided, case.kv_layer, case.meta.block_tables,
-                                             case.meta.context_lens, case.scale, out)
+    assert cpu_native.paged_decode_attention(
+        strided, case.kv_layer, case.meta.block_tables, case.meta.context_lens, case.scale, out
+    )
     assert torch.equal(out, native_decode(case))
 
 
@@ -105,16 +108,16 @@ def test_shapes_over_the_limits_fall_back_to_torch(hq, hkv, d):
     refuses, dispatch still answers."""
     case = make_case([(1, 9), (1, 20)], 2, hq, hkv, d, 16, seed=23)
     out = torch.empty_like(case.query)
-    assert not cpu_native.paged_decode_attention(case.query, case.kv_layer, case.meta.block_tables,
-                                                 case.meta.context_lens, case.scale, out)
+    assert not cpu_native.paged_decode_attention(
+        case.query, case.kv_layer, case.meta.block_tables, case.meta.context_lens, case.scale, out
+    )
     res = kernels.paged_attention(case.query, case.key, case.value, case.kv_layer, case.meta, case.scale)
     torch.testing.assert_close(res.double(), reference(case), atol=1e-5, rtol=1e-5)
 
 
 def _fresh_interpreter(code: str, **env: str) -> subprocess.CompletedProcess:
     full = {k: v for k, v in os.environ.items() if k != "PDSERVE_ATTENTION"} | env
-    return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=full, capture_output=True, text=True,
-                          timeout=180)
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=full, capture_output=True, text=True, timeout=180)
 
 
 @needs_kernel
@@ -128,16 +131,18 @@ def test_built_once_into_the_cache(tmp_path):
 
 
 def test_no_compiler_means_torch_path(tmp_path):
-    code = ("import torch, kernels\n"
-            "from kernels import cpu_native\n"
-            "assert not cpu_native.available() and not cpu_native.gemv_available()\n"
-            "assert not cpu_native.prefill_available()\n"
-            "meta = kernels.AttentionMetadata.build([1, 2], [3, 2], [[1], [0]], 1)\n"
-            "kv = torch.randn(2, 2, 4, 1, 8)\n"
-            "k = torch.randn(3, 1, 8)\n"
-            "kernels.store_kv(k, k, kv, torch.tensor([2, 0, 1]))\n"
-            "out = kernels.paged_attention(torch.randn(3, 2, 8), k, k, kv, meta, 0.35)\n"
-            "assert out.shape == (3, 2, 8) and bool(out.isfinite().all())\n")
+    code = (
+        "import torch, kernels\n"
+        "from kernels import cpu_native\n"
+        "assert not cpu_native.available() and not cpu_native.gemv_available()\n"
+        "assert not cpu_native.prefill_available()\n"
+        "meta = kernels.AttentionMetadata.build([1, 2], [3, 2], [[1], [0]], 1)\n"
+        "kv = torch.randn(2, 2, 4, 1, 8)\n"
+        "k = torch.randn(3, 1, 8)\n"
+        "kernels.store_kv(k, k, kv, torch.tensor([2, 0, 1]))\n"
+        "out = kernels.paged_attention(torch.randn(3, 2, 8), k, k, kv, meta, 0.35)\n"
+        "assert out.shape == (3, 2, 8) and bool(out.isfinite().all())\n"
+    )
     proc = _fresh_interpreter(code, CC=str(tmp_path / "no-such-cc"), XDG_CACHE_HOME=str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "torch twin runs instead" in proc.stderr

@@ -1,4 +1,5 @@
 """The C few-row GEMM (kernels/cpu_panel_gemm.c) on panel-packed weights, against float64."""
+
 from __future__ import annotations
 
 import pytest
@@ -21,7 +22,7 @@ def test_matches_float64(n_in, n_out, rows, bias):
     assert panels.shape == (-(-n_out // 16), n_in, 16)
     y = panel_gemm.linear(x, panels, b, n_out)
     want = x.double() @ w.double().t() + (b.double() if bias else 0)
-    torch.testing.assert_close(y, want.float(), rtol=1e-5, atol=1e-4 * n_in ** 0.5)
+    torch.testing.assert_close(y, want.float(), rtol=1e-5, atol=1e-4 * n_in**0.5)
 
 
 def test_a_rows_result_depends_on_neither_batch_nor_threads():

@@ -1,6 +1,7 @@
 """The C prefill-attention kernel (kernels/cpu_prefill_attention.c) against the float64
 reference: prompt chunks with and without earlier context, behind decodes, on shuffled blocks
 with garbage in the unused slots."""
+
 from __future__ import annotations
 
 import pytest
@@ -23,13 +24,21 @@ def native_prefill(case) -> torch.Tensor:
     """The kernel's rows for the prefill sequences; decode rows are left NaN."""
     out = torch.full_like(case.query, float("nan"))
     meta = case.meta
-    assert cpu_native.paged_prefill_attention(case.query, case.kv_layer, meta.block_tables, meta.cu_seqlens_q,
-                                              meta.context_lens, meta.num_decode_seqs, case.scale, out)
+    assert cpu_native.paged_prefill_attention(
+        case.query,
+        case.kv_layer,
+        meta.block_tables,
+        meta.cu_seqlens_q,
+        meta.context_lens,
+        meta.num_decode_seqs,
+        case.scale,
+        out,
+    )
     return out
 
 
 def prefill_rows(case, t: torch.Tensor) -> torch.Tensor:
-    return t[case.meta.cu_seqlens_q_cpu[case.meta.num_decode_seqs]:]
+    return t[case.meta.cu_seqlens_q_cpu[case.meta.num_decode_seqs] :]
 
 
 def test_builds_where_there_is_a_compiler():
@@ -50,8 +59,9 @@ def test_leaves_the_decode_rows_alone():
     out = native_prefill(case)
     nd = case.meta.num_decode_seqs
     assert bool(out[:nd].isnan().all())
-    torch.testing.assert_close(prefill_rows(case, out).double(), prefill_rows(case, reference(case)),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        prefill_rows(case, out).double(), prefill_rows(case, reference(case)), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_query_rows_apart_as_in_the_fused_qkv():
@@ -62,8 +72,9 @@ def test_query_rows_apart_as_in_the_fused_qkv():
     assert not strided.is_contiguous()
     out = torch.full_like(case.query, float("nan"))
     meta = case.meta
-    assert cpu_native.paged_prefill_attention(strided, case.kv_layer, meta.block_tables, meta.cu_seqlens_q,
-                                              meta.context_lens, 0, case.scale, out)
+    assert cpu_native.paged_prefill_attention(
+        strided, case.kv_layer, meta.block_tables, meta.cu_seqlens_q, meta.context_lens, 0, case.scale, out
+    )
     assert torch.equal(out, native_prefill(case))
 
 
@@ -99,7 +110,15 @@ def test_shapes_over_the_limits_fall_back_to_torch(hq, hkv, d):
     """More than 16 query heads per KV head, or a head_dim not a multiple of 8."""
     case = make_case([(9, 9), (5, 20)], 0, hq, hkv, d, 16, seed=35)
     meta = case.meta
-    assert not cpu_native.paged_prefill_attention(case.query, case.kv_layer, meta.block_tables, meta.cu_seqlens_q,
-                                                  meta.context_lens, 0, case.scale, torch.empty_like(case.query))
+    assert not cpu_native.paged_prefill_attention(
+        case.query,
+        case.kv_layer,
+        meta.block_tables,
+        meta.cu_seqlens_q,
+        meta.context_lens,
+        0,
+        case.scale,
+        torch.empty_like(case.query),
+    )
     res = kernels.paged_attention(case.query, case.key, case.value, case.kv_layer, case.meta, case.scale)
     torch.testing.assert_close(res.double(), reference(case), atol=1e-5, rtol=1e-5)

@@ -1,5 +1,6 @@
 """The fused decode layers (kernels/cpu_decode_layers.c) give bit for bit the per-op path's hidden
 states and KV, and take only the steps they are for."""
+
 from __future__ import annotations
 
 import pytest

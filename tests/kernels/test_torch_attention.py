@@ -3,6 +3,7 @@
 `make_case` / `reference` are also used by test_triton_kernels.py (in a TRITON_INTERPRET=1
 subprocess), so keep them free of pytest state.
 """
+
 from __future__ import annotations
 
 import math
@@ -30,9 +31,18 @@ class Case:
     scale: float
 
 
-def make_case(seqs: list[tuple[int, int]], num_decode: int, hq: int, hkv: int, d: int, bs: int,
-              dtype: torch.dtype = torch.float32, seed: int = 0, spare_blocks: int = 5,
-              runs: tuple[int, ...] = ()) -> Case:
+def make_case(
+    seqs: list[tuple[int, int]],
+    num_decode: int,
+    hq: int,
+    hkv: int,
+    d: int,
+    bs: int,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    spare_blocks: int = 5,
+    runs: tuple[int, ...] = (),
+) -> Case:
     """`seqs` = (q_len, context_len) per sequence, decodes first. Block ids are shuffled across
     sequences, except that the sequences listed in `runs` get one run of consecutive blocks each
     (separated by a garbage block); unused slots of the pool hold large random garbage (catches
@@ -58,8 +68,8 @@ def make_case(seqs: list[tuple[int, int]], num_decode: int, hq: int, hkv: int, d
             kv_layer[1, table[pos // bs], pos % bs] = hv[pos]
     q_lens = [q for q, _ in seqs]
     query = torch.randn(sum(q_lens), hq, d, generator=g).to(dtype)
-    key = torch.cat([hk[c - q:] for (q, c), hk in zip(seqs, hist_k)])
-    value = torch.cat([hv[c - q:] for (q, c), hv in zip(seqs, hist_v)])
+    key = torch.cat([hk[c - q :] for (q, c), hk in zip(seqs, hist_k)])
+    value = torch.cat([hv[c - q :] for (q, c), hv in zip(seqs, hist_v)])
     meta = AttentionMetadata.build(q_lens, [c for _, c in seqs], tables, num_decode)
     return Case(query, key, value, kv_layer, meta, hist_k, hist_v, q_lens, 1.0 / math.sqrt(d))
 
@@ -90,8 +100,7 @@ SHAPES = [(4, 2, 16), (8, 2, 64), (4, 4, 32), (6, 2, 16)]  # (Hq, Hkv, D)
 
 
 def run_torch(case: Case) -> torch.Tensor:
-    return torch_attention.paged_attention(case.query, case.key, case.value, case.kv_layer,
-                                           case.meta, case.scale)
+    return torch_attention.paged_attention(case.query, case.key, case.value, case.kv_layer, case.meta, case.scale)
 
 
 @pytest.mark.parametrize("bs", [16, 4])
@@ -167,8 +176,8 @@ def test_store_kv_places_tokens_and_skips_negative_slots():
     before = kv.clone()
     t = 10
     qkv = torch.randn(t, 3 * hkv * d, generator=g)
-    key = qkv[:, hkv * d:2 * hkv * d].view(t, hkv, d)  # strided, like the model's split
-    value = qkv[:, 2 * hkv * d:].view(t, hkv, d)
+    key = qkv[:, hkv * d : 2 * hkv * d].view(t, hkv, d)  # strided, like the model's split
+    value = qkv[:, 2 * hkv * d :].view(t, hkv, d)
     slots = torch.tensor([5, -1, 0, 27, -1, 13, 14, 3, -1, 20], dtype=torch.int64)
     torch_attention.store_kv(key, value, kv, slots)
     expect = before.clone()
@@ -233,6 +242,7 @@ def test_import_and_cpu_path_without_triton():
     import subprocess
     import sys
     from pathlib import Path
+
     code = (
         "import sys; sys.modules['triton'] = None\n"
         "import torch, kernels\n"
@@ -247,6 +257,5 @@ def test_import_and_cpu_path_without_triton():
     )
     repo = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k != "PDSERVE_ATTENTION"}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=repo, env=env, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=repo, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]

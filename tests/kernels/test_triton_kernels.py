@@ -5,6 +5,7 @@ subprocess (`python -m tests.kernels.test_triton_kernels CASES_JSON`, this same 
 reports max errors as JSON; the tests below only read that report. Sizes are tiny: the
 interpreter runs every program instance in Python.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -52,13 +53,14 @@ def _case_errors(spec: tuple, decode_splits: int | None = None) -> dict[str, flo
         t = q.shape[0]
         qkv = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], 1)
         q, k, v = (x.view(t, -1, d) for x in qkv.split([hq * d, hkv * d, hkv * d], dim=-1))
-    out = triton_attention.paged_attention(q, k, v, case.kv_layer, case.meta, case.scale,
-                                           decode_splits=decode_splits)
+    out = triton_attention.paged_attention(q, k, v, case.kv_layer, case.meta, case.scale, decode_splits=decode_splits)
     ref_torch = torch_attention.paged_attention(q, k, v, case.kv_layer, case.meta, case.scale)
     dense = reference(case)
-    return {"vs_torch": (out.double() - ref_torch.double()).abs().max().item(),
-            "vs_reference": (out.double() - dense).abs().max().item(),
-            "dtype_ok": float(out.dtype == q.dtype and out.shape == q.shape)}
+    return {
+        "vs_torch": (out.double() - ref_torch.double()).abs().max().item(),
+        "vs_reference": (out.double() - dense).abs().max().item(),
+        "dtype_ok": float(out.dtype == q.dtype and out.shape == q.shape),
+    }
 
 
 def _store_errors() -> dict[str, float]:
@@ -66,13 +68,14 @@ def _store_errors() -> dict[str, float]:
     import torch
 
     from pdserve.kernels import torch_attention, triton_attention
+
     res = {}
     for dtype in (torch.float32, torch.bfloat16):
         g = torch.Generator().manual_seed(1)
         n, bs, hkv, d, t = 7, 4, 2, 24, 10
         pool = torch.randn(2, n, bs, hkv, d, generator=g).to(dtype)
         qkv = torch.randn(t, 3 * hkv * d, generator=g).to(dtype)
-        key, value = qkv[:, hkv * d:2 * hkv * d].view(t, hkv, d), qkv[:, 2 * hkv * d:].view(t, hkv, d)
+        key, value = qkv[:, hkv * d : 2 * hkv * d].view(t, hkv, d), qkv[:, 2 * hkv * d :].view(t, hkv, d)
         slots = torch.tensor([5, -1, 0, 27, -1, 13, 14, 3, -1, 20], dtype=torch.int64)
         a, b = pool.clone(), pool.clone()
         triton_attention.store_kv(key, value, a, slots)
@@ -88,21 +91,25 @@ def _dispatch_ok() -> float:
     from pdserve import kernels
     from pdserve.kernels import triton_attention
     from tests.kernels.test_torch_attention import make_case
+
     case = make_case(MIXED[:4], 3, 4, 2, 16, 16, seed=9)
     os.environ["PDSERVE_ATTENTION"] = "triton"
     from pdserve.env import reload
+
     reload()
     via = kernels.paged_attention(case.query, case.key, case.value, case.kv_layer, case.meta, case.scale)
-    direct = triton_attention.paged_attention(case.query, case.key, case.value, case.kv_layer, case.meta,
-                                              case.scale)
+    direct = triton_attention.paged_attention(case.query, case.key, case.value, case.kv_layer, case.meta, case.scale)
     return float(torch.equal(via, direct))
 
 
 def main(argv: list[str]) -> None:
     names = json.loads(argv[0])
-    report = {"cases": {name: _case_errors(CASES[name]) for name in names},
-              "split_cases": {name: _case_errors(CASES[name], splits) for name, splits in SPLIT_CASES.items()},
-              "store_kv": _store_errors(), "dispatch": _dispatch_ok()}
+    report = {
+        "cases": {name: _case_errors(CASES[name]) for name in names},
+        "split_cases": {name: _case_errors(CASES[name], splits) for name, splits in SPLIT_CASES.items()},
+        "store_kv": _store_errors(),
+        "dispatch": _dispatch_ok(),
+    }
     print(json.dumps(report))
 
 
@@ -111,8 +118,14 @@ def report() -> dict:
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO), PDSERVE_ATTENTION="")
-    proc = subprocess.run([sys.executable, "-m", "tests.kernels.test_triton_kernels", json.dumps(list(CASES))],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.kernels.test_triton_kernels", json.dumps(list(CASES))],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -131,6 +144,7 @@ def test_split_kv_decode_matches_torch(report, name):
     """Flash-decoding: the context split over several programs, partials combined by log-sum-exp
     (some splits land past a short sequence's end and must weigh nothing)."""
     from pdserve.kernels.triton_attention import decode_block_n, plan_decode_splits
+
     seqs, nd, d = CASES[name][0], CASES[name][1], CASES[name][4]
     splits, _ = plan_decode_splits(max(c for _, c in seqs[:nd]), decode_block_n(d), SPLIT_CASES[name])
     assert splits == SPLIT_CASES[name]  # the context really is split that many ways

@@ -1,4 +1,5 @@
 """bench-kv runs end to end at a tiny size and prints one valid JSON line."""
+
 from __future__ import annotations
 
 import json
@@ -7,8 +8,23 @@ from pdserve.kvtransfer.bench import bench_kv_main
 
 
 def test_bench_kv_json_tiny(capsys):
-    rc = bench_kv_main(["--json", "--tokens", "40", "--layers", "2", "--kv-heads", "2", "--head-dim", "8",
-                        "--block-size", "8", "--repeat", "2"])
+    rc = bench_kv_main(
+        [
+            "--json",
+            "--tokens",
+            "40",
+            "--layers",
+            "2",
+            "--kv-heads",
+            "2",
+            "--head-dim",
+            "8",
+            "--block-size",
+            "8",
+            "--repeat",
+            "2",
+        ]
+    )
     out = capsys.readouterr().out.strip().splitlines()
     assert rc == 0 and len(out) == 1
     res = json.loads(out[0])
@@ -19,8 +35,28 @@ def test_bench_kv_json_tiny(capsys):
 
 
 def test_bench_kv_table_and_bad_args(capsys):
-    assert bench_kv_main(["--tokens", "16", "--layers", "1", "--kv-heads", "1", "--head-dim", "4",
-                          "--repeat", "1", "--transports", "shm", "--scattered", "--dtype", "bfloat16"]) == 0
+    assert (
+        bench_kv_main(
+            [
+                "--tokens",
+                "16",
+                "--layers",
+                "1",
+                "--kv-heads",
+                "1",
+                "--head-dim",
+                "4",
+                "--repeat",
+                "1",
+                "--transports",
+                "shm",
+                "--scattered",
+                "--dtype",
+                "bfloat16",
+            ]
+        )
+        == 0
+    )
     assert "shm" in capsys.readouterr().out
     assert bench_kv_main(["--transports", "pigeon", "--tokens", "16"]) == 2
     assert bench_kv_main(["--repeat", "0"]) == 2

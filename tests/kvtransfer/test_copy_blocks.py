@@ -1,4 +1,5 @@
 """copy_blocks (used by the shm sender and the receiver) equals plain indexing for every id pattern."""
+
 from __future__ import annotations
 
 import random

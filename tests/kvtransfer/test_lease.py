@@ -1,4 +1,5 @@
 """Lease rules on the decode side: epochs, deadlines, blocks, layers, replays, quarantine."""
+
 from __future__ import annotations
 
 import pytest
@@ -19,8 +20,18 @@ class Clock:
 
 
 def frame(rid, epoch, layer, blocks, seq, nbytes=0):
-    return KvFrameHeader(request_id=rid, lease_epoch=epoch, layer=layer, block_ids=blocks, kv_head_start=0,
-                         kv_head_end=1, dtype="float32", shape=[2, len(blocks), 1, 1, 1], nbytes=nbytes, seq=seq)
+    return KvFrameHeader(
+        request_id=rid,
+        lease_epoch=epoch,
+        layer=layer,
+        block_ids=blocks,
+        kv_head_start=0,
+        kv_head_end=1,
+        dtype="float32",
+        shape=[2, len(blocks), 1, 1, 1],
+        nbytes=nbytes,
+        seq=seq,
+    )
 
 
 def write_all(table, rid, lease, seq0=0):

@@ -1,4 +1,5 @@
 """Shared tensors: another process writes in place; attachers never unlink; views outlive close."""
+
 from __future__ import annotations
 
 import os
@@ -18,9 +19,11 @@ def test_other_process_writes_in_place_and_its_exit_does_not_unlink():
     with SharedTensor.create((3, 4), torch.float32) as owner:
         assert owner.name.startswith(NAME_PREFIX) and len(owner.name) >= len(NAME_PREFIX) + 32
         assert bool((owner.tensor == 0).all())
-        code = ("import torch\nfrom kvtransfer.shm import SharedTensor\n"
-                f"a = SharedTensor.attach({owner.name!r}, (3, 4), torch.float32)\n"
-                "a.tensor[1] = torch.arange(4.0)\na.close()\n")
+        code = (
+            "import torch\nfrom kvtransfer.shm import SharedTensor\n"
+            f"a = SharedTensor.attach({owner.name!r}, (3, 4), torch.float32)\n"
+            "a.tensor[1] = torch.arange(4.0)\na.close()\n"
+        )
         r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, r.stderr
         assert "leaked" not in r.stderr and "resource_tracker" not in r.stderr

@@ -1,4 +1,5 @@
 """Each transport lands exactly the leased blocks, bit for bit; bad frames are dropped and counted."""
+
 from __future__ import annotations
 
 import time
@@ -61,11 +62,17 @@ def test_transport_lands_leased_blocks_exactly(ctx, tmp_path, pool, transport, b
         src = torch.randn(L, 2, 20, BS, H, D)  # the prefill worker's own pool
         src_blocks, dst_blocks = [7, 3, 11, 12], [5, 0, 9, 10]
         lease = leases.grant("r1", dst_blocks, ttl_s=30)
-        sender = make_kv_sender(transport, ctx=ctx, auth=AUTH, kv_addr=receiver.addr,
-                                shm_name=pool.name, layout=KvLayout(L, N, BS, H, D, "float32"), cache=False)
+        sender = make_kv_sender(
+            transport,
+            ctx=ctx,
+            auth=AUTH,
+            kv_addr=receiver.addr,
+            shm_name=pool.name,
+            layout=KvLayout(L, N, BS, H, D, "float32"),
+            cache=False,
+        )
         try:
-            sent = sum(sender.send_layer("r1", lease, layer, src[layer], src_blocks, dst_blocks)
-                       for layer in range(L))
+            sent = sum(sender.send_layer("r1", lease, layer, src[layer], src_blocks, dst_blocks) for layer in range(L))
             assert sender.send_done(KvDone(request_id="r1", lease_epoch=lease.epoch, num_layers=L, kv_bytes=sent))
             done = drain(receiver)
         finally:
@@ -105,8 +112,7 @@ def test_zmq_half_precision_and_chunked_frames(ctx, dtype):
 def test_bad_frames_are_dropped_and_the_receiver_keeps_going(ctx, pool):
     dst = pool.tensor
     leases = LeaseTable(L)
-    with KvReceiver(ctx, AUTH, "tcp://127.0.0.1:0", dst, leases) as receiver, \
-            Outbox(ctx, AUTH, receiver.addr) as raw:
+    with KvReceiver(ctx, AUTH, "tcp://127.0.0.1:0", dst, leases) as receiver, Outbox(ctx, AUTH, receiver.addr) as raw:
         sender = ZmqKvSender(ctx, AUTH, receiver.addr)
         src = torch.ones(L, 2, 4, BS, H, D)
         lease = leases.grant("r1", [1, 2], ttl_s=30)
@@ -116,8 +122,17 @@ def test_bad_frames_are_dropped_and_the_receiver_keeps_going(ctx, pool):
             sender.send_layer("nobody", ep, 0, src[0], [0, 1], [1, 2])  # no such lease
             sender.send_layer("r1", ep, 0, src[0], [0, 1], [3, 4])  # blocks not leased
             sender.send_layer("r1", ep, L, src[0], [0, 1], [1, 2])  # no such layer
-            good = dict(request_id="r1", lease_epoch=ep, layer=0, block_ids=[1, 2], kv_head_start=0,
-                        kv_head_end=H, dtype="float32", shape=[2, 2, BS, H, D], nbytes=2 * BLOCK_BYTES)
+            good = dict(
+                request_id="r1",
+                lease_epoch=ep,
+                layer=0,
+                block_ids=[1, 2],
+                kv_head_start=0,
+                kv_head_end=H,
+                dtype="float32",
+                shape=[2, 2, BS, H, D],
+                nbytes=2 * BLOCK_BYTES,
+            )
             payload = torch.full((2, 2, BS, H, D), 5.0).numpy().tobytes()
             raw.send(KvFrameHeader(**{**good, "dtype": "float16"}, seq=100), [payload])
             raw.send(KvFrameHeader(**{**good, "kv_head_end": H + 1}, seq=101), [payload])
@@ -135,8 +150,17 @@ def test_bad_frames_are_dropped_and_the_receiver_keeps_going(ctx, pool):
         finally:
             sender.close()
         assert dict(receiver.dropped) == {
-            "stale_epoch": 1, "unknown_lease": 1, "blocks_not_leased": 1, "bad_layer": 1,
-            "layout_mismatch": 2, "size_mismatch": 4, "decode": 1, "auth": 1, "duplicate": 1, "incomplete": 1}
+            "stale_epoch": 1,
+            "unknown_lease": 1,
+            "blocks_not_leased": 1,
+            "bad_layer": 1,
+            "layout_mismatch": 2,
+            "size_mismatch": 4,
+            "decode": 1,
+            "auth": 1,
+            "duplicate": 1,
+            "incomplete": 1,
+        }
         assert untouched(dst, [1, 2]) and bool((dst[0, :, [1, 2]] == 1).all())  # only the good frame landed
         # still serving: finish the request properly
         sender = ZmqKvSender(ctx, AUTH, receiver.addr)
@@ -225,8 +249,18 @@ def test_make_kv_sender_caches_one_per_destination(ctx, pool):
 
 
 def test_wire_roundtrip_and_tags():
-    h = KvFrameHeader(request_id="r", lease_epoch=2**61, layer=1, block_ids=[3], kv_head_start=0, kv_head_end=4,
-                      dtype="float32", shape=[2, 1, 16, 4, 64], nbytes=32768, seq=7)
+    h = KvFrameHeader(
+        request_id="r",
+        lease_epoch=2**61,
+        layer=1,
+        block_ids=[3],
+        kv_head_start=0,
+        kv_head_end=4,
+        dtype="float32",
+        shape=[2, 1, 16, 4, 64],
+        nbytes=32768,
+        seq=7,
+    )
     assert decode_kv(encode_kv(h)) == h
     done = KvDone(request_id="r", lease_epoch=5, num_layers=8)
     assert decode_kv(encode_kv(done)) == done

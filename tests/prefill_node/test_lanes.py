@@ -4,6 +4,7 @@ The lanes must compute exactly what one thread running each step to the end comp
 first tokens and the same KV, bit for bit, including for a prompt whose chunks are in flight on
 two lanes at once.
 """
+
 from __future__ import annotations
 
 import os
@@ -106,8 +107,10 @@ def test_lane_failure_is_handed_back(tiny_llama, monkeypatch):
     engine = make_engine(tiny_llama, **BUDGET)
     lanes = PrefillLanes(engine.runner, lanes=1)
     try:
+
         def broken(fp, count=None):
             raise RuntimeError("layer exploded")
+
         monkeypatch.setattr(engine.runner, "run_layers", broken)
         engine.add_request("r", [5, 6, 7], SP, prefill_only=True)
         sched = engine.scheduler.schedule()

@@ -1,5 +1,6 @@
 """An Abort that arrives while a lane computes the request's chunk waits for the lane: the
 sequence's blocks are not freed (and so not handed to another request) while being written."""
+
 from __future__ import annotations
 
 import threading
@@ -13,10 +14,15 @@ from pdserve.protocol.sampling import SamplingParams
 
 
 def test_abort_waits_for_the_lane_writing_the_blocks(tiny_llama):
-    config = EngineConfig(model=str(tiny_llama), dtype="float32", cache=CacheConfig(block_size=4, num_blocks=32),
-                          scheduler=SchedulerConfig(max_num_batched_tokens=64, max_model_len=128))
-    worker = PrefillWorker(PrefillSettings(engine=config, gateways=["tcp://127.0.0.1:9"], host="test"),
-                           FrameAuth(b"k" * 32))
+    config = EngineConfig(
+        model=str(tiny_llama),
+        dtype="float32",
+        cache=CacheConfig(block_size=4, num_blocks=32),
+        scheduler=SchedulerConfig(max_num_batched_tokens=64, max_model_len=128),
+    )
+    worker = PrefillWorker(
+        PrefillSettings(engine=config, gateways=["tcp://127.0.0.1:9"], host="test"), FrameAuth(b"k" * 32)
+    )
     try:
         runner, gate = worker.engine.runner, threading.Event()
         real_run_layers = runner.run_layers
@@ -24,6 +30,7 @@ def test_abort_waits_for_the_lane_writing_the_blocks(tiny_llama):
         def gated(fp, count=None):
             assert gate.wait(10)
             real_run_layers(fp, count)
+
         runner.run_layers = gated
         pool = worker.engine.pool
         worker.engine.add_request("r", list(range(3, 23)), SamplingParams(max_tokens=2), prefill_only=True)

@@ -1,4 +1,5 @@
 """Frame authentication: what is signed verifies, anything altered does not."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,5 @@
 """Channels: typed round trips, hostile input dropped and counted, loopback-only binds, no hangs."""
+
 from __future__ import annotations
 
 import asyncio
@@ -35,9 +36,11 @@ def test_roundtrip_resolves_address(ctx, bind_addr):
     with Inbox(ctx, AUTH, bind_addr) as inbox, Outbox(ctx, AUTH, inbox.addr) as out:
         if bind_addr.startswith("tcp"):
             assert inbox.addr.startswith("tcp://127.0.0.1:") and not inbox.addr.endswith(":0")
-        msgs = [Abort(request_id="r1", reason="x"),
-                Heartbeat(worker_id="w", stats=WorkerStats(kv_blocks_free=3)),
-                TokenOutput(request_id="r1", token_ids=[1, 2, 3], timings={"a": 0.5})]
+        msgs = [
+            Abort(request_id="r1", reason="x"),
+            Heartbeat(worker_id="w", stats=WorkerStats(kv_blocks_free=3)),
+            TokenOutput(request_id="r1", token_ids=[1, 2, 3], timings={"a": 0.5}),
+        ]
         for m in msgs:
             assert out.send(m)
         got = [inbox.recv_one(2000) for _ in msgs]
@@ -128,6 +131,7 @@ def test_async_twins(tmp_path):
 
 def test_each_inbox_decodes_only_its_own_channel(ctx):
     from pdserve.protocol.messages import Welcome, decode_to_gateway, decode_to_worker
+
     out = TokenOutput(request_id="r", token_ids=[1])
     assert decode_to_gateway(encode(out)) == out
     with pytest.raises(msgspec.ValidationError):

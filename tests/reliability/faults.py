@@ -1,5 +1,6 @@
 """Environment for a test server whose workers of one role stall their first engine step
 (tests/reliability/stall_hook/sitecustomize.py does it; production code has no hook)."""
+
 from __future__ import annotations
 
 import os

@@ -19,6 +19,7 @@ A fault targets one request: the first request whose layer frame arrives after `
 Order is kept (FIFO): a message queued behind a delayed one waits for it, like bytes on one TCP
 connection. `applied` records what was done, so a test can check the fault really happened.
 """
+
 from __future__ import annotations
 
 import collections
@@ -157,7 +158,7 @@ class KvRelay(threading.Thread):
             self._enqueue(frames)
             self._enqueue(list(frames))
         elif action == "truncate":
-            self._enqueue(frames[:2] + [frames[2][:len(frames[2]) // 2]] + frames[3:])
+            self._enqueue(frames[:2] + [frames[2][: len(frames[2]) // 2]] + frames[3:])
         elif action == "corrupt":
             self._enqueue(frames[:2] + [flip_payload(frames[2])] + frames[3:])
 

@@ -1,5 +1,6 @@
 """Process-level helpers for fault tests: a `pdserve serve` whose Popen the test holds (to signal
 and inspect the supervisor itself), worker pids from /metrics, and small polling helpers."""
+
 from __future__ import annotations
 
 import contextlib
@@ -26,13 +27,27 @@ class Served:
 
 
 @contextlib.contextmanager
-def served(model: Path, *extra: str, timeout_s: float = 180.0,
-           env: dict[str, str] | None = None) -> Iterator[Served]:
+def served(model: Path, *extra: str, timeout_s: float = 180.0, env: dict[str, str] | None = None) -> Iterator[Served]:
     """Like tests.e2e.cluster.running_server, but yields the supervisor's Popen too. Always
     stops everything: SIGTERM to the supervisor, then SIGKILL to anything left in its group."""
     port = free_port()
-    argv = [sys.executable, "-m", "pdserve.cli", "serve", "--model", str(model), "--port", str(port),
-            "--dtype", "float32", "--num-blocks", "256", "--max-model-len", "512", *extra]
+    argv = [
+        sys.executable,
+        "-m",
+        "pdserve.cli",
+        "serve",
+        "--model",
+        str(model),
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--num-blocks",
+        "256",
+        "--max-model-len",
+        "512",
+        *extra,
+    ]
     proc = subprocess.Popen(argv, start_new_session=True, env=dict(os.environ, **(env or {})))
     base = f"http://127.0.0.1:{port}"
     try:

@@ -3,6 +3,7 @@ come back and nothing keeps running, long before the request could have finished
 
 Uses the ~30M model: 450 tokens take ~8 s to generate there, and everything must be idle within
 3 s of the hang-up (heartbeats carry the gauges every 0.5 s)."""
+
 from __future__ import annotations
 
 import re
@@ -38,6 +39,7 @@ def wait_all_idle(base: str, timeout_s: float = 3.0) -> tuple[dict, dict, dict]:
 @pytest.fixture(scope="module")
 def bench_model(tmp_path_factory):
     from pdserve.engine.make_model import make_model
+
     return make_model(tmp_path_factory.mktemp("bench") / "bench", preset="bench", quiet=True)
 
 

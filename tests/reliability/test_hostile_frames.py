@@ -1,5 +1,6 @@
 """Garbage, pickle and wrongly-signed frames on every internal socket: dropped, counted, no
 code runs, and the cluster keeps serving."""
+
 from __future__ import annotations
 
 import hashlib

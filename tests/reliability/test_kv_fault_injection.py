@@ -7,6 +7,7 @@ Real processes on loopback: gateway, one prefill and one decode worker (`python 
 tests/reliability/kv_relay.py (`--kv-advertise` = the relay). The lease TTL is short (3 s) so
 the "later than the lease" case stays quick. The first tests run the receiver in-process, to
 show what the payload MAC stops (and that without it a tampered payload would land)."""
+
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -163,14 +164,46 @@ def cluster(tiny_llama, tmp_path_factory) -> Iterator[Cluster]:
     relay = KvRelay("tcp://127.0.0.1:0", f"tcp://127.0.0.1:{kv_port}")
     relay.start()
     env = dict(os.environ, PDSERVE_CLUSTER_SECRET=secrets.token_hex(32), PDSERVE_LOG_LEVEL="INFO")
-    engine = ["--model", str(tiny_llama), "--dtype", "float32", "--num-blocks", "128", "--max-model-len", "256",
-              "--threads", "1", "--gateway", f"tcp://127.0.0.1:{gw_inbox}"]
+    engine = [
+        "--model",
+        str(tiny_llama),
+        "--dtype",
+        "float32",
+        "--num-blocks",
+        "128",
+        "--max-model-len",
+        "256",
+        "--threads",
+        "1",
+        "--gateway",
+        f"tcp://127.0.0.1:{gw_inbox}",
+    ]
     argv = {
-        "gateway": ["gateway", "--model", str(tiny_llama), "--port", str(http), "--kv-transport", "zmq",
-                    "--worker-bind", f"tcp://127.0.0.1:{gw_inbox}", "--max-model-len", "256"],
+        "gateway": [
+            "gateway",
+            "--model",
+            str(tiny_llama),
+            "--port",
+            str(http),
+            "--kv-transport",
+            "zmq",
+            "--worker-bind",
+            f"tcp://127.0.0.1:{gw_inbox}",
+            "--max-model-len",
+            "256",
+        ],
         "prefill": ["prefill", *engine],
-        "decode": ["decode", *engine, "--no-shm", "--lease-ttl", str(LEASE_TTL_S),
-                   "--kv-bind", f"tcp://127.0.0.1:{kv_port}", "--kv-advertise", relay.addr],
+        "decode": [
+            "decode",
+            *engine,
+            "--no-shm",
+            "--lease-ttl",
+            str(LEASE_TTL_S),
+            "--kv-bind",
+            f"tcp://127.0.0.1:{kv_port}",
+            "--kv-advertise",
+            relay.addr,
+        ],
     }
     procs: dict[str, subprocess.Popen] = {}
     logs: dict[str, Path] = {}
@@ -178,8 +211,13 @@ def cluster(tiny_llama, tmp_path_factory) -> Iterator[Cluster]:
         for role, args in argv.items():
             logs[role] = tmp / f"{role}.log"
             with open(logs[role], "wb") as out:
-                procs[role] = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *args], env=env,
-                                               stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                procs[role] = subprocess.Popen(
+                    [sys.executable, "-m", "pdserve.cli", *args],
+                    env=env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
         base = f"http://127.0.0.1:{http}"
         _wait_healthy(base, procs, timeout_s=120)
         _warm_up(base)
@@ -216,7 +254,7 @@ def complete(base: str, prompt: list[int], stream: bool = False) -> Outcome:
                 if line == "data: [DONE]":
                     done = True
                     continue
-                event = json.loads(line[len("data: "):])
+                event = json.loads(line[len("data: ") :])
                 if "error" in event:
                     error = event["error"]["message"]
                 else:
@@ -226,6 +264,7 @@ def complete(base: str, prompt: list[int], stream: bool = False) -> Outcome:
 
 def expected(model: Path, prompt: list[int]) -> str:
     from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(model)
     return tok.decode(hf_greedy(str(model), tuple(prompt), MAX_NEW, MAX_NEW), skip_special_tokens=True)
 

@@ -6,6 +6,7 @@ Every request either streams its exact HF greedy output or is refused before any
 block comes back; worker memory stays bounded. Leases live 1 s, shorter than a request waits
 behind its neighbours in the prefill queue (up to SEATS prompts, ~2 s), so the decode lease must
 be renewed while it waits."""
+
 from __future__ import annotations
 
 import asyncio
@@ -31,12 +32,21 @@ MODES = {"1P1D": ((), 64), "2P1D": (("--prefill-workers", "2"), 20), "colocated"
 
 async def one(client: httpx.AsyncClient, prompt: list[int]) -> dict:
     """One streamed greedy completion: its status, tokens, error events and Retry-After."""
-    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "min_tokens": MAX_TOKENS, "temperature": 0,
-            "stream": True, "logprobs": 0}
+    body = {
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "min_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "stream": True,
+        "logprobs": 0,
+    }
     async with client.stream("POST", "/v1/completions", json=body) as r:
         if r.status_code != 200:
-            return {"status": r.status_code, "retry_after": r.headers.get("retry-after"),
-                    "body": json.loads(await r.aread())}
+            return {
+                "status": r.status_code,
+                "retry_after": r.headers.get("retry-after"),
+                "body": json.loads(await r.aread()),
+            }
         tokens, errors = [], []
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -77,15 +87,28 @@ async def burst(base: str, prompts: list[list[int]]) -> tuple[list[dict], int]:
 @pytest.mark.parametrize("mode", list(MODES))
 def test_burst_at_ten_times_capacity_loses_nothing(real_llama, mode):
     from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(real_llama)
     distinct = random_prompts(4000, [300, 380, 340, 260], seed=7)
     prompts = [distinct[i % len(distinct)] for i in range(BURST)]
     # the stream's logprobs name each token by its text, as the gateway decodes it alone
-    expected = {tuple(p): [tok.decode([t]) for t in hf_greedy(str(real_llama), tuple(p), MAX_TOKENS, MAX_TOKENS)]
-                for p in distinct}
+    expected = {
+        tuple(p): [tok.decode([t]) for t in hf_greedy(str(real_llama), tuple(p), MAX_TOKENS, MAX_TOKENS)]
+        for p in distinct
+    }
     args, queue = MODES[mode]
-    with served(real_llama, *args, "--max-num-seqs", str(SEATS), "--lease-ttl", "1.0",
-                "--max-queued-requests", str(queue), "--max-queue-wait", "240") as srv:
+    with served(
+        real_llama,
+        *args,
+        "--max-num-seqs",
+        str(SEATS),
+        "--lease-ttl",
+        "1.0",
+        "--max-queued-requests",
+        str(queue),
+        "--max-queue-wait",
+        "240",
+    ) as srv:
         rss = {}
         for round_ in ("warm-up", "measured"):
             t0 = time.monotonic()
@@ -105,9 +128,11 @@ def test_burst_at_ten_times_capacity_loses_nothing(real_llama, mode):
             wait_ledger_balanced(srv.base, timeout_s=10)
             rss[round_] = {node: rss_mib(pid) for node, pid in worker_pids(srv.base).items()}
             assert rss[round_], "no worker pids found"
-            print(f"{mode} {round_}: {len(served_ok)}/{BURST} served exact, {len(refused)} refused up front "
-                  f"({sorted(r['status'] for r in refused)}), deepest queue {deepest}, {took:.1f}s; "
-                  f"RSS MiB {rss[round_]}")
+            print(
+                f"{mode} {round_}: {len(served_ok)}/{BURST} served exact, {len(refused)} refused up front "
+                f"({sorted(r['status'] for r in refused)}), deepest queue {deepest}, {took:.1f}s; "
+                f"RSS MiB {rss[round_]}"
+            )
         # A prefill lane's malloc arena can reach a new high-water mark with another batch mix
         # (+66 MiB seen once, on a loaded machine); a leak of what a request holds would be far
         # more: one 350-token prompt's KV is ~16 MiB here, 40 of them ~640 MiB.
@@ -137,9 +162,16 @@ def test_thousand_concurrent_streams_on_a_real_cluster(tiny_llama):
         sampler = asyncio.create_task(sample_rss(gateway_pid))
         limits = httpx.Limits(max_connections=n, max_keepalive_connections=0)
         async with httpx.AsyncClient(base_url=base, timeout=300, limits=limits) as client:
+
             async def one_ids(prompt: list[int]) -> dict:
-                body = {"prompt": prompt, "max_tokens": max_tokens, "min_tokens": max_tokens, "temperature": 0,
-                        "stream": True, "logprobs": 0}
+                body = {
+                    "prompt": prompt,
+                    "max_tokens": max_tokens,
+                    "min_tokens": max_tokens,
+                    "temperature": 0,
+                    "stream": True,
+                    "logprobs": 0,
+                }
                 ids: list[int] = []
                 async with client.stream("POST", "/v1/completions", json=body) as r:
                     if r.status_code != 200:
@@ -151,12 +183,14 @@ def test_thousand_concurrent_streams_on_a_real_cluster(tiny_llama):
                             for c in event["choices"]:
                                 ids.extend((c.get("logprobs") or {}).get("tokens") or [])
                 return {"status": 200, "tokens": ids}
+
             try:
                 return await asyncio.wait_for(asyncio.gather(*[one_ids(distinct[i % 4]) for i in range(n)]), 300)
             finally:
                 sampler.cancel()
 
     from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(tiny_llama)
     with served(tiny_llama) as srv:
         (gateway,) = [p.pid for p in processes() if p.ppid == srv.proc.pid and "gateway" in p.argv]
@@ -169,7 +203,9 @@ def test_thousand_concurrent_streams_on_a_real_cluster(tiny_llama):
         for i, r in enumerate(results):
             assert r["tokens"] == [tok.decode([t]) for t in expected[tuple(distinct[i % 4])]]
         wait_ledger_balanced(srv.base, timeout_s=10)
-        print(f"1000 concurrent streams: all exact in {took:.1f}s; gateway RSS {idle_rss:.0f} MiB idle, "
-              f"peak {peak['gateway']:.0f} MiB")
+        print(
+            f"1000 concurrent streams: all exact in {took:.1f}s; gateway RSS {idle_rss:.0f} MiB idle, "
+            f"peak {peak['gateway']:.0f} MiB"
+        )
         assert peak["gateway"] < idle_rss + 512, peak
         assert_canary_served(srv.base)

@@ -2,6 +2,7 @@
 decode and prefill workers, the supervisor restarting a dead worker, SIGTERM to the supervisor,
 and a stuck engine loop. After each scenario every live worker's KV ledger balances and a canary
 request is served."""
+
 from __future__ import annotations
 
 import json
@@ -49,8 +50,9 @@ class Stream:
 
     def _run(self, base: str, body: dict) -> None:
         try:
-            with httpx.stream("POST", f"{base}/v1/completions", json={**body, "stream": True},
-                              timeout=httpx.Timeout(120, connect=5)) as r:
+            with httpx.stream(
+                "POST", f"{base}/v1/completions", json={**body, "stream": True}, timeout=httpx.Timeout(120, connect=5)
+            ) as r:
                 self.status = r.status_code
                 if r.status_code != 200:
                     self.errors.append({"body": r.read().decode(errors="replace")})
@@ -122,6 +124,7 @@ def check_after(base: str, ledger_timeout_s: float = 5.0) -> None:
 def bench_model(tmp_path_factory):
     """The ~30M model: slow enough on CPU to catch a request in a given phase."""
     from pdserve.engine.make_model import make_model
+
     return make_model(tmp_path_factory.mktemp("bench") / "bench", preset="bench", quiet=True)
 
 
@@ -201,9 +204,11 @@ def test_supervisor_restarts_a_killed_decode_worker(tiny_llama):
         # the gateway drops it: dead after 2 s of silence (/health 503), or replaced first when
         # its restart registers sooner (a tiny model loads in ~1 s on a fast core)
         assert wait_until(lambda: old_node not in live_workers(s.base, "decode"), 10) is not None
-        took = wait_until(lambda: health_status(s.base) == 200
-                          and any(p != old_pid for p in live_workers(s.base, "decode").values()), 60,
-                          step_s=0.2)
+        took = wait_until(
+            lambda: health_status(s.base) == 200 and any(p != old_pid for p in live_workers(s.base, "decode").values()),
+            60,
+            step_s=0.2,
+        )
         assert took is not None, "no new decode worker registered"
         ((new_node, new_pid),) = live_workers(s.base, "decode").items()
         assert new_pid != old_pid and new_node != old_node
@@ -219,8 +224,7 @@ def test_sigterm_drains_in_flight_stream_refuses_new_and_exits_0(bench_model):
     n = 150
     with served(bench_model) as s:
         check_after(s.base)
-        stream = Stream(s.base, {**greedy(n, [5, 6, 7, 8, 9, 10, 11, 12]),
-                                 "stream_options": {"include_usage": True}})
+        stream = Stream(s.base, {**greedy(n, [5, 6, 7, 8, 9, 10, 11, 12]), "stream_options": {"include_usage": True}})
         stream.wait_pieces(3)
         s.proc.send_signal(signal.SIGTERM)
         sent = time.monotonic()
@@ -249,8 +253,9 @@ def test_sigterm_drains_in_flight_stream_refuses_new_and_exits_0(bench_model):
         code = s.proc.wait(timeout=40)
         assert code == 0
         assert time.monotonic() - sent < 40
-        assert wait_until(lambda: not group_alive(s.proc.pid), 5) is not None, \
-            f"left running: {group_members(s.proc.pid)}"  # every worker stopped too
+        assert wait_until(lambda: not group_alive(s.proc.pid), 5) is not None, (
+            f"left running: {group_members(s.proc.pid)}"
+        )  # every worker stopped too
 
 
 # --- 6. a stuck engine loop ---------------------------------------------------------------------
@@ -296,8 +301,17 @@ def slow_prefill_server(real_llama):
     1000-token prompt takes ~60 steps (seconds) on one prefill worker, which keeps heartbeating
     between steps. (The ~30M bench model at 32 tokens a step prefilled it in ~0.25 s on a fast
     core, before any heartbeat reported it.)"""
-    with served(real_llama, "--prefill-workers", "2", "--max-num-batched-tokens", "16",
-                "--max-model-len", "1100", "--num-blocks", "160") as s:
+    with served(
+        real_llama,
+        "--prefill-workers",
+        "2",
+        "--max-num-batched-tokens",
+        "16",
+        "--max-model-len",
+        "1100",
+        "--num-blocks",
+        "160",
+    ) as s:
         yield s
 
 

@@ -3,6 +3,7 @@ midway. No request hangs, the rest finish, no KV block leaks, worker memory stay
 
 The ledger must balance within 5 s (heartbeat lag), far inside the 30 s lease deadline: aborted
 leases come back through KvRelease / KvDone / unused-lease aborts, not by waiting out quarantine."""
+
 from __future__ import annotations
 
 import asyncio
@@ -40,8 +41,11 @@ async def soak(base: str, kill_at: int | None, seed: int = 0) -> tuple[dict[str,
                 if pid is not None:
                     os.kill(pid, signal.SIGKILL)
                     killed.append(pid)
-            body = {"prompt": [rng.randrange(3, 400) for _ in range(rng.randint(4, 60))],
-                    "max_tokens": rng.randint(4, 60), "stream": rng.random() < 0.5}
+            body = {
+                "prompt": [rng.randrange(3, 400) for _ in range(rng.randint(4, 60))],
+                "max_tokens": rng.randint(4, 60),
+                "stream": rng.random() < 0.5,
+            }
             abandon = rng.random() < 0.25
             try:
                 coro = client.post("/v1/completions", json=body)

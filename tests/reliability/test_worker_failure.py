@@ -1,4 +1,5 @@
 """SIGKILL of a decode worker mid-stream: the request migrates and the stream is exact."""
+
 from __future__ import annotations
 
 import os
@@ -32,8 +33,9 @@ def busy_decode_pid(base: str) -> int | None:
 def stream_killing_decode(base: str, prompt: list[int], killed_pids: list[int]):
     client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
     model = client.models.list().data[0].id
-    stream = client.completions.create(model=model, prompt=prompt, max_tokens=N, temperature=0,
-                                       stream=True, extra_body={"min_tokens": N})
+    stream = client.completions.create(
+        model=model, prompt=prompt, max_tokens=N, temperature=0, stream=True, extra_body={"min_tokens": N}
+    )
     pieces, finish = [], None
     for chunk in stream:
         if not chunk.choices:
@@ -78,6 +80,7 @@ def test_decode_failure_policy_fail_ends_with_error(tiny_llama):
     prompt = random_prompts(tok.vocab_size, [9], seed=6)[0]
     with running_server(tiny_llama, "--on-decode-failure", "fail") as base:
         import openai
+
         killed: list[int] = []
         with pytest.raises(openai.APIError) as err:
             stream_killing_decode(base, prompt, killed)

@@ -1,4 +1,5 @@
 """The skeleton every worker kind shares: handler table, unknown messages, the loop, SIGTERM."""
+
 from __future__ import annotations
 
 import os
@@ -15,8 +16,17 @@ class Echo(WorkerBase):
 
     def __init__(self) -> None:
         super().__init__(WorkerSettings(gateways=["tcp://127.0.0.1:9"], host="h"), FrameAuth(b"k" * 32))
-        self.describe(WorkerInfo(worker_id="echo-1", role="prefill", control_addr=self.rt.control_addr, host="h",
-                                 pid=os.getpid(), model_fingerprint="m", kv_layout=KvLayout(1, 1, 1, 1, 1, "float32")))
+        self.describe(
+            WorkerInfo(
+                worker_id="echo-1",
+                role="prefill",
+                control_addr=self.rt.control_addr,
+                host="h",
+                pid=os.getpid(),
+                model_fingerprint="m",
+                kv_layout=KvLayout(1, 1, 1, 1, 1, "float32"),
+            )
+        )
         self.aborted: list[str] = []
         self.handlers[Abort] = lambda msg: self.aborted.append(msg.request_id)
         self.turns = 0

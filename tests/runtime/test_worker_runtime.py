@@ -1,6 +1,7 @@
 """Heartbeats flow from their own thread while the engine loop is busy, and carry the loop's
 silence as a growing `last_step_age_s` (how the gateway tells a long step from a stuck loop).
 A step's outputs leave as one frame per gateway."""
+
 from __future__ import annotations
 
 import time
@@ -23,8 +24,16 @@ from pdserve.runtime.worker_runtime import WorkerRuntime
 
 
 def _info() -> WorkerInfo:
-    return WorkerInfo(worker_id="decode-test-1", role="decode", control_addr="ipc://unused", host="127.0.0.1",
-                      pid=1, model_fingerprint="fp", kv_layout=KvLayout(1, 8, 16, 1, 8, "float32"), max_model_len=64)
+    return WorkerInfo(
+        worker_id="decode-test-1",
+        role="decode",
+        control_addr="ipc://unused",
+        host="127.0.0.1",
+        pid=1,
+        model_fingerprint="fp",
+        kv_layout=KvLayout(1, 8, 16, 1, 8, "float32"),
+        max_model_len=64,
+    )
 
 
 def _heartbeats(inbox: Inbox, seconds: float) -> list[Heartbeat]:

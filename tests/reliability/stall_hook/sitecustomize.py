@@ -4,6 +4,7 @@ no hook for it. PDSERVE_TEST_STALL_STEP_S="<role>:<seconds>" makes the first eng
 worker of that role sleep that long, once per process: a stuck engine loop. (A prefill worker
 stalls in the first layer one of its lanes runs.) Heartbeats go on from their own thread and
 carry the step's growing age."""
+
 import os
 import sys
 import time
@@ -12,9 +13,11 @@ import time
 def _install(role: str, seconds: float) -> None:
     if role == "prefill":
         from pdserve.engine.model_runner import ModelRunner as owner
+
         name = "run_layers"
     else:  # decode, colocated: their loop's engine step
         from pdserve.engine.llm_engine import LLMEngine as owner
+
         name = "step"
     original = getattr(owner, name)
     stalled = []
@@ -25,6 +28,7 @@ def _install(role: str, seconds: float) -> None:
             print(f"test fault: stalling this {role} worker's engine for {seconds:g} s", file=sys.stderr, flush=True)
             time.sleep(seconds)
         return original(self, *args, **kwargs)
+
     setattr(owner, name, stalling)
 
 
