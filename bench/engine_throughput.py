@@ -104,7 +104,9 @@ def main(argv: list[str] | None = None) -> int:
             dtype=args.dtype,
             device=args.device,
             cache=CacheConfig(
-                num_blocks=max_b * (max(args.prompt_len, args.context) + args.decode_steps + 64) // 16 + 64
+                num_blocks=max_b * (max(args.prompt_len, args.context) + args.decode_steps + 64) // 16 + 64,
+                # every figure computes every token: each repeat runs the same prompts again
+                enable_prefix_caching=False,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_b,

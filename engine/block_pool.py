@@ -63,24 +63,27 @@ class BlockPool:
 
     def allocate(self, n: int, after: int | None = None) -> list[int]:
         """`n` blocks with ref count 1. `after`: the caller's last block, so the new ones continue
-        its run when they can. Evicts cached blocks (least recently freed first) as needed."""
+        its run when they can (cached blocks in the way are evicted: a decoding sequence's run
+        stays whole). Otherwise cached blocks are evicted least recently freed first, as needed."""
         if n > self.num_free:
             raise NoFreeBlocks(f"need {n} blocks, {self.num_free} free")
         if n == 0:
             return []
-        while self._num_empty < n:
-            self._evict_one()
         out = self._run_after(after, n) if after is not None else None
         if out is None:
+            while self._num_empty < n:
+                self._evict(next(iter(self._evictable)))
             out = self._run_in_largest_gap(n) or self._lowest_free(n)
         for b in out:
+            if self._free_map[b] == _USED:  # cached, in the way of the run
+                self._evict(b)
             self._free_map[b] = _USED
             self._ref_counts[b] = 1
         self._num_empty -= n
         return out
 
-    def _evict_one(self) -> None:
-        b, _ = self._evictable.popitem(last=False)
+    def _evict(self, b: int) -> None:
+        del self._evictable[b]
         h = self.block_hash[b]
         assert h is not None
         del self._by_hash[h]
@@ -89,10 +92,14 @@ class BlockPool:
         self._num_empty += 1
 
     def _run_after(self, after: int, n: int) -> list[int] | None:
+        """The `n` blocks right after `after`, when each is empty or cached with no holder."""
         start = after + 1
-        if start + n <= self.num_blocks and self._free_map.find(b"\x00", start, start + n) == -1:
-            return list(range(start, start + n))
-        return None
+        if start + n > self.num_blocks:
+            return None
+        for b in range(start, start + n):
+            if self._ref_counts[b]:
+                return None
+        return list(range(start, start + n))
 
     def _run_in_largest_gap(self, n: int) -> list[int] | None:
         best = max(_RUNS.finditer(self._free_map), key=lambda m: m.end() - m.start(), default=None)
