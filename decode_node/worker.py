@@ -81,6 +81,7 @@ class DecodeWorker(WorkerBase):
         )
         self.handlers.update({ReserveRequest: self._on_reserve, Abort: self._on_abort})
         self.gateway_of: dict[str, str] = {}  # request id -> gateway id
+        self.blocks_skipped = 0  # prompt blocks found held at reservation: never transferred
         self.admitted_at: dict[str, float] = {}
         busy = torch.get_num_threads()
         self.threads = ThreadLending(busy, max(busy, settings.idle_threads or busy))
@@ -97,6 +98,8 @@ class DecodeWorker(WorkerBase):
             return  # queued for a previous worker on this address
         eng = self.engine
         n_blocks = -(-req.num_prompt_tokens // eng.block_size)
+        held = self._held_prefix(req)  # leading blocks this worker holds already: not transferred
+        need = n_blocks - len(held)
         seats = eng.config.scheduler.max_num_seqs - len(eng.scheduler.running) - self.leases.num_active
         reason, full = "", False  # full: refused for lack of room now, worth retrying later
         if req.request_id in self.gateway_of or self.leases.get(req.request_id) is not None:
@@ -105,19 +108,39 @@ class DecodeWorker(WorkerBase):
             reason = f"prompt + max_tokens exceeds max_model_len {eng.max_model_len}"
         elif seats <= 0:
             reason, full = "no free decode seats", True
-        elif not eng.pool.can_allocate(n_blocks):
-            reason, full = f"no KV blocks ({n_blocks} needed, {eng.pool.num_free} free)", True
+        elif need + eng.pool.num_evictable(held) > eng.pool.num_free:
+            reason, full = f"no KV blocks ({need} needed, {eng.pool.num_free} free)", True
         if reason:
             self.rt.to_gateway(
                 req.gateway_id,
                 ReserveReply(request_id=req.request_id, worker_id=self.worker_id, reason=reason, capacity=full),
             )
             return
-        lease = self.leases.grant(req.request_id, eng.pool.allocate(n_blocks), self.lease_ttl_s)
+        eng.pool.acquire(held)
+        blocks = eng.pool.allocate(need, after=held[-1] if held else None)
+        lease = self.leases.grant(req.request_id, blocks, self.lease_ttl_s, prefix_block_ids=held)
+        self.blocks_skipped += len(held)
         self.gateway_of[req.request_id] = req.gateway_id
         self.rt.to_gateway(
             req.gateway_id, ReserveReply(request_id=req.request_id, worker_id=self.worker_id, lease=lease)
         )
+
+    def _held_prefix(self, req: ReserveRequest) -> list[int]:
+        """Blocks of this pool holding the longest run of the prompt's leading full blocks (by
+        the hashes the gateway sent), leaving at least its last block to be written."""
+        if self.engine.hasher is None or not req.block_hashes:
+            return []
+        usable = (req.num_prompt_tokens - 1) // self.engine.block_size
+        return self.engine.pool.lookup(req.block_hashes[:usable])
+
+    def _prefix_matches(self, prefix: list[int], prompt: list[int]) -> bool:
+        """The pinned prefix blocks hold this very prompt's KV (their hashes, checked against the
+        prompt P sent, not only the gateway's word)."""
+        if not prefix:
+            return True
+        assert self.engine.hasher is not None  # no prefix is pinned without a cache
+        want = self.engine.hasher.hashes(prompt, len(prefix))
+        return [self.engine.pool.block_hash[b] for b in prefix] == want
 
     def _on_kv_done(self, done: KvDone) -> None:
         lease = self.leases.get(done.request_id)
@@ -126,17 +149,20 @@ class DecodeWorker(WorkerBase):
             return
         self.leases.release(done.request_id)  # blocks now belong to the sequence
         self.admitted_at[done.request_id] = time.monotonic()
+        blocks = lease.prefix_block_ids + lease.block_ids
         try:
+            if not self._prefix_matches(lease.prefix_block_ids, done.prompt_token_ids):
+                raise ValueError("the cached prefix blocks do not hold this prompt")
             finished = self.engine.add_prefilled(
                 done.request_id,
                 done.prompt_token_ids,
                 done.first_token,
                 done.first_logprob,
                 done.sampling,
-                lease.block_ids,
+                blocks,
             )
         except ValueError as e:  # e.g. a prompt that does not fit: give the blocks back, report
-            self.engine.pool.free(lease.block_ids)
+            self.engine.pool.free(blocks)
             self._emit(done.request_id, [], None, "error", 1, error=str(e))
             return
         if finished is not None:
@@ -254,6 +280,7 @@ class DecodeWorker(WorkerBase):
             leases_active=self.leases.num_active,
             kv_blocks_quarantined=self.leases.num_quarantined_blocks,
             lease_renewals=self.leases.num_renewals,
+            kv_blocks_skipped=self.blocks_skipped,
         )
 
     def describe_start(self) -> str:

@@ -1,45 +1,13 @@
-"""Content addresses of KV blocks, for reusing a prefix's KV instead of recomputing it.
-
-A full block's identity is a chained hash: blake2b-128 over its parent's hash and its token
-ids, rooted in a salt naming whatever else changes its KV (the model fingerprint with its
-dtype, the block size). Two different prefixes never share a hash (a 128-bit cryptographic
-digest), so a block found by hash holds exactly the KV that this prefix would compute. Partial
-blocks have no hash: they are never shared.
-
-    tokens   [t0 .. t15][t16 .. t31][t32 .. t40]
-    hashes   h0=H(root,b0) h1=H(h0,b1)   (partial: none)
-"""
+"""The engine's side of content-addressed KV blocks (protocol/block_hashes.py): a sequence's
+chained block hashes, computed once as its tokens become known."""
 
 from __future__ import annotations
 
-import hashlib
-from array import array
-
 from pdserve.engine.sequence import Sequence
+from pdserve.protocol.block_hashes import BlockHasher as _WireHasher
 
-HASH_BYTES = 16
 
-
-class BlockHasher:
-    def __init__(self, salt: str, block_size: int) -> None:
-        self.block_size = block_size
-        self.root = hashlib.blake2b(f"pdserve-kv/{salt}/bs{block_size}".encode(), digest_size=HASH_BYTES).digest()
-
-    def chain(self, parent: bytes, tokens: list[int]) -> bytes:
-        h = hashlib.blake2b(parent, digest_size=HASH_BYTES)
-        h.update(array("q", tokens).tobytes())
-        return h.digest()
-
-    def hashes(self, token_ids: list[int], num_blocks: int | None = None) -> list[bytes]:
-        """The hashes of the first `num_blocks` full blocks of `token_ids` (default: all full)."""
-        bs = self.block_size
-        n = len(token_ids) // bs if num_blocks is None else min(num_blocks, len(token_ids) // bs)
-        out, parent = [], self.root
-        for i in range(n):
-            parent = self.chain(parent, token_ids[i * bs : (i + 1) * bs])
-            out.append(parent)
-        return out
-
+class BlockHasher(_WireHasher):
     def extend(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         """`seq.block_hashes`, extended to its first `num_blocks` full blocks (computed once)."""
         bs, have = self.block_size, seq.block_hashes

@@ -34,6 +34,7 @@ from pdserve.gateway.backend import Backend, BackendUnavailable
 from pdserve.gateway.membership import WorkerEntry, WorkerTable, pick_decode_order, pick_least_loaded
 from pdserve.gateway.queue_stats import QueueStats
 from pdserve.protocol.auth import FrameAuth
+from pdserve.protocol.block_hashes import BlockHasher
 from pdserve.protocol.channel import AsyncInbox, AsyncOutbox
 from pdserve.protocol.messages import (
     Abort,
@@ -256,7 +257,7 @@ class ClusterBackend(Backend):
         no decode worker has room now."""
         if not self.table.live("prefill"):
             raise BackendUnavailable("no live prefill worker", retry_after_s=2.0)
-        got = await self._reserve(request_id, len(prompt), sampling)
+        got = await self._reserve(request_id, prompt, sampling)
         if got is None:
             return None
         d, reply = got
@@ -325,7 +326,7 @@ class ClusterBackend(Backend):
             yield out
 
     async def _reserve(
-        self, request_id: str, n_prompt: int, sampling: SamplingParams
+        self, request_id: str, prompt: list[int], sampling: SamplingParams
     ) -> tuple[WorkerEntry, ReserveReply] | None:
         """A lease from the first live decode worker that grants one; None when every one is full
         now (the request waits in the queue), BackendUnavailable when none could ever take it."""
@@ -333,7 +334,11 @@ class ClusterBackend(Backend):
         if not decodes:
             raise BackendUnavailable("no live decode worker", retry_after_s=2.0)
         reasons, full = [], False
+        hashes: dict[tuple[str, int], list[bytes]] = {}  # per model and block size, computed once
         for d in pick_decode_order(decodes):
+            key = (d.info.model_fingerprint, d.info.kv_layout.block_size)
+            if key not in hashes:
+                hashes[key] = BlockHasher(*key).hashes(prompt)
             fut = asyncio.get_running_loop().create_future()
             self._reserve_waiters[request_id] = fut
             d.reserving += 1
@@ -343,8 +348,9 @@ class ClusterBackend(Backend):
                     request_id=request_id,
                     gateway_id=self.gateway_id,
                     to_worker=d.worker_id,
-                    num_prompt_tokens=n_prompt,
+                    num_prompt_tokens=len(prompt),
                     max_tokens=sampling.max_tokens,
+                    block_hashes=hashes[key],
                 ),
             )
             try:

@@ -46,6 +46,11 @@ class _WorkerCollector:
             "prefix_query_tokens": CounterMetricFamily(
                 "pdserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", labels=["node"]
             ),
+            "kv_blocks_skipped": CounterMetricFamily(
+                "pdserve_kv_transfer_blocks_skipped",
+                "Prompt blocks a decode worker held already at reservation: not transferred",
+                labels=["node"],
+            ),
             "prefix_hit_tokens": CounterMetricFamily(
                 "pdserve_prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed)", labels=["node"]
             ),

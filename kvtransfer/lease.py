@@ -14,6 +14,11 @@ Rules (D's view; every check returns None when fine, else a short reason string)
 - A request completes when every layer has been written for every leased block. Once completed
   (released) or revoked the lease is gone: anything later for it is "unknown_lease".
 
+Prefix blocks: a lease may also carry `prefix_block_ids`, blocks D already holds for the
+prompt's leading blocks (its prefix cache, pinned at grant). No frame may write them; admission
+takes them first; a lease that ends any other way gives them back at once (nobody writes them,
+so nothing to fence).
+
 Renewal: a prefill worker may hold a request queued behind others for longer than a lease
 lives (a burst on a real-sized model). While it does, it sends `KvRenew` on the FIFO KV stream
 and D moves the deadline of the still-active lease to now + ttl (never earlier). P uses a new
@@ -35,7 +40,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -68,21 +73,33 @@ class LeaseTable:
         self.num_renewals = 0
         # (reclaimable after, blocks, request id, epoch)
         self._quarantine: list[tuple[float, list[int], str, int]] = []
+        self._unpinned: list[int] = []  # prefix blocks of revoked leases, for the next reclaimable()
 
     def _now(self, now: float | None) -> float:
         return self._clock() if now is None else now
 
     # --- granting ---------------------------------------------------------------------------
-    def grant(self, request_id: str, block_ids: list[int], ttl_s: float) -> Lease:
+    def grant(self, request_id: str, block_ids: list[int], ttl_s: float, prefix_block_ids: Sequence[int] = ()) -> Lease:
+        """A lease on `block_ids` for the writer. `prefix_block_ids`: blocks already holding the
+        prompt's leading KV (pinned by the caller), never written under the lease; they are the
+        table's too until admission, and come back at once when the lease ends any other way."""
         if request_id in self._active:
             raise ValueError(f"a lease for {request_id!r} is active")
         blocks = [int(b) for b in block_ids]
-        if not blocks or len(set(blocks)) != len(blocks) or min(blocks) < 0:
+        prefix = [int(b) for b in prefix_block_ids]
+        every = blocks + prefix
+        if not blocks or len(set(every)) != len(every) or min(every) < 0:
             raise ValueError("a lease needs distinct, non-negative block ids")
         if ttl_s <= 0:
             raise ValueError("ttl_s must be positive")
         self._next_epoch += 1
-        lease = Lease(epoch=self._next_epoch, block_ids=blocks, deadline=self._clock() + ttl_s, ttl_s=ttl_s)
+        lease = Lease(
+            epoch=self._next_epoch,
+            block_ids=blocks,
+            deadline=self._clock() + ttl_s,
+            ttl_s=ttl_s,
+            prefix_block_ids=prefix,
+        )
         self._active[request_id] = _Active(lease, frozenset(blocks))
         return lease
 
@@ -187,7 +204,7 @@ class LeaseTable:
 
     # --- ending -----------------------------------------------------------------------------
     def release(self, request_id: str) -> Lease:
-        """Transfer complete: the blocks now belong to the admitted sequence (caller frees them later)."""
+        """Transfer complete: the blocks (prefix ones first) now belong to the admitted sequence."""
         return self._active.pop(request_id).lease
 
     def revoke(self, request_id: str) -> bool:
@@ -198,6 +215,7 @@ class LeaseTable:
         self._quarantine.append(
             (entry.lease.deadline + self.grace_s, list(entry.lease.block_ids), request_id, entry.lease.epoch)
         )
+        self._unpinned.extend(entry.lease.prefix_block_ids)  # never writable: free at the next reclaim
         return True
 
     def abort(self, request_id: str, *, writer_gone: bool) -> list[int]:
@@ -210,7 +228,7 @@ class LeaseTable:
             return []
         entry = self._active.pop(request_id, None)
         if entry is not None:
-            return list(entry.lease.block_ids)
+            return list(entry.lease.block_ids) + list(entry.lease.prefix_block_ids)
         for i, (_, blocks, rid, _) in enumerate(self._quarantine):
             if rid == request_id:
                 del self._quarantine[i]
@@ -223,7 +241,7 @@ class LeaseTable:
         entry = self._active.get(request_id)
         if entry is not None and entry.lease.epoch == epoch:
             del self._active[request_id]
-            return list(entry.lease.block_ids)
+            return list(entry.lease.block_ids) + list(entry.lease.prefix_block_ids)
         for i, (_, blocks, rid, ep) in enumerate(self._quarantine):
             if rid == request_id and ep == epoch:
                 del self._quarantine[i]
@@ -248,4 +266,5 @@ class LeaseTable:
         ready = [q[1] for q in self._quarantine if now > q[0]]
         if ready:
             self._quarantine = [q for q in self._quarantine if now <= q[0]]
-        return [b for blocks in ready for b in blocks]
+        unpinned, self._unpinned = self._unpinned, []
+        return unpinned + [b for blocks in ready for b in blocks]

@@ -10,6 +10,8 @@ touched, mapped onto the decode worker's leased blocks:
 A block a chunk only partly fills is sent again with the next chunk (its old part unchanged).
 A request's first chunk also sends the blocks its prompt found in this worker's prefix cache
 (engine/prefix_cache.py): computed by an earlier request, but the decode worker lacks them.
+Blocks the decode worker holds already (`lease.prefix_block_ids`, found by the prompt's block
+hashes in its own cache) are never sent: the lease's `block_ids` start after them.
 Each layer's send reads the request's lease from the worker's routes at that moment, so a
 renewal that arrives while the step computes counts for its remaining layers.
 """
@@ -104,14 +106,19 @@ class KvStreamer:
             end = start + chunk.num_tokens
             b0 = 0 if start <= seq.num_cached_tokens else start // bs  # first chunk: the cached prefix too
             b1 = -(-end // bs)
+            held = len(dest.lease.prefix_block_ids)  # D holds these already: nothing to send
+            b0 = max(b0, held)
+            stat = stats.setdefault(seq.request_id, TransferStats())
+            if b0 >= b1:
+                continue
             jobs.append(
                 _Job(
                     seq.request_id,
                     dest.lease,
                     seq.block_table[b0:b1],
-                    dest.lease.block_ids[b0:b1],
+                    dest.lease.block_ids[b0 - held : b1 - held],
                     sender,
-                    stats.setdefault(seq.request_id, TransferStats()),
+                    stat,
                 )
             )
         return StepTransfers(self.kv_cache, jobs, self.lock, dests)

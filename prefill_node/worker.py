@@ -98,7 +98,10 @@ class PrefillWorker(WorkerBase):
     # --- messages -----------------------------------------------------------------------------
     def _on_prefill(self, req: PrefillRequest) -> None:
         try:
-            if len(req.dest.lease.block_ids) * self.engine.block_size < len(req.prompt_token_ids):
+            lease = req.dest.lease
+            if (len(lease.prefix_block_ids) + len(lease.block_ids)) * self.engine.block_size < len(
+                req.prompt_token_ids
+            ):
                 raise ValueError("lease holds too few blocks for the prompt")
             self.engine.add_request(req.request_id, req.prompt_token_ids, req.sampling, prefill_only=True)
         except ValueError as e:

@@ -71,6 +71,7 @@ class WorkerStats(msgspec.Struct, frozen=True):
     kv_blocks_cached: int = 0  # of kv_blocks_free: blocks whose KV the prefix cache keeps until needed
     prefix_query_tokens: int = 0  # prompt tokens looked up in the prefix cache so far
     prefix_hit_tokens: int = 0  # of them, found cached (not computed)
+    kv_blocks_skipped: int = 0  # decode: prompt blocks found cached at reservation, so never transferred
 
 
 class WorkerInfo(msgspec.Struct, frozen=True):
@@ -116,6 +117,9 @@ class Lease(msgspec.Struct, frozen=True):
     # How long a renewal extends it: P renews a lease it still holds (queued or computing)
     # before half of this is left, so a request never fails on the lease clock while it waits.
     ttl_s: float = 0.0
+    # D's blocks that already hold the prompt's leading blocks (its prefix cache, pinned for the
+    # request): P sends nothing for them; `block_ids` are the prompt's blocks after these.
+    prefix_block_ids: list[int] = []
 
 
 class ReserveRequest(_Msg, kw_only=True, frozen=True):
@@ -124,8 +128,9 @@ class ReserveRequest(_Msg, kw_only=True, frozen=True):
     to_worker: str = ""  # the intended decode worker: a restarted worker on the same address ignores it
     num_prompt_tokens: int
     max_tokens: int
-    # Prefix-aware transfer later: chained hashes of the prompt's full blocks.
-    block_hashes: list[int] | None = None
+    # Chained hashes of the prompt's full blocks (protocol/block_hashes.py, salted with D's
+    # model fingerprint and block size): D pins the leading ones it holds instead of receiving them.
+    block_hashes: list[bytes] = []
 
 
 class ReserveReply(_Msg, kw_only=True, frozen=True):

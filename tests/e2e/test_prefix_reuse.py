@@ -35,6 +35,9 @@ def test_shared_system_prompt_is_reused_and_reported(tiny_llama, mode):
         second = client.completions.create(model=model, prompt=prompts[1], max_tokens=MAX_NEW, temperature=0)
         assert second.choices[0].text == want[1]
         assert second.usage.prompt_tokens_details.cached_tokens == 64  # the system prompt's full blocks
+        if mode == "1P1D":  # the decode worker held those 4 blocks too: only the prompt's last 2 of 6 crossed
+            sent = [r.model_extra["pdserve_timings"]["kv_bytes"] for r in (first, second)]
+            assert sent[0] > 0 and sent[1] / 2 == sent[0] / 5, sent  # (75 tokens: 5 blocks; 81: 6)
         chunks = list(
             client.completions.create(
                 model=model,

@@ -199,3 +199,26 @@ def test_every_granted_block_comes_back_exactly_once():
     clock.t += 1.0
     back += t.reclaimable()
     assert sorted(back) == list(range(12)) and t.num_active == 0 and t.num_quarantined_blocks == 0
+
+
+def test_prefix_blocks_are_never_writable_and_come_back_at_once():
+    """Blocks the decode worker already holds for the prompt (its prefix cache) ride the lease:
+    no frame may write them, admission gets them first, any other end frees them at once."""
+    clock = Clock()
+    t = LeaseTable(L, clock=clock)
+    lease = t.grant("a", [7, 8], ttl_s=5, prefix_block_ids=[1, 2])
+    assert lease.prefix_block_ids == [1, 2]
+    assert t.check_frame(frame("a", lease.epoch, 0, [1], 0)) == "blocks_not_leased"
+    write_all(t, "a", lease)  # the leased blocks alone complete it
+    assert t.complete("a", lease.epoch, L) is None
+    assert t.release("a").prefix_block_ids == [1, 2]
+    t.grant("b", [9], ttl_s=5, prefix_block_ids=[3])
+    assert t.abort("b", writer_gone=False) == [] and t.reclaimable() == [3]  # the prefix: at once
+    clock.t += 7
+    assert t.reclaimable() == [9]  # the written block: after deadline and grace
+    c = t.grant("c", [10], ttl_s=5, prefix_block_ids=[4])
+    assert sorted(t.release_early("c", c.epoch)) == [4, 10]
+    t.grant("d", [11], ttl_s=5, prefix_block_ids=[5])
+    assert sorted(t.abort("d", writer_gone=True)) == [5, 11]
+    with pytest.raises(ValueError):
+        t.grant("e", [12], ttl_s=5, prefix_block_ids=[12])  # a block is leased or held, not both
