@@ -13,7 +13,7 @@ from pdserve.engine.llm_engine import LLMEngine, wire_finish_reason
 from pdserve.protocol.auth import FrameAuth
 from pdserve.protocol.messages import Abort, GenerateRequest, TokenOutput, WorkerStats
 from pdserve.runtime.worker_base import WorkerBase
-from pdserve.runtime.worker_runtime import describe_worker, engine_stats
+from pdserve.runtime.worker_runtime import PrefixCacheReport, describe_worker, engine_stats
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +25,8 @@ class ColocatedWorker(WorkerBase):
         super().__init__(settings, auth)
         self.engine = LLMEngine(settings.engine)
         self.describe(describe_worker(self.engine, "colocated", self.rt.control_addr, settings.host))
+        if self.engine.hasher is not None:
+            self.kv_report = PrefixCacheReport(self.engine.pool)
         self.handlers.update({GenerateRequest: self._on_generate, Abort: self._on_abort})
         self.gateway_of: dict[str, str] = {}
         self.received: dict[str, float] = {}

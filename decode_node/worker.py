@@ -41,7 +41,7 @@ from pdserve.protocol.messages import (
     WorkerStats,
 )
 from pdserve.runtime.worker_base import WorkerBase
-from pdserve.runtime.worker_runtime import describe_worker, engine_stats
+from pdserve.runtime.worker_runtime import PrefixCacheReport, describe_worker, engine_stats
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +80,8 @@ class DecodeWorker(WorkerBase):
             )
         )
         self.handlers.update({ReserveRequest: self._on_reserve, Abort: self._on_abort})
+        if self.engine.hasher is not None:
+            self.kv_report = PrefixCacheReport(self.engine.pool)
         self.gateway_of: dict[str, str] = {}  # request id -> gateway id
         self.blocks_skipped = 0  # prompt blocks found held at reservation: never transferred
         self.admitted_at: dict[str, float] = {}

@@ -43,6 +43,8 @@ class BlockPool:
         self.block_hash: list[bytes | None] = [None] * num_blocks  # content hash of a registered block
         self._by_hash: dict[bytes, int] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks, least recently freed first
+        # (registered?, hash) since the last drain, for workers that report their cache (None: off)
+        self.events: list[tuple[bool, bytes]] | None = None
 
     @property
     def num_free(self) -> int:
@@ -87,6 +89,8 @@ class BlockPool:
         h = self.block_hash[b]
         assert h is not None
         del self._by_hash[h]
+        if self.events is not None:
+            self.events.append((False, h))
         self.block_hash[b] = None
         self._free_map[b] = _FREE
         self._num_empty += 1
@@ -145,6 +149,12 @@ class BlockPool:
         assert self._ref_counts[block_id] > 0, f"register of unowned block {block_id}"
         self.block_hash[block_id] = block_hash
         self._by_hash[block_hash] = block_id
+        if self.events is not None:
+            self.events.append((True, block_hash))
+
+    def hashes(self) -> list[bytes]:
+        """Every registered block's hash (owned or cached)."""
+        return list(self._by_hash)
 
     def lookup(self, hashes: list[bytes]) -> list[int]:
         """The blocks holding the longest leading run of `hashes` (owned or cached); nothing changes."""

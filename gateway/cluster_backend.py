@@ -31,10 +31,11 @@ from prometheus_client import Histogram
 
 from pdserve.gateway.admission import AdmissionQueue, QueueLimits
 from pdserve.gateway.backend import Backend, BackendUnavailable
-from pdserve.gateway.membership import WorkerEntry, WorkerTable, pick_decode_order, pick_least_loaded
+from pdserve.gateway.kv_index import KvIndex, decode_order, pick_prefill
+from pdserve.gateway.membership import WorkerEntry, WorkerTable
 from pdserve.gateway.queue_stats import QueueStats
 from pdserve.protocol.auth import FrameAuth
-from pdserve.protocol.block_hashes import BlockHasher
+from pdserve.protocol.block_hashes import BlockHasher, short_id
 from pdserve.protocol.channel import AsyncInbox, AsyncOutbox
 from pdserve.protocol.messages import (
     Abort,
@@ -49,6 +50,7 @@ from pdserve.protocol.messages import (
     TokenOutput,
     TokenOutputBatch,
     Welcome,
+    WorkerInfo,
     WorkerStats,
     decode_to_gateway,
 )
@@ -102,6 +104,7 @@ class ClusterBackend(Backend):
         self.kv_transport = kv_transport
         self.reserve_timeout_s = reserve_timeout_s
         self.table = WorkerTable(dead_after_s=dead_after_s, stuck_after_s=stuck_after_s)
+        self.kv_index = KvIndex()  # what each worker's prefix cache holds, from its heartbeats
         self._outboxes: dict[str, AsyncOutbox] = {}
         self._reserve_waiters: dict[str, asyncio.Future[ReserveReply]] = {}
         self._streams: dict[str, asyncio.Queue[TokenOutput]] = {}
@@ -190,6 +193,8 @@ class ClusterBackend(Backend):
             if info is None:
                 return
             stats = msg.stats if isinstance(msg, Heartbeat) else None
+            if isinstance(msg, Heartbeat) and msg.kv is not None:
+                self.kv_index.apply(info.worker_id, msg.kv)
             joined = self.table.upsert(info, stats) or info.worker_id not in self._outboxes
             if joined:
                 assert self._ctx is not None
@@ -215,6 +220,7 @@ class ClusterBackend(Backend):
         for old_id, entry in list(self.table.workers.items()):
             if old_id != info.worker_id and entry.info.control_addr == info.control_addr:
                 del self.table.workers[old_id]
+                self.kv_index.forget(old_id)
                 box = self._outboxes.pop(old_id, None)
                 if box is not None:
                     box.close()
@@ -257,7 +263,8 @@ class ClusterBackend(Backend):
         no decode worker has room now."""
         if not self.table.live("prefill"):
             raise BackendUnavailable("no live prefill worker", retry_after_s=2.0)
-        got = await self._reserve(request_id, prompt, sampling)
+        memo: dict[tuple[str, int], list[bytes]] = {}  # the prompt's block hashes per model and block size
+        got = await self._reserve(request_id, prompt, sampling, memo)
         if got is None:
             return None
         d, reply = got
@@ -267,7 +274,11 @@ class ClusterBackend(Backend):
         if not prefills:
             self._send(d.worker_id, Abort(request_id=request_id, reason="no prefill worker", lease_unused=True))
             raise BackendUnavailable(f"no live prefill worker for {d.info.model_fingerprint}", retry_after_s=2.0)
-        p = pick_least_loaded(prefills)
+        queued: dict[str, int] = {}  # prompt tokens at each prefill worker without a first token yet
+        for a in self._at_prefill.values():
+            queued[a.prefill_id] = queued.get(a.prefill_id, 0) + a.num_tokens
+        held = {w.worker_id: self._held_blocks(w, prompt, memo) * w.info.kv_layout.block_size for w in prefills}
+        p = pick_prefill(prefills, held, queued, len(prompt))
         self._at_prefill[request_id] = _AtPrefill(p.worker_id, d.worker_id, reply.lease.deadline, len(prompt))
         return p, d, reply
 
@@ -325,8 +336,25 @@ class ClusterBackend(Backend):
         async for out in stream:
             yield out
 
+    def _block_hashes(
+        self, prompt: list[int], info: WorkerInfo, memo: dict[tuple[str, int], list[bytes]]
+    ) -> list[bytes]:
+        key = (info.model_fingerprint, info.kv_layout.block_size)
+        if key not in memo:
+            memo[key] = BlockHasher(*key).hashes(prompt)
+        return memo[key]
+
+    def _held_blocks(self, w: WorkerEntry, prompt: list[int], memo: dict[tuple[str, int], list[bytes]]) -> int:
+        """How many of the prompt's leading blocks `w` holds, as its heartbeats tell (a hint)."""
+        ids = [short_id(h) for h in self._block_hashes(prompt, w.info, memo)]
+        return self.kv_index.leading_blocks(w.worker_id, ids)
+
     async def _reserve(
-        self, request_id: str, prompt: list[int], sampling: SamplingParams
+        self,
+        request_id: str,
+        prompt: list[int],
+        sampling: SamplingParams,
+        memo: dict[tuple[str, int], list[bytes]],
     ) -> tuple[WorkerEntry, ReserveReply] | None:
         """A lease from the first live decode worker that grants one; None when every one is full
         now (the request waits in the queue), BackendUnavailable when none could ever take it."""
@@ -334,11 +362,8 @@ class ClusterBackend(Backend):
         if not decodes:
             raise BackendUnavailable("no live decode worker", retry_after_s=2.0)
         reasons, full = [], False
-        hashes: dict[tuple[str, int], list[bytes]] = {}  # per model and block size, computed once
-        for d in pick_decode_order(decodes):
-            key = (d.info.model_fingerprint, d.info.kv_layout.block_size)
-            if key not in hashes:
-                hashes[key] = BlockHasher(*key).hashes(prompt)
+        held = {d.worker_id: self._held_blocks(d, prompt, memo) for d in decodes}
+        for d in decode_order(decodes, held, len(prompt)):
             fut = asyncio.get_running_loop().create_future()
             self._reserve_waiters[request_id] = fut
             d.reserving += 1
@@ -350,7 +375,7 @@ class ClusterBackend(Backend):
                     to_worker=d.worker_id,
                     num_prompt_tokens=len(prompt),
                     max_tokens=sampling.max_tokens,
-                    block_hashes=hashes[key],
+                    block_hashes=self._block_hashes(prompt, d.info, memo),
                 ),
             )
             try:
@@ -493,20 +518,23 @@ class ClusterBackend(Backend):
                 self._send(d.worker_id, Abort(request_id=request_id, reason="stream closed"))
             self._notify_queues()  # a decode seat is free
 
-    async def _seat_colocated(self) -> WorkerEntry | None:
-        """The least loaded colocated worker with a free seat (taken at once), or None."""
+    async def _seat_colocated(self, prompt: list[int]) -> WorkerEntry | None:
+        """The colocated worker with a free seat and the least expected work before this prompt's
+        first token (gateway/kv_index.py `pick_prefill`), taken at once; or None."""
         live = self.table.live("colocated")
         if not live:
             raise BackendUnavailable("no live colocated worker", retry_after_s=2.0)
         free = [c for c in live if c.info.max_num_seqs <= 0 or c.inflight < c.info.max_num_seqs]
         if not free:
             return None
-        c = pick_least_loaded(free)
+        memo: dict[tuple[str, int], list[bytes]] = {}
+        held = {w.worker_id: self._held_blocks(w, prompt, memo) * w.info.kv_layout.block_size for w in free}
+        c = pick_prefill(free, held, {}, len(prompt))
         c.inflight += 1
         return c
 
     async def _generate_colocated(self, request_id, prompt, sampling):
-        c = await self._queues["colocated"].admit(len(prompt), self._seat_colocated)
+        c = await self._queues["colocated"].admit(len(prompt), lambda: self._seat_colocated(prompt))
         queue: asyncio.Queue[TokenOutput] = asyncio.Queue()
         self._streams[request_id] = queue
         finished = False

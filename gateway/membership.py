@@ -51,12 +51,3 @@ class WorkerTable:
 
     def get(self, worker_id: str) -> WorkerEntry | None:
         return self.workers.get(worker_id)
-
-
-def pick_decode_order(candidates: list[WorkerEntry]) -> list[WorkerEntry]:
-    """Most free KV first, then fewest in flight: spreads load and fails over in order."""
-    return sorted(candidates, key=lambda w: (-(w.stats.kv_blocks_free), w.inflight))
-
-
-def pick_least_loaded(candidates: list[WorkerEntry]) -> WorkerEntry:
-    return min(candidates, key=lambda w: (w.inflight, w.stats.num_waiting))

@@ -40,7 +40,7 @@ from pdserve.protocol.messages import (
     WorkerStats,
 )
 from pdserve.runtime.worker_base import WorkerBase
-from pdserve.runtime.worker_runtime import describe_worker, engine_stats
+from pdserve.runtime.worker_runtime import PrefixCacheReport, describe_worker, engine_stats
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,8 @@ class PrefillWorker(WorkerBase):
         self.kv_payload_mac = settings.kv_payload_mac
         self.engine = LLMEngine(settings.engine)
         self.describe(describe_worker(self.engine, "prefill", self.rt.control_addr, settings.host))
+        if self.engine.hasher is not None:
+            self.kv_report = PrefixCacheReport(self.engine.pool)
         self.handlers.update(
             {
                 PrefillRequest: self._on_prefill,

@@ -18,6 +18,11 @@ from array import array
 HASH_BYTES = 16
 
 
+def short_id(block_hash: bytes) -> int:
+    """A block hash's first 8 bytes: enough to route by (gateway/kv_index.py), not to trust."""
+    return int.from_bytes(block_hash[:8], "little")
+
+
 class BlockHasher:
     def __init__(self, salt: str, block_size: int) -> None:
         self.block_size = block_size

@@ -93,10 +93,22 @@ class Register(_Msg, kw_only=True, frozen=True):
     info: WorkerInfo
 
 
+class KvDigest(msgspec.Struct, frozen=True, kw_only=True):
+    """A worker's prefix-cache index for the gateway's KV-aware routing (gateway/kv_index.py):
+    the block ids (`block_hashes.short_id`) registered and evicted since its previous digest, or,
+    when `full`, every block id it holds. `seq` grows by one per digest, so a gap shows."""
+
+    seq: int
+    full: bool = False
+    stored: list[int] = []
+    removed: list[int] = []
+
+
 class Heartbeat(_Msg, kw_only=True, frozen=True):
     worker_id: str
     stats: WorkerStats = WorkerStats()
     info: WorkerInfo | None = None  # lets a restarted gateway re-learn its workers
+    kv: KvDigest | None = None  # what its prefix cache holds (workers with one)
 
 
 class Welcome(_Msg, kw_only=True, frozen=True):

@@ -19,7 +19,7 @@ import zmq
 
 from pdserve.protocol.auth import FrameAuth
 from pdserve.protocol.messages import Welcome, WorkerInfo, WorkerStats
-from pdserve.runtime.worker_runtime import WorkerRuntime
+from pdserve.runtime.worker_runtime import PrefixCacheReport, WorkerRuntime
 from pdserve.runtime.worker_settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -38,6 +38,7 @@ class WorkerBase:
         self.handlers: dict[type, Handler] = {Welcome: self.rt.handle_welcome}
         self._stop = False
         self._last_progress = time.monotonic()  # when an engine step last completed
+        self.kv_report: PrefixCacheReport | None = None  # set by workers with a prefix cache
 
     def describe(self, info: WorkerInfo) -> None:
         """Set what this worker registers with (after its engine exists)."""
@@ -71,7 +72,7 @@ class WorkerBase:
         try:
             while not self._stop:
                 self.run_once()
-                self.rt.tick(self.stats)
+                self.rt.tick(self.stats, self.kv_report)
         finally:
             self.close()
 

@@ -26,9 +26,11 @@ import msgspec
 import zmq
 
 from pdserve.protocol.auth import FrameAuth
+from pdserve.protocol.block_hashes import short_id
 from pdserve.protocol.channel import Inbox, Outbox
 from pdserve.protocol.messages import (
     Heartbeat,
+    KvDigest,
     KvLayout,
     Message,
     Register,
@@ -45,6 +47,29 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 0.5
 REGISTER_INTERVAL_S = 1.0
+KV_FULL_EVERY_S = 5.0  # a worker's whole prefix-cache set goes out this often (deltas between)
+
+# (registered?, block id) changes since the last report, and now and then the whole set of ids
+KvChanges = tuple[list[tuple[bool, int]], list[int] | None]
+
+
+class PrefixCacheReport:
+    """Drains an engine pool's prefix-cache events (engine/block_pool.py) as block ids
+    (`short_id`) for heartbeats, with the whole set every KV_FULL_EVERY_S."""
+
+    def __init__(self, pool) -> None:
+        self.pool = pool
+        pool.events = []
+        self._full_at = 0.0
+
+    def __call__(self) -> KvChanges:
+        events, self.pool.events = self.pool.events, []
+        now = time.monotonic()
+        full = None
+        if now - self._full_at >= KV_FULL_EVERY_S:
+            self._full_at = now
+            full = [short_id(h) for h in self.pool.hashes()]
+        return [(stored, short_id(h)) for stored, h in events], full
 
 
 def new_worker_id(role: Role) -> str:
@@ -105,13 +130,44 @@ class Heartbeater:
         self._lock = threading.Lock()
         self._snapshot: tuple[WorkerInfo, WorkerStats, float] | None = None
         self._step_at = 0.0  # when the loop last began an engine step (monotonic)
+        # the prefix-cache digest to send next (KvDigest): whole set, or changes since the last
+        self._kv_seq = 0
+        self._kv_full: set[int] | None = None
+        self._kv_stored: list[int] = []
+        self._kv_removed: list[int] = []
+        self._kv_reported = False  # the loop reports a prefix cache: every heartbeat carries a digest
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
 
-    def publish(self, info: WorkerInfo, stats: WorkerStats) -> None:
-        """Called by the engine loop: the stats to send until the next publish."""
+    def publish(self, info: WorkerInfo, stats: WorkerStats, kv: KvChanges | None = None) -> None:
+        """Called by the engine loop: the stats to send until the next publish, and what changed
+        in its prefix cache since the last publish (with, now and then, the whole set)."""
         with self._lock:
             self._snapshot = (info, stats, time.monotonic())
+            if kv is None:
+                return
+            self._kv_reported = True
+            events, full = kv
+            if full is not None:  # taken after the events: they are in it
+                self._kv_full, self._kv_stored, self._kv_removed = set(full), [], []
+            elif self._kv_full is not None:
+                for stored, block_id in events:
+                    (self._kv_full.add if stored else self._kv_full.discard)(block_id)
+            else:
+                for stored, block_id in events:
+                    (self._kv_stored if stored else self._kv_removed).append(block_id)
+
+    def _digest(self) -> KvDigest | None:
+        """The next digest (under the lock); numbered, so a gateway that missed one knows."""
+        if not self._kv_reported:
+            return None
+        self._kv_seq += 1
+        if self._kv_full is not None:
+            digest = KvDigest(seq=self._kv_seq, full=True, stored=sorted(self._kv_full))
+        else:
+            digest = KvDigest(seq=self._kv_seq, stored=self._kv_stored, removed=self._kv_removed)
+        self._kv_full, self._kv_stored, self._kv_removed = None, [], []
+        return digest
 
     def mark_step(self) -> None:
         """Called by the engine loop as it begins a step: a step that began after the latest
@@ -125,6 +181,7 @@ class Heartbeater:
     def _current(self) -> Heartbeat | None:
         with self._lock:
             snap = self._snapshot
+            digest = self._digest() if snap is not None else None
         if snap is None:
             return None
         info, stats, taken = snap
@@ -137,7 +194,7 @@ class Heartbeater:
             age = max(age, now - step_at)
         if age != stats.last_step_age_s:
             stats = msgspec.structs.replace(stats, last_step_age_s=age)
-        return Heartbeat(worker_id=info.worker_id, stats=stats, info=info)
+        return Heartbeat(worker_id=info.worker_id, stats=stats, info=info, kv=digest)
 
     def _run(self) -> None:
         boxes = [Outbox(self._ctx, self._auth, addr) for addr in self._addrs]
@@ -203,9 +260,9 @@ class WorkerRuntime:
         for gateway_id, outs in held.items():
             self.to_gateway(gateway_id, outs[0] if len(outs) == 1 else TokenOutputBatch(outputs=outs))
 
-    def tick(self, stats: Callable[[], WorkerStats]) -> None:
-        """Register with gateways that have not welcomed us; publish stats for the heartbeat
-        thread (started on the first tick)."""
+    def tick(self, stats: Callable[[], WorkerStats], kv: Callable[[], KvChanges] | None = None) -> None:
+        """Register with gateways that have not welcomed us; publish stats (and prefix-cache
+        changes) for the heartbeat thread (started on the first tick)."""
         assert self.info is not None, "set runtime.info before the loop"
         now = time.monotonic()
         if now - self._last_register >= REGISTER_INTERVAL_S:
@@ -215,7 +272,7 @@ class WorkerRuntime:
                     box.send(Register(info=self.info))
         if now - self._last_publish >= HEARTBEAT_INTERVAL_S / 5:
             self._last_publish = now
-            self._heartbeater.publish(self.info, stats())
+            self._heartbeater.publish(self.info, stats(), kv() if kv is not None else None)
             self._heartbeater.ensure_started()
 
     def mark_step(self) -> None:

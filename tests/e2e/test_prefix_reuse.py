@@ -71,3 +71,37 @@ def wait_until(cond, timeout_s: float) -> bool:
             return False
         time.sleep(0.2)
     return True
+
+
+def test_conversations_return_to_the_workers_holding_their_kv(tiny_llama):
+    """2P2D, four conversations with their own 70-token system prompts: their first turns spread
+    over the workers; each second turn goes back to the prefill and the decode worker holding
+    its prefix (the gateway learns it from heartbeats), so its prompt's cached blocks are
+    neither computed nor sent again. Without KV-aware routing the second turns all go to the
+    same pair (equal load): two of the four would miss."""
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    systems = random_prompts(tok.vocab_size, [70] * 4, seed=40)
+    firsts = [s + t for s, t in zip(systems, random_prompts(tok.vocab_size, [5] * 4, seed=41))]
+    with running_server(tiny_llama, "--prefill-workers", "2", "--decode-workers", "2") as base:
+        client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        model = client.models.list().data[0].id
+
+        def turn(prompt):
+            return client.completions.create(model=model, prompt=prompt, max_tokens=MAX_NEW, temperature=0)
+
+        import concurrent.futures as cf
+
+        with cf.ThreadPoolExecutor(4) as pool:  # concurrent: the load spreads them over both pairs
+            answers = list(pool.map(turn, firsts))
+        time.sleep(1.5)  # a few heartbeats: the gateway learns who holds what
+        for first, answer in zip(firsts, answers):
+            second = first + tok.encode(answer.choices[0].text, add_special_tokens=False)[:4] + [7, 8]
+            r = turn(second)
+            assert r.choices[0].text == tok.decode(
+                hf_greedy(str(tiny_llama), tuple(second), MAX_NEW), skip_special_tokens=True
+            )
+            assert r.usage.prompt_tokens_details.cached_tokens >= 64  # on the prefill worker holding it
+            blocks = -(-len(second) // 16)
+            sent = r.model_extra["pdserve_timings"]["kv_bytes"]
+            first_sent = answer.model_extra["pdserve_timings"]["kv_bytes"]
+            assert sent <= first_sent / 5 * (blocks - 4), (sent, first_sent)  # the decode worker held 4+

@@ -93,3 +93,33 @@ def test_held_outputs_go_out_as_one_frame_per_gateway(runtime_and_gateway):
     rt.flush_outputs()
     assert gateway.recv_one(2000) == outs[0]
     assert gateway.recv_one(100) is None
+
+
+def test_prefix_cache_digests_are_numbered_full_first_then_deltas():
+    """What KV-aware routing at the gateway is fed: the whole set first (and every few seconds),
+    changes in between, each digest numbered so that a lost one shows as a gap."""
+    from pdserve.engine.block_pool import BlockPool
+    from pdserve.protocol.block_hashes import short_id
+    from pdserve.runtime.worker_runtime import Heartbeater, PrefixCacheReport
+
+    ctx = zmq.Context()
+    hb = Heartbeater(ctx, FrameAuth(b"k" * 32), ["ipc://unused"])
+    pool = BlockPool(8)
+    report = PrefixCacheReport(pool)
+    a, b = pool.allocate(1), pool.allocate(1)
+    pool.register(a[0], b"ha" * 8)
+    hb.publish(_info(), WorkerStats(), report())  # first report: the whole set
+    first = hb._current()
+    assert first is not None and first.kv is not None
+    assert first.kv.full and first.kv.seq == 1 and first.kv.stored == [short_id(b"ha" * 8)]
+    pool.register(b[0], b"hb" * 8)
+    pool.free(a)
+    pool.allocate(7)  # evicts a's cached block
+    hb.publish(_info(), WorkerStats(), report())
+    second = hb._current()
+    assert second is not None and second.kv is not None and not second.kv.full and second.kv.seq == 2
+    assert second.kv.stored == [short_id(b"hb" * 8)] and second.kv.removed == [short_id(b"ha" * 8)]
+    third = hb._current()  # nothing changed: an empty digest, still numbered
+    assert third is not None and third.kv is not None and third.kv.seq == 3 and not third.kv.stored
+    hb.close()
+    ctx.term()
