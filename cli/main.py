@@ -7,6 +7,7 @@ import sys
 
 from pdserve.cli import roles
 from pdserve.cli.engine_args import add_engine_args
+from pdserve.gateway.kv_index import DEFAULT_LOCAL_PREFILL_MAX_TOKENS
 
 
 def _positive_float(text: str) -> float:
@@ -47,6 +48,14 @@ def _add_admission_args(p: argparse.ArgumentParser) -> None:
         "--chat-template",
         default=None,
         help="a Jinja chat template file for /v1/chat/completions (default: the tokenizer's own)",
+    )
+    p.add_argument(
+        "--local-prefill-max-tokens",
+        type=int,
+        default=DEFAULT_LOCAL_PREFILL_MAX_TOKENS,
+        help="a decode worker that holds all of a prompt but at most this many tokens (the next turn of "
+        "a conversation) prefills them itself, skipping the prefill pool (0: never; the rule: "
+        "docs/ARCHITECTURE.md, prefix cache)",
     )
 
 

@@ -191,6 +191,7 @@ def gateway_options(args: argparse.Namespace):
             max_requests=args.max_queued_requests, max_tokens=args.max_queued_tokens, max_wait_s=args.max_queue_wait
         ),
         stuck_after_s=args.stuck_after,
+        local_prefill_max_tokens=args.local_prefill_max_tokens,
     )
 
 

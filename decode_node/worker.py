@@ -84,6 +84,7 @@ class DecodeWorker(WorkerBase):
             self.kv_report = PrefixCacheReport(self.engine.pool)
         self.gateway_of: dict[str, str] = {}  # request id -> gateway id
         self.blocks_skipped = 0  # prompt blocks found held at reservation: never transferred
+        self.local_prefills = 0  # requests taken whole: the short rest of the prompt prefilled here
         self.admitted_at: dict[str, float] = {}
         busy = torch.get_num_threads()
         self.threads = ThreadLending(busy, max(busy, settings.idle_threads or busy))
@@ -102,7 +103,8 @@ class DecodeWorker(WorkerBase):
         n_blocks = -(-req.num_prompt_tokens // eng.block_size)
         held = self._held_prefix(req)  # leading blocks this worker holds already: not transferred
         need = n_blocks - len(held)
-        seats = eng.config.scheduler.max_num_seqs - len(eng.scheduler.running) - self.leases.num_active
+        sch = eng.scheduler
+        seats = eng.config.scheduler.max_num_seqs - len(sch.running) - len(sch.waiting) - self.leases.num_active
         reason, full = "", False  # full: refused for lack of room now, worth retrying later
         if req.request_id in self.gateway_of or self.leases.get(req.request_id) is not None:
             reason = "duplicate request id"
@@ -118,6 +120,8 @@ class DecodeWorker(WorkerBase):
                 ReserveReply(request_id=req.request_id, worker_id=self.worker_id, reason=reason, capacity=full),
             )
             return
+        if self._prefill_here(req, len(held)):
+            return
         eng.pool.acquire(held)
         blocks = eng.pool.allocate(need, after=held[-1] if held else None)
         lease = self.leases.grant(req.request_id, blocks, self.lease_ttl_s, prefix_block_ids=held)
@@ -126,6 +130,32 @@ class DecodeWorker(WorkerBase):
         self.rt.to_gateway(
             req.gateway_id, ReserveReply(request_id=req.request_id, worker_id=self.worker_id, lease=lease)
         )
+
+    def _prefill_here(self, req: ReserveRequest, held_blocks: int) -> bool:
+        """Conditional disaggregation: take the whole request when this worker holds all but a
+        short rest of the prompt (at most the gateway's `local_prefill_max_tokens`) and no other
+        prompt waits here (two would stall the decode batch twice). The engine's scheduler finds
+        the held blocks again by their hashes and prefills the rest in a mixed step."""
+        eng = self.engine
+        rest = req.num_prompt_tokens - held_blocks * eng.block_size
+        if (
+            not req.local_prefill_max_tokens
+            or req.sampling is None
+            or len(req.prompt_token_ids) != req.num_prompt_tokens
+            or rest > req.local_prefill_max_tokens
+            or eng.scheduler.waiting
+        ):
+            return False
+        try:
+            eng.add_request(req.request_id, req.prompt_token_ids, req.sampling)
+        except ValueError as e:
+            reply = ReserveReply(request_id=req.request_id, worker_id=self.worker_id, reason=str(e))
+        else:
+            self.gateway_of[req.request_id] = req.gateway_id
+            self.local_prefills += 1
+            reply = ReserveReply(request_id=req.request_id, worker_id=self.worker_id, local=True)
+        self.rt.to_gateway(req.gateway_id, reply)
+        return True
 
     def _held_prefix(self, req: ReserveRequest) -> list[int]:
         """Blocks of this pool holding the longest run of the prompt's leading full blocks (by
@@ -230,7 +260,7 @@ class DecodeWorker(WorkerBase):
             self.engine.pool.free(blocks)
 
     # --- outputs (held, then sent one frame a gateway by rt.flush_outputs) --------------------
-    def _emit(self, request_id, tokens, logprobs, reason, index, timings=None, error=None) -> None:
+    def _emit(self, request_id, tokens, logprobs, reason, index, timings=None, error=None, cached_tokens=0) -> None:
         gateway = self.gateway_of.get(request_id)
         if gateway is None:
             return
@@ -245,6 +275,7 @@ class DecodeWorker(WorkerBase):
                 finish_reason=reason,
                 error=error,
                 timings=timings or {},
+                cached_tokens=cached_tokens,
             ),
         )
         if reason is not None:
@@ -268,6 +299,7 @@ class DecodeWorker(WorkerBase):
                 out.finish_reason,
                 out.seq.num_output_tokens - len(out.new_token_ids),
                 timings,
+                cached_tokens=out.seq.num_cached_tokens if out.seq.num_output_tokens == 1 else 0,  # a local prefill's
             )
         self.rt.flush_outputs()
         self._last_progress = time.monotonic()
@@ -283,6 +315,7 @@ class DecodeWorker(WorkerBase):
             kv_blocks_quarantined=self.leases.num_quarantined_blocks,
             lease_renewals=self.leases.num_renewals,
             kv_blocks_skipped=self.blocks_skipped,
+            local_prefills=self.local_prefills,
         )
 
     def describe_start(self) -> str:

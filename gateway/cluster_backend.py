@@ -31,7 +31,7 @@ from prometheus_client import Histogram
 
 from pdserve.gateway.admission import AdmissionQueue, QueueLimits
 from pdserve.gateway.backend import Backend, BackendUnavailable
-from pdserve.gateway.kv_index import KvIndex, decode_order, pick_prefill
+from pdserve.gateway.kv_index import DEFAULT_LOCAL_PREFILL_MAX_TOKENS, KvIndex, decode_order, pick_prefill
 from pdserve.gateway.membership import WorkerEntry, WorkerTable
 from pdserve.gateway.queue_stats import QueueStats
 from pdserve.protocol.auth import FrameAuth
@@ -91,6 +91,7 @@ class ClusterBackend(Backend):
         on_decode_failure: str = "migrate",
         max_attempts: int = 3,
         queue_limits: QueueLimits = QueueLimits(),
+        local_prefill_max_tokens: int = DEFAULT_LOCAL_PREFILL_MAX_TOKENS,
     ) -> None:
         if kv_transport not in ("auto", "shm", "zmq"):
             raise ValueError("kv_transport must be auto, shm or zmq")
@@ -98,6 +99,8 @@ class ClusterBackend(Backend):
             raise ValueError("on_decode_failure must be migrate or fail")
         self.on_decode_failure = on_decode_failure
         self.max_attempts = max_attempts
+        # a decode worker holding all but this many prompt tokens prefills them itself (0: never)
+        self.local_prefill_max_tokens = local_prefill_max_tokens
         self.auth = auth
         self.inbox_bind = inbox_bind
         self.gateway_id = f"gw-{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
@@ -186,7 +189,7 @@ class ClusterBackend(Backend):
             fut = self._reserve_waiters.pop(msg.request_id, None)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
-            elif msg.lease is not None:  # nobody waits for it any more: hand the lease back
+            elif msg.lease is not None or msg.local:  # nobody waits for it any more: hand it back
                 self._send(msg.worker_id, Abort(request_id=msg.request_id, reason="lease not used", lease_unused=True))
         elif isinstance(msg, (Register, Heartbeat)):
             info = msg.info
@@ -258,9 +261,10 @@ class ClusterBackend(Backend):
 
     async def _start_pair(
         self, request_id: str, prompt: list[int], sampling: SamplingParams
-    ) -> tuple[WorkerEntry, WorkerEntry, ReserveReply] | None:
-        """One admission turn: a decode worker's lease and a prefill worker for it; None when
-        no decode worker has room now."""
+    ) -> tuple[WorkerEntry | None, WorkerEntry, ReserveReply] | None:
+        """One admission turn: a decode worker's lease and a prefill worker for it (None when
+        the decode worker took the whole request: `ReserveReply.local`); None when no decode
+        worker has room now."""
         if not self.table.live("prefill"):
             raise BackendUnavailable("no live prefill worker", retry_after_s=2.0)
         memo: dict[tuple[str, int], list[bytes]] = {}  # the prompt's block hashes per model and block size
@@ -268,7 +272,9 @@ class ClusterBackend(Backend):
         if got is None:
             return None
         d, reply = got
-        assert reply.lease is not None  # _reserve returns granted leases only
+        if reply.local:  # the decode worker prefills the short rest itself
+            return None, d, reply
+        assert reply.lease is not None  # _reserve returns granted leases or local takes only
         # KV is only exchanged between workers running the same model, dtype and shapes.
         prefills = [p for p in self.table.live("prefill") if p.info.model_fingerprint == d.info.model_fingerprint]
         if not prefills:
@@ -364,6 +370,9 @@ class ClusterBackend(Backend):
         reasons, full = [], False
         held = {d.worker_id: self._held_blocks(d, prompt, memo) for d in decodes}
         for d in decode_order(decodes, held, len(prompt)):
+            # ask it to prefill the rest itself when its heartbeats say it holds all but a little
+            rest = len(prompt) - held[d.worker_id] * d.info.kv_layout.block_size
+            local = self.local_prefill_max_tokens if 0 < rest <= self.local_prefill_max_tokens else 0
             fut = asyncio.get_running_loop().create_future()
             self._reserve_waiters[request_id] = fut
             d.reserving += 1
@@ -376,6 +385,9 @@ class ClusterBackend(Backend):
                     num_prompt_tokens=len(prompt),
                     max_tokens=sampling.max_tokens,
                     block_hashes=self._block_hashes(prompt, d.info, memo),
+                    local_prefill_max_tokens=local,
+                    prompt_token_ids=prompt if local else [],
+                    sampling=sampling if local else None,
                 ),
             )
             try:
@@ -387,7 +399,7 @@ class ClusterBackend(Backend):
             finally:
                 d.reserving -= 1
                 self._reserve_waiters.pop(request_id, None)
-            if reply.lease is not None:
+            if reply.lease is not None or reply.local:
                 return d, reply
             full = full or reply.capacity
             reasons.append(f"{d.worker_id}: {reply.reason}")
@@ -462,33 +474,36 @@ class ClusterBackend(Backend):
         p, d, reply = await self._queues["disaggregated"].admit(
             len(prompt), lambda: self._start_pair(request_id, prompt, sampling), resumed=resumed
         )
-        dest = KvDestination(
-            worker_id=d.worker_id,
-            kv_addr=d.info.kv_addr or "",
-            shm_name=d.info.shm_name,
-            transport=self._transport_for(p, d),
-            lease=reply.lease,
-            layout=d.info.kv_layout,
-        )
         queue: asyncio.Queue[TokenOutput] = asyncio.Queue()
         self._streams[request_id] = queue
         d.inflight += 1
-        p.inflight += 1
+        if p is not None:
+            p.inflight += 1
         finished = False
         got_first = False
         try:
-            self._send(
-                p.worker_id,
-                PrefillRequest(
-                    request_id=request_id,
-                    gateway_id=self.gateway_id,
-                    prompt_token_ids=prompt,
-                    sampling=sampling,
-                    dest=dest,
-                    arrival_time=time.time(),
-                ),
-            )
-            async for out in self._ordered(request_id, queue, lambda: (d,) if got_first else (p, d)):
+            if p is not None:  # else the decode worker prefills the short rest itself
+                assert reply.lease is not None
+                dest = KvDestination(
+                    worker_id=d.worker_id,
+                    kv_addr=d.info.kv_addr or "",
+                    shm_name=d.info.shm_name,
+                    transport=self._transport_for(p, d),
+                    lease=reply.lease,
+                    layout=d.info.kv_layout,
+                )
+                self._send(
+                    p.worker_id,
+                    PrefillRequest(
+                        request_id=request_id,
+                        gateway_id=self.gateway_id,
+                        prompt_token_ids=prompt,
+                        sampling=sampling,
+                        dest=dest,
+                        arrival_time=time.time(),
+                    ),
+                )
+            async for out in self._ordered(request_id, queue, lambda: (d,) if got_first or p is None else (p, d)):
                 if not got_first:  # the prefill worker is done with it
                     got_first = True
                     self._at_prefill.pop(request_id, None)
@@ -498,23 +513,25 @@ class ClusterBackend(Backend):
                     # Ended by a worker: it has released its side. Ended here (abort): `finished`
                     # stays False and the finally block aborts both workers.
                     finished = bool(out.worker_id)
-                    if out.worker_id == p.worker_id:  # ended at its first token: free D's lease
+                    if p is not None and out.worker_id == p.worker_id:  # ended at its first token: free D's lease
                         self._send(d.worker_id, Abort(request_id=request_id, reason="finished at prefill"))
                 yield out
                 if out.finish_reason is not None:
                     return
         except WorkerLost as lost:
             at = self._at_prefill.get(request_id)
-            if at is not None and p.worker_id in lost.worker_ids:
+            if at is not None and p is not None and p.worker_id in lost.worker_ids:
                 self._orphan_leases(p.worker_id, request_id, d.worker_id, at.deadline)
             raise
         finally:
             d.inflight -= 1
-            p.inflight -= 1
+            if p is not None:
+                p.inflight -= 1
             self._at_prefill.pop(request_id, None)
             self._streams.pop(request_id, None)
             if not finished:
-                self._send(p.worker_id, Abort(request_id=request_id, reason="stream closed"))
+                if p is not None:
+                    self._send(p.worker_id, Abort(request_id=request_id, reason="stream closed"))
                 self._send(d.worker_id, Abort(request_id=request_id, reason="stream closed"))
             self._notify_queues()  # a decode seat is free
 

@@ -13,12 +13,21 @@ Scores (unit-tested in tests/gateway/test_kv_routing.py, no processes):
 - prefill: the least expected work before this prompt's first token: the prompt tokens this
   gateway has routed there that have no first token yet, plus this prompt's tokens the worker
   does not hold; ties by fewest requests in flight.
+- local prefill (conditional disaggregation): a decode worker asked first whose heartbeats say
+  it holds all of the prompt but at most --local-prefill-max-tokens is asked to take the whole
+  request; it does when its own cache confirms that and no other prompt waits for its engine
+  (so a decode batch stalls for at most one short prefill at a time); else it grants a lease
+  as usual and the prompt goes through the prefill pool.
 """
 
 from __future__ import annotations
 
 from pdserve.gateway.membership import WorkerEntry
 from pdserve.protocol.messages import KvDigest
+
+# Conditional disaggregation: the longest uncached rest of a prompt a decode worker prefills
+# itself instead of a round trip through the prefill pool (measured: docs/benchmarks/README.md).
+DEFAULT_LOCAL_PREFILL_MAX_TOKENS = 64
 
 
 class KvIndex:

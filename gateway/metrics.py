@@ -51,6 +51,11 @@ class _WorkerCollector:
                 "Prompt blocks a decode worker held already at reservation: not transferred",
                 labels=["node"],
             ),
+            "local_prefills": CounterMetricFamily(
+                "pdserve_local_prefills",
+                "Requests a decode worker took whole, prefilling their short uncached rest itself",
+                labels=["node"],
+            ),
             "prefix_hit_tokens": CounterMetricFamily(
                 "pdserve_prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed)", labels=["node"]
             ),

@@ -13,6 +13,7 @@ from pdserve.engine.config import ModelConfig
 from pdserve.gateway.admission import QueueLimits
 from pdserve.gateway.app import create_app
 from pdserve.gateway.cluster_backend import ClusterBackend
+from pdserve.gateway.kv_index import DEFAULT_LOCAL_PREFILL_MAX_TOKENS
 from pdserve.gateway.limits import GatewayLimits
 from pdserve.gateway.slow_clients import http_protocol
 from pdserve.protocol.auth import FrameAuth
@@ -37,6 +38,8 @@ class GatewayOptions:
     queue_limits: QueueLimits = QueueLimits()  # per pool: waiting requests, tokens, seconds
     # a worker with work pending whose engine step has not completed for this long counts as dead
     stuck_after_s: float = 30.0
+    # a decode worker holding all but this many prompt tokens prefills them itself (0: never)
+    local_prefill_max_tokens: int = DEFAULT_LOCAL_PREFILL_MAX_TOKENS
 
 
 def _chat_template(path: str | None) -> str | None:
@@ -62,6 +65,7 @@ def serve_gateway(opts: GatewayOptions, auth: FrameAuth) -> None:
         on_decode_failure=opts.on_decode_failure,
         stuck_after_s=opts.stuck_after_s,
         queue_limits=opts.queue_limits,
+        local_prefill_max_tokens=opts.local_prefill_max_tokens,
     )
     app = create_app(
         backend,

@@ -72,6 +72,7 @@ class WorkerStats(msgspec.Struct, frozen=True):
     prefix_query_tokens: int = 0  # prompt tokens looked up in the prefix cache so far
     prefix_hit_tokens: int = 0  # of them, found cached (not computed)
     kv_blocks_skipped: int = 0  # decode: prompt blocks found cached at reservation, so never transferred
+    local_prefills: int = 0  # decode: requests whose short uncached rest it prefilled itself
 
 
 class WorkerInfo(msgspec.Struct, frozen=True):
@@ -143,6 +144,12 @@ class ReserveRequest(_Msg, kw_only=True, frozen=True):
     # Chained hashes of the prompt's full blocks (protocol/block_hashes.py, salted with D's
     # model fingerprint and block size): D pins the leading ones it holds instead of receiving them.
     block_hashes: list[bytes] = []
+    # Conditional disaggregation: when D holds all but at most this many of the prompt's tokens,
+    # it prefills the rest itself (no prefill worker, no transfer); 0 = never. Needs the prompt
+    # and its sampling parameters, sent only when the gateway expects D to hold the prefix.
+    local_prefill_max_tokens: int = 0
+    prompt_token_ids: list[int] = []
+    sampling: SamplingParams | None = None
 
 
 class ReserveReply(_Msg, kw_only=True, frozen=True):
@@ -151,6 +158,7 @@ class ReserveReply(_Msg, kw_only=True, frozen=True):
     lease: Lease | None = None  # None => refused
     reason: str = ""
     capacity: bool = False  # refused for lack of room now (seats, blocks): worth waiting for
+    local: bool = False  # D took the whole request (prefills the short rest itself): no lease
 
 
 class KvDestination(msgspec.Struct, frozen=True):

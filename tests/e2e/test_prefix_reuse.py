@@ -17,7 +17,8 @@ from tests.e2e.cluster import running_server
 pytestmark = pytest.mark.slow
 
 MAX_NEW = 8
-MODES = {"1P1D": [], "colocated": ["--colocated"]}
+# local prefill off in 1P1D: these turns must cross from the prefill worker (tested below)
+MODES = {"1P1D": ["--local-prefill-max-tokens", "0"], "colocated": ["--colocated"]}
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -82,7 +83,10 @@ def test_conversations_return_to_the_workers_holding_their_kv(tiny_llama):
     tok = AutoTokenizer.from_pretrained(tiny_llama)
     systems = random_prompts(tok.vocab_size, [70] * 4, seed=40)
     firsts = [s + t for s, t in zip(systems, random_prompts(tok.vocab_size, [5] * 4, seed=41))]
-    with running_server(tiny_llama, "--prefill-workers", "2", "--decode-workers", "2") as base:
+    # (local prefill off: each turn goes through a prefill worker, whose choice is tested too)
+    with running_server(
+        tiny_llama, "--prefill-workers", "2", "--decode-workers", "2", "--local-prefill-max-tokens", "0"
+    ) as base:
         client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
         model = client.models.list().data[0].id
 
@@ -105,3 +109,32 @@ def test_conversations_return_to_the_workers_holding_their_kv(tiny_llama):
             sent = r.model_extra["pdserve_timings"]["kv_bytes"]
             first_sent = answer.model_extra["pdserve_timings"]["kv_bytes"]
             assert sent <= first_sent / 5 * (blocks - 4), (sent, first_sent)  # the decode worker held 4+
+
+
+def test_the_next_turn_of_a_conversation_is_prefilled_on_the_decode_worker(tiny_llama):
+    """1P1D: the second turn's prompt is the first turn's prompt and answer plus a few tokens;
+    the decode worker holds all of it but the short rest, so it prefills that itself (no
+    prefill worker, no transfer). Output equals HF greedy; with --local-prefill-max-tokens 0 the
+    same turn goes through the prefill pool."""
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    first = random_prompts(tok.vocab_size, [70], seed=50)[0]
+    for limit, local in (("64", True), ("0", False)):
+        with running_server(tiny_llama, "--local-prefill-max-tokens", limit) as base:
+            client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+            model = client.models.list().data[0].id
+            a = client.completions.create(model=model, prompt=first, max_tokens=MAX_NEW, temperature=0)
+            time.sleep(1.5)  # heartbeats tell the gateway what the decode worker holds
+            second = first + tok.encode(a.choices[0].text, add_special_tokens=False) + [11, 12, 13]
+            r = client.completions.create(model=model, prompt=second, max_tokens=MAX_NEW, temperature=0)
+            want = tok.decode(hf_greedy(str(tiny_llama), tuple(second), MAX_NEW), skip_special_tokens=True)
+            assert r.choices[0].text == want
+            timings = r.model_extra["pdserve_timings"]
+            assert ("kv_bytes" not in timings) == local, timings  # nothing crossed from a prefill worker
+            assert wait_until(lambda: metric(base, "pdserve_local_prefills_total") == (1 if local else 0), 5)
+            if local:
+                assert r.usage.prompt_tokens_details.cached_tokens >= 64
+
+
+def metric(base: str, name: str) -> float:
+    text = urllib.request.urlopen(f"{base}/metrics", timeout=5).read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
