@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from pdserve.bench.arrivals import arrival_offsets
 from pdserve.bench.client import build_payload, send
+from pdserve.bench.conversations import make_conversations, per_turn, run_conversations
 from pdserve.bench.datasets import BenchRequest, jsonl_requests, random_requests, sharegpt_requests
 from pdserve.bench.metrics import METRICS, compute_metrics
 from pdserve.bench.plots import plot_sweep
@@ -33,13 +34,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="HF tokenizer folder (default: --model if a folder, else the server's /v1/models root)",
     )
     ap.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
-    ap.add_argument("--dataset-name", default="random", choices=["random", "sharegpt", "jsonl"])
+    ap.add_argument("--dataset-name", default="random", choices=["random", "sharegpt", "jsonl", "conversations"])
     ap.add_argument("--dataset-path", default=None)
     ap.add_argument("--random-input-len", type=int, default=1024)
     ap.add_argument("--random-output-len", type=int, default=128)
     ap.add_argument("--random-range-ratio", type=float, default=0.0)
     ap.add_argument("--random-prefix-len", type=int, default=0)
     ap.add_argument("--tokenized-prompts", action="store_true", help="send token-id prompts (completions only)")
+    g = ap.add_argument_group("conversations (--dataset-name conversations; --num-prompts conversations)")
+    g.add_argument("--conv-system-len", type=int, default=1000, help="tokens of the system prompt all share")
+    g.add_argument("--conv-turns", default="5-10", help="user turns per conversation, MIN-MAX")
+    g.add_argument("--conv-user-len", type=int, default=64, help="tokens of each new user message")
+    g.add_argument(
+        "--conv-think-time", type=float, default=2.0, help="mean seconds between an answer and the next turn"
+    )
     ap.add_argument("--num-prompts", type=int, default=100)
     ap.add_argument("--request-rate", type=float, default=math.inf, help="req/s, Poisson; inf = burst")
     ap.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of gaps (1 = Poisson)")
@@ -157,6 +165,47 @@ async def run_once(
     }
 
 
+def run_conversation_bench(args, model: str, tokenizer, slos: dict[str, float]) -> dict:
+    lo, _, hi = args.conv_turns.partition("-")
+    convs = make_conversations(
+        tokenizer,
+        args.num_prompts,
+        args.conv_system_len,
+        (int(lo), int(hi or lo)),
+        args.conv_user_len,
+        args.random_output_len,
+        args.seed,
+    )
+    results, duration = asyncio.run(
+        run_conversations(
+            args.base_url,
+            model,
+            tokenizer,
+            convs,
+            rate=args.request_rate,
+            think_time_s=args.conv_think_time,
+            ignore_eos=args.ignore_eos,
+            seed=args.seed,
+            timeout_s=args.request_timeout,
+        )
+    )
+    percentiles = tuple(float(p) for p in args.metric_percentiles.split(","))
+    metrics = compute_metrics([r for _, r in results], duration, percentiles=percentiles, goodput_slos_ms=slos or None)
+    return {
+        "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
+        "label": args.label or model,
+        "model_id": model,
+        "base_url": args.base_url,
+        "dataset": "conversations",
+        "conversations": len(convs),
+        "request_rate": args.request_rate if not math.isinf(args.request_rate) else "inf",
+        "goodput_slos_ms": slos,
+        **metrics,
+        "turns": per_turn(results),
+        "errors": [r.error for _, r in results if not r.success][:5],
+    }
+
+
 def print_summary(res: dict, slos: dict) -> None:
     line = "=" * 50
     print(f"{' Serving Benchmark Result ':=^50}")
@@ -185,6 +234,14 @@ def print_summary(res: dict, slos: dict) -> None:
         print(f"{title:-^50}")
         for k in sorted(k for k in res if k.endswith(f"_{name}_ms")):
             print(f"{k.removesuffix(f'_{name}_ms').capitalize() + ' ' + name.upper() + ' (ms):':<40}{res[k]:<10.2f}")
+    if "turns" in res:
+        print(f"{'Per turn':-^50}")
+        print(f"{'turn':>4} {'n':>4} {'p50 TTFT ms':>12} {'p90 TTFT ms':>12} {'cached tok':>11} {'KV bytes':>10}")
+        for turn, t in res["turns"].items():
+            print(
+                f"{turn:>4} {t['completed']:>4} {t['median_ttft_ms']:>12.1f} {t['p90_ttft_ms']:>12.1f} "
+                f"{t['mean_cached_tokens']:>11.0f} {t['mean_kv_bytes']:>10.0f}"
+            )
     if "ttft_breakdown_mean" in res:
         print(f"{'TTFT breakdown (server, mean)':-^50}")
         for k, v in res["ttft_breakdown_mean"].items():
@@ -216,6 +273,8 @@ def bench_main(argv: list[str] | None = None) -> int:
     if Path(model).is_dir():  # the server names the model by its own id
         model = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
     out_dir = Path(args.result_dir)
+    if args.sweep_rates and args.dataset_name == "conversations":
+        raise SystemExit("--sweep-rates runs single requests; conversations run one rate at a time")
     if args.sweep_rates:
         rows = []
         for f in args.compare:  # other servers' sweep files (or single results)
@@ -240,8 +299,11 @@ def bench_main(argv: list[str] | None = None) -> int:
         pngs = plot_sweep(rows + mine, out_dir, slo_text)
         print(f"capacity ({label}): {cap} req/s; results {path}; plots {', '.join(str(p) for p in pngs)}")
         return 0
-    requests = load_requests(args, tokenizer, args.seed)
-    res = asyncio.run(run_once(args, model, tokenizer, requests, args.request_rate, slos, args.seed))
+    if args.dataset_name == "conversations":
+        res = run_conversation_bench(args, model, tokenizer, slos)
+    else:
+        requests = load_requests(args, tokenizer, args.seed)
+        res = asyncio.run(run_once(args, model, tokenizer, requests, args.request_rate, slos, args.seed))
     print_summary(res, slos)
     if args.save_result:
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -82,6 +82,15 @@ async def send(
         n_out = len(tokenizer.encode("".join(text), add_special_tokens=False))
     else:
         n_out = len(itl) + 1
+    details = (usage or {}).get("prompt_tokens_details") or {}
     return RequestResult(
-        True, req.prompt_len, n_out, ttft, itl, latency, timings={k: float(v) for k, v in timings.items()}
+        True,
+        int((usage or {}).get("prompt_tokens") or req.prompt_len),
+        n_out,
+        ttft,
+        itl,
+        latency,
+        timings={k: float(v) for k, v in timings.items()},
+        text="".join(text),
+        cached_tokens=int(details.get("cached_tokens") or 0),
     )

@@ -26,6 +26,8 @@ class RequestResult:
     latency: float = 0.0  # seconds
     error: str = ""
     timings: dict[str, float] = field(default_factory=dict)  # server's TTFT breakdown, if any
+    text: str = ""  # the generated text (a conversation sends it back as the next turn's history)
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens, when the server reports it
 
     @property
     def tpot(self) -> float | None:

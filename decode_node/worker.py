@@ -140,6 +140,7 @@ class DecodeWorker(WorkerBase):
         rest = req.num_prompt_tokens - held_blocks * eng.block_size
         if (
             not req.local_prefill_max_tokens
+            or not held_blocks  # nothing of it here: the prefill pool's work
             or req.sampling is None
             or len(req.prompt_token_ids) != req.num_prompt_tokens
             or rest > req.local_prefill_max_tokens

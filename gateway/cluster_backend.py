@@ -372,7 +372,8 @@ class ClusterBackend(Backend):
         for d in decode_order(decodes, held, len(prompt)):
             # ask it to prefill the rest itself when its heartbeats say it holds all but a little
             rest = len(prompt) - held[d.worker_id] * d.info.kv_layout.block_size
-            local = self.local_prefill_max_tokens if 0 < rest <= self.local_prefill_max_tokens else 0
+            holds = held[d.worker_id] > 0  # a prompt it holds nothing of goes to the prefill pool
+            local = self.local_prefill_max_tokens if holds and 0 < rest <= self.local_prefill_max_tokens else 0
             fut = asyncio.get_running_loop().create_future()
             self._reserve_waiters[request_id] = fut
             d.reserving += 1

@@ -27,7 +27,7 @@ from pdserve.protocol.messages import KvDigest
 
 # Conditional disaggregation: the longest uncached rest of a prompt a decode worker prefills
 # itself instead of a round trip through the prefill pool (measured: docs/benchmarks/README.md).
-DEFAULT_LOCAL_PREFILL_MAX_TOKENS = 64
+DEFAULT_LOCAL_PREFILL_MAX_TOKENS = 128
 
 
 class KvIndex:

@@ -84,3 +84,48 @@ def test_bench_run_and_sweep(tiny_llama, tmp_path):
         sweep = json.loads((tmp_path / "sweep-pdserve-1P1D.json").read_text())
         assert [r["request_rate"] for r in sweep["runs"]] == [2.0, 8.0] and sweep["capacity_req_s"] == 8.0
         assert (tmp_path / "slo_attainment.png").is_file()
+
+
+def test_conversations_report_per_turn_reuse(tiny_llama, tmp_path):
+    """`--dataset-name conversations` against 1P1D: every turn after the first finds the shared
+    system prompt and its own history cached, and the table is keyed by turn."""
+    with running_server(tiny_llama) as base:
+        rc = bench_main(
+            [
+                "--base-url",
+                base,
+                "--tokenizer",
+                str(tiny_llama),
+                "--dataset-name",
+                "conversations",
+                "--num-prompts",
+                "3",
+                "--conv-turns",
+                "3-3",
+                "--conv-system-len",
+                "100",
+                "--conv-user-len",
+                "10",
+                "--conv-think-time",
+                "0.3",
+                "--random-output-len",
+                "6",
+                "--ignore-eos",
+                "--save-result",
+                "--result-dir",
+                str(tmp_path),
+                "--result-filename",
+                "conv.json",
+                "--disable-tqdm",
+            ]
+        )
+        assert rc == 0
+    res = json.loads((tmp_path / "conv.json").read_text())
+    assert res["completed"] == 9 and res["failed"] == 0 and set(res["turns"]) == {"1", "2", "3"}
+    turns = res["turns"]
+    assert all(turns[t]["completed"] == 3 for t in turns)
+    # the 100-token system prompt (and in ChatML some more) is cached from the second turn on
+    assert (
+        turns["2"]["mean_cached_tokens"] >= 96 and turns["3"]["mean_cached_tokens"] > turns["2"]["mean_cached_tokens"]
+    )
+    assert turns["3"]["mean_prompt_tokens"] > turns["2"]["mean_prompt_tokens"] > turns["1"]["mean_prompt_tokens"]

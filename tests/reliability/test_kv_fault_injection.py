@@ -177,6 +177,9 @@ def cluster(tiny_llama, tmp_path_factory) -> Iterator[Cluster]:
         "1",
         "--gateway",
         f"tcp://127.0.0.1:{gw_inbox}",
+        # every request's KV must cross the relay: no prompt may be served from a cache (the
+        # tests reuse their prompts, and a decode worker holding one would skip the transfer)
+        "--no-enable-prefix-caching",
     ]
     argv = {
         "gateway": [
@@ -191,6 +194,8 @@ def cluster(tiny_llama, tmp_path_factory) -> Iterator[Cluster]:
             f"tcp://127.0.0.1:{gw_inbox}",
             "--max-model-len",
             "256",
+            "--local-prefill-max-tokens",
+            "0",
         ],
         "prefill": ["prefill", *engine],
         "decode": [
