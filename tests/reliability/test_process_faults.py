@@ -341,3 +341,46 @@ def test_prefill_worker_lost_before_first_token_is_retried(real_llama, slow_pref
     # SIGKILL: `pdserve serve` restarts it; SIGSTOP: it comes back after SIGCONT
     assert wait_until(lambda: len(live_workers(s.base, "prefill")) == 2, 60) is not None
     check_after(s.base)
+
+
+# --- 7. a decode worker killed while it holds a conversation's cached KV ----------------------
+@pytest.mark.parametrize("local_limit", ["128", "0"])  # the turn prefilled on D itself, or by P
+def test_decode_worker_killed_holding_a_conversation_migrates_exactly(bench_model, local_limit):
+    """Turn 1 leaves its KV cached on one decode worker; turn 2 goes back to it (KV-aware
+    routing: pinned prefix, or prefilled there) and that worker is SIGKILLed mid-stream. The
+    turn migrates to the other decode worker and its text equals HF greedy; the supervisor
+    restarts the dead one; every live ledger balances."""
+    n = 800  # seconds of decoding: time to see the counters before the kill
+    tok = AutoTokenizer.from_pretrained(bench_model)
+    first = random_prompts(tok.vocab_size, [150], seed=31)[0]
+    answer = hf_greedy(str(bench_model), tuple(first), 16, 16)
+    second = first + answer + random_prompts(tok.vocab_size, [20], seed=32)[0]
+    want = hf_text(tok, bench_model, second, n)
+    extra = ("--decode-workers", "2", "--max-model-len", "1024", "--local-prefill-max-tokens", local_limit)
+    with served(bench_model, *extra) as s:
+        assert wait_until(lambda: len(live_workers(s.base, "decode")) == 2, 60) is not None
+        r = httpx.post(f"{s.base}/v1/completions", json=greedy(16, first), timeout=60)
+        assert r.json()["choices"][0]["text"] == tok.decode(answer, skip_special_tokens=True)
+        time.sleep(1.5)  # heartbeats: the gateway learns which decode worker holds turn 1
+        killed = None
+        stream = Stream(s.base, {**greedy(n, second), "logprobs": 1})
+        stream.wait_pieces(2)
+        # it went back to the worker holding turn 1: prefilled there, or its 10 blocks pinned
+        counter = "pdserve_local_prefills_total" if local_limit != "0" else "pdserve_kv_transfer_blocks_skipped_total"
+        want_count = 1 if local_limit != "0" else 10
+        assert wait_until(lambda: metric_sum(s.base, counter) >= want_count, 2, step_s=0.1) is not None
+        killed = busy_worker_pid(s.base, "decode")
+        assert killed is not None, "no decode worker reports the running turn"
+        os.kill(killed, signal.SIGKILL)
+        assert stream.finish is None, "not caught mid-stream"
+        stream.join()
+        assert stream.finish == "length" and stream.text == want  # migrated: nothing lost or doubled
+        assert len(stream.pieces) == n
+        took = wait_until(lambda: killed not in live_workers(s.base, "decode").values(), 10)
+        assert took is not None
+        assert wait_until(lambda: len(live_workers(s.base, "decode")) == 2, 60) is not None  # restarted
+        check_after(s.base)
+
+
+def metric_sum(base: str, name: str) -> float:
+    return sum(float(line.split()[-1]) for line in metrics_text(base).splitlines() if line.startswith(name))
