@@ -72,7 +72,14 @@ def test_lanes_compute_what_one_thread_computes(tiny_llama):
     prompts = random_prompts(reference.model_config.vocab_size, LENGTHS, seed=4)
     want_first, want_kv = run_sequential(reference, prompts)
 
-    lanes = PrefillLanes(lanes_engine.runner, lanes=1, idle_lanes=1)
+    runner, real_run_layers = lanes_engine.runner, lanes_engine.runner.run_layers
+
+    def slow_layers(fp, count=None):
+        time.sleep(0.002)  # a layer outlasts the loop's next schedule, even on a loaded machine
+        real_run_layers(fp, count)
+
+    runner.run_layers = slow_layers
+    lanes = PrefillLanes(runner, lanes=1, idle_lanes=1)
     try:
         got_first, got_kv, jobs = run_in_lanes(lanes_engine, prompts, lanes)
     finally:
