@@ -75,9 +75,10 @@ class ColocatedWorker(WorkerBase):
                     finish_reason=wire_finish_reason(out.finish_reason),
                     timings=timings,
                     cached_tokens=out.seq.num_cached_tokens if out.seq.num_output_tokens == 1 else 0,
+                    seq_index=out.seq_index,
                 ),
             )
-            if out.finish_reason is not None:
+            if out.request_done:
                 self.gateway_of.pop(out.request_id, None)
         self.rt.flush_outputs()  # the step's outputs, one frame a gateway
         self._last_progress = time.monotonic()

@@ -25,7 +25,7 @@ import zmq
 from pdserve.decode_node.settings import DecodeSettings
 from pdserve.decode_node.step_pacing import StepPacer
 from pdserve.decode_node.thread_lending import ThreadLending
-from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.llm_engine import LLMEngine, StepOutput
 from pdserve.kvtransfer.lease import LeaseTable
 from pdserve.kvtransfer.receiver import KvReceiver
 from pdserve.kvtransfer.shm import SharedTensor
@@ -104,13 +104,14 @@ class DecodeWorker(WorkerBase):
         held = self._held_prefix(req)  # leading blocks this worker holds already: not transferred
         need = n_blocks - len(held)
         sch = eng.scheduler
-        seats = eng.config.scheduler.max_num_seqs - len(sch.running) - len(sch.waiting) - self.leases.num_active
+        seats = eng.config.scheduler.max_num_seqs - sch.num_seats - self.leases.num_active
+        wanted = min(req.num_seqs, eng.config.scheduler.max_num_seqs)  # a wider group runs alone
         reason, full = "", False  # full: refused for lack of room now, worth retrying later
         if req.request_id in self.gateway_of or self.leases.get(req.request_id) is not None:
             reason = "duplicate request id"
         elif req.num_prompt_tokens + req.max_tokens > eng.max_model_len:
             reason = f"prompt + max_tokens exceeds max_model_len {eng.max_model_len}"
-        elif seats <= 0:
+        elif seats < wanted:
             reason, full = "no free decode seats", True
         elif need + eng.pool.num_evictable(held) > eng.pool.num_free:
             reason, full = f"no KV blocks ({need} needed, {eng.pool.num_free} free)", True
@@ -186,20 +187,21 @@ class DecodeWorker(WorkerBase):
         try:
             if not self._prefix_matches(lease.prefix_block_ids, done.prompt_token_ids):
                 raise ValueError("the cached prefix blocks do not hold this prompt")
-            finished = self.engine.add_prefilled(
+            outputs = self.engine.add_prefilled(
                 done.request_id,
                 done.prompt_token_ids,
                 done.first_token,
                 done.first_logprob,
                 done.sampling,
                 blocks,
+                fork=done.fork or None,
             )
         except ValueError as e:  # e.g. a prompt that does not fit: give the blocks back, report
             self.engine.pool.free(blocks)
             self._emit(done.request_id, [], None, "error", 1, error=str(e))
             return
-        if finished is not None:
-            self._emit(done.request_id, [], None, finished.finish_reason, 1)
+        for i, out in enumerate(outputs):  # a group's first tokens (P's timings go with them)
+            self._emit_step(out, done.timings if i == 0 and done.fork else None)
 
     def _on_kv_failed(self, done: KvDone, reason: str) -> None:
         """P finished the transfer but some of it never landed (frames dropped, late or
@@ -261,7 +263,35 @@ class DecodeWorker(WorkerBase):
             self.engine.pool.free(blocks)
 
     # --- outputs (held, then sent one frame a gateway by rt.flush_outputs) --------------------
-    def _emit(self, request_id, tokens, logprobs, reason, index, timings=None, error=None, cached_tokens=0) -> None:
+    def _emit_step(self, out: StepOutput, timings: dict[str, float] | None = None) -> None:
+        admitted = self.admitted_at.pop(out.request_id, None)
+        if admitted is not None:
+            timings = {**(timings or {}), "decode_admission_s": time.monotonic() - admitted}
+        self._emit(
+            out.request_id,
+            out.new_token_ids,
+            out.logprobs,
+            out.finish_reason,
+            out.seq.num_output_tokens - len(out.new_token_ids),
+            timings,
+            cached_tokens=out.seq.num_cached_tokens if out.seq.num_output_tokens == 1 else 0,  # a local prefill's
+            seq_index=out.seq_index,
+            done=out.request_done,
+        )
+
+    def _emit(
+        self,
+        request_id,
+        tokens,
+        logprobs,
+        reason,
+        index,
+        timings=None,
+        error=None,
+        cached_tokens=0,
+        seq_index=0,
+        done=None,
+    ) -> None:
         gateway = self.gateway_of.get(request_id)
         if gateway is None:
             return
@@ -277,31 +307,19 @@ class DecodeWorker(WorkerBase):
                 error=error,
                 timings=timings or {},
                 cached_tokens=cached_tokens,
+                seq_index=seq_index,
             ),
         )
-        if reason is not None:
+        if done or (done is None and reason is not None):
             self.gateway_of.pop(request_id, None)
             self.admitted_at.pop(request_id, None)
 
     def step(self) -> None:
         self.rt.mark_step()
         self.threads.update(prefills_in_flight=self.leases.num_active)
-        now = time.monotonic()
-        self.pacer.started(now)
+        self.pacer.started(time.monotonic())
         for out in self.engine.step():
-            timings = None
-            admitted = self.admitted_at.pop(out.request_id, None)
-            if admitted is not None:
-                timings = {"decode_admission_s": now - admitted}
-            self._emit(
-                out.request_id,
-                out.new_token_ids,
-                out.logprobs,
-                out.finish_reason,
-                out.seq.num_output_tokens - len(out.new_token_ids),
-                timings,
-                cached_tokens=out.seq.num_cached_tokens if out.seq.num_output_tokens == 1 else 0,  # a local prefill's
-            )
+            self._emit_step(out)
         self.rt.flush_outputs()
         self._last_progress = time.monotonic()
 

@@ -3,6 +3,10 @@
 colocated worker : add_request()        -> step() ... (prefill and decode in mixed batches)
 prefill worker   : add_request(prefill_only=True) -> step(on_layer_stored=ship KV) -> first token
 decode worker    : add_prefilled() (KV already in leased blocks) -> step() ...
+
+A request with n > 1, best_of or beam search runs as a SequenceGroup (engine/sequence_group.py):
+one prefill, then its members fork here (or, disaggregated, on the decode worker from the
+first tokens or beam candidates the prefill worker sends: StepOutput.fork -> add_prefilled).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from typing import Callable, cast, get_args
 
 import torch
 
+from pdserve.engine.beam_search import BeamSearch, Candidate
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.config import EngineConfig, ModelConfig, resolve_dtype
 from pdserve.engine.kv_cache import KvAllocator, KVCacheSpec, allocate_kv_cache, plan_num_blocks
@@ -21,7 +26,8 @@ from pdserve.engine.model_runner import ForwardPass, ModelRunner, load_model
 from pdserve.engine.prefix_cache import BlockHasher
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
-from pdserve.engine.sequence import Sequence
+from pdserve.engine.sequence import SeqStatus, Sequence
+from pdserve.engine.sequence_group import SequenceGroup, member_sampling
 from pdserve.protocol.messages import FinishReason, TokenLogprob
 from pdserve.protocol.sampling import SamplingParams
 
@@ -46,6 +52,15 @@ class StepOutput:
     logprobs: list[TokenLogprob] | None
     finish_reason: str | None  # stop | length | abort | prefilled | None (still running)
     seq: Sequence
+    request_done: bool = False  # the request's last output (a group's: after its last choice)
+    seq_index: int = 0  # the choice (n > 1, best_of, beams)
+    # a group's root on a prefill worker: each member's first token (n, best_of), or the top
+    # candidates for the first beam step, for the decode worker to fork from
+    fork: list[TokenLogprob] | None = None
+
+
+def _output(seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None, reason: str | None) -> StepOutput:
+    return StepOutput(seq.request_id, tokens, logprobs, reason, seq, request_done=reason is not None)
 
 
 class LLMEngine:
@@ -97,7 +112,9 @@ class LLMEngine:
         return self.runner.kv_cache
 
     # --- intake ---------------------------------------------------------------------------
-    def _new_sequence(self, request_id: str, prompt: list[int], sampling: SamplingParams) -> Sequence:
+    def _new_sequence(
+        self, request_id: str, prompt: list[int], sampling: SamplingParams, *, prefill_only: bool = False
+    ) -> Sequence:
         if request_id in self.seqs:
             raise ValueError(f"duplicate request id {request_id}")
         if not prompt:
@@ -108,13 +125,34 @@ class LLMEngine:
         if bad:
             raise ValueError(f"token ids out of vocabulary: {bad[:5]}")
         seq = Sequence(request_id, list(prompt), len(prompt), sampling)
+        if sampling.is_group:
+            self._make_group(seq, check_room=not prefill_only)
         self.seqs[request_id] = seq
         return seq
+
+    def _make_group(self, root: Sequence, check_room: bool) -> None:
+        sp, bs = root.sampling, self.block_size
+        if check_room:  # every member at full length, sharing only the prompt's full blocks
+            worst = len(root.token_ids) // bs + sp.num_seqs * -(-(len(root.token_ids) % bs + sp.max_tokens) // bs)
+            if worst > self.pool.num_blocks:
+                raise ValueError(
+                    f"{sp.num_seqs} sequences of up to {sp.max_tokens} tokens need up to {worst} KV blocks;"
+                    f" this worker has {self.pool.num_blocks}"
+                )
+        group = SequenceGroup(sp, root)
+        if sp.use_beam_search:
+            group.beam = BeamSearch.for_request(
+                sp, self.model_config.eos_token_ids, root.num_tokens, self.max_model_len
+            )
+        else:
+            root.sampling = member_sampling(sp, 0)
+        root.group = group
+        root.report_logprobs = sp.logprobs is not None
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, *, prefill_only: bool = False
     ) -> Sequence:
-        seq = self._new_sequence(request_id, prompt_token_ids, sampling)
+        seq = self._new_sequence(request_id, prompt_token_ids, sampling, prefill_only=prefill_only)
         seq.stop_after_first_token = prefill_only
         self.scheduler.add(seq)
         return seq
@@ -127,29 +165,54 @@ class LLMEngine:
         first_logprob: TokenLogprob | None,
         sampling: SamplingParams,
         block_ids: list[int],
-    ) -> StepOutput | None:
+        fork: list[TokenLogprob] | None = None,
+    ) -> list[StepOutput]:
         """Admit a sequence whose prompt KV sits in `block_ids` (owned from now on by the engine).
 
-        The first token was sampled by the prefill worker; returns a finished StepOutput when
-        that token already ends the request (the blocks are freed), else None.
+        The first token was sampled by the prefill worker (it told the gateway); returns a
+        finished output when that token already ends the request (the blocks are freed). A group
+        forks here from `fork` (StepOutput.fork) and returns its members' first outputs.
         """
-        seq = self._new_sequence(request_id, prompt_token_ids, sampling)
+        if sampling.is_group and len(fork or ()) < sampling.num_seqs:
+            raise ValueError("a sequence group needs its members' first tokens (KvDone.fork)")
+        seq = self._new_sequence(request_id, prompt_token_ids, sampling)  # (raises before taking the blocks)
         seq.block_table = list(block_ids)
         seq.num_computed_tokens = len(prompt_token_ids)
         self._publish(seq, seq.num_computed_tokens)
         self.scheduler.add_running(seq)
+        group = seq.group
+        if group is not None:
+            assert fork is not None
+            if group.beam is not None:
+                return self._beam_step(group, [seq], [Candidate(0, t.token_id, t.logprob) for t in fork])
+            return self._accept(
+                [
+                    (m, t.token_id, t if m.sampling.logprobs is not None else None)
+                    for m, t in zip(self._fork(group), fork)
+                ]
+            )
         reason = self._append_token(seq, first_token, first_logprob)
         if reason is not None:
             self._finish(seq, reason)
-            return StepOutput(request_id, [], None, reason, seq)
-        return None
+            return [_output(seq, [], None, reason)]
+        return []
 
     def abort(self, request_id: str) -> bool:
         seq = self.seqs.get(request_id)
         if seq is None:
             return False
-        self._finish(seq, "abort")
+        self._abort_seq(seq)
         return True
+
+    def _abort_seq(self, seq: Sequence) -> None:
+        group = seq.group
+        if group is None or not group.started:
+            self._finish(seq, "abort")
+            return
+        for member in list(group.live):
+            self.scheduler.finish(member, "abort")
+        group.live.clear()
+        self.seqs.pop(seq.request_id, None)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -180,17 +243,149 @@ class LLMEngine:
         """Sample from a launched step's logits (`ModelRunner.logits`) and account the tokens."""
         for seq, upto in fp.computed_upto:  # their KV is written now: reusable by others
             self._publish(seq, upto)
-        sampled, out = self.runner.sample(fp, logits)
-        if out is None:
+        if logits is None:
             return []
-        results = []
-        for chunk, token, logprob in zip(sampled, out.token_ids, out.logprobs):
-            seq = chunk.seq
-            reason = self._append_token(seq, token, logprob)
-            if reason is not None:
-                self._finish(seq, reason)
-            results.append(StepOutput(seq.request_id, [token], [logprob] if logprob is not None else None, reason, seq))
+        rows: list[int] = []  # logits rows the sampler draws from, one per sequence in `drawn`
+        drawn: list[Sequence] = []
+        beams: dict[int, dict[int, int]] = {}  # id(group) -> {id(beam): logits row}
+        results: list[StepOutput] = []
+        for r, chunk in enumerate(fp.batch.sampled):
+            seq, group = chunk.seq, chunk.seq.group
+            if seq.is_finished:
+                continue  # (ended while its step ran: prefill lanes)
+            if group is None or (group.started and group.beam is None):
+                rows.append(r)
+                drawn.append(seq)
+            elif group.started:  # a beam: the group's step waits for all its beams' rows
+                beams.setdefault(id(group), {})[id(seq)] = r
+            elif seq.stop_after_first_token:  # a prefill worker: the decode worker forks
+                results.append(self._prefilled_group(seq, logits[r]))
+            elif group.beam is not None:
+                results += self._beam_step(group, [seq], group.beam.candidates(logits[r : r + 1], [0.0], 0))
+            else:  # the root's first token: fork, every member draws its own from this row
+                members = self._fork(group)
+                rows += [r] * len(members)
+                drawn += members
+        if drawn:
+            out = self.runner.sampler(
+                logits[rows],
+                [s.sampling for s in drawn],
+                [s.prompt_token_ids for s in drawn],
+                [s.output_token_ids for s in drawn],
+            )
+            results += self._accept(list(zip(drawn, out.token_ids, out.logprobs, strict=True)))
+        for group_rows in beams.values():
+            seq = next(s for s in fp.batch.sampled if id(s.seq) in group_rows).seq
+            group = seq.group
+            assert group is not None and group.beam is not None
+            assert len(group_rows) == len(group.live), "beams decode in lockstep"
+            scores = [b.cumulative_logprob for b in group.live]
+            rows_of = logits[[group_rows[id(b)] for b in group.live]]  # [W, V]
+            cands = group.beam.candidates(rows_of, scores, group.live[0].num_output_tokens)
+            results += self._beam_step(group, list(group.live), cands)
         return results
+
+    # --- groups: n, best_of, beams --------------------------------------------------------
+    def _fork(self, group: SequenceGroup) -> list[Sequence]:
+        members = group.fork_sampled(self.pool)
+        for m in members[1:]:
+            self.scheduler.add_forked(m)
+        return members
+
+    def _prefilled_group(self, root: Sequence, row: torch.Tensor) -> StepOutput:
+        """A group's root done on a prefill worker: the first tokens (or beam candidates) from
+        its logits row [V] go with the KV; the decode worker forks from them."""
+        group = root.group
+        assert group is not None
+        if group.beam is not None:
+            fork = [TokenLogprob(c.token, c.score, [], []) for c in group.beam.candidates(row[None], [0.0], 0)]
+        else:
+            k = group.sampling.num_seqs
+            params = [member_sampling(group.sampling, i) for i in range(k)]
+            out = self.runner.sampler(row.expand(k, -1), params, [root.prompt_token_ids] * k, [[]] * k)
+            fork = [lp or TokenLogprob(t, 0.0, [], []) for t, lp in zip(out.token_ids, out.logprobs, strict=True)]
+        self._finish(root, PREFILLED)
+        return StepOutput(root.request_id, [], None, PREFILLED, root, request_done=True, fork=fork)
+
+    def _accept(self, drawn: list[tuple[Sequence, int, TokenLogprob | None]]) -> list[StepOutput]:
+        """Append each sequence's new token; finish those it ends; the outputs to send."""
+        results = []
+        for seq, token, logprob in drawn:
+            reason = self._append_token(seq, token, logprob)
+            group = seq.group
+            if group is None:
+                if reason is not None:
+                    self._finish(seq, reason)
+                results.append(_output(seq, [token], [logprob] if logprob is not None else None, reason))
+                continue
+            if logprob is not None:
+                seq.cumulative_logprob += logprob.logprob
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                group.live.remove(seq)
+                group.done.append(seq)
+                if not group.live:
+                    self.seqs.pop(seq.request_id, None)
+            if group.sampling.streams_choices:
+                lps = [logprob] if logprob is not None and seq.report_logprobs else None
+                done = reason is not None and not group.live
+                results.append(StepOutput(seq.request_id, [token], lps, reason, seq, done, seq.seq_index))
+            elif not group.live:  # best_of > n: all done, the n best return whole
+                results += self._whole(group.ranked())
+        return results
+
+    def _beam_step(self, group: SequenceGroup, parents: list[Sequence], cands: list[Candidate]) -> list[StepOutput]:
+        """One beam search step: fork the beams picked twice or more, extend the picked, end
+        the rest (their blocks go back now); when the search ends, the n best return whole."""
+        assert group.beam is not None
+        step = group.beam.step(cands, [p.output_token_ids for p in parents])
+        group.started = True
+        picked: set[int] = set()
+        plan: list[tuple[Sequence, Candidate]] = []
+        for c in step.running:  # forks copy their parent before any parent grows
+            parent = parents[c.parent]
+            if id(parent) in picked:
+                child = group.fork(parent, self.pool)
+                self.scheduler.add_forked(child)
+                plan.append((child, c))
+            else:
+                picked.add(id(parent))
+                plan.append((parent, c))
+        for parent in parents:
+            if id(parent) not in picked:
+                self.scheduler.finish(parent, "abort")  # a dropped beam
+        group.live = [seq for seq, _ in plan]
+        for seq, c in plan:
+            seq.token_ids.append(c.token)
+            seq.cumulative_logprob = c.score
+        if not step.done:
+            return []
+        self.seqs.pop(group.root.request_id, None)
+        best = []
+        for hyp in group.beam.best(group.num_returned):
+            root = group.root
+            seq = Sequence(
+                root.request_id, root.prompt_token_ids + hyp.output_token_ids, root.num_prompt_tokens, root.sampling
+            )
+            seq.status, seq.finish_reason, seq.cumulative_logprob = SeqStatus.FINISHED, hyp.finish_reason, hyp.score
+            best.append(seq)
+        return self._whole(best)
+
+    @staticmethod
+    def _whole(seqs: list[Sequence]) -> list[StepOutput]:
+        """A group's returned choices, each in one output, in rank order."""
+        return [
+            StepOutput(
+                s.request_id,
+                s.output_token_ids,
+                s.logprobs if s.report_logprobs and s.logprobs else None,
+                s.finish_reason,
+                s,
+                request_done=i == len(seqs) - 1,
+                seq_index=i,
+            )
+            for i, s in enumerate(seqs)
+        ]
 
     def step(self, on_layer_stored: Callable[[int], None] | None = None) -> list[StepOutput]:
         return self.execute(self.schedule(), on_layer_stored)
@@ -232,12 +427,16 @@ class LLMEngine:
 
     # --- conveniences (tests, offline use) ------------------------------------------------
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[list[int]]:
-        """Run prompts to completion; returns output token ids per prompt."""
-        outputs: dict[str, list[int]] = {}
+        """Run prompts to completion; returns output token ids per prompt (n = 1)."""
+        return [choices[0] for choices in self.generate_choices(prompts, sampling)]
+
+    def generate_choices(self, prompts: list[list[int]], sampling: SamplingParams) -> list[list[list[int]]]:
+        """Run prompts to completion; returns each prompt's n choices' output token ids."""
+        outputs: dict[str, list[list[int]]] = {}
         for i, p in enumerate(prompts):
             self.add_request(f"gen-{i}", p, sampling)
-            outputs[f"gen-{i}"] = []
+            outputs[f"gen-{i}"] = [[] for _ in range(sampling.n)]
         while self.has_work():
             for o in self.step():
-                outputs[o.request_id].extend(o.new_token_ids)
+                outputs[o.request_id][o.seq_index].extend(o.new_token_ids)
         return [outputs[f"gen-{i}"] for i in range(len(prompts))]

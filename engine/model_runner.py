@@ -11,8 +11,8 @@ import torch
 from pdserve.engine.batch import ForwardBatch, build_batch
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.models.llama import ForwardContext, LlamaForCausalLM, Rope
-from pdserve.engine.sampler import Sampler, SamplerOutput
-from pdserve.engine.scheduler import ScheduledChunk, SchedulerOutput
+from pdserve.engine.sampler import Sampler
+from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.weights import load_weights
 
@@ -66,7 +66,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def begin(self, sched: SchedulerOutput, on_layer_stored: Callable[[int], None] | None = None) -> ForwardPass:
-        """Build the step's batch (from the chunks' current `num_computed_tokens`) and embed it."""
+        """Build the step's batch (from the chunks' current `num_computed_tokens`) and embed it.
+        Shared blocks a sequence is about to write get their copies first (copy-on-write)."""
+        if sched.block_copies:
+            src, dst = (torch.tensor(ids, device=self.device) for ids in zip(*sched.block_copies))
+            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]  # [L, 2, C, bs, Hkv, D]
         batch = build_batch(sched.chunks, len(sched.decodes), self.block_size, self.device)
         ctx = ForwardContext(batch.attn, batch.slot_mapping, self.kv_cache, on_layer_stored)
         x, rope = self.model.embed(batch.input_ids, batch.positions)
@@ -93,13 +97,3 @@ class ModelRunner:
         if not fp.batch.sampled:
             return None
         return self.model.head(fp.x, fp.batch.logits_indices)
-
-    @torch.inference_mode()
-    def sample(self, fp: ForwardPass, logits: torch.Tensor | None) -> tuple[list[ScheduledChunk], SamplerOutput | None]:
-        if logits is None:
-            return [], None
-        seqs = [c.seq for c in fp.batch.sampled]
-        out = self.sampler(
-            logits, [s.sampling for s in seqs], [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs]
-        )
-        return fp.batch.sampled, out

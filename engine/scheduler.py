@@ -12,6 +12,12 @@ When a running sequence needs a block and none is free, the latest-arriving runn
 not yet in this step's batch is preempted (recompute: blocks freed, requeued at the front with
 its tokens so far, so it later resumes with identical output); if there is none, the sequence
 preempts itself.
+
+Sequence groups (engine/sequence_group.py): a group's root takes a seat for each sequence it
+will fork into. A member about to write into a block another member still holds gets a copy
+first (copy-on-write: `SchedulerOutput.block_copies`, applied before the step's forward). The
+beams of a beam search decode together or not at all, are preempted together, and a beam
+recomputed after preemption stops its prefill one token short, so it rejoins the lockstep.
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ class SchedulerOutput:
     decodes: list[ScheduledChunk] = field(default_factory=list)
     prefills: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # (source, destination) blocks to copy before the forward: copy-on-write of shared blocks
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def chunks(self) -> list[ScheduledChunk]:
@@ -83,6 +91,11 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def num_seats(self) -> int:
+        """Seats taken (of `max_num_seqs`): a group's root, before it forks, takes one a member."""
+        return sum(s.seats for s in self.running) + sum(s.seats for s in self.waiting)
+
     # --- the step -------------------------------------------------------------------------
     def schedule(self, in_flight: frozenset[int] = frozenset()) -> SchedulerOutput:
         """`in_flight`: ids of sequences with a launched step still computing (prefill lanes);
@@ -99,7 +112,11 @@ class Scheduler:
                     continue  # (none left: its last chunk is in flight)
                 if (seq.num_uncomputed == 1) != want_decode:
                     continue
-                n = min(seq.num_uncomputed, budget)
+                if seq.is_beam and want_decode:
+                    budget -= self._schedule_beams(seq, budget, in_batch, in_flight, out)
+                    continue
+                # a beam recomputing stops one token short: its last token decodes with the others
+                n = min(seq.num_uncomputed - (1 if seq.is_beam else 0), budget)
                 if not self._reserve_blocks(seq, n, in_batch, in_flight, out):
                     continue  # preempted itself, or (in flight) waits for blocks
                 chunk = ScheduledChunk(seq, n)
@@ -109,11 +126,14 @@ class Scheduler:
 
         if self.cfg.policy == "shortest-first" and len(self.waiting) > 1:
             self._order_shortest_first()
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+        seats = sum(s.seats for s in self.running)
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
+            if seats + seq.seats > self.cfg.max_num_seqs and (self.running or seq.seats == 1):
+                break  # (a group wider than max_num_seqs runs alone)
             hit = self._cached_prefix(seq)
             cached = len(hit) * self.block_size
-            n = min(seq.num_tokens - cached, budget)
+            n = min(seq.num_tokens - (1 if seq.is_beam else 0) - cached, budget)
             need = -(-(cached + n) // self.block_size) - len(hit)
             if need + self.pool.num_evictable(hit) > self.pool.num_free:
                 break  # FCFS: the head waits for blocks; nobody overtakes it
@@ -128,10 +148,36 @@ class Scheduler:
             seq.block_table.extend(self._allocate_for(seq, need))
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            out.prefills.append(ScheduledChunk(seq, n))
-            in_batch.add(id(seq))
-            budget -= n
+            seats += seq.seats
+            if n > 0:  # (0: a beam whose cached prefix leaves only its last token, which decodes)
+                out.prefills.append(ScheduledChunk(seq, n))
+                in_batch.add(id(seq))
+                budget -= n
         return out
+
+    def _schedule_beams(
+        self, seq: Sequence, budget: int, in_batch: set[int], in_flight: frozenset[int], out: SchedulerOutput
+    ) -> int:
+        """A beam group's decodes, all of them or none (its step needs every beam's logits):
+        only once every beam is running with one token left. Returns the budget used."""
+        assert seq.group is not None
+        beams = seq.group.live
+        if seq is not beams[0] or len(beams) > budget:
+            return 0
+        if any(b.status is not SeqStatus.RUNNING or b.num_uncomputed != 1 or id(b) in in_batch for b in beams):
+            return 0
+        need = sum(self._blocks_needed(b, 1) + self._needs_copy(b) for b in beams)
+        protect = {id(b) for b in beams}
+        if not self._make_room(need, protect, in_batch, in_flight, out):
+            for b in beams:  # the group does not fit now: all of it waits
+                self.preempt(b)
+                out.preempted.append(b)
+            return 0
+        for b in beams:
+            self._grow(b, 1, out)
+            out.decodes.append(ScheduledChunk(b, 1))
+            in_batch.add(id(b))
+        return len(beams)
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """Blocks holding the longest cached run of `seq`'s leading full blocks, leaving at least
@@ -154,33 +200,76 @@ class Scheduler:
         total = -(-(seq.num_computed_tokens + n) // self.block_size)
         return max(0, total - len(seq.block_table))
 
+    def _needs_copy(self, seq: Sequence) -> int:
+        """1 when the block `seq` writes next is shared (copy-on-write), else 0."""
+        i = seq.num_computed_tokens // self.block_size
+        return int(i < len(seq.block_table) and self.pool.ref_count(seq.block_table[i]) > 1)
+
     def _reserve_blocks(
         self, seq: Sequence, n: int, in_batch: set[int], in_flight: frozenset[int], out: SchedulerOutput
     ) -> bool:
-        need = self._blocks_needed(seq, n)
+        need = self._blocks_needed(seq, n) + self._needs_copy(seq)
+        if not self._make_room(need, {id(seq)}, in_batch, in_flight, out):
+            if id(seq) in in_flight:
+                return False  # its blocks are being written: it waits for blocks instead
+            for s in self._unit(seq):
+                self.preempt(s)
+                out.preempted.append(s)
+            return False
+        self._grow(seq, n, out)
+        return True
+
+    def _make_room(
+        self, need: int, protect: set[int], in_batch: set[int], in_flight: frozenset[int], out: SchedulerOutput
+    ) -> bool:
+        """Preempt the latest-arriving running sequences (a beam with all its group) not in this
+        step's batch, not in flight and not in `protect`, until `need` blocks are free."""
         while not self.pool.can_allocate(need):
             victim = next(
                 (
                     s
                     for s in reversed(self.running)
-                    if id(s) not in in_batch and id(s) not in in_flight and s is not seq
+                    if id(s) not in in_batch and id(s) not in in_flight and id(s) not in protect
                 ),
                 None,
             )
-            if victim is None and id(seq) in in_flight:
-                return False  # its blocks are being written: it waits for blocks instead
             if victim is None:
-                self.preempt(seq)
-                out.preempted.append(seq)
                 return False
-            self.preempt(victim)
-            out.preempted.append(victim)
-        seq.block_table.extend(self._allocate_for(seq, need))
+            for s in self._unit(victim):
+                if id(s) in in_batch or id(s) in in_flight:
+                    continue  # (a beam group is scheduled whole: never only part of it)
+                self.preempt(s)
+                out.preempted.append(s)
         return True
+
+    @staticmethod
+    def _unit(seq: Sequence) -> list[Sequence]:
+        """What is preempted with `seq`: its beam group's running beams, else itself."""
+        if seq.is_beam:
+            assert seq.group is not None
+            return [b for b in seq.group.live if b.status is SeqStatus.RUNNING]
+        return [seq]
+
+    def _grow(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
+        """Blocks for `seq`'s next `n` tokens: a private copy of a shared block it writes into,
+        then new blocks (room was made)."""
+        if self._needs_copy(seq):
+            i = seq.num_computed_tokens // self.block_size
+            shared = seq.block_table[i]
+            (copy,) = self.pool.allocate(1, after=seq.block_table[i - 1] if i else None)
+            out.block_copies.append((shared, copy))
+            self.pool.free([shared])
+            seq.block_table[i] = copy
+        seq.block_table.extend(self._allocate_for(seq, self._blocks_needed(seq, n)))
 
     def _allocate_for(self, seq: Sequence, n: int) -> list[int]:
         """Blocks that continue `seq`'s run when they can (attention reads a run in place)."""
         return self.pool.allocate(n, after=seq.block_table[-1] if seq.block_table else None)
+
+    def add_forked(self, seq: Sequence) -> None:
+        """A member forked from a running sequence: it runs from now on (its blocks are shared)."""
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
 
     # --- outcomes -------------------------------------------------------------------------
     def preempt(self, seq: Sequence) -> None:

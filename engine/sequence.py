@@ -5,9 +5,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pdserve.protocol.messages import TokenLogprob
 from pdserve.protocol.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from pdserve.engine.sequence_group import SequenceGroup
 
 
 class SeqStatus(enum.Enum):
@@ -44,6 +48,13 @@ class Sequence:
     num_cached_tokens: int = 0
     block_hashes: list[bytes] = field(default_factory=list)
     num_registered_blocks: int = 0
+    # Several sequences of one request (engine/sequence_group.py): the group, this one's choice
+    # index, the sum of its tokens' log-probabilities (best_of ranks by it; a beam's running
+    # score), and whether the client asked for logprobs (best_of computes them regardless).
+    group: SequenceGroup | None = None
+    seq_index: int = 0
+    cumulative_logprob: float = 0.0
+    report_logprobs: bool = True
 
     @property
     def num_tokens(self) -> int:
@@ -64,6 +75,18 @@ class Sequence:
     @property
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def seats(self) -> int:
+        """Sequences it stands for in `max_num_seqs`: a group's root, before it forks, all of them."""
+        g = self.group
+        return g.sampling.num_seqs if g is not None and not g.started else 1
+
+    @property
+    def is_beam(self) -> bool:
+        """One of a started beam search's beams (they decode in lockstep)."""
+        g = self.group
+        return g is not None and g.beam is not None and g.started
 
     @property
     def is_finished(self) -> bool:

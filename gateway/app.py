@@ -14,6 +14,7 @@ import asyncio
 import hmac
 import json
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import AsyncGenerator
@@ -134,10 +135,25 @@ class GatewayApp:
         return self.tokenizer.encode(req.prompt_text)
 
     def _sampling(self, req: ParsedRequest, max_tokens: int, i: int) -> SamplingParams:
+        """Choice i's parameters (n independent requests), or, for a group (i = 0), the whole
+        request's: its members draw with seed + member index (engine/sequence_group.py). A
+        sampled group without a seed gets one here, so a migrated group replays exactly."""
         seed = None if req.seed is None else (req.seed + i) % 2**63
+        group: dict = {}
+        if req.is_group:
+            group = {
+                "n": req.n,
+                "best_of": req.best_of,
+                "use_beam_search": req.use_beam_search,
+                "length_penalty": req.length_penalty,
+                "early_stopping": req.early_stopping,
+            }
+            if seed is None and not req.use_beam_search and req.temperature > 0:
+                seed = secrets.randbits(63)
         return SamplingParams(
+            **group,
             max_tokens=max_tokens,
-            temperature=req.temperature,
+            temperature=0.0 if req.use_beam_search else req.temperature,
             top_p=req.top_p,
             top_k=req.top_k,
             min_p=req.min_p,

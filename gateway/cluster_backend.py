@@ -389,6 +389,7 @@ class ClusterBackend(Backend):
                     local_prefill_max_tokens=local,
                     prompt_token_ids=prompt if local else [],
                     sampling=sampling if local else None,
+                    num_seqs=sampling.num_seqs,
                 ),
             )
             try:
@@ -421,27 +422,38 @@ class ClusterBackend(Backend):
         before the first token -> retried on another pair; a decode worker -> with
         `on_decode_failure="migrate"` the prompt plus the tokens already streamed are prefilled
         again on a live pair and the stream goes on (no duplicate or missing tokens); with
-        "fail" the stream ends with an error."""
+        "fail" the stream ends with an error.
+
+        A group (n > 1, best_of, beams) migrates by running again from its prompt: its members'
+        seeds (or the beam search) replay the same tokens, and each choice's tokens already
+        streamed are skipped."""
         generated: list[int] = []
+        delivered: dict[int, int] = {}  # a group's tokens streamed per choice
         attempt = 0
         while True:
             attempt += 1
             sub_id = request_id if attempt == 1 else f"{request_id}.m{attempt}"
-            remaining = replace(
-                sampling,
-                max_tokens=sampling.max_tokens - len(generated),
-                min_tokens=max(0, sampling.min_tokens - len(generated)),
-            )
+            if sampling.is_group:
+                pair = self._one_pair(sub_id, prompt, sampling, resumed=attempt > 1)
+            else:
+                remaining = replace(
+                    sampling,
+                    max_tokens=sampling.max_tokens - len(generated),
+                    min_tokens=max(0, sampling.min_tokens - len(generated)),
+                )
+                pair = self._one_pair(sub_id, prompt + generated, remaining, resumed=bool(generated))
             try:
-                async for out in self._one_pair(sub_id, prompt + generated, remaining, resumed=bool(generated)):
-                    if out.token_ids or out.index:
+                async for out in pair:
+                    if sampling.is_group:
+                        out = _skip_delivered(replace(out, request_id=request_id), delivered)
+                        if out is None:
+                            continue
+                    elif out.token_ids or out.index:
                         out = replace(out, request_id=request_id, index=out.index + len(generated))
                     else:
                         out = replace(out, request_id=request_id)
                     generated.extend(out.token_ids)
                     yield out
-                    if out.finish_reason is not None:
-                        return
                 return
             except WorkerLost as lost:
                 retry = attempt < self.max_attempts and (not generated or self.on_decode_failure == "migrate")
@@ -455,7 +467,7 @@ class ClusterBackend(Backend):
                 if not retry:
                     yield TokenOutput(
                         request_id=request_id,
-                        index=len(generated),
+                        index=0 if sampling.is_group else len(generated),
                         finish_reason="error",
                         error=f"worker {', '.join(lost.worker_ids)} stopped responding",
                     )
@@ -465,7 +477,7 @@ class ClusterBackend(Backend):
                     if not self.table.live("prefill") or not self.table.live("decode"):
                         yield TokenOutput(
                             request_id=request_id,
-                            index=len(generated),
+                            index=0 if sampling.is_group else len(generated),
                             finish_reason="error",
                             error="no live prefill/decode pair to continue the request",
                         )
@@ -482,6 +494,7 @@ class ClusterBackend(Backend):
             p.inflight += 1
         finished = False
         got_first = False
+        choices = sampling.n if sampling.is_group else 1
         try:
             if p is not None:  # else the decode worker prefills the short rest itself
                 assert reply.lease is not None
@@ -504,21 +517,20 @@ class ClusterBackend(Backend):
                         arrival_time=time.time(),
                     ),
                 )
-            async for out in self._ordered(request_id, queue, lambda: (d,) if got_first or p is None else (p, d)):
+            watched = lambda: (d,) if got_first or p is None else (p, d)  # noqa: E731
+            async for out, last in self._ordered(request_id, queue, watched, choices):
                 if not got_first:  # the prefill worker is done with it
                     got_first = True
                     self._at_prefill.pop(request_id, None)
                     if "prefill_queue_s" in out.timings:
                         self._observe_wait("prefill", out.timings["prefill_queue_s"])
-                if out.finish_reason is not None:
+                if last:
                     # Ended by a worker: it has released its side. Ended here (abort): `finished`
                     # stays False and the finally block aborts both workers.
                     finished = bool(out.worker_id)
                     if p is not None and out.worker_id == p.worker_id:  # ended at its first token: free D's lease
                         self._send(d.worker_id, Abort(request_id=request_id, reason="finished at prefill"))
                 yield out
-                if out.finish_reason is not None:
-                    return
         except WorkerLost as lost:
             at = self._at_prefill.get(request_id)
             if at is not None and p is not None and p.worker_id in lost.worker_ids:
@@ -568,11 +580,11 @@ class ClusterBackend(Backend):
                 ),
             )
             try:
-                async for out in self._ordered(request_id, queue, lambda: (c,)):
-                    finished = out.finish_reason is not None and bool(out.worker_id)
+                async for out, last in self._ordered(
+                    request_id, queue, lambda: (c,), sampling.n if sampling.is_group else 1
+                ):
+                    finished = last and bool(out.worker_id)
                     yield out
-                    if out.finish_reason is not None:
-                        return
             except WorkerLost as lost:
                 yield TokenOutput(
                     request_id=request_id,
@@ -587,12 +599,18 @@ class ClusterBackend(Backend):
             self._notify_queues()  # a colocated seat is free
 
     async def _ordered(
-        self, request_id: str, queue: asyncio.Queue[TokenOutput], watched: Callable[[], tuple[WorkerEntry, ...]]
-    ) -> AsyncIterator[TokenOutput]:
-        """Yield outputs in token order (P and D send on different sockets); raise WorkerLost
+        self,
+        request_id: str,
+        queue: asyncio.Queue[TokenOutput],
+        watched: Callable[[], tuple[WorkerEntry, ...]],
+        choices: int = 1,
+    ) -> AsyncIterator[tuple[TokenOutput, bool]]:
+        """Yield (output, whether it is the request's last) in token order per choice (P and D
+        send on different sockets) until each of the `choices` has finished; raise WorkerLost
         when a worker the request still depends on (`watched()`) stops heartbeating."""
-        next_index = 0
-        held: dict[int, TokenOutput] = {}
+        next_index = [0] * choices
+        held: list[dict[int, TokenOutput]] = [{} for _ in range(choices)]
+        ended: set[int] = set()
         while True:
             try:
                 out = await asyncio.wait_for(queue.get(), timeout=0.25)
@@ -602,12 +620,35 @@ class ClusterBackend(Backend):
                     raise WorkerLost(dead) from None
                 continue
             if out.error is not None or out.finish_reason == "abort":
-                yield out
+                yield out, True
                 return
-            held[out.index] = out
-            while next_index in held:
-                out = held.pop(next_index)
-                next_index += max(1, len(out.token_ids))
-                yield out
+            i = out.seq_index
+            if not 0 <= i < choices:
+                log.warning("request %s: output for choice %d of %d dropped", request_id, i, choices)
+                continue
+            held[i][out.index] = out
+            while next_index[i] in held[i]:
+                out = held[i].pop(next_index[i])
+                next_index[i] += max(1, len(out.token_ids))
                 if out.finish_reason is not None:
+                    ended.add(i)
+                yield out, len(ended) == choices
+                if len(ended) == choices:
                     return
+
+
+def _skip_delivered(out: TokenOutput, delivered: dict[int, int]) -> TokenOutput | None:
+    """A migrated group's output less what its choice already streamed (None: all of it was)."""
+    done = delivered.get(out.seq_index, 0)
+    skip = max(0, done - out.index)
+    if out.token_ids and skip >= len(out.token_ids) and out.finish_reason is None:
+        return None
+    if skip:
+        out = replace(
+            out,
+            index=out.index + skip,
+            token_ids=out.token_ids[skip:],
+            logprobs=out.logprobs[skip:] if out.logprobs is not None else None,
+        )
+    delivered[out.seq_index] = max(done, out.index + len(out.token_ids))
+    return out

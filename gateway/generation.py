@@ -1,6 +1,11 @@
-"""One generation run: an HTTP request's n backend streams merged into one ordered sequence of
+"""One generation run: an HTTP request's backend streams merged into one ordered sequence of
 events (detokenized, stop strings applied, bounded per client), written out as SSE or one JSON
-body. gateway/app.py owns the HTTP side; gateway/formats.py the endpoint's response shapes."""
+body. gateway/app.py owns the HTTP side; gateway/formats.py the endpoint's response shapes.
+
+n = 1 is one backend stream. n > 1, best_of and beam search are one backend stream too (one
+prefill, the KV shared by the choices on the worker) whose outputs carry their choice's index.
+A stop string that ends one choice of a group ends it here; the worker runs that member on to
+its own end (only a whole request can be aborted upstream)."""
 
 from __future__ import annotations
 
@@ -61,38 +66,48 @@ class GenerationRun:
         self.choices = [
             Choice(
                 i,
-                f"{base_id}-{i}" if req.n > 1 else base_id,
+                f"{base_id}-{i}" if req.n > 1 and not req.is_group else base_id,
                 IncrementalDetokenizer(app.tokenizer),
                 StopMatcher(req.stop),
             )
             for i in range(req.n)
         ]
-        self.tasks = [asyncio.create_task(self._pump(c, app._sampling(req, max_tokens, c.index))) for c in self.choices]
+        if req.is_group:  # one backend stream for all the choices
+            self.tasks = [asyncio.create_task(self._pump(self.choices, app._sampling(req, max_tokens, 0)))]
+        else:
+            self.tasks = [
+                asyncio.create_task(self._pump([c], app._sampling(req, max_tokens, c.index))) for c in self.choices
+            ]
         self.open = req.n
 
-    async def _pump(self, choice: Choice, sampling: SamplingParams) -> None:
+    async def _pump(self, choices: list[Choice], sampling: SamplingParams) -> None:
+        """One backend stream's outputs onto the queue, each with its choice (by `seq_index`)."""
         try:
-            async with contextlib.aclosing(self.app.backend.generate(choice.request_id, self.prompt, sampling)) as gen:
-                async for out in gen:  # the backend ends its stream after a finish
+            gen = self.app.backend.generate(choices[0].request_id, self.prompt, sampling)
+            async with contextlib.aclosing(gen):
+                async for out in gen:  # the backend ends its stream after the request's end
                     if self.queue.qsize() >= self.app.limits.max_stream_buffer:
                         # the client reads slower than tokens come: abort upstream (closing gen)
                         self.app.stream_cut("buffer_full")
-                        self.queue.put_nowait(
-                            (
-                                choice,
-                                StreamCut(
-                                    f"stream cut: the client read too slowly ({self.queue.qsize()} outputs waiting)"
-                                ),
-                            )
+                        cut = StreamCut(
+                            f"stream cut: the client read too slowly ({self.queue.qsize()} outputs waiting)"
                         )
+                        for c in choices:
+                            self.queue.put_nowait((c, cut))
                         break
-                    self.queue.put_nowait((choice, out))
+                    if out.error is not None or out.finish_reason == "abort":  # the whole request
+                        for c in choices:
+                            self.queue.put_nowait((c, out))
+                    elif 0 <= out.seq_index < len(choices):
+                        self.queue.put_nowait((choices[out.seq_index], out))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # BackendUnavailable or a backend failure: becomes an event
-            self.queue.put_nowait((choice, e))
+            for c in choices:
+                self.queue.put_nowait((c, e))
         finally:
-            self.queue.put_nowait((choice, None))
+            for c in choices:
+                self.queue.put_nowait((c, None))
 
     async def start(self):
         """Wait for the first event so capacity errors can still be a 503 status."""
@@ -149,7 +164,11 @@ class GenerationRun:
                 continue
             delta, lps, reason = self._apply(choice, item)
             if reason == "stop" and choice.stop.stops and item.finish_reason is None:
-                self.tasks[choice.index].cancel()  # stop string: abort the rest upstream
+                # stop string: abort the rest upstream (a group's once every choice has ended)
+                if not self.req.is_group:
+                    self.tasks[choice.index].cancel()
+                elif all(c.finish_reason is not None for c in self.choices):
+                    self.tasks[0].cancel()
             if delta or lps or reason:
                 yield choice, delta, lps, reason
 

@@ -2,9 +2,10 @@
 
 Built from the serving app's own settings (limits, model name, context length, vocabulary) and
 `gateway/schemas.py`'s ranges, so that every body this document calls invalid is refused: 400,
-404 for another model, 413 when over the size limit. Two rules JSON Schema cannot state are only
-described, and also answered with a 400: prompt tokens + max_tokens must fit the context, and
-best_of must be 1 or n.
+404 for another model, 413 when over the size limit. Rules across fields that JSON Schema cannot
+state are only described, and also answered with a 400: prompt tokens + max_tokens must fit the
+context; best_of >= n, and not streamed when > n (without beam search); beam search takes no
+sampling knobs, penalties, logit_bias or logprobs; length_penalty and early_stopping need it.
 An optional field given as null means its default; a field not listed is refused (400).
 tests/gateway/test_api_fuzz.py fuzzes the server against this document.
 """
@@ -17,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pdserve.gateway.limits import GatewayLimits
-from pdserve.gateway.schemas import MAX_LOGIT_BIAS, SAMPLING_RANGES, STOP_TOKEN_ID, Range
+from pdserve.gateway.schemas import LENGTH_PENALTY, MAX_LOGIT_BIAS, SAMPLING_RANGES, STOP_TOKEN_ID, Range
 from pdserve.protocol.messages import FinishReason
 
 if TYPE_CHECKING:
@@ -89,6 +90,14 @@ def _request_schemas(limits: GatewayLimits, model_name: str, max_model_len: int,
         )
         | {"description": "token id (below the vocabulary size) -> bias added to its logit"},
         "user": _optional({"type": "string"}),
+        "best_of": _optional(_number(Range(True, 1, limits.max_n)))
+        | {"description": ">= n: sequences generated, the n with the highest cumulative logprob return"},
+        "use_beam_search": _optional({"type": "boolean"})
+        | {"description": "beam search of width best_of (or n); the n best beams return (vLLM's extra parameter)"},
+        "length_penalty": _optional(_number(LENGTH_PENALTY))
+        | {"description": "beam score = sum logprob / length ** length_penalty; beam search only"},
+        "early_stopping": _optional({"enum": [True, False, "never"]})
+        | {"description": "Hugging Face's beam stopping rule; beam search only"},
     }
     completion = _object(
         ["prompt"],
@@ -106,7 +115,6 @@ def _request_schemas(limits: GatewayLimits, model_name: str, max_model_len: int,
             },
             "max_tokens": max_tokens | {"default": 16},
             "logprobs": _optional(_number(Range(True, 0, limits.max_logprobs))),
-            "best_of": _optional(_number(Range(True, 1))) | {"description": "1 or n"},
             "echo": {"enum": [False, None], "description": "not supported"},
             "suffix": {"enum": ["", None], "description": "not supported"},
         },

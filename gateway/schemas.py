@@ -43,6 +43,16 @@ class ParsedRequest:
     min_tokens: int = 0
     logprobs: int | None = None  # top-N alternatives; None = no logprobs
     logit_bias: list[tuple[int, float]] = field(default_factory=list)  # (token id, bias) added to logits
+    # several sequences from one prompt (engine/sequence_group.py)
+    best_of: int | None = None  # sequences generated; the n with the highest cumulative logprob return
+    use_beam_search: bool = False  # vLLM's extra parameter: beam width best_of (or n)
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
+
+    @property
+    def is_group(self) -> bool:
+        """One backend request whose choices come back by index (else n independent requests)."""
+        return self.n > 1 or self.use_beam_search or (self.best_of or 1) > 1
 
 
 class Range(NamedTuple):
@@ -72,6 +82,19 @@ SAMPLING_RANGES = {
     "min_tokens": Range(True, 0),
 }
 STOP_TOKEN_ID = Range(True, -_INT64, _INT64 - 1)  # what msgpack carries to the workers
+LENGTH_PENALTY = Range(False, -10.0, 10.0)
+# what beam search leaves alone: it is deterministic and scores raw logprobs
+BEAM_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "temperature": (0, 0.0, None),
+    "top_p": (1, 1.0, None),
+    "top_k": (-1, 0, None),
+    "min_p": (0, 0.0, None),
+    "seed": (None,),
+    "presence_penalty": (0, 0.0, None),
+    "frequency_penalty": (0, 0.0, None),
+    "repetition_penalty": (1, 1.0, None),
+    "logit_bias": (None, {}),
+}
 
 
 def _num(body: dict, key: str, default, *, integer: bool, lo=None, hi=None, lo_open=False):
@@ -143,9 +166,13 @@ _COMMON_FIELDS = {
     "stop_token_ids",
     "logit_bias",
     "user",
+    "best_of",
+    "use_beam_search",
+    "length_penalty",
+    "early_stopping",
 }  # user: the caller's end-user id, kept by nobody
 FIELDS = {
-    "completion": _COMMON_FIELDS | {"prompt", "max_tokens", "logprobs", "best_of", "echo", "suffix"},
+    "completion": _COMMON_FIELDS | {"prompt", "max_tokens", "logprobs", "echo", "suffix"},
     "chat": _COMMON_FIELDS
     | {
         "messages",
@@ -231,8 +258,6 @@ def parse_request(body: Any, kind: RequestKind, limits: GatewayLimits) -> Parsed
             raise invalid("'echo' is not supported", "echo")
         if body.get("suffix") not in (None, ""):
             raise invalid("'suffix' is not supported", "suffix")
-        if _num(body, "best_of", None, integer=True, lo=1) not in (None, 1, body.get("n") or 1):  # n: checked below
-            raise invalid("'best_of' other than n is not supported", "best_of")
         logprobs = _num(body, "logprobs", None, integer=True, lo=0, hi=limits.max_logprobs)
         req.logprobs = logprobs
         req.max_tokens = _num(body, "max_tokens", 16, integer=True, lo=1)
@@ -284,4 +309,32 @@ def parse_request(body: Any, kind: RequestKind, limits: GatewayLimits) -> Parsed
         if stop_ids is None or not all(STOP_TOKEN_ID.admits(t) for t in stop_ids):
             raise invalid("'stop_token_ids' must be a list of 64-bit integers", "stop_token_ids")
         req.stop_token_ids = stop_ids
+    _parse_group(body, req, limits)
     return req
+
+
+def _parse_group(body: dict, req: ParsedRequest, limits: GatewayLimits) -> None:
+    """best_of, and beam search (vLLM's extra parameters: use_beam_search, length_penalty,
+    early_stopping): one prompt, several sequences sharing its KV blocks."""
+    req.best_of = _num(body, "best_of", None, integer=True, lo=1, hi=limits.max_n)
+    if req.best_of is not None and req.best_of < req.n:
+        raise invalid(f"'best_of' ({req.best_of}) must be >= 'n' ({req.n})", "best_of")
+    req.use_beam_search = _bool(body, "use_beam_search", False)
+    req.length_penalty = _num(body, "length_penalty", 1.0, **LENGTH_PENALTY._asdict())
+    early = body.get("early_stopping")
+    early = False if early is None else early
+    if not isinstance(early, bool) and early != "never":
+        raise invalid("'early_stopping' must be true, false or \"never\"", "early_stopping")
+    req.early_stopping = early
+    if not req.use_beam_search:
+        for key in ("length_penalty", "early_stopping"):
+            if body.get(key) is not None:
+                raise invalid(f"'{key}' needs 'use_beam_search': true", key)
+        if req.stream and (req.best_of or 1) > req.n:
+            raise invalid("'best_of' > 'n' cannot be streamed: the best are known only at the end", "best_of")
+        return
+    for key, neutral in BEAM_NEUTRAL.items():
+        if key in body and body[key] not in neutral:
+            raise invalid(f"beam search is deterministic: '{key}' does not apply to it", key)
+    if req.logprobs is not None:
+        raise invalid("beam search does not return logprobs", "logprobs")

@@ -231,6 +231,25 @@ class PrefillWorker(WorkerBase):
                 )
                 self._forget(out.request_id)
                 continue
+            if out.fork is not None:  # a group: D forks it and sends all its tokens
+                dest, sender = self.routes[out.request_id]
+                with self._send_lock:
+                    sender.send_done(
+                        KvDone(
+                            request_id=req.request_id,
+                            gateway_id=req.gateway_id,
+                            lease_epoch=dest.lease.epoch,
+                            prompt_token_ids=req.prompt_token_ids,
+                            first_token=out.fork[0].token_id,
+                            sampling=req.sampling,
+                            num_layers=self.engine.model_config.num_layers,
+                            kv_bytes=ts.bytes,
+                            timings=timings,
+                            fork=out.fork,
+                        )
+                    )
+                self._forget(out.request_id)
+                continue
             if out.finish_reason == PREFILLED:
                 dest, sender = self.routes[out.request_id]
                 with self._send_lock:

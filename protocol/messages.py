@@ -150,6 +150,7 @@ class ReserveRequest(_Msg, kw_only=True, frozen=True):
     local_prefill_max_tokens: int = 0
     prompt_token_ids: list[int] = []
     sampling: SamplingParams | None = None
+    num_seqs: int = 1  # sequences the request forks into on D (n, best_of, beam width): its seats
 
 
 class ReserveReply(_Msg, kw_only=True, frozen=True):
@@ -207,6 +208,10 @@ class KvDone(_Msg, kw_only=True, frozen=True):
     num_layers: int
     kv_bytes: int = 0
     timings: dict[str, float] = {}
+    # A sequence group (n > 1, best_of, beam search; engine/sequence_group.py): each member's
+    # first token, or the first beam step's candidates. D forks from them and sends every token,
+    # the first ones included (P sends the gateway nothing for a group).
+    fork: list[TokenLogprob] = []
 
 
 class KvRelease(_Msg, kw_only=True, frozen=True):
@@ -250,6 +255,7 @@ class TokenOutput(_Msg, kw_only=True, frozen=True):
     # kv_transfer, kv_bytes, decode_admission ...
     timings: dict[str, float] = {}
     cached_tokens: int = 0  # first output: prompt tokens whose KV came from the prefix cache
+    seq_index: int = 0  # the choice these tokens belong to (n > 1, best_of, beams); `index` counts per choice
 
 
 class TokenOutputBatch(_Msg, kw_only=True, frozen=True):

@@ -7,6 +7,8 @@ invariants so a bad struct never reaches the sampler.
 
 from __future__ import annotations
 
+from typing import Literal, Union
+
 import msgspec
 
 
@@ -25,6 +27,12 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     min_tokens: int = 0
     logprobs: int | None = None  # None: no logprobs; N >= 0: chosen token + top-N
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits (OpenAI)
+    # Several sequences from one prompt (engine/sequence_group.py): one prefill, one transfer.
+    n: int = 1  # sequences returned
+    best_of: int | None = None  # sequences generated (>= n); the n with the highest cumulative logprob return
+    use_beam_search: bool = False  # width best_of (or n); deterministic: temperature etc. do not apply
+    length_penalty: float = 1.0  # beam score = sum logprob / generated_len ** length_penalty (HF)
+    early_stopping: Union[bool, Literal["never"]] = False  # HF's beam stopping rule
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -43,6 +51,25 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError("logprobs must be >= 0")
         if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in self.logit_bias):
             raise ValueError("logit_bias needs token ids >= 0 and biases in [-100, 100]")
+        if self.n < 1 or (self.best_of is not None and self.best_of < self.n):
+            raise ValueError("n must be >= 1 and best_of >= n")
+        if self.use_beam_search and (self.uses_penalties or self.logprobs is not None):
+            raise ValueError("beam search takes no penalties, logit_bias or logprobs")
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences generated: the beam width, or best_of, or n."""
+        return self.best_of if self.best_of is not None else self.n
+
+    @property
+    def is_group(self) -> bool:
+        """More than one sequence, or a beam search: the engine runs a SequenceGroup."""
+        return self.num_seqs > 1 or self.use_beam_search
+
+    @property
+    def streams_choices(self) -> bool:
+        """Each choice's tokens go out as they come (else all at once when the group ends)."""
+        return not self.use_beam_search and self.num_seqs == self.n
 
     @property
     def greedy(self) -> bool:

@@ -83,3 +83,41 @@ def hf_greedy(path: str, prompt: tuple[int, ...], max_new_tokens: int, min_new_t
 def random_prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+@functools.lru_cache(maxsize=None)
+def hf_beams(
+    path: str,
+    prompt: tuple[int, ...],
+    max_new_tokens: int,
+    num_beams: int,
+    num_return: int,
+    length_penalty: float = 1.0,
+    early_stopping: bool | str = False,
+    min_new_tokens: int = 0,
+) -> list[list[int]]:
+    """Hugging Face transformers beam search (`generate(num_beams=..., do_sample=False)`), fp32:
+    the `num_return` best beams' output ids, each cut after its end-of-sequence token."""
+    import torch
+
+    model = _hf_model(path)
+    eos = model.config.eos_token_id
+    eos_ids = set(eos) if isinstance(eos, list) else {eos}
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=min_new_tokens,
+            do_sample=False,
+            num_beams=num_beams,
+            num_return_sequences=num_return,
+            length_penalty=length_penalty,
+            early_stopping=early_stopping,
+            pad_token_id=min(eos_ids),
+        )
+    beams = []
+    for row in out[:, len(prompt) :].tolist():
+        end = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
+        beams.append(row[:end])
+    return beams

@@ -94,7 +94,7 @@ def test_prefill_engine_hands_kv_to_decode_engine(tiny_model):
             decode.kv_cache[:, :, dst] = prefill.kv_cache[:, :, src]  # [L, 2, n, bs, H, D]
             done = decode.add_prefilled(o.request_id, o.seq.prompt_token_ids, o.new_token_ids[0], None, GREEDY, dst)
             outs[o.request_id] = list(o.new_token_ids)
-            assert done is None or done.finish_reason == "stop"
+            assert all(d.finish_reason == "stop" for d in done)
     prefill.pool.assert_all_free()
     while decode.has_work():
         for o in decode.step():

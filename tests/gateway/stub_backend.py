@@ -1,4 +1,5 @@
-"""A deterministic in-process Backend for HTTP-layer tests: echoes the prompt's tokens."""
+"""A deterministic in-process Backend for HTTP-layer tests: echoes the prompt's tokens (a group
+request's n choices each, choice c shifted by c, tagged by `seq_index`)."""
 
 from __future__ import annotations
 
@@ -31,10 +32,15 @@ class StubBackend(Backend):
         self.sampling[request_id] = sampling
         self.prompts[request_id] = list(prompt_token_ids)
         done = False
+        choices = sampling.n if sampling.is_group else 1
+        ended: set[int] = set()
         try:
-            for i in range(sampling.max_tokens):
+            for k in range(sampling.max_tokens * choices):
+                i, c = divmod(k, choices)
+                if c in ended:
+                    continue
                 await asyncio.sleep(self.delay_s)
-                token = prompt_token_ids[i % len(prompt_token_ids)]
+                token = prompt_token_ids[i % len(prompt_token_ids)] + c
                 lp = None
                 if sampling.logprobs is not None:
                     lp = [
@@ -53,8 +59,11 @@ class StubBackend(Backend):
                     logprobs=lp,
                     finish_reason=reason,
                     timings={"prefill_queue_s": 0.001, "kv_bytes": 1024.0} if i == 0 else {},
+                    seq_index=c,
                 )
                 if reason is not None:
+                    ended.add(c)
+                if len(ended) == choices:
                     done = True
                     self.finished.append(request_id)
                     return

@@ -162,8 +162,10 @@ def test_n_choices_with_distinct_seeds(backend, tokenizer):
     )
     body = r.json()
     assert [c["index"] for c in body["choices"]] == [0, 1, 2]
-    assert sorted(sp.seed for sp in backend.sampling.values()) == [10, 11, 12]
+    (sp,) = backend.sampling.values()  # one request: its members draw with seeds 10, 11, 12
+    assert (sp.n, sp.seed) == (3, 10)
     assert body["usage"]["completion_tokens"] == 6
+    assert [c["text"] for c in body["choices"]] == [tokenizer.decode([5 + c, 6 + c]) for c in range(3)]
 
 
 def test_stop_string_truncates_and_aborts_upstream(backend, tokenizer):
