@@ -19,6 +19,7 @@ from pdserve.bench.arrivals import arrival_offsets
 from pdserve.bench.client import build_payload, send
 from pdserve.bench.conversations import make_conversations, per_turn, run_conversations
 from pdserve.bench.datasets import BenchRequest, jsonl_requests, random_requests, sharegpt_requests
+from pdserve.bench.kv_usage import KvUsagePoller
 from pdserve.bench.metrics import METRICS, compute_metrics
 from pdserve.bench.plots import plot_sweep
 from pdserve.bench.sweep import capacity
@@ -55,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ignore-eos", action="store_true")
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--n", type=int, default=1, help="choices per request (OpenAI n; output tok/s counts all)")
     ap.add_argument("--goodput", nargs="+", default=None, help="SLOs like ttft:2000 tpot:60 e2el:10000 (ms)")
     ap.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el")
     ap.add_argument("--metric-percentiles", default="50,90,99")
@@ -115,7 +117,7 @@ async def run_once(
                         client,
                         url,
                         build_payload(
-                            r, model, args.endpoint, temperature=args.temperature, ignore_eos=args.ignore_eos
+                            r, model, args.endpoint, temperature=args.temperature, ignore_eos=args.ignore_eos, n=args.n
                         ),
                         r,
                         tokenizer,
@@ -130,7 +132,9 @@ async def run_once(
 
         async def one(req: BenchRequest, at: float):
             await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
-            payload = build_payload(req, model, args.endpoint, temperature=args.temperature, ignore_eos=args.ignore_eos)
+            payload = build_payload(
+                req, model, args.endpoint, temperature=args.temperature, ignore_eos=args.ignore_eos, n=args.n
+            )
             if sem is None:
                 result = await send(client, url, payload, req, tokenizer)
             else:
@@ -139,7 +143,8 @@ async def run_once(
             bar.update(1)
             return result
 
-        results = await asyncio.gather(*[one(r, at) for r, at in zip(requests, offsets)])
+        async with KvUsagePoller(args.base_url) as kv:
+            results = await asyncio.gather(*[one(r, at) for r, at in zip(requests, offsets)])
         duration = time.perf_counter() - start
         bar.close()
     selected = tuple(m for m in args.percentile_metrics.split(",") if m in METRICS)
@@ -160,7 +165,11 @@ async def run_once(
         "burstiness": args.burstiness,
         "max_concurrency": args.max_concurrency,
         "goodput_slos_ms": slos,
+        "n": args.n,
         **metrics,
+        # peak share of the KV cache in use (pdserve: its decode/colocated workers; vLLM's gauge)
+        "peak_kv_usage": kv.peak_fraction,
+        "peak_kv_blocks": kv.peak_blocks,
         "errors": errors[:5],
     }
 

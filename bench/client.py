@@ -16,7 +16,9 @@ from pdserve.bench.datasets import BenchRequest
 from pdserve.bench.metrics import RequestResult
 
 
-def build_payload(req: BenchRequest, model: str, endpoint: str, *, temperature: float, ignore_eos: bool) -> dict:
+def build_payload(
+    req: BenchRequest, model: str, endpoint: str, *, temperature: float, ignore_eos: bool, n: int = 1
+) -> dict:
     body: dict = {
         "model": model,
         "max_tokens": req.output_len,
@@ -31,6 +33,8 @@ def build_payload(req: BenchRequest, model: str, endpoint: str, *, temperature: 
         body["messages"] = [{"role": "user", "content": text}]
     else:
         body["prompt"] = req.prompt
+    if n > 1:  # n choices of each prompt (usage.completion_tokens counts them all)
+        body["n"] = n
     if ignore_eos:  # servers that know these honour them; min_tokens pins the length for the rest
         body["ignore_eos"] = True
         body["min_tokens"] = req.output_len

@@ -60,7 +60,14 @@ def test_groups_over_http(tiny_llama, mode):
         assert r.status_code == 400 and r.json()["error"]["param"] == "best_of"
         r = httpx.post(f"{base}/v1/completions", json={**sampled, "use_beam_search": True})
         assert r.status_code == 400
-        wait_ledger_balanced(base)
+        # clients leaving mid-stream: a sampled group and a beam search; every block comes back
+        long = {"prompt": prompt, "max_tokens": 300, "min_tokens": 300, "stream": True}
+        for extra in ({"n": 4, "temperature": 1.0}, {"n": 2, "best_of": 4, "use_beam_search": True}):
+            with httpx.stream("POST", f"{base}/v1/completions", json={**long, **extra}, timeout=60) as r:
+                lines = r.iter_lines()
+                if not extra.get("use_beam_search"):  # (beams come whole at the end)
+                    assert sum(line.startswith("data: {") for line, _ in zip(lines, range(8))) > 0
+        wait_ledger_balanced(base, timeout_s=10)
 
 
 def test_group_migrates_exactly_when_its_decode_worker_dies(tiny_llama):
