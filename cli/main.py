@@ -141,6 +141,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="the time-per-output-token target decode is paced within (see --decode-step-interval-ms)",
     )
     s.add_argument(
+        "--min-num-seqs",
+        type=int,
+        default=None,
+        help="adapt each decode worker's limit on running sequences between this and --max-num-seqs: "
+        "additive increase while steps meet --tpot-slo-ms without preemption, halved on a preemption "
+        "or a breach; the gateway admits by the current limit (default: fixed at --max-num-seqs)",
+    )
+    s.add_argument(
         "--decode-step-interval-ms",
         type=float,
         default=None,
@@ -197,6 +205,15 @@ def build_parser() -> argparse.ArgumentParser:
                 help="torch threads while no prefill for this worker is in flight, borrowing "
                 "the prefill pool's cores on a shared machine (default, alone on a machine: --threads)",
             )
+            w.add_argument(
+                "--min-num-seqs",
+                type=int,
+                default=None,
+                help="adapt each decode worker's limit on running sequences between this and --max-num-seqs: "
+                "additive increase while steps meet --tpot-slo-ms (default 60) without preemption, halved on a preemption "
+                "or a breach; the gateway admits by the current limit (default: fixed at --max-num-seqs)",
+            )
+            w.add_argument("--tpot-slo-ms", type=_positive_float, default=60.0, help="decode step time target")
             w.add_argument(
                 "--step-interval-ms",
                 type=float,

@@ -106,6 +106,8 @@ def decode_settings(args: argparse.Namespace):
         kv_payload_mac=args.kv_payload_mac,
         idle_threads=decode_idle_threads(topo, args.idle_threads),
         step_interval_ms=decode_step_interval_ms(topo, 0, 0.0, args.step_interval_ms),
+        min_num_seqs=args.min_num_seqs,
+        tpot_target_ms=args.tpot_slo_ms,
     )
 
 

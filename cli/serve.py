@@ -147,6 +147,8 @@ def plan_children(args: argparse.Namespace, run_dir: str) -> list[Child]:
                     step_interval_ms=decode_step_interval_ms(
                         topo, idle_lanes, args.tpot_slo_ms, args.decode_step_interval_ms
                     ),
+                    min_num_seqs=args.min_num_seqs,
+                    tpot_target_ms=args.tpot_slo_ms,
                     **common(name),
                 ),
             )

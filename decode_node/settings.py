@@ -26,9 +26,19 @@ class DecodeSettings(WorkerSettings, frozen=True, kw_only=True, forbid_unknown_f
     # while prompts for this worker queue behind a prefill, space decode steps up to this far
     # apart (decode_node/step_pacing.py); 0 = back to back
     step_interval_ms: float = 0.0
+    # adaptive admission (decode_node/aimd.py): the limit on running sequences moves between this
+    # and engine.scheduler.max_num_seqs by AIMD against tpot_target_ms; None = fixed at the max
+    min_num_seqs: int | None = None
+    tpot_target_ms: float = 60.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.min_num_seqs is not None and not 1 <= self.min_num_seqs <= self.engine.scheduler.max_num_seqs:
+            raise ValueError(
+                f"min_num_seqs must be in [1, max_num_seqs={self.engine.scheduler.max_num_seqs}], got {self.min_num_seqs}"
+            )
+        if not self.tpot_target_ms > 0:
+            raise ValueError(f"tpot_target_ms must be > 0, got {self.tpot_target_ms}")
         if not self.lease_ttl_s > 0:
             raise ValueError(f"lease_ttl_s must be > 0, got {self.lease_ttl_s}")
         if self.step_interval_ms < 0:

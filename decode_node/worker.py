@@ -19,9 +19,11 @@ from __future__ import annotations
 import logging
 import time
 
+import msgspec
 import torch
 import zmq
 
+from pdserve.decode_node.aimd import AimdLimit, AimdSettings
 from pdserve.decode_node.settings import DecodeSettings
 from pdserve.decode_node.step_pacing import StepPacer
 from pdserve.decode_node.thread_lending import ThreadLending
@@ -89,6 +91,13 @@ class DecodeWorker(WorkerBase):
         busy = torch.get_num_threads()
         self.threads = ThreadLending(busy, max(busy, settings.idle_threads or busy))
         self.pacer = StepPacer(settings.step_interval_ms)
+        self.aimd: AimdLimit | None = None
+        if settings.min_num_seqs is not None:
+            limits = AimdSettings(
+                settings.min_num_seqs, settings.engine.scheduler.max_num_seqs, settings.tpot_target_ms / 1000.0
+            )
+            self.aimd = AimdLimit(limits)
+            self.engine.scheduler.max_num_seqs = self.aimd.limit
         self._poller = zmq.Poller()  # both inboxes: control and KV
         self._poller.register(self.rt.inbox.socket, zmq.POLLIN)
         self._poller.register(self.receiver.socket, zmq.POLLIN)
@@ -104,8 +113,8 @@ class DecodeWorker(WorkerBase):
         held = self._held_prefix(req)  # leading blocks this worker holds already: not transferred
         need = n_blocks - len(held)
         sch = eng.scheduler
-        seats = eng.config.scheduler.max_num_seqs - sch.num_seats - self.leases.num_active
-        wanted = min(req.num_seqs, eng.config.scheduler.max_num_seqs)  # a wider group runs alone
+        seats = sch.max_num_seqs - sch.num_seats - self.leases.num_active
+        wanted = min(req.num_seqs, sch.max_num_seqs)  # a wider group runs alone
         reason, full = "", False  # full: refused for lack of room now, worth retrying later
         if req.request_id in self.gateway_of or self.leases.get(req.request_id) is not None:
             reason = "duplicate request id"
@@ -317,11 +326,24 @@ class DecodeWorker(WorkerBase):
     def step(self) -> None:
         self.rt.mark_step()
         self.threads.update(prefills_in_flight=self.leases.num_active)
-        self.pacer.started(time.monotonic())
-        for out in self.engine.step():
+        started = time.monotonic()
+        self.pacer.started(started)
+        sched = self.engine.schedule()
+        for out in self.engine.execute(sched):
             self._emit_step(out)
+        if self.aimd is not None and sched.decodes:
+            self._adapt(time.monotonic() - started, len(sched.decodes), len(sched.preempted))
         self.rt.flush_outputs()
         self._last_progress = time.monotonic()
+
+    def _adapt(self, step_s: float, running: int, preempted: int) -> None:
+        """AIMD on the limit of running sequences; the heartbeats carry it to the gateway."""
+        assert self.aimd is not None
+        limit = self.aimd.observe(step_s, running, preempted)
+        if limit != self.engine.scheduler.max_num_seqs:
+            self.engine.scheduler.max_num_seqs = limit
+            assert self.rt.info is not None
+            self.rt.info = msgspec.structs.replace(self.rt.info, max_num_seqs=limit)
 
     def stats(self) -> WorkerStats:
         dropped = sum(self.rt.inbox.dropped.values()) + sum(self.receiver.dropped.values())

@@ -76,6 +76,8 @@ class Scheduler:
         self.prefix_hit_tokens = 0  # of them, found cached (not computed)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # arrival (admission) order
+        self.max_num_seqs = cfg.max_num_seqs  # seats; a worker may adapt it (decode_node/aimd.py)
+        self.num_preemptions = 0  # sequences preempted so far (counter)
 
     # --- intake -------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -128,31 +130,42 @@ class Scheduler:
             self._order_shortest_first()
         seats = sum(s.seats for s in self.running)
         while self.waiting and budget > 0:
-            seq = self.waiting[0]
-            if seats + seq.seats > self.cfg.max_num_seqs and (self.running or seq.seats == 1):
+            head = self.waiting[0]
+            # a preempted beam group comes back whole: part of it running could hold the blocks
+            # the rest waits for, and none of it decodes until all of it runs
+            batch = self._unit(head, SeqStatus.WAITING)
+            want = sum(s.seats for s in batch)
+            if seats + want > self.max_num_seqs and (self.running or want == 1):
                 break  # (a group wider than max_num_seqs runs alone)
-            hit = self._cached_prefix(seq)
-            cached = len(hit) * self.block_size
-            n = min(seq.num_tokens - (1 if seq.is_beam else 0) - cached, budget)
-            need = -(-(cached + n) // self.block_size) - len(hit)
-            if need + self.pool.num_evictable(hit) > self.pool.num_free:
+            plans, left, free = [], budget, self.pool.num_free
+            for seq in batch:
+                hit = self._cached_prefix(seq)
+                cached = len(hit) * self.block_size
+                n = min(seq.num_tokens - (1 if seq.is_beam else 0) - cached, left)
+                need = -(-(cached + n) // self.block_size) - len(hit)
+                free -= need + self.pool.num_evictable(hit)
+                left -= n
+                plans.append((seq, hit, cached, n, need))
+            if free < 0:
                 break  # FCFS: the head waits for blocks; nobody overtakes it
-            self.waiting.popleft()
-            if self.hasher is not None:
-                self.prefix_query_tokens += seq.num_tokens
-                self.prefix_hit_tokens += cached
-            self.pool.acquire(hit)
-            seq.block_table = hit
-            seq.num_computed_tokens = seq.num_cached_tokens = cached
-            seq.num_registered_blocks = len(hit)
-            seq.block_table.extend(self._allocate_for(seq, need))
-            seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
-            seats += seq.seats
-            if n > 0:  # (0: a beam whose cached prefix leaves only its last token, which decodes)
-                out.prefills.append(ScheduledChunk(seq, n))
-                in_batch.add(id(seq))
-                budget -= n
+            for _, hit, _, _, _ in plans:  # all cached prefixes first: no allocation may evict them
+                self.pool.acquire(hit)
+            for seq, hit, cached, n, need in plans:
+                self.waiting.remove(seq)
+                if self.hasher is not None:
+                    self.prefix_query_tokens += seq.num_tokens
+                    self.prefix_hit_tokens += cached
+                seq.block_table = hit
+                seq.num_computed_tokens = seq.num_cached_tokens = cached
+                seq.num_registered_blocks = len(hit)
+                seq.block_table.extend(self._allocate_for(seq, need))
+                seq.status = SeqStatus.RUNNING
+                self.running.append(seq)
+                seats += seq.seats
+                if n > 0:  # (0: a beam whose cached prefix leaves only its last token, which decodes)
+                    out.prefills.append(ScheduledChunk(seq, n))
+                    in_batch.add(id(seq))
+                    budget -= n
         return out
 
     def _schedule_beams(
@@ -209,7 +222,7 @@ class Scheduler:
         self, seq: Sequence, n: int, in_batch: set[int], in_flight: frozenset[int], out: SchedulerOutput
     ) -> bool:
         need = self._blocks_needed(seq, n) + self._needs_copy(seq)
-        if not self._make_room(need, {id(seq)}, in_batch, in_flight, out):
+        if not self._make_room(need, {id(s) for s in self._unit(seq)} | {id(seq)}, in_batch, in_flight, out):
             if id(seq) in in_flight:
                 return False  # its blocks are being written: it waits for blocks instead
             for s in self._unit(seq):
@@ -229,7 +242,7 @@ class Scheduler:
                 (
                     s
                     for s in reversed(self.running)
-                    if id(s) not in in_batch and id(s) not in in_flight and id(s) not in protect
+                    if id(s) not in in_batch and id(s) not in in_flight and not {id(u) for u in self._unit(s)} & protect
                 ),
                 None,
             )
@@ -243,11 +256,12 @@ class Scheduler:
         return True
 
     @staticmethod
-    def _unit(seq: Sequence) -> list[Sequence]:
-        """What is preempted with `seq`: its beam group's running beams, else itself."""
+    def _unit(seq: Sequence, status: SeqStatus = SeqStatus.RUNNING) -> list[Sequence]:
+        """What is preempted (or, waiting, admitted) with `seq`: its beam group's beams in
+        `status`, else itself."""
         if seq.is_beam:
             assert seq.group is not None
-            return [b for b in seq.group.live if b.status is SeqStatus.RUNNING]
+            return [b for b in seq.group.live if b.status is status]
         return [seq]
 
     def _grow(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
@@ -278,6 +292,7 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         seq.status = SeqStatus.WAITING
         self.running.remove(seq)
         self.waiting.appendleft(seq)

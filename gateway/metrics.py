@@ -43,6 +43,14 @@ class _WorkerCollector:
                 "Free KV blocks whose KV the prefix cache keeps (reclaimable)",
                 labels=["node"],
             ),
+            "preemptions": CounterMetricFamily(
+                "pdserve_preemptions", "Sequences preempted (KV dropped, recomputed later)", labels=["node"]
+            ),
+            "seq_limit": GaugeMetricFamily(
+                "pdserve_max_num_seqs",
+                "The worker's limit on running sequences now (adaptive with --min-num-seqs)",
+                labels=["node"],
+            ),
             "prefix_query_tokens": CounterMetricFamily(
                 "pdserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", labels=["node"]
             ),

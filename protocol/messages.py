@@ -73,6 +73,8 @@ class WorkerStats(msgspec.Struct, frozen=True):
     prefix_hit_tokens: int = 0  # of them, found cached (not computed)
     kv_blocks_skipped: int = 0  # decode: prompt blocks found cached at reservation, so never transferred
     local_prefills: int = 0  # decode: requests whose short uncached rest it prefilled itself
+    preemptions: int = 0  # sequences preempted (their KV dropped, recomputed later) so far
+    seq_limit: int = 0  # its limit on running sequences now (adaptive: decode_node/aimd.py)
 
 
 class WorkerInfo(msgspec.Struct, frozen=True):

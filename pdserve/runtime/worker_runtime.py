@@ -115,6 +115,8 @@ def engine_stats(
         num_running=len(sch.running),
         num_waiting=len(sch.waiting) + extra_waiting,
         steps=engine.num_steps,
+        preemptions=sch.num_preemptions,
+        seq_limit=sch.max_num_seqs,
         last_step_age_s=time.monotonic() - last_progress if engine.has_work() else 0.0,
         dropped_frames=dropped_frames,
         **lease_stats,

@@ -195,3 +195,35 @@ def test_refuses_a_group_that_cannot_fit(tiny_llama):
     engine = make_engine(tiny_llama, block_size=4, num_blocks=40, max_model_len=128)
     with pytest.raises(ValueError, match="KV blocks"):
         engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=64, n=8))
+
+
+@pytest.mark.parametrize("num_blocks", [34, 40])
+def test_beam_and_sampled_groups_in_a_tight_pool_finish_exactly(tiny_llama, num_blocks):
+    """Several beam groups and sampled groups competing for a pool that holds about two of
+    them: preempted beam groups come back whole (no group half running, half waiting for the
+    blocks the other half holds), nothing deadlocks, and every output equals a roomy pool's."""
+    beam = beam_params(4, 2, max_tokens=12)
+    sampled = SamplingParams(max_tokens=14, temperature=1.0, seed=3, n=3)
+
+    def outputs(blocks: int) -> tuple[dict, int]:
+        engine = make_engine(tiny_llama, block_size=4, num_blocks=blocks, max_model_len=64, max_num_seqs=12)
+        got: dict[str, list[list[int]]] = {}
+        for i, p in enumerate(random_prompts(256, [21, 30, 17, 25, 9], seed=1)):
+            sp = beam if i % 2 == 0 else sampled
+            engine.add_request(f"r{i}", p, sp)
+            got[f"r{i}"] = [[] for _ in range(sp.n)]
+        preempted, steps = 0, 0
+        while engine.has_work():
+            sched = engine.schedule()
+            preempted += len(sched.preempted)
+            for o in engine.execute(sched):
+                got[o.request_id][o.seq_index] += o.new_token_ids
+            engine.pool.check_integrity()
+            steps += 1
+            assert steps < 1000, "stuck"
+        engine.pool.assert_all_free()
+        return got, preempted
+
+    tight, preempted = outputs(num_blocks)
+    assert preempted > 0
+    assert tight == outputs(512)[0]

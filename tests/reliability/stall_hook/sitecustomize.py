@@ -18,7 +18,7 @@ def _install(role: str, seconds: float) -> None:
     else:  # decode, colocated: their loop's engine step
         from pdserve.engine.llm_engine import LLMEngine as owner
 
-        name = "step"
+        name = "execute"
     original = getattr(owner, name)
     stalled = []
 
