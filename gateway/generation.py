@@ -264,7 +264,7 @@ class GenerationRun:
                 lp = self.fmt.logprobs(lps, text_pos[choice.index]) if want_lp else None
                 text_pos[choice.index] += len(delta)
                 item = self.fmt.stream_item(choice.index, delta, lp, reason)
-                last = reason is not None and self.open <= 1 and all(c.finish_reason is not None for c in self.choices)
+                last = reason is not None and all(c.finish_reason is not None for c in self.choices)
                 extra = {"pdserve_timings": self._timings()} if last and not self.req.include_usage else {}
                 yield self._chunk([item], **extra)
             if self.req.include_usage:
