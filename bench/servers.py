@@ -151,14 +151,19 @@ def _ensure_dir(path: Path) -> Path:
     return path
 
 
+def child_env(spec: ServerSpec) -> dict[str, str]:
+    """The server's environment: ours plus its own, and PYTHONSAFEPATH so that a Python server
+    started from the repository root does not import the repo's folders (our `kernels/` would
+    shadow the hub `kernels` package transformers probes for, and vLLM would fail to start)."""
+    return dict(os.environ, PYTHONSAFEPATH="1", **spec.env)
+
+
 @contextlib.contextmanager
 def running(spec: ServerSpec, base: str, log_path: Path, timeout_s: float = 600, mode: str = "w"):
     """Start `spec`, wait until it answers `ready_path` with 200, always stop it (process group).
     Its output goes to `log_path`, opened with `mode`."""
     log = open(log_path, mode)
-    proc = subprocess.Popen(
-        spec.argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=dict(os.environ, **spec.env)
-    )
+    proc = subprocess.Popen(spec.argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=child_env(spec))
     try:
         deadline = time.monotonic() + timeout_s
         while True:
