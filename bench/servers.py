@@ -163,7 +163,9 @@ def running(spec: ServerSpec, base: str, log_path: Path, timeout_s: float = 600,
     """Start `spec`, wait until it answers `ready_path` with 200, always stop it (process group).
     Its output goes to `log_path`, opened with `mode`."""
     log = open(log_path, mode)
-    proc = subprocess.Popen(spec.argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=child_env(spec))
+    proc = subprocess.Popen(
+        spec.argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=child_env(spec)
+    )
     try:
         deadline = time.monotonic() + timeout_s
         while True:

@@ -176,6 +176,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--worker-bind", default="tcp://127.0.0.1:7100", help="inbox workers connect to")
+    g.add_argument(
+        "--worker-advertise",
+        default=None,
+        help="the worker-plane address handed to workers that join by this gateway's URL "
+        "(default: the bound --worker-bind, a wildcard host replaced by the URL's host)",
+    )
+    g.add_argument(
+        "--allow-wildcard-bind",
+        action="store_true",
+        help="let --worker-bind listen on all interfaces (tcp://0.0.0.0:PORT); refused otherwise",
+    )
     g.add_argument("--kv-transport", default="auto", choices=["auto", "shm", "zmq"])
     g.add_argument("--api-key", default=None)
     g.add_argument("--max-model-len", type=int, default=None)

@@ -46,9 +46,27 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
         help="start from this settings file (JSON, as `pdserve serve` writes), with no other flags",
     )
     p.add_argument(
-        "--gateway", action="append", required=True, help="gateway inbox address, e.g. tcp://10.0.0.5:7100 (repeatable)"
+        "--gateway",
+        action="append",
+        required=True,
+        help="the gateway to join (repeatable): its worker plane, e.g. tcp://10.0.0.5:7100, or its "
+        "HTTP URL, e.g. http://10.0.0.5:8000 (the worker asks it for the worker plane, proving it "
+        "holds the cluster secret)",
     )
     p.add_argument("--bind", default="tcp://127.0.0.1:0", help="this worker's control inbox")
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM take no new requests and finish those held, for at most this many seconds; "
+        "then hand the rest off to live workers and exit",
+    )
+    p.add_argument(
+        "--health-bind",
+        default=None,
+        metavar="HOST:PORT",
+        help="serve /health/live and /health/ready here (probes); default: none",
+    )
     p.add_argument(
         "--advertise-host", default=None, help="host name peers use to decide on shared memory (default: this host)"
     )
@@ -80,9 +98,11 @@ def prefill_settings(args: argparse.Namespace):
     return PrefillSettings(
         engine=engine_config(args, "prefill"),
         control_bind=args.bind,
-        gateways=args.gateway,
+        gateways=_gateways(args, "prefill"),
         host=_host(args),
         threads=args.threads,
+        drain_timeout_s=args.drain_timeout,
+        health_bind=args.health_bind,
         kv_payload_mac=args.kv_payload_mac,
         lanes=args.lanes,
         idle_lanes=prefill_idle_lanes(topo, args.idle_lanes),
@@ -96,9 +116,11 @@ def decode_settings(args: argparse.Namespace):
     return DecodeSettings(
         engine=engine_config(args, "decode"),
         control_bind=args.bind,
-        gateways=args.gateway,
+        gateways=_gateways(args, "decode"),
         host=_host(args),
         threads=args.threads,
+        drain_timeout_s=args.drain_timeout,
+        health_bind=args.health_bind,
         kv_bind=args.kv_bind,
         kv_advertise=args.kv_advertise,
         shared_memory=not args.no_shm,
@@ -117,9 +139,11 @@ def colocated_settings(args: argparse.Namespace):
     return ColocatedSettings(
         engine=engine_config(args, "colocated"),
         control_bind=args.bind,
-        gateways=args.gateway,
+        gateways=_gateways(args, "colocated"),
         host=_host(args),
         threads=args.threads,
+        drain_timeout_s=args.drain_timeout,
+        health_bind=args.health_bind,
     )
 
 
@@ -181,6 +205,8 @@ def gateway_options(args: argparse.Namespace):
         host=args.host,
         port=args.port,
         worker_bind=args.worker_bind,
+        worker_advertise=args.worker_advertise,
+        allow_wildcard_bind=args.allow_wildcard_bind,
         kv_transport=args.kv_transport,
         api_key=args.api_key,
         max_model_len=args.max_model_len,
@@ -221,6 +247,22 @@ def _run_gateway(options) -> int:
 
     serve_gateway(dataclasses.replace(options, api_key=options.api_key or settings().api_key), _auth())
     return 0
+
+
+def _gateways(args, role: str) -> list[str]:
+    """--gateway values, an http(s):// URL turned into that gateway's worker plane (join_client)."""
+    from pdserve.runtime.join_client import JoinError, is_http_gateway, join_gateway
+
+    out = []
+    for addr in args.gateway:
+        if is_http_gateway(addr):
+            _setup(role, None)  # (logging, for the join's progress)
+            try:
+                addr = join_gateway(addr, _auth(), role, _host(args))
+            except JoinError as e:
+                raise SystemExit(f"pdserve {role}: {e}") from None
+        out.append(addr)
+    return out
 
 
 def _host(args) -> str:

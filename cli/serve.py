@@ -90,7 +90,14 @@ def plan_children(args: argparse.Namespace, run_dir: str) -> list[Child]:
     gw_inbox = f"ipc://{run_dir}/gateway.sock"
     gw_transport = {"auto": "auto", "shm": "shm", "zmq-ipc": "zmq", "zmq-tcp": "zmq"}[args.kv_transport]
     gw_args = argparse.Namespace(
-        **{**vars(args), "worker_bind": gw_inbox, "kv_transport": gw_transport, "api_key": None}
+        **{
+            **vars(args),
+            "worker_bind": gw_inbox,
+            "worker_advertise": None,
+            "allow_wildcard_bind": False,
+            "kv_transport": gw_transport,
+            "api_key": None,
+        }
     )  # the key travels in the environment, not in a file
     children = [child("gateway", "gateway", roles.gateway_options(gw_args))]
     host = socket.gethostname()

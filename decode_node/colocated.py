@@ -86,6 +86,9 @@ class ColocatedWorker(WorkerBase):
     def stats(self) -> WorkerStats:
         return engine_stats(self.engine, self._last_progress, sum(self.rt.inbox.dropped.values()))
 
+    def has_work(self) -> bool:
+        return self.engine.has_work() or bool(self.gateway_of)
+
     def run_once(self) -> None:
         for msg in self.rt.drain(0 if self.engine.has_work() else 20):
             self.dispatch(msg)

@@ -118,6 +118,8 @@ class DecodeWorker(WorkerBase):
         reason, full = "", False  # full: refused for lack of room now, worth retrying later
         if req.request_id in self.gateway_of or self.leases.get(req.request_id) is not None:
             reason = "duplicate request id"
+        elif self.draining:  # (asked before the gateway heard): another worker, or later
+            reason, full = "draining", True
         elif req.num_prompt_tokens + req.max_tokens > eng.max_model_len:
             reason = f"prompt + max_tokens exceeds max_model_len {eng.max_model_len}"
         elif seats < wanted:
@@ -370,6 +372,9 @@ class DecodeWorker(WorkerBase):
                 else ""
             )
         )
+
+    def has_work(self) -> bool:
+        return self.engine.has_work() or self.leases.num_active > 0 or bool(self.gateway_of)
 
     def run_once(self) -> None:
         if self._wait_ms:  # sleep on both inboxes: no work, or (paced) the next step is not due

@@ -1,7 +1,10 @@
 """OpenAI-compatible HTTP API over a `Backend`: the HTTP side (body limits, validation through
 gateway/schemas.py, tokenization, status codes, the API key, routes). Each accepted request
 becomes a gateway/generation.py `GenerationRun` (n-way fan-out, detokenization, stop strings,
-SSE or JSON), shaped by gateway/formats.py for its endpoint.
+SSE or JSON), shaped by gateway/formats.py for its endpoint. Besides the OpenAI routes:
+`GET /v1/workers` (the cluster's members and their load), `POST /cluster/join` (a worker joining
+by this URL, signed with the cluster secret: protocol/join.py), /health (ready: a prefill/decode
+pair or a colocated worker is live), /health/live (the process answers), /metrics.
 
 Request ids are made here (`cmpl-...`/`chatcmpl-...`), never taken from the client. Leaving a
 request early for any reason (client gone, stop string, error) closes its backend streams,
@@ -19,6 +22,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator
 
+import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -32,6 +36,7 @@ from pdserve.gateway.limits import GatewayLimits
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.openapi import openapi_endpoint
 from pdserve.gateway.schemas import ParsedRequest, RequestKind, parse_request
+from pdserve.protocol.join import JOIN_PATH, JoinRefused
 from pdserve.protocol.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -276,6 +281,23 @@ def create_app(
         ok, detail = backend.health()
         return JSONResponse({"status": "ok" if ok else "unavailable", **detail}, status_code=200 if ok else 503)
 
+    async def live(_: Request) -> Response:  # liveness: the event loop answers (workers or not)
+        return JSONResponse({"status": "ok"})
+
+    async def workers(_: Request) -> Response:
+        return JSONResponse({"object": "list", "data": backend.workers()})
+
+    async def join(request: Request) -> Response:
+        peer = request.client.host if request.client else "?"
+        try:
+            answer = backend.join(await request.body(), request.url.hostname or "127.0.0.1")
+        except JoinRefused as e:
+            log.warning("join refused for a worker at %s: %s", peer, e)
+            return error_response(403, f"join refused: {e}", type_="authentication_error", code="join_refused")
+        if answer is None:
+            return error_response(404, "this gateway has no worker plane", code="not_found")
+        return JSONResponse(msgspec.to_builtins(answer))
+
     async def metrics(_: Request) -> Response:
         return Response(gw.metrics.render(), media_type="text/plain; version=0.0.4")
 
@@ -290,7 +312,10 @@ def create_app(
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/chat/completions", chat, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
+            Route("/v1/workers", workers, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
+            Route("/health/live", live, methods=["GET"]),
+            Route(JOIN_PATH, join, methods=["POST"]),
             Route("/metrics", metrics, methods=["GET"]),
             Route("/openapi.json", openapi_endpoint(gw), methods=["GET"]),
         ],

@@ -6,6 +6,7 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator
 
 from pdserve.gateway.queue_stats import QueueStats
+from pdserve.protocol.join import JoinAnswer
 from pdserve.protocol.messages import TokenOutput, WorkerStats
 from pdserve.protocol.sampling import SamplingParams
 
@@ -51,3 +52,12 @@ class Backend(ABC):
         """Requests this gateway has routed to each worker and not yet seen end: its own count,
         current at every call (worker stats lag by up to a heartbeat)."""
         return {}
+
+    def workers(self) -> list[dict]:
+        """Every worker known, as `GET /v1/workers` lists them."""
+        return []
+
+    def join(self, body: bytes, url_host: str) -> JoinAnswer | None:
+        """Answer a worker's `POST /cluster/join` (protocol/join.py), raising JoinRefused; None
+        when this backend has no worker plane to join."""
+        return None

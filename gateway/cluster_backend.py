@@ -37,8 +37,10 @@ from pdserve.gateway.queue_stats import QueueStats
 from pdserve.protocol.auth import FrameAuth
 from pdserve.protocol.block_hashes import BlockHasher, short_id
 from pdserve.protocol.channel import AsyncInbox, AsyncOutbox
+from pdserve.protocol.join import JoinAnswer, check_join, worker_plane_addr
 from pdserve.protocol.messages import (
     Abort,
+    Deregister,
     GenerateRequest,
     Heartbeat,
     KvDestination,
@@ -92,6 +94,8 @@ class ClusterBackend(Backend):
         max_attempts: int = 3,
         queue_limits: QueueLimits = QueueLimits(),
         local_prefill_max_tokens: int = DEFAULT_LOCAL_PREFILL_MAX_TOKENS,
+        worker_advertise: str | None = None,
+        allow_wildcard_bind: bool = False,
     ) -> None:
         if kv_transport not in ("auto", "shm", "zmq"):
             raise ValueError("kv_transport must be auto, shm or zmq")
@@ -103,6 +107,8 @@ class ClusterBackend(Backend):
         self.local_prefill_max_tokens = local_prefill_max_tokens
         self.auth = auth
         self.inbox_bind = inbox_bind
+        self.worker_advertise = worker_advertise  # the worker-plane address /cluster/join hands out
+        self.allow_wildcard_bind = allow_wildcard_bind
         self.gateway_id = f"gw-{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
         self.kv_transport = kv_transport
         self.reserve_timeout_s = reserve_timeout_s
@@ -134,7 +140,9 @@ class ClusterBackend(Backend):
     # --- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
         self._ctx = zmq.asyncio.Context()
-        self._inbox = AsyncInbox(self._ctx, self.auth, self.inbox_bind, decoder=decode_to_gateway)
+        self._inbox = AsyncInbox(
+            self._ctx, self.auth, self.inbox_bind, allow_wildcard=self.allow_wildcard_bind, decoder=decode_to_gateway
+        )
         self._task = asyncio.create_task(self._receive_loop())
         self._ticker = asyncio.create_task(self._retry_queues())
         log.info("gateway %s listening for workers on %s", self.gateway_id, self._inbox.addr)
@@ -191,14 +199,19 @@ class ClusterBackend(Backend):
                 fut.set_result(msg)
             elif msg.lease is not None or msg.local:  # nobody waits for it any more: hand it back
                 self._send(msg.worker_id, Abort(request_id=msg.request_id, reason="lease not used", lease_unused=True))
+        elif isinstance(msg, Deregister):
+            self._deregister(msg)
         elif isinstance(msg, (Register, Heartbeat)):
             info = msg.info
             if info is None:
                 return
             stats = msg.stats if isinstance(msg, Heartbeat) else None
+            new = self.table.upsert(info, stats)
+            if new is None:  # deregistered: a heartbeat sent just before, arriving late
+                return
             if isinstance(msg, Heartbeat) and msg.kv is not None:
                 self.kv_index.apply(info.worker_id, msg.kv)
-            joined = self.table.upsert(info, stats) or info.worker_id not in self._outboxes
+            joined = new or info.worker_id not in self._outboxes
             if joined:
                 assert self._ctx is not None
                 self._forget_replaced(info)
@@ -208,13 +221,27 @@ class ClusterBackend(Backend):
             # order): a worker first heard by heartbeat (its heartbeat thread does not wait for a
             # Welcome) would otherwise take requests with no route back for their outputs.
             if joined or isinstance(msg, Register):
-                self._send(info.worker_id, Welcome(gateway_id=self.gateway_id, inbox_addr=self.inbox_addr))
+                self._send(info.worker_id, Welcome(gateway_id=self.gateway_id, inbox_addr=msg.via or self.inbox_addr))
             self._notify_queues()  # a worker joined or reported its load: capacity may have changed
 
     def _deliver(self, out: TokenOutput) -> None:
         queue = self._streams.get(out.request_id)
         if queue is not None:
             queue.put_nowait(out)
+
+    def _deregister(self, msg: Deregister) -> None:
+        """A worker leaves: route nothing more to it; requests it still held (a drain that timed
+        out) see it gone at their next check and move on as after a death (`_ordered`)."""
+        entry = self.table.remove(msg.worker_id)
+        if entry is None:
+            return
+        self.kv_index.forget(msg.worker_id)
+        box = self._outboxes.pop(msg.worker_id, None)
+        if box is not None:
+            box.close()
+        log.info("worker %s (%s) left: %s", msg.worker_id, entry.info.role, msg.reason or "deregistered")
+        self._release_orphans(msg.worker_id)
+        self._notify_queues()
 
     def _forget_replaced(self, info) -> None:
         """A worker restarted on the same control address replaces the old entry: stop routing
@@ -318,6 +345,45 @@ class ClusterBackend(Backend):
         if self._inbox is not None:  # the gateway's own inbox
             stats[self.gateway_id] = WorkerStats(dropped_frames=sum(self._inbox.dropped.values()))
         return stats
+
+    def workers(self) -> list[dict]:
+        now = time.monotonic()
+        out = []
+        for w in self.table.workers.values():
+            st = w.stats
+            alive = self.table.is_live(w, now)
+            out.append(
+                {
+                    "id": w.worker_id,
+                    "role": w.info.role,
+                    "state": ("draining" if w.draining else "ready") if alive else "unresponsive",
+                    "control_addr": w.info.control_addr,
+                    "kv_addr": w.info.kv_addr,
+                    "host": w.info.host,
+                    "pid": w.info.pid,
+                    "last_heard_s": round(now - w.last_seen, 3),
+                    "load": {
+                        "routed_requests": w.inflight,
+                        "running": st.num_running,
+                        "waiting": st.num_waiting,
+                        "max_num_seqs": w.info.max_num_seqs,
+                        "leases_active": st.leases_active,
+                    },
+                    "kv": {
+                        "blocks_total": st.kv_blocks_total,
+                        "blocks_used": st.kv_blocks_total - st.kv_blocks_free,
+                        "blocks_cached": st.kv_blocks_cached,
+                        "usage": round(1 - st.kv_blocks_free / st.kv_blocks_total, 4) if st.kv_blocks_total else 0.0,
+                    },
+                }
+            )
+        return sorted(out, key=lambda w: (w["role"], w["id"]))
+
+    def join(self, body: bytes, url_host: str) -> JoinAnswer:
+        claim = check_join(self.auth, body)
+        addr = worker_plane_addr(self.inbox_addr, self.worker_advertise, url_host)
+        log.info("a %s worker on %s asked to join: sent to %s", claim.role, claim.host, addr)
+        return JoinAnswer(gateway_id=self.gateway_id, worker_addr=addr)
 
     def routed_requests(self) -> dict[str, int]:
         return {wid: w.inflight for wid, w in self.table.workers.items() if self.table.is_live(w)}

@@ -27,6 +27,8 @@ class GatewayOptions:
     host: str = "127.0.0.1"
     port: int = 8000
     worker_bind: str = "tcp://127.0.0.1:7100"
+    worker_advertise: str | None = None  # the worker plane /cluster/join hands out (default: derived)
+    allow_wildcard_bind: bool = False  # let worker_bind listen on all interfaces
     kv_transport: str = "auto"
     api_key: str | None = None
     max_model_len: int | None = None
@@ -66,6 +68,8 @@ def serve_gateway(opts: GatewayOptions, auth: FrameAuth) -> None:
         stuck_after_s=opts.stuck_after_s,
         queue_limits=opts.queue_limits,
         local_prefill_max_tokens=opts.local_prefill_max_tokens,
+        worker_advertise=opts.worker_advertise,
+        allow_wildcard_bind=opts.allow_wildcard_bind,
     )
     app = create_app(
         backend,

@@ -290,6 +290,9 @@ class PrefillWorker(WorkerBase):
     def stats(self) -> WorkerStats:
         return engine_stats(self.engine, self._last_progress, sum(self.rt.inbox.dropped.values()))
 
+    def has_work(self) -> bool:
+        return bool(self.pending) or self.engine.has_work()
+
     def describe_start(self) -> str:
         return f"{self.lanes.capacity - self.lanes.num_idle} lanes, {self.lanes.num_idle} idle lanes"
 

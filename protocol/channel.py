@@ -122,9 +122,10 @@ class _InboxBase:
     def closed(self) -> bool:
         return self.socket.closed
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 0) -> None:
+        """Close; `linger_ms` > 0 gives messages still queued that long to go out."""
         if not self.socket.closed:
-            self.socket.close(linger=0)
+            self.socket.close(linger=linger_ms)
 
     def __enter__(self):
         return self
@@ -261,9 +262,10 @@ class _OutboxBase:
     def closed(self) -> bool:
         return self.socket.closed
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 0) -> None:
+        """Close; `linger_ms` > 0 gives messages still queued that long to go out."""
         if not self.socket.closed:
-            self.socket.close(linger=0)
+            self.socket.close(linger=linger_ms)
 
     def __enter__(self):
         return self

@@ -6,7 +6,8 @@ instead of producing an object. Nothing here is ever pickled.
 
 Who sends what (G = gateway, P = prefill worker, D = decode worker, C = colocated worker):
 
-    W -> G  Register, Heartbeat              membership (any worker kind)
+    W -> G  Register, Heartbeat              membership (any worker kind); stats say when draining
+    W -> G  Deregister                       leaving (drained, or its drain timed out: hand off)
     G -> W  Welcome                          gateway id, so W can address replies
     G -> D  ReserveRequest                   decode-first reservation (admission control)
     D -> G  ReserveReply                     lease (epoch, block ids, deadline) or refusal
@@ -75,6 +76,7 @@ class WorkerStats(msgspec.Struct, frozen=True):
     local_prefills: int = 0  # decode: requests whose short uncached rest it prefilled itself
     preemptions: int = 0  # sequences preempted (their KV dropped, recomputed later) so far
     seq_limit: int = 0  # its limit on running sequences now (adaptive: decode_node/aimd.py)
+    draining: bool = False  # SIGTERM'd: takes no new requests, finishes those it has, then leaves
 
 
 class WorkerInfo(msgspec.Struct, frozen=True):
@@ -94,6 +96,17 @@ class WorkerInfo(msgspec.Struct, frozen=True):
 
 class Register(_Msg, kw_only=True, frozen=True):
     info: WorkerInfo
+    # The gateway address this worker sent it to (as configured, e.g. a Service name): the
+    # Welcome names it back, so the worker matches the reply whatever address the gateway bound.
+    via: str = ""
+
+
+class Deregister(_Msg, kw_only=True, frozen=True):
+    """W -> G as a worker leaves: the gateway stops routing to it at once (no wait for missed
+    heartbeats) and moves whatever it still held (a drain that timed out) to live workers."""
+
+    worker_id: str
+    reason: str = ""
 
 
 class KvDigest(msgspec.Struct, frozen=True, kw_only=True):
@@ -112,11 +125,12 @@ class Heartbeat(_Msg, kw_only=True, frozen=True):
     stats: WorkerStats = WorkerStats()
     info: WorkerInfo | None = None  # lets a restarted gateway re-learn its workers
     kv: KvDigest | None = None  # what its prefix cache holds (workers with one)
+    via: str = ""  # as Register.via
 
 
 class Welcome(_Msg, kw_only=True, frozen=True):
     gateway_id: str
-    inbox_addr: str  # must be one of the worker's configured gateway addresses
+    inbox_addr: str  # the worker's configured address for this gateway (Register.via, echoed)
 
 
 class Lease(msgspec.Struct, frozen=True):
@@ -277,6 +291,7 @@ class Abort(_Msg, kw_only=True, frozen=True):
 
 Message = Union[
     Register,
+    Deregister,
     Heartbeat,
     Welcome,
     ReserveRequest,
@@ -290,7 +305,7 @@ Message = Union[
     LeaseRenewed,
 ]
 # What each kind of inbox accepts: anything else is dropped and counted like a garbled frame.
-ToGateway = Union[Register, Heartbeat, ReserveReply, TokenOutput, TokenOutputBatch, LeaseRenewed]
+ToGateway = Union[Register, Deregister, Heartbeat, ReserveReply, TokenOutput, TokenOutputBatch, LeaseRenewed]
 ToWorker = Union[Welcome, ReserveRequest, PrefillRequest, GenerateRequest, Abort, LeaseRenewed]
 
 _encoder = msgspec.msgpack.Encoder()

@@ -20,7 +20,7 @@ import socket
 import threading
 import time
 import uuid
-from typing import Callable
+from typing import Any, Callable
 
 import msgspec
 import zmq
@@ -29,6 +29,7 @@ from pdserve.protocol.auth import FrameAuth
 from pdserve.protocol.block_hashes import short_id
 from pdserve.protocol.channel import Inbox, Outbox
 from pdserve.protocol.messages import (
+    Deregister,
     Heartbeat,
     KvDigest,
     KvLayout,
@@ -102,7 +103,7 @@ def describe_worker(engine, role: Role, control_addr: str, host: str, **extra) -
 
 
 def engine_stats(
-    engine, last_progress: float, dropped_frames: int, extra_waiting: int = 0, **lease_stats: int
+    engine, last_progress: float, dropped_frames: int, extra_waiting: int = 0, **lease_stats: Any
 ) -> WorkerStats:
     """Heartbeat stats; `last_step_age_s` grows only while there is work and no step completes."""
     sch = engine.scheduler
@@ -187,6 +188,13 @@ class Heartbeater:
         if snap is None:
             return None
         info, stats, taken = snap
+        age = self._age(stats, taken)
+        if age != stats.last_step_age_s:
+            stats = msgspec.structs.replace(stats, last_step_age_s=age)
+        return Heartbeat(worker_id=info.worker_id, stats=stats, info=info, kv=digest)
+
+    def _age(self, stats: WorkerStats, taken: float) -> float:
+        """How long the engine loop has had work pending without completing a step, now."""
         now = time.monotonic()
         age = stats.last_step_age_s
         if age > 0:  # work was pending: the loop's silence since counts too
@@ -194,9 +202,13 @@ class Heartbeater:
         step_at = self._step_at
         if step_at > taken:  # a step began after the snapshot (work arrived while idle) and runs on
             age = max(age, now - step_at)
-        if age != stats.last_step_age_s:
-            stats = msgspec.structs.replace(stats, last_step_age_s=age)
-        return Heartbeat(worker_id=info.worker_id, stats=stats, info=info, kv=digest)
+        return age
+
+    def step_age(self) -> float:
+        """`last_step_age_s` as a heartbeat sent now would carry it (0 before any snapshot)."""
+        with self._lock:
+            snap = self._snapshot
+        return 0.0 if snap is None else self._age(snap[1], snap[2])
 
     def _run(self) -> None:
         boxes = [Outbox(self._ctx, self._auth, addr) for addr in self._addrs]
@@ -205,7 +217,7 @@ class Heartbeater:
                 hb = self._current()
                 if hb is not None:
                     for box in boxes:
-                        box.send(hb)
+                        box.send(msgspec.structs.replace(hb, via=box.addr))
         finally:
             for box in boxes:
                 box.close()
@@ -231,13 +243,14 @@ class WorkerRuntime:
         self._heartbeater = Heartbeater(ctx, auth, gateway_addrs)
         self._held: dict[str, list[TokenOutput]] = {}  # gateway id -> outputs not yet sent
         self.info: WorkerInfo | None = None
+        self._deregistered = False
 
     @property
     def control_addr(self) -> str:
         return self.inbox.addr
 
     def handle_welcome(self, msg: Welcome) -> None:
-        box = self._by_addr.get(msg.inbox_addr)
+        box = self._by_addr.get(msg.inbox_addr)  # the address we registered through (Register.via)
         if box is None:
             log.warning("Welcome names unknown gateway address %s: ignored", msg.inbox_addr)
             return
@@ -271,7 +284,7 @@ class WorkerRuntime:
             self._last_register = now
             for addr, box in self._by_addr.items():
                 if addr not in self._welcomed:
-                    box.send(Register(info=self.info))
+                    box.send(Register(info=self.info, via=addr))
         if now - self._last_publish >= HEARTBEAT_INTERVAL_S / 5:
             self._last_publish = now
             self._heartbeater.publish(self.info, stats(), kv() if kv is not None else None)
@@ -299,8 +312,27 @@ class WorkerRuntime:
             msg = self.inbox.recv_one(0)
         return msgs
 
+    def deregister(self, reason: str) -> None:
+        """Leave every gateway: heartbeats stop first (a later one would re-register us), then
+        `Deregister`, given a second to go out when the sockets close."""
+        self._heartbeater.close()
+        if self.info is None:
+            return
+        for box in self._by_addr.values():
+            box.send(Deregister(worker_id=self.info.worker_id, reason=reason))
+        self._deregistered = True
+
+    def step_age(self) -> float:
+        return self._heartbeater.step_age()
+
+    @property
+    def welcomed(self) -> bool:
+        """At least one gateway has answered our registration."""
+        return bool(self._welcomed)
+
     def close(self) -> None:
         self._heartbeater.close()
         self.inbox.close()
+        linger = 1000 if self._deregistered else 0
         for box in self._by_addr.values():
-            box.close()
+            box.close(linger_ms=linger)

@@ -21,10 +21,17 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     gateways: list[str]  # gateway inbox addresses (at least one)
     host: str  # the host name peers compare to decide on shared memory
     threads: int | None = None  # torch threads (None: torch's default)
+    # SIGTERM drains: no new requests, those held finish; past this many seconds the rest are
+    # handed off (the gateway moves them to live workers) and the worker exits
+    drain_timeout_s: float = 30.0
+    # HOST:PORT of a small HTTP server with /health/live and /health/ready (probes); None = none
+    health_bind: str | None = None
 
     def __post_init__(self) -> None:
         if not self.gateways:
             raise ValueError("a worker needs at least one gateway address")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
 

@@ -12,3 +12,9 @@ HOOK_DIR = Path(__file__).resolve().parent / "stall_hook"
 def stall_env(role: str, seconds: float) -> dict[str, str]:
     path = os.pathsep.join(p for p in (str(HOOK_DIR), os.environ.get("PYTHONPATH", "")) if p)
     return {"PDSERVE_TEST_STALL_STEP_S": f"{role}:{seconds:g}", "PYTHONPATH": path}
+
+
+def slow_env(role: str, seconds: float) -> dict[str, str]:
+    """Every engine step of the workers of `role` takes `seconds` longer."""
+    path = os.pathsep.join(p for p in (str(HOOK_DIR), os.environ.get("PYTHONPATH", "")) if p)
+    return {"PDSERVE_TEST_SLOW_STEP_S": f"{role}:{seconds:g}", "PYTHONPATH": path}

@@ -3,14 +3,15 @@
 no hook for it. PDSERVE_TEST_STALL_STEP_S="<role>:<seconds>" makes the first engine step of each
 worker of that role sleep that long, once per process: a stuck engine loop. (A prefill worker
 stalls in the first layer one of its lanes runs.) Heartbeats go on from their own thread and
-carry the step's growing age."""
+carry the step's growing age. PDSERVE_TEST_SLOW_STEP_S="<role>:<seconds>" makes every engine
+step of that role that much longer: a slow worker (streams that last long enough to interrupt)."""
 
 import os
 import sys
 import time
 
 
-def _install(role: str, seconds: float) -> None:
+def _install(role: str, seconds: float, every_step: bool = False) -> None:
     if role == "prefill":
         from pdserve.engine.model_runner import ModelRunner as owner
 
@@ -23,7 +24,9 @@ def _install(role: str, seconds: float) -> None:
     stalled = []
 
     def stalling(self, *args, **kwargs):
-        if not stalled:
+        if every_step:
+            time.sleep(seconds)
+        elif not stalled:
             stalled.append(True)
             print(f"test fault: stalling this {role} worker's engine for {seconds:g} s", file=sys.stderr, flush=True)
             time.sleep(seconds)
@@ -32,7 +35,8 @@ def _install(role: str, seconds: float) -> None:
     setattr(owner, name, stalling)
 
 
-_spec = os.environ.get("PDSERVE_TEST_STALL_STEP_S", "")
-_role, _, _seconds = _spec.partition(":")
-if _spec and len(sys.argv) > 1 and sys.argv[1] == _role:  # `python -m pdserve.cli <role> ...`
-    _install(_role, float(_seconds))
+for _var, _every in (("PDSERVE_TEST_STALL_STEP_S", False), ("PDSERVE_TEST_SLOW_STEP_S", True)):
+    _spec = os.environ.get(_var, "")
+    _role, _, _seconds = _spec.partition(":")
+    if _spec and len(sys.argv) > 1 and sys.argv[1] == _role:  # `python -m pdserve.cli <role> ...`
+        _install(_role, float(_seconds), _every)
