@@ -27,6 +27,7 @@ from pdserve.bench.cli import build_parser, load_requests, run_once
 from pdserve.bench.servers import ServerSpec, free_port, running
 
 SLOS = {"ttft": 2000.0, "tpot": 60.0}
+PREEMPTIONS = "pdserve_preemptions_total"  # (a counter: its samples carry the _total suffix)
 
 
 def _decode_gauge(text: str, name: str) -> float:
@@ -85,11 +86,11 @@ def run_config(label: str, flags: list[str], args, tokenizer, out: Path) -> dict
                 "--num-prompts",
                 str(args.num_prompts),
                 "--random-input-len",
-                "384",
+                str(args.input_len),
                 "--random-range-ratio",
                 "0.33",
                 "--random-output-len",
-                "192",
+                str(args.output_len),
                 "--ignore-eos",
                 "--label",
                 label,
@@ -105,7 +106,7 @@ def run_config(label: str, flags: list[str], args, tokenizer, out: Path) -> dict
             requests = load_requests(bench, tokenizer, args.seed)
             r = asyncio.run(run_once(bench, model, tokenizer, requests, args.rate, dict(SLOS), args.seed))
         after = httpx.get(f"{base}/metrics", timeout=5).text
-    r["preemptions"] = _decode_gauge(after, "pdserve_preemptions") - _decode_gauge(before, "pdserve_preemptions")
+    r["preemptions"] = _decode_gauge(after, PREEMPTIONS) - _decode_gauge(before, PREEMPTIONS)
     r["limit_trace"] = trace.points
     r["flags"] = flags
     print(
@@ -146,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--low", type=int, default=2, help="the too-low fixed limit (and the adaptive minimum)")
     ap.add_argument("--high", type=int, default=64, help="the too-high fixed limit (and the adaptive maximum)")
     ap.add_argument("--num-prompts", type=int, default=48)
+    ap.add_argument("--input-len", type=int, default=384, help="prompt tokens (+-33%%)")
+    ap.add_argument("--output-len", type=int, default=192, help="output tokens (ignore_eos)")
     ap.add_argument("--rate", type=float, default=2.0, help="requests/s, Poisson")
     ap.add_argument("--seed", type=int, default=5)
     args = ap.parse_args(argv)

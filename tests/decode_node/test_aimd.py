@@ -26,8 +26,8 @@ def linear_cost(batch: int) -> float:  # 5 ms + 1 ms a sequence: the 60 ms targe
 
 def test_grows_to_the_largest_batch_meeting_the_target():
     limit = AimdLimit(AimdSettings(min_seqs=4, max_seqs=256, target_step_s=0.060, cooldown_steps=2))
-    seen = simulate(limit, 600, demand=1000, cost=linear_cost)
-    tail = seen[300:]
+    seen = simulate(limit, 3000, demand=1000, cost=linear_cost)
+    tail = seen[1500:]
     assert max(tail) <= 60  # never far past the 55 the target allows ...
     assert sum(tail) / len(tail) >= 35  # ... and on average well above half of it (sawtooth)
     assert limit.decreases > 0 and limit.increases > 0
@@ -35,8 +35,8 @@ def test_grows_to_the_largest_batch_meeting_the_target():
 
 def test_backs_off_on_preemption():
     limit = AimdLimit(AimdSettings(min_seqs=2, max_seqs=256, target_step_s=1.0, cooldown_steps=2))
-    seen = simulate(limit, 400, demand=1000, cost=lambda b: 0.001, kv_seats=20)  # time is no limit; KV is
-    tail = seen[200:]
+    seen = simulate(limit, 2000, demand=1000, cost=lambda b: 0.001, kv_seats=20)  # time is no limit; KV is
+    tail = seen[1000:]
     assert max(tail) <= 21 and min(tail) >= 10
 
 
@@ -60,8 +60,15 @@ def test_one_slow_step_is_smoothed_but_a_slow_spell_is_not():
 
 def test_stays_within_its_bounds():
     limit = AimdLimit(AimdSettings(min_seqs=4, max_seqs=16, target_step_s=0.060, cooldown_steps=0))
-    assert max(simulate(limit, 200, demand=1000, cost=lambda b: 0.001)) == 16
+    assert max(simulate(limit, 400, demand=1000, cost=lambda b: 0.001)) == 16
     assert min(simulate(limit, 200, demand=1000, cost=lambda b: 1.0)) == 4
+
+
+def test_steps_up_once_a_round_not_every_step():
+    limit = AimdLimit(AimdSettings(min_seqs=2, max_seqs=64, target_step_s=0.060, increase_every_steps=16))
+    seen = simulate(limit, 160, demand=1000, cost=lambda b: 0.001)
+    assert seen[14] == 2 and seen[15] == 3  # the 16th good step raises it
+    assert limit.limit == 12  # 160 good steps: 10 increases
 
 
 def test_refuses_bad_bounds():
