@@ -95,6 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--request-timeout", type=float, default=None, help="seconds; longer requests end with an error")
     _add_admission_args(s)
     s.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        metavar="URL",
+        help="export OpenTelemetry traces (OTLP/HTTP, e.g. http://collector:4318/v1/traces); needs pdserve[tracing]",
+    )
+    s.add_argument(
         "--lease-ttl",
         type=float,
         default=30.0,
@@ -194,6 +200,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--on-decode-failure", default="migrate", choices=["migrate", "fail"])
     g.add_argument("--request-timeout", type=float, default=None, help="seconds; longer requests end with an error")
     _add_admission_args(g)
+    g.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        metavar="URL",
+        help="export OpenTelemetry traces (OTLP/HTTP, e.g. http://collector:4318/v1/traces); needs pdserve[tracing]",
+    )
     g.add_argument(
         "--stuck-after",
         type=float,

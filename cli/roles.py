@@ -62,6 +62,12 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
         "then hand the rest off to live workers and exit",
     )
     p.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        metavar="URL",
+        help="export OpenTelemetry traces (OTLP/HTTP); needs pdserve[tracing]",
+    )
+    p.add_argument(
         "--health-bind",
         default=None,
         metavar="HOST:PORT",
@@ -103,6 +109,7 @@ def prefill_settings(args: argparse.Namespace):
         threads=args.threads,
         drain_timeout_s=args.drain_timeout,
         health_bind=args.health_bind,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
         kv_payload_mac=args.kv_payload_mac,
         lanes=args.lanes,
         idle_lanes=prefill_idle_lanes(topo, args.idle_lanes),
@@ -121,6 +128,7 @@ def decode_settings(args: argparse.Namespace):
         threads=args.threads,
         drain_timeout_s=args.drain_timeout,
         health_bind=args.health_bind,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
         kv_bind=args.kv_bind,
         kv_advertise=args.kv_advertise,
         shared_memory=not args.no_shm,
@@ -144,20 +152,30 @@ def colocated_settings(args: argparse.Namespace):
         threads=args.threads,
         drain_timeout_s=args.drain_timeout,
         health_bind=args.health_bind,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
     )
 
 
 # --- running a role -------------------------------------------------------------------------
 def run_worker(role: str, worker_settings) -> int:
     """Start the `role` worker from its settings and run it until SIGTERM."""
+    from pdserve import tracing
+
     _setup(role, worker_settings.threads)
+    try:
+        tracing.setup_tracing(f"pdserve-{role}", worker_settings.otlp_traces_endpoint)
+    except tracing.TracingUnavailable as e:
+        raise SystemExit(f"pdserve {role}: {e}") from None
     if role == "prefill":
         from pdserve.prefill_node.worker import PrefillWorker as Worker
     elif role == "decode":
         from pdserve.decode_node.worker import DecodeWorker as Worker  # type: ignore[assignment]
     else:
         from pdserve.decode_node.colocated import ColocatedWorker as Worker  # type: ignore[assignment]
-    Worker(worker_settings, _auth()).run()
+    try:
+        Worker(worker_settings, _auth()).run()
+    finally:
+        tracing.shutdown()
     return 0
 
 
@@ -207,6 +225,7 @@ def gateway_options(args: argparse.Namespace):
         worker_bind=args.worker_bind,
         worker_advertise=args.worker_advertise,
         allow_wildcard_bind=args.allow_wildcard_bind,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
         kv_transport=args.kv_transport,
         api_key=args.api_key,
         max_model_len=args.max_model_len,

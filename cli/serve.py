@@ -39,6 +39,9 @@ from pdserve.cli.topology import (
 
 log = logging.getLogger("pdserve.serve")
 
+QUICK_EXIT_S = 60.0  # a worker that exits this soon after starting, MAX_QUICK_EXITS times in a row,
+MAX_QUICK_EXITS = 3  # is not restarted again: `serve` stops with an error instead of looping
+
 
 @dataclass
 class Child:
@@ -48,6 +51,8 @@ class Child:
     proc: subprocess.Popen | None = None
     restarts: int = 0
     nice: int = 0  # added to the process's niceness (lower CPU priority) when > 0
+    started_at: float = 0.0
+    quick_exits: int = 0  # exits in a row within QUICK_EXIT_S of starting (a crash loop)
 
     def start(self, env: dict[str, str]) -> None:
         nice = self.nice
@@ -61,6 +66,7 @@ class Child:
                 os.nice(nice)
 
         self.proc = subprocess.Popen(self.argv, env=env, preexec_fn=in_child)
+        self.started_at = time.monotonic()
 
 
 def topology(args: argparse.Namespace) -> Topology:
@@ -103,7 +109,12 @@ def plan_children(args: argparse.Namespace, run_dir: str) -> list[Child]:
     host = socket.gethostname()
 
     def common(name: str) -> dict[str, Any]:
-        return {"control_bind": f"ipc://{run_dir}/{name}.sock", "gateways": [gw_inbox], "host": host}
+        return {
+            "control_bind": f"ipc://{run_dir}/{name}.sock",
+            "gateways": [gw_inbox],
+            "host": host,
+            "otlp_traces_endpoint": args.otlp_traces_endpoint,
+        }
 
     if args.colocated:
         name = "colocated-0"
@@ -223,6 +234,18 @@ def serve(args: argparse.Namespace) -> int:
                 if c.proc is not None and c.proc.poll() is not None and not stopping:
                     if c.name == "gateway":
                         log.error("gateway exited with %s; stopping", c.proc.returncode)
+                        return 1
+                    quick = time.monotonic() - c.started_at < QUICK_EXIT_S
+                    c.quick_exits = c.quick_exits + 1 if quick else 0
+                    if c.quick_exits >= MAX_QUICK_EXITS:  # it fails at start (a bad flag, no memory): stop
+                        log.error(
+                            "%s exited with %s %d times in a row within %.0f s of starting; stopping "
+                            "(its error is above)",
+                            c.name,
+                            c.proc.returncode,
+                            c.quick_exits,
+                            QUICK_EXIT_S,
+                        )
                         return 1
                     c.restarts += 1
                     log.warning("%s exited with %s; restarting (restart #%d)", c.name, c.proc.returncode, c.restarts)

@@ -23,6 +23,7 @@ import msgspec
 import torch
 import zmq
 
+from pdserve import tracing
 from pdserve.decode_node.aimd import AimdLimit, AimdSettings
 from pdserve.decode_node.settings import DecodeSettings
 from pdserve.decode_node.step_pacing import StepPacer
@@ -88,6 +89,7 @@ class DecodeWorker(WorkerBase):
         self.blocks_skipped = 0  # prompt blocks found held at reservation: never transferred
         self.local_prefills = 0  # requests taken whole: the short rest of the prompt prefilled here
         self.admitted_at: dict[str, float] = {}
+        self.traced: dict[str, tuple[str, float]] = {}  # traced requests: traceparent, decode start
         busy = torch.get_num_threads()
         self.threads = ThreadLending(busy, max(busy, settings.idle_threads or busy))
         self.pacer = StepPacer(settings.step_interval_ms)
@@ -105,9 +107,18 @@ class DecodeWorker(WorkerBase):
 
     # --- reservations -----------------------------------------------------------------------
     def _on_reserve(self, req: ReserveRequest) -> None:
+        started = time.monotonic()
+        outcome = self._reserve(req)
+        if req.traceparent and tracing.enabled():
+            tracing.record_span("decode.reserve", req.traceparent, started, attributes={"pdserve.outcome": outcome})
+            if outcome == "local":  # it prefills the rest here: its decode starts now
+                self.traced[req.request_id] = (req.traceparent, started)
+
+    def _reserve(self, req: ReserveRequest) -> str:
+        """Answer a reservation: "lease" (granted), "local" (prefilled here) or "refused"."""
         if req.to_worker and req.to_worker != self.worker_id:
             log.info("ignoring reservation %s meant for %s", req.request_id, req.to_worker)
-            return  # queued for a previous worker on this address
+            return "refused"  # queued for a previous worker on this address
         eng = self.engine
         n_blocks = -(-req.num_prompt_tokens // eng.block_size)
         held = self._held_prefix(req)  # leading blocks this worker holds already: not transferred
@@ -131,9 +142,10 @@ class DecodeWorker(WorkerBase):
                 req.gateway_id,
                 ReserveReply(request_id=req.request_id, worker_id=self.worker_id, reason=reason, capacity=full),
             )
-            return
-        if self._prefill_here(req, len(held)):
-            return
+            return "refused"
+        taken = self._prefill_here(req, len(held))
+        if taken is not None:
+            return "local" if taken else "refused"
         eng.pool.acquire(held)
         blocks = eng.pool.allocate(need, after=held[-1] if held else None)
         lease = self.leases.grant(req.request_id, blocks, self.lease_ttl_s, prefix_block_ids=held)
@@ -142,12 +154,14 @@ class DecodeWorker(WorkerBase):
         self.rt.to_gateway(
             req.gateway_id, ReserveReply(request_id=req.request_id, worker_id=self.worker_id, lease=lease)
         )
+        return "lease"
 
-    def _prefill_here(self, req: ReserveRequest, held_blocks: int) -> bool:
+    def _prefill_here(self, req: ReserveRequest, held_blocks: int) -> bool | None:
         """Conditional disaggregation: take the whole request when this worker holds all but a
         short rest of the prompt (at most the gateway's `local_prefill_max_tokens`) and no other
         prompt waits here (two would stall the decode batch twice). The engine's scheduler finds
-        the held blocks again by their hashes and prefills the rest in a mixed step."""
+        the held blocks again by their hashes and prefills the rest in a mixed step. Returns None
+        when it does not apply (a lease follows), else whether it was taken (answered either way)."""
         eng = self.engine
         rest = req.num_prompt_tokens - held_blocks * eng.block_size
         if (
@@ -158,16 +172,19 @@ class DecodeWorker(WorkerBase):
             or rest > req.local_prefill_max_tokens
             or eng.scheduler.waiting
         ):
-            return False
+            return None
         try:
             eng.add_request(req.request_id, req.prompt_token_ids, req.sampling)
         except ValueError as e:
-            reply = ReserveReply(request_id=req.request_id, worker_id=self.worker_id, reason=str(e))
-        else:
-            self.gateway_of[req.request_id] = req.gateway_id
-            self.local_prefills += 1
-            reply = ReserveReply(request_id=req.request_id, worker_id=self.worker_id, local=True)
-        self.rt.to_gateway(req.gateway_id, reply)
+            self.rt.to_gateway(
+                req.gateway_id, ReserveReply(request_id=req.request_id, worker_id=self.worker_id, reason=str(e))
+            )
+            return False
+        self.gateway_of[req.request_id] = req.gateway_id
+        self.local_prefills += 1
+        self.rt.to_gateway(
+            req.gateway_id, ReserveReply(request_id=req.request_id, worker_id=self.worker_id, local=True)
+        )
         return True
 
     def _held_prefix(self, req: ReserveRequest) -> list[int]:
@@ -194,6 +211,8 @@ class DecodeWorker(WorkerBase):
             return
         self.leases.release(done.request_id)  # blocks now belong to the sequence
         self.admitted_at[done.request_id] = time.monotonic()
+        if done.traceparent and tracing.enabled():
+            self.traced[done.request_id] = (done.traceparent, self.admitted_at[done.request_id])
         blocks = lease.prefix_block_ids + lease.block_ids
         try:
             if not self._prefix_matches(lease.prefix_block_ids, done.prompt_token_ids):
@@ -237,6 +256,7 @@ class DecodeWorker(WorkerBase):
             self.engine.pool.free(self.leases.abort(msg.request_id, writer_gone=msg.lease_unused))
         self.gateway_of.pop(msg.request_id, None)
         self.admitted_at.pop(msg.request_id, None)
+        self._trace_end(msg.request_id, "aborted")
 
     def _report_renewals(self) -> None:
         """Leases a prefill worker renewed (it still holds their requests): tell it, through the
@@ -324,6 +344,16 @@ class DecodeWorker(WorkerBase):
         if done or (done is None and reason is not None):
             self.gateway_of.pop(request_id, None)
             self.admitted_at.pop(request_id, None)
+            self._trace_end(request_id, reason or "done", index + len(tokens))
+
+    def _trace_end(self, request_id: str, reason: str, tokens: int | None = None) -> None:
+        """The `decode` span of a traced request: from its admission to its end."""
+        traced = self.traced.pop(request_id, None)
+        if traced is not None:
+            attributes: dict = {"pdserve.finish_reason": reason}
+            if tokens is not None:
+                attributes["pdserve.output_tokens"] = tokens
+            tracing.record_span("decode", traced[0], traced[1], attributes=attributes)
 
     def step(self) -> None:
         self.rt.mark_step()

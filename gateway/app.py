@@ -211,7 +211,7 @@ class GatewayApp:
             self.metrics.http_errors.labels(status=str(e.status)).inc()
             return e.response()
         base_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
-        run = GenerationRun(self, req, prompt, max_tokens, base_id, arrival)
+        run = GenerationRun(self, req, prompt, max_tokens, base_id, arrival, request.headers.get("traceparent"))
         self.in_flight += 1
         self.metrics.in_flight.inc()
         try:

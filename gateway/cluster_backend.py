@@ -29,6 +29,7 @@ import zmq.asyncio
 from msgspec.structs import replace
 from prometheus_client import Histogram
 
+from pdserve import tracing
 from pdserve.gateway.admission import AdmissionQueue, QueueLimits
 from pdserve.gateway.backend import Backend, BackendUnavailable
 from pdserve.gateway.kv_index import DEFAULT_LOCAL_PREFILL_MAX_TOKENS, KvIndex, decode_order, pick_prefill
@@ -368,6 +369,7 @@ class ClusterBackend(Backend):
                         "waiting": st.num_waiting,
                         "max_num_seqs": w.info.max_num_seqs,
                         "leases_active": st.leases_active,
+                        "steps": st.steps,
                     },
                     "kv": {
                         "blocks_total": st.kv_blocks_total,
@@ -456,6 +458,7 @@ class ClusterBackend(Backend):
                     prompt_token_ids=prompt if local else [],
                     sampling=sampling if local else None,
                     num_seqs=sampling.num_seqs,
+                    traceparent=tracing.current_traceparent.get(),
                 ),
             )
             try:
@@ -550,8 +553,19 @@ class ClusterBackend(Backend):
                         return
 
     async def _one_pair(self, request_id, prompt, sampling, resumed: bool = False):
+        queued_at = time.monotonic()
         p, d, reply = await self._queues["disaggregated"].admit(
             len(prompt), lambda: self._start_pair(request_id, prompt, sampling), resumed=resumed
+        )
+        tracing.record_span(
+            "gateway.queue",
+            tracing.current_traceparent.get(),
+            queued_at,
+            attributes={
+                "pdserve.decode_worker": d.worker_id,
+                "pdserve.prefill_worker": p.worker_id if p else "",
+                "pdserve.resumed": resumed,
+            },
         )
         queue: asyncio.Queue[TokenOutput] = asyncio.Queue()
         self._streams[request_id] = queue
@@ -581,6 +595,7 @@ class ClusterBackend(Backend):
                         sampling=sampling,
                         dest=dest,
                         arrival_time=time.time(),
+                        traceparent=tracing.current_traceparent.get(),
                     ),
                 )
             watched = lambda: (d,) if got_first or p is None else (p, d)  # noqa: E731
@@ -630,7 +645,14 @@ class ClusterBackend(Backend):
         return c
 
     async def _generate_colocated(self, request_id, prompt, sampling):
+        queued_at = time.monotonic()
         c = await self._queues["colocated"].admit(len(prompt), lambda: self._seat_colocated(prompt))
+        tracing.record_span(
+            "gateway.queue",
+            tracing.current_traceparent.get(),
+            queued_at,
+            attributes={"pdserve.colocated_worker": c.worker_id},
+        )
         queue: asyncio.Queue[TokenOutput] = asyncio.Queue()
         self._streams[request_id] = queue
         finished = False
@@ -643,6 +665,7 @@ class ClusterBackend(Backend):
                     prompt_token_ids=prompt,
                     sampling=sampling,
                     arrival_time=time.time(),
+                    traceparent=tracing.current_traceparent.get(),
                 ),
             )
             try:

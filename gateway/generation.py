@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from pdserve import tracing
 from pdserve.gateway.backend import BackendUnavailable
 from pdserve.gateway.detokenizer import IncrementalDetokenizer
 from pdserve.gateway.errors import error_response
@@ -57,9 +58,23 @@ class GenerationRun:
     """One HTTP request: n backend streams merged into one sequence of events."""
 
     def __init__(
-        self, app: GatewayApp, req: ParsedRequest, prompt: list[int], max_tokens: int, base_id: str, arrival: float
+        self,
+        app: GatewayApp,
+        req: ParsedRequest,
+        prompt: list[int],
+        max_tokens: int,
+        base_id: str,
+        arrival: float,
+        traceparent: str | None = None,  # the client's W3C trace context, if it sent one
     ) -> None:
         self.app, self.req, self.prompt, self.base_id, self.arrival = app, req, prompt, base_id, arrival
+        # one trace per request (pdserve/tracing.py): its context goes into every message sent
+        self.span = tracing.start_span(
+            "gateway.request",
+            traceparent,
+            attributes={"pdserve.request_id": base_id, "pdserve.prompt_tokens": len(prompt), "pdserve.n": req.n},
+        )
+        token = tracing.current_traceparent.set(self.span.traceparent if self.span else None)
         self.created = int(time.time())
         self.fmt = FORMATS[req.kind](app._token_text)  # the endpoint's response shapes
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -78,6 +93,7 @@ class GenerationRun:
             self.tasks = [
                 asyncio.create_task(self._pump([c], app._sampling(req, max_tokens, c.index))) for c in self.choices
             ]
+        tracing.current_traceparent.reset(token)  # (the tasks took a copy of the context)
         self.open = req.n
 
     async def _pump(self, choices: list[Choice], sampling: SamplingParams) -> None:
@@ -131,6 +147,11 @@ class GenerationRun:
     async def cancel(self) -> None:
         for t in self.tasks:
             t.cancel()
+        if self.span is not None:  # the run is over: its trace's root span ends
+            self.span.set("pdserve.output_tokens", sum(c.num_tokens for c in self.choices))
+            self.span.set("pdserve.finish_reasons", ",".join(str(c.finish_reason) for c in self.choices))
+            self.span.end()
+            self.span = None
         await asyncio.gather(*self.tasks, return_exceptions=True)
 
     async def events(self, first):

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import uvicorn
 
+from pdserve import tracing
 from pdserve.engine.config import ModelConfig
 from pdserve.gateway.admission import QueueLimits
 from pdserve.gateway.app import create_app
@@ -29,6 +30,7 @@ class GatewayOptions:
     worker_bind: str = "tcp://127.0.0.1:7100"
     worker_advertise: str | None = None  # the worker plane /cluster/join hands out (default: derived)
     allow_wildcard_bind: bool = False  # let worker_bind listen on all interfaces
+    otlp_traces_endpoint: str | None = None  # OpenTelemetry traces go here (pdserve/tracing.py)
     kv_transport: str = "auto"
     api_key: str | None = None
     max_model_len: int | None = None
@@ -56,6 +58,11 @@ def _chat_template(path: str | None) -> str | None:
 
 def serve_gateway(opts: GatewayOptions, auth: FrameAuth) -> None:
     from transformers import AutoTokenizer
+
+    try:
+        tracing.setup_tracing("pdserve-gateway", opts.otlp_traces_endpoint)
+    except tracing.TracingUnavailable as e:
+        raise SystemExit(f"pdserve gateway: {e}") from None
 
     tokenizer = AutoTokenizer.from_pretrained(opts.model)
     model_cfg = ModelConfig.from_folder(opts.model)
@@ -105,4 +112,7 @@ def serve_gateway(opts: GatewayOptions, auth: FrameAuth) -> None:
         finally:
             await backend.stop()
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    finally:
+        tracing.shutdown()

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from pdserve import tracing
 from pdserve.engine.llm_engine import PREFILLED, LLMEngine, wire_finish_reason
 from pdserve.kvtransfer.sender import KvSender, make_kv_sender
 from pdserve.kvtransfer.wire import payload_mac_enabled
@@ -217,6 +218,7 @@ class PrefillWorker(WorkerBase):
                 "kv_transfer_s": ts.seconds,
                 "kv_bytes": float(ts.bytes),
             }
+            self._trace(req, p, ts, done_at, out.seq.num_cached_tokens)
             lp = out.logprobs[0] if out.logprobs else None
             if ts.error is not None:  # the decode side never got its KV: fail the request
                 self.rt.to_gateway(
@@ -246,6 +248,7 @@ class PrefillWorker(WorkerBase):
                             kv_bytes=ts.bytes,
                             timings=timings,
                             fork=out.fork,
+                            traceparent=req.traceparent,
                         )
                     )
                 self._forget(out.request_id)
@@ -265,6 +268,7 @@ class PrefillWorker(WorkerBase):
                             num_layers=self.engine.model_config.num_layers,
                             kv_bytes=ts.bytes,
                             timings=timings,
+                            traceparent=req.traceparent,
                         )
                     )
             else:  # ended at its first token (stop/length): D's lease is not needed
@@ -286,6 +290,25 @@ class PrefillWorker(WorkerBase):
             self._forget(out.request_id)
         for request_id in list(self._abort_after):
             self._abort(request_id)
+
+    @staticmethod
+    def _trace(req: PrefillRequest, p: _Pending, ts: TransferStats, done_at: float, cached: int) -> None:
+        """This worker's stages of a traced request (pdserve/tracing.py)."""
+        if not req.traceparent or not tracing.enabled():
+            return
+        started = p.first_scheduled or p.received
+        tracing.record_span("prefill.queue", req.traceparent, p.received, started)
+        tracing.record_span(
+            "prefill.compute",
+            req.traceparent,
+            started,
+            done_at,
+            attributes={"pdserve.prompt_tokens": len(req.prompt_token_ids), "pdserve.cached_tokens": cached},
+        )
+        now = time.monotonic()  # the time its KV frames took to send (they overlap the compute)
+        tracing.record_span(
+            "kv.transfer", req.traceparent, now - ts.seconds, now, attributes={"pdserve.kv_bytes": ts.bytes}
+        )
 
     def stats(self) -> WorkerStats:
         return engine_stats(self.engine, self._last_progress, sum(self.rt.inbox.dropped.values()))

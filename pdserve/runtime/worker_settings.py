@@ -26,6 +26,7 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     drain_timeout_s: float = 30.0
     # HOST:PORT of a small HTTP server with /health/live and /health/ready (probes); None = none
     health_bind: str | None = None
+    otlp_traces_endpoint: str | None = None  # OpenTelemetry traces go here (pdserve/tracing.py)
 
     def __post_init__(self) -> None:
         if not self.gateways:

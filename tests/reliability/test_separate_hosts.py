@@ -1,0 +1,162 @@
+"""Gateway, prefill and two decode workers on separate "hosts" (network namespaces joined by
+veth links through a bridge, each with its own address): workers join by the gateway's URL, KV
+crosses over TCP with the payload MAC on, and greedy output equals HF. Then faults on the links:
+a decode host's link down mid-stream (its streams move to the other decode host, exactly), the
+prefill host's link down (a clear 503, nothing hangs; served again once it is back), and, where
+the kernel has netem, delay and loss on every worker link. Afterwards every decode worker's KV
+ledger balances. Skipped where network namespaces cannot be made (not root, no iproute2)."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import time
+
+import httpx
+import pytest
+from transformers import AutoTokenizer
+
+from tests.conftest import hf_greedy, random_prompts
+from tests.e2e.roles import processes, wait_for, workers
+from tests.reliability import netns
+from tests.reliability.faults import slow_env
+
+pytestmark = pytest.mark.slow
+
+_why_not = netns.available()
+if _why_not:
+    pytestmark = [pytest.mark.slow, pytest.mark.skip(reason=_why_not)]
+
+MAX_NEW = 60
+HOSTS = ["gw", "p", "d1", "d2"]
+
+
+def _stream(base: str, prompt: list[int]) -> str:
+    body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": MAX_NEW, "temperature": 0, "stream": True}
+    text = []
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                text.append(chunk["choices"][0]["text"])
+    return "".join(text)
+
+
+def _worker(base: str, pid: int) -> dict:
+    (w,) = [w for w in workers(base) if w["pid"] == pid]
+    return w
+
+
+def _settled(base: str) -> bool:
+    decodes = [w for w in workers(base) if w["role"] == "decode"]
+    return len(decodes) == 2 and all(
+        w["state"] == "ready" and w["kv"]["blocks_used"] == 0 and w["load"]["leases_active"] == 0 for w in decodes
+    )
+
+
+def test_pools_on_separate_hosts_over_real_links(tiny_llama, tmp_path):
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    prompts = random_prompts(tok.vocab_size, [11, 27, 19, 33], seed=23)
+    want = [tok.decode(hf_greedy(str(tiny_llama), tuple(p), MAX_NEW), skip_special_tokens=True) for p in prompts]
+    model = str(tiny_llama)
+    common = ["--model", model, "--dtype", "float32", "--num-blocks", "256", "--max-model-len", "512"]
+    common += ["--kv-payload-mac", "on"]
+    with netns.lan(HOSTS) as net, processes(tmp_path) as procs:
+        gw = net.hosts["gw"]
+        base = f"http://{gw}:8000"
+
+        def on(host: str, name: str, *args: str, env: dict[str, str] | None = None):
+            return procs.start(name, net.exec_argv(host, [*procs_python(), *args]), env)
+
+        on("gw", "gateway", "gateway", "--model", model, "--host", gw, "--worker-bind", f"tcp://{gw}:7100")
+        p = on(
+            "p",
+            "prefill",
+            "prefill",
+            *common,
+            "--gateway",
+            base,
+            "--bind",
+            f"tcp://{net.hosts['p']}:7200",
+            "--advertise-host",
+            "host-p",
+        )
+        slow = slow_env("decode", 0.03)  # streams last ~2 s: long enough to cut a link under one
+        d1, d2 = (
+            on(
+                h,
+                f"decode-{h}",
+                "decode",
+                *common,
+                "--gateway",
+                base,
+                "--bind",
+                f"tcp://{net.hosts[h]}:7200",
+                "--kv-bind",
+                f"tcp://{net.hosts[h]}:7300",
+                "--advertise-host",
+                f"host-{h}",
+                env=slow,
+            )
+            for h in ("d1", "d2")
+        )
+        wait_for(
+            lambda: len(workers(base)) == 3 and all(w["state"] == "ready" for w in workers(base)),
+            180,
+            "3 workers joined over the links",
+            procs,
+        )
+        assert {w["control_addr"].split("//")[1].split(":")[0] for w in workers(base)} == {
+            net.hosts["p"],
+            net.hosts["d1"],
+            net.hosts["d2"],
+        }
+
+        with cf.ThreadPoolExecutor(4) as pool:
+            # 1. over the links: exact, KV over TCP
+            assert list(pool.map(lambda q: _stream(base, q), prompts)) == want
+            metrics = httpx.get(f"{base}/metrics").text
+            (kv_bytes,) = [ln for ln in metrics.splitlines() if ln.startswith("pdserve_kv_transfer_bytes_total")]
+            assert float(kv_bytes.split()[-1]) > 0
+            assert all(w["kv"]["blocks_total"] > 0 for w in workers(base) if w["role"] == "decode")
+
+            # 2. a decode host's link goes down mid-stream: its streams continue on the other one
+            runs = [pool.submit(_stream, base, q) for q in prompts]
+            wait_for(lambda: _worker(base, d1.pid)["load"]["routed_requests"] > 0, 30, "a stream on d1")
+            time.sleep(0.3)
+            net.set_link("d1", up=False)
+            assert [r.result(timeout=90) for r in runs] == want
+            assert "lost worker" in procs.log("gateway")
+            net.set_link("d1", up=True)  # back: it heartbeats again, gets the gateway's aborts
+            wait_for(lambda: _settled(base), 60, "both decode workers idle with every block back")
+
+            # 3. the prefill host's link goes down: a clear 503, no hang; served once it is back
+            net.set_link("p", up=False)
+            wait_for(lambda: _worker(base, p.pid)["state"] == "unresponsive", 10, "prefill seen gone")
+            started = time.monotonic()
+            r = httpx.post(
+                f"{base}/v1/completions",
+                json={"model": "tiny-llama", "prompt": prompts[0], "max_tokens": 4},
+                timeout=60,
+            )
+            assert r.status_code == 503 and "prefill" in r.json()["error"]["message"]
+            assert time.monotonic() - started < 10
+            net.set_link("p", up=True)
+            wait_for(lambda: _worker(base, p.pid)["state"] == "ready", 30, "prefill back")
+            assert _stream(base, prompts[1]) == want[1]
+
+            # 4. delay and loss on every worker link (where the kernel has netem)
+            if netns.netem_available(net.ns("p"), net.links["p"]):
+                for h in ("p", "d1", "d2"):
+                    net.tc(h, "qdisc", "add", "dev", net.links[h], "root", "netem", "delay", "20ms", "loss", "2%")
+                assert list(pool.map(lambda q: _stream(base, q), prompts)) == want
+        wait_for(lambda: _settled(base), 60, "every decode block back at the end")
+        assert all(proc.poll() is None for proc in (p, d1, d2))  # nobody died of it
+
+
+def procs_python() -> list[str]:
+    import sys
+
+    return [sys.executable, "-m", "pdserve.cli"]
