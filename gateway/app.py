@@ -41,6 +41,8 @@ from pdserve.protocol.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
+MAX_JOIN_BYTES = 4096
+
 
 class _EventStream(StreamingResponse):
     """An SSE response that closes its event generator however the response ends: a client gone
@@ -289,8 +291,13 @@ def create_app(
 
     async def join(request: Request) -> Response:
         peer = request.client.host if request.client else "?"
+        body = b""
+        async for part in request.stream():  # a claim is ~200 bytes: read no more than a few KiB
+            body += part
+            if len(body) > MAX_JOIN_BYTES:
+                return error_response(413, "join request too large", code="body_too_large")
         try:
-            answer = backend.join(await request.body(), request.url.hostname or "127.0.0.1")
+            answer = backend.join(body, request.url.hostname or "127.0.0.1")
         except JoinRefused as e:
             log.warning("join refused for a worker at %s: %s", peer, e)
             return error_response(403, f"join refused: {e}", type_="authentication_error", code="join_refused")

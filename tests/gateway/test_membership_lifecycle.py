@@ -124,6 +124,8 @@ def test_join_by_url_needs_the_cluster_secret(tmp_path, tokenizer, caplog):
                 assert stale.status_code == 403 and "replay" in stale.json()["error"]["message"]
                 garbage = await c.post(JOIN_PATH, content=b"{not json")
                 assert garbage.status_code == 403
+                huge = await c.post(JOIN_PATH, content=b"x" * 100_000)
+                assert huge.status_code == 413
 
                 listed = await c.get("/v1/workers")
                 assert listed.status_code == 401  # /v1 keeps its API key
