@@ -270,6 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("bench-engine", "engine prefill/decode tokens/s vs machine FLOP/s and GB/s"),
         ("bench-gpu", "Triton paged attention on CUDA vs the device's copy GB/s and SDPA"),
         ("bench-compare", "pdserve vs vLLM CPU, llama.cpp, transformers serve: report"),
+        ("plan", "how many prefill and decode workers a rate needs under TTFT/TPOT SLOs (simulated)"),
     ):
         sub.add_parser(name, help=help_text, add_help=False)
     s.set_defaults(func=_serve)
@@ -306,6 +307,10 @@ def main(argv: list[str] | None = None) -> int:
         from pdserve.bench.gpu_kernels import main as bench_gpu_main
 
         return bench_gpu_main(argv[1:])
+    if argv and argv[0] == "plan":
+        from pdserve.planner.cli import main as plan_main
+
+        return plan_main(argv[1:])
     if argv and argv[0] == "bench-kv":
         from pdserve.kvtransfer.bench import bench_kv_main
 
