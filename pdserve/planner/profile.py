@@ -77,7 +77,8 @@ def _timed_steps(engine: LLMEngine) -> list[tuple[float, int, float, int, int]]:
 
 def _prefill_points(engine: LLMEngine, repeats: int) -> tuple[list[tuple[float, float]], list[float]]:
     greedy = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    shapes = [[n] for n in PROMPT_LENS] + [[128] * 4, [256] * 4]
+    fits = [n for n in PROMPT_LENS if n < engine.max_model_len - 1]  # (a small model's context may be short)
+    shapes = [[n] for n in fits] + [[128] * 4, [256] * 4]
     best: dict[tuple[int, float], float] = {}
     for r in range(repeats):
         for k, lens in enumerate(shapes):
@@ -93,7 +94,7 @@ def _prefill_points(engine: LLMEngine, repeats: int) -> tuple[list[tuple[float, 
 def _decode_points(engine: LLMEngine, repeats: int, steps: int = 6) -> tuple[list[tuple[float, float]], list[float]]:
     rows, times = [], []
     for batch in DECODE_BATCHES:
-        for ctx in DECODE_CONTEXTS:
+        for ctx in (c for c in DECODE_CONTEXTS if c + steps * repeats + 2 < engine.max_model_len):
             sp = SamplingParams(max_tokens=steps * repeats + 2, temperature=0.0, ignore_eos=True)
             for i in range(batch):
                 engine.add_request(f"d{batch}-{ctx}-{i}", _prompt(engine, ctx, 7 * i + batch), sp)
