@@ -64,6 +64,29 @@ def evaluate(costs: CostModel, layout: Layout, limits: Limits, reqs, ttft_s: flo
     }
 
 
+def calibration(results_path: str, server: str, costs: CostModel, target: float) -> tuple[float, float, str]:
+    """(prefill_overhead, gateway core-s a request, where from) read from a measured sweep
+    (`pdserve bench-compare --workloads sweep` results.json): the run of `server` at its highest
+    rate still meeting `target`, the one closest to saturation. A served prompt token costs its
+    prefill worker more CPU than the profiled step alone (its loop, lanes, KV streaming, the
+    cores' other tenants): the ratio of the two is the overhead the simulation charges."""
+    import json
+
+    runs = json.loads(Path(results_path).read_text())[server]["sweep"]
+    ok = [r for r in runs if r["goodput_attainment"] >= target]
+    if not ok:
+        raise SystemExit(f"pdserve plan: no run of {server} in {results_path} meets {target:.0%}")
+    run = max(ok, key=lambda r: r["request_rate"])
+    roles = run["server_cpu_s_per_request_by_role"]
+    tokens = run["total_input_tokens"] / max(1, run["completed"])
+    one, _ = costs.costs(1.0)
+    profiled = one.prefill_s(512, 512 * 256) / 512  # a token's share of a full 512-token step
+    measured = roles.get("prefill", 0.0) / tokens
+    overhead = measured / profiled if measured > 0 else 1.0
+    where = f"{server} at {run['request_rate']:g} req/s in {results_path}"
+    return overhead, roles.get("gateway", 0.0), where
+
+
 def _costs(args) -> CostModel:
     path = Path(args.costs)
     if path.is_file():
@@ -106,14 +129,36 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--num-blocks", type=int, default=4096, help="KV blocks per decode worker")
     ap.add_argument("--budget", type=int, default=512, help="prompt tokens per prefill step")
+    ap.add_argument(
+        "--calibrate",
+        default=None,
+        metavar="RESULTS_JSON",
+        help="a measured sweep (bench-compare results.json) to calibrate the prefill overhead and the "
+        "gateway's CPU from (see --calibrate-server)",
+    )
+    ap.add_argument("--calibrate-server", default="pdserve-1P1D")
+    ap.add_argument("--prefill-overhead", type=float, default=1.0, help="served / profiled CPU a prompt token")
+    ap.add_argument("--gateway-core-s", type=float, default=0.0, help="the gateway's CPU a request (shared machine)")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     costs = _costs(args)
-    limits = Limits(budget=args.budget, max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks)
     ttft_s, tpot_s = args.ttft_slo / 1e3, args.tpot_slo / 1e3
+    overhead, gateway = args.prefill_overhead, args.gateway_core_s
+    if args.calibrate:
+        overhead, gateway, where = calibration(args.calibrate, args.calibrate_server, costs, args.target)
+        print(f"calibrated from {where}: prefill overhead x{overhead:.2f}, gateway {gateway:.3f} core-s a request",
+              file=sys.stderr)  # fmt: skip
+    limits = Limits(
+        budget=args.budget,
+        max_num_seqs=args.max_num_seqs,
+        num_blocks=args.num_blocks,
+        tpot_slo_s=tpot_s,
+        prefill_overhead=overhead,
+        gateway_core_s=gateway,
+    )
     out_range = tuple(int(x) for x in args.output_range.split(",")) if args.output_range else None
     if args.layouts:
         layouts = [parse_layout(x, args.machine_cores, args.cores_per_worker) for x in args.layouts.split(",")]

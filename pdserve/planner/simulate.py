@@ -13,9 +13,16 @@ request's TTFT and TPOT.
     colocated  one worker: each step decodes every running sequence and prefills up to `budget`
                prompt tokens (FCFS), as pdserve's colocated worker does
 
-Workers on one machine (`machine_cores`) share its cores: a step that starts while k workers
-are busy runs with cores / k of them (the profiled costs for that many threads, slowed in
-proportion below one thread). Workers on their own machines (`cores_per_worker`) do not share.
+Workers on their own machines (`cores_per_worker`) run each step in the profiled time for that
+many threads. Workers sharing one machine (`machine_cores`, as `pdserve serve` runs them) are
+simulated as pdserve arranges them there (cli/topology.py): each step is work in core-seconds
+(its one-thread cost; a prefill worker's times `prefill_overhead`) drained at the cores it gets, which
+are shared out again at every event: normal-priority demand first (a decode step up to its
+threads: its share while a prefill for it is in flight, the borrowed cores otherwise; a
+prefill worker's lane; a colocated worker), equally and within each one's threads, then what
+is left to prefill's idle-priority lanes. A decode worker paces its steps while prompts for it
+queue (decode_node/step_pacing.py), and the gateway's own work takes `gateway_core_s` a request
+off the machine.
 """
 
 from __future__ import annotations
@@ -50,6 +57,31 @@ class Limits:
     budget: int = 512  # prompt tokens per prefill (or colocated) step
     max_num_seqs: int = 64  # per decode (or colocated) worker
     num_blocks: int = 4096  # KV blocks per decode (or colocated) worker
+    tpot_slo_s: float = 0.060  # what a shared machine's decode pacing is derived from
+    prefill_overhead: float = 1.0  # a prefill worker's CPU a prompt token over the profiled step's (calibration)
+    gateway_core_s: float = 0.0  # the gateway's CPU a request, on a shared machine (calibration)
+
+
+@dataclass(eq=False)
+class _Fluid:
+    """A step on a shared machine: work left (core-s) and the cores it may use, by priority."""
+
+    chunks: list
+    decodes: list
+    remaining: float  # one-thread seconds of work
+    cap_normal: float
+    cap_idle: float
+    speedup: float = 1.0  # on all the cores it may use, as profiled (a step's overhead does not split)
+    cores: float = 0.0  # given now
+    rate: float = 0.0  # one-thread seconds done per second
+
+    def speed(self, cores: float) -> float:
+        """Work done per second on `cores`: in proportion below one core, then rising to
+        `speedup` at its cap."""
+        cap = self.cap_normal + self.cap_idle
+        if cores <= 1 or cap <= 1:
+            return min(cores, 1.0) if cap >= 1 else cores
+        return 1 + (min(cores, cap) - 1) * (self.speedup - 1) / (cap - 1)
 
 
 @dataclass
@@ -83,6 +115,9 @@ class _Worker:
     seats: int = 0  # decode: seats taken (running, joining, and reserved while prefilling)
     blocks: int = 0  # decode: KV blocks reserved
     queued_tokens: int = 0  # prefill: prompt tokens left in its queue
+    step: _Fluid | None = None  # shared machine: the step in progress
+    last_start: float = -math.inf  # decode: when its last step started (pacing)
+    wake_at: float = -math.inf  # decode: a paced start already scheduled
 
 
 class Simulation:
@@ -96,6 +131,28 @@ class Simulation:
         self._seq = 0
         self.waiting: deque[Req] = deque()  # at the gateway
         self.now = 0.0
+        self.shared = layout.machine_cores is not None
+        self._version = 0  # of the pending "next completion" event (shared machine)
+        self._last_t = 0.0
+        if self.shared:
+            from pdserve.cli.topology import (
+                Topology,
+                decode_idle_threads,
+                decode_step_interval_ms,
+                prefill_idle_lanes,
+            )
+
+            topo = Topology(
+                cpus=max(1, round(layout.machine_cores or 1)),
+                prefill_workers=layout.prefill,
+                decode_workers=layout.decode,
+                colocated=bool(layout.colocated),
+            )
+            lanes = prefill_idle_lanes(topo)
+            self.prefill_caps = (float(topo.prefill_share), float(lanes * topo.prefill_share))
+            self.decode_caps = (float(topo.decode_share), float(decode_idle_threads(topo)))
+            self.colocated_cap = float(topo.share if layout.colocated else 0)
+            self.pace_max_s = decode_step_interval_ms(topo, lanes, limits.tpot_slo_s * 1e3) / 1e3
 
     # --- time and cores -------------------------------------------------------------------
     def _push(self, t: float, kind: str, obj) -> None:
@@ -147,14 +204,19 @@ class Simulation:
         return out
 
     def _start(self, w: _Worker) -> None:
-        if w.busy_until > self.now:
+        if w.busy_until > self.now or w.step is not None:
             return
         if w.role == "decode":
+            if self.shared and self._paced(w):
+                return
             w.running += w.joining
             w.joining = []
         chunks = self._chunks(w) if w.role != "decode" else []
         decodes = w.running if w.role != "prefill" else []
         if not chunks and not decodes:
+            return
+        if self.shared:
+            self._start_fluid(w, chunks, list(decodes))
             return
         costs, slow = self.costs.costs(self._threads())
         tokens = sum(n for _, n in chunks)
@@ -163,6 +225,77 @@ class Simulation:
         dt = costs.mixed_s(len(decodes), context, tokens, pairs) * slow
         w.busy_until = self.now + dt
         self._push(w.busy_until, "step", (w, chunks, list(decodes)))
+
+    # --- a shared machine: steps as work drained at the cores they get -----------------------
+    def _in_flight(self, d: _Worker) -> int:
+        """Prompts for decode worker `d` at a prefill worker or crossing (its active leases)."""
+        return d.seats - len(d.running) - len(d.joining)
+
+    def _paced(self, d: _Worker) -> bool:
+        """Whether decode pacing holds `d`'s next step back now (a wake-up is then scheduled)."""
+        n = self._in_flight(d)
+        if self.pace_max_s <= 0 or n <= 1 or not (d.running or d.joining):
+            return False
+        at = d.last_start + self.pace_max_s * min(n - 1, 2) / 2
+        if at <= self.now:
+            return False
+        if d.wake_at != at:
+            d.wake_at = at
+            self._push(at, "wake", d)
+        return True
+
+    def _start_fluid(self, w: _Worker, chunks: list, decodes: list) -> None:
+        one, _ = self.costs.costs(1.0)
+        tokens = sum(n for _, n in chunks)
+        pairs = sum(n * (r.computed + n / 2) for r, n in chunks)
+        context = sum(r.prompt + r.tokens for r in decodes)
+        work = one.mixed_s(len(decodes), context, tokens, pairs)
+        if tokens and w.role == "prefill":  # (the prefill worker's machinery: lanes, KV streaming)
+            work += (self.limits.prefill_overhead - 1) * (one.prefill_s(tokens, pairs) - one.prefill.intercept)
+        if w.role == "prefill":
+            caps = self.prefill_caps
+        elif w.role == "decode":
+            caps = (self.decode_caps[0], 0.0) if self._in_flight(w) > 0 else (self.decode_caps[1], 0.0)
+            w.last_start = self.now
+        else:
+            caps = (self.colocated_cap, 0.0)
+        many, slow = self.costs.costs(caps[0] + caps[1])
+        on_many = many.mixed_s(len(decodes), context, tokens, pairs) * slow
+        speedup = max(1.0, one.mixed_s(len(decodes), context, tokens, pairs) / on_many) if on_many > 0 else 1.0
+        w.step = _Fluid(chunks, decodes, work, caps[0], caps[1], speedup)
+        w.busy_until = math.inf
+
+    def _advance(self, t: float) -> None:
+        """Drain every step in progress up to `t` at its current rate."""
+        dt = t - self._last_t
+        if dt > 0:
+            for w in self.workers:
+                if w.step is not None:
+                    w.step.remaining -= w.step.rate * dt
+        self._last_t = t
+
+    def _reallocate(self) -> None:
+        """Share the cores out again and schedule the next step end."""
+        steps = [w.step for w in self.workers if w.step is not None]
+        cores = (self.layout.machine_cores or 1) - self._gateway_load
+        for s in steps:
+            s.cores = 0.0
+        _fill(cores, [(s, s.cap_normal) for s in steps])
+        used = sum(s.cores for s in steps)
+        _fill(max(0.0, cores - used), [(s, s.cap_idle) for s in steps if s.cap_idle > 0])
+        for s in steps:
+            s.rate = s.speed(s.cores)
+        self._version += 1
+        ends = [max(0.0, s.remaining) / s.rate for s in steps if s.rate > 0]
+        if ends:
+            self._push(self.now + min(ends), "done", self._version)
+
+    def _finish_fluid(self) -> None:
+        for w in self.workers:
+            s = w.step
+            if s is not None and s.remaining <= 1e-9:
+                w.step, w.busy_until = None, -1.0
+                self._step_done(w, s.chunks, s.decodes)
 
     def _step_done(self, w: _Worker, chunks: list[tuple[Req, int]], decodes: list[Req]) -> None:
         now = self.now
@@ -197,8 +330,13 @@ class Simulation:
         reqs = [Req(a, max(1, p), max(1, o)) for a, p, o in requests]
         for r in reqs:
             self._push(r.arrival, "arrival", r)
+        span = max((r.arrival for r in reqs), default=0.0)
+        # the gateway's CPU, spread over the arrivals (it tokenizes, streams and detokenizes)
+        self._gateway_load = min(0.5, self.limits.gateway_core_s * len(reqs) / span) if span > 0 else 0.0
         while self._events:
             t, _, kind, obj = heapq.heappop(self._events)
+            if self.shared:
+                self._advance(t)
             self.now = t
             if kind == "arrival":
                 self.waiting.append(obj)
@@ -207,11 +345,31 @@ class Simulation:
                 w, chunks, decodes = obj
                 w.busy_until = -1.0
                 self._step_done(w, chunks, decodes)
+            elif kind == "done":
+                if obj != self._version:
+                    continue  # superseded by a later reallocation
+                self._finish_fluid()
+            elif kind == "wake":
+                obj.wake_at = -math.inf
+                self._start(obj)
             else:  # "kv": the prompt's KV is on its decode worker: it joins the next step
                 d = obj.decode
                 d.joining.append(obj)
                 self._start(d)
+            if self.shared:
+                self._reallocate()
         return reqs
+
+
+def _fill(cores: float, demands: list[tuple[_Fluid, float]]) -> None:
+    """Water-filling: `cores` shared equally among `demands`, none above its cap."""
+    left = sorted(demands, key=lambda d: d[1])
+    while left and cores > 1e-12:
+        each = cores / len(left)
+        step, cap = left.pop(0)
+        give = min(each, cap)
+        step.cores += give
+        cores -= give
 
 
 def attainment(reqs: list[Req], ttft_s: float, tpot_s: float) -> float:

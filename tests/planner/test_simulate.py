@@ -87,3 +87,32 @@ def test_plan_command_picks_the_cheapest_layout(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "cheapest meeting 90%" in out and "| 1P1D | 2 |" in out
     assert parse_layout("2P1D", None, 1).name == "2P1D" and parse_layout("colocated", 2, 1).colocated == 1
+
+
+def test_calibration_reads_the_most_loaded_passing_run(tmp_path):
+    import json
+
+    from pdserve.planner.cli import calibration
+
+    def run(rate, att, prefill, gateway):
+        return {
+            "request_rate": rate,
+            "goodput_attainment": att,
+            "completed": 10,
+            "total_input_tokens": 5120,  # 512 a request
+            "server_cpu_s_per_request_by_role": {"prefill": prefill, "gateway": gateway, "decode": 0.3},
+        }
+
+    results = {"pdserve-1P1D": {"sweep": [run(1, 1.0, 0.5, 0.05), run(2, 0.95, 0.2, 0.02), run(3, 0.4, 0.1, 0.01)]}}
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(results))
+    overhead, gateway, where = calibration(str(path), "pdserve-1P1D", COSTS, 0.9)
+    per_token = ONE.prefill_s(512, 512 * 256) / 512
+    assert overhead == pytest.approx(0.2 / 512 / per_token) and gateway == 0.02 and "2 req/s" in where
+
+
+def test_prefill_overhead_and_gateway_load_slow_a_shared_machine():
+    reqs = workload(300, 30.0, 512, 32, 0.5, seed=6)
+    plain = run(Layout(1, 1, machine_cores=2), reqs)
+    heavier = run(Layout(1, 1, machine_cores=2), reqs, Limits(prefill_overhead=1.5, gateway_core_s=0.01))
+    assert sum(r.ttft for r in heavier) > sum(r.ttft for r in plain)
