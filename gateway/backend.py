@@ -23,6 +23,17 @@ class BackendUnavailable(Exception):
         self.retry_after_s = retry_after_s
 
 
+class RequestTooLarge(BackendUnavailable):
+    """The request can never fit (e.g. a group's sequences at full length exceed every worker's
+    KV pool): 400 before any work, not a retry."""
+
+    status = 400
+    code = "request_too_large"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, retry_after_s=0.0)
+
+
 class Backend(ABC):
     @abstractmethod
     def generate(

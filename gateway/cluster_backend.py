@@ -31,7 +31,7 @@ from prometheus_client import Histogram
 
 from pdserve import tracing
 from pdserve.gateway.admission import AdmissionQueue, QueueLimits
-from pdserve.gateway.backend import Backend, BackendUnavailable
+from pdserve.gateway.backend import Backend, BackendUnavailable, RequestTooLarge
 from pdserve.gateway.kv_index import DEFAULT_LOCAL_PREFILL_MAX_TOKENS, KvIndex, decode_order, pick_prefill
 from pdserve.gateway.membership import WorkerEntry, WorkerTable
 from pdserve.gateway.queue_stats import QueueStats
@@ -399,6 +399,8 @@ class ClusterBackend(Backend):
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
     ) -> AsyncGenerator[TokenOutput, None]:
+        if sampling.is_group:
+            self._check_group_fits(len(prompt_token_ids), sampling)
         if self.table.live("prefill") and self.table.live("decode"):
             stream = self._generate_disaggregated(request_id, prompt_token_ids, sampling)
         elif self.table.live("colocated"):
@@ -409,6 +411,26 @@ class ClusterBackend(Backend):
             )
         async for out in stream:
             yield out
+
+    def _check_group_fits(self, prompt_len: int, sampling: SamplingParams) -> None:
+        """A group whose sequences at full length (sharing only the prompt's full blocks) need
+        more KV blocks than any live decode (or colocated) worker has is refused now, with 400,
+        not after its prefill (the engine's own check, LLMEngine._make_group)."""
+        pool = self.table.live("decode") or self.table.live("colocated")
+        if not pool:
+            return  # (no worker: generate() answers 503)
+        fits = []
+        for w in pool:
+            bs = w.info.kv_layout.block_size
+            worst = prompt_len // bs + sampling.num_seqs * -(-(prompt_len % bs + sampling.max_tokens) // bs)
+            fits.append((worst, w.info.kv_layout.num_blocks))
+        if all(worst > blocks for worst, blocks in fits):
+            worst = min(w for w, _ in fits)
+            raise RequestTooLarge(
+                f"{sampling.num_seqs} sequences of up to {sampling.max_tokens} tokens after a {prompt_len}-token "
+                f"prompt need up to {worst} KV blocks; the largest worker pool has {max(b for _, b in fits)}: "
+                "lower n, best_of or max_tokens"
+            )
 
     def _block_hashes(
         self, prompt: list[int], info: WorkerInfo, memo: dict[tuple[str, int], list[bytes]]

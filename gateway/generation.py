@@ -131,6 +131,8 @@ class GenerationRun:
         if isinstance(item, BackendUnavailable):  # refused before any token: a status code
             await self.cancel()
             self.app.metrics.http_errors.labels(status=str(item.status)).inc()
+            if item.status == 400:  # it can never fit: the client's to change, not to retry
+                return error_response(400, str(item), code=item.code)
             return error_response(
                 item.status,
                 str(item),
