@@ -29,7 +29,13 @@ def available() -> str | None:
         _ip("netns", "add", name)
     except subprocess.CalledProcessError as e:
         return f"cannot create a network namespace: {e.stderr.strip()}"
-    _ip("netns", "del", name)
+    try:  # what lan() needs inside one: a bridge and a veth pair
+        _ip("-n", name, "link", "add", "br0", "type", "bridge")
+        _ip("-n", name, "link", "add", "va", "type", "veth", "peer", "name", "vb")
+    except subprocess.CalledProcessError as e:
+        return f"cannot create a bridge or veth link: {e.stderr.strip()}"
+    finally:
+        _ip("netns", "del", name)
     return None
 
 
