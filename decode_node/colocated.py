@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import time
 
-from pdserve import tracing
 from pdserve.decode_node.settings import ColocatedSettings
 from pdserve.engine.llm_engine import LLMEngine, wire_finish_reason
 from pdserve.protocol.auth import FrameAuth
@@ -31,7 +30,6 @@ class ColocatedWorker(WorkerBase):
         self.handlers.update({GenerateRequest: self._on_generate, Abort: self._on_abort})
         self.gateway_of: dict[str, str] = {}
         self.received: dict[str, float] = {}
-        self.traced: dict[str, tuple[str, float]] = {}  # traced requests: traceparent, arrival
 
     def _on_generate(self, req: GenerateRequest) -> None:
         try:
@@ -44,22 +42,13 @@ class ColocatedWorker(WorkerBase):
             return
         self.gateway_of[req.request_id] = req.gateway_id
         self.received[req.request_id] = time.monotonic()
-        if req.traceparent and tracing.enabled():
-            self.traced[req.request_id] = (req.traceparent, self.received[req.request_id])
+        self.trace_start(req.request_id, req.traceparent, self.received[req.request_id])
 
     def _on_abort(self, msg: Abort) -> None:
         self.engine.abort(msg.request_id)
         self.gateway_of.pop(msg.request_id, None)
         self.received.pop(msg.request_id, None)
-        self._trace_end(msg.request_id, "aborted")
-
-    def _trace_end(self, request_id: str, reason: str, tokens: int | None = None) -> None:
-        traced = self.traced.pop(request_id, None)
-        if traced is not None:
-            attributes: dict = {"pdserve.finish_reason": reason}
-            if tokens is not None:
-                attributes["pdserve.output_tokens"] = tokens
-            tracing.record_span("colocated.generate", traced[0], traced[1], attributes=attributes)
+        self.trace_end(msg.request_id, "colocated.generate", "aborted")
 
     def step(self) -> None:
         self.rt.mark_step()
@@ -93,7 +82,9 @@ class ColocatedWorker(WorkerBase):
             )
             if out.request_done:
                 self.gateway_of.pop(out.request_id, None)
-                self._trace_end(out.request_id, out.finish_reason or "done", out.seq.num_output_tokens)
+                self.trace_end(
+                    out.request_id, "colocated.generate", out.finish_reason or "done", out.seq.num_output_tokens
+                )
         self.rt.flush_outputs()  # the step's outputs, one frame a gateway
         self._last_progress = time.monotonic()
 

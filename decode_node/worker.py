@@ -89,7 +89,6 @@ class DecodeWorker(WorkerBase):
         self.blocks_skipped = 0  # prompt blocks found held at reservation: never transferred
         self.local_prefills = 0  # requests taken whole: the short rest of the prompt prefilled here
         self.admitted_at: dict[str, float] = {}
-        self.traced: dict[str, tuple[str, float]] = {}  # traced requests: traceparent, decode start
         busy = torch.get_num_threads()
         self.threads = ThreadLending(busy, max(busy, settings.idle_threads or busy))
         self.pacer = StepPacer(settings.step_interval_ms)
@@ -112,7 +111,7 @@ class DecodeWorker(WorkerBase):
         if req.traceparent and tracing.enabled():
             tracing.record_span("decode.reserve", req.traceparent, started, attributes={"pdserve.outcome": outcome})
             if outcome == "local":  # it prefills the rest here: its decode starts now
-                self.traced[req.request_id] = (req.traceparent, started)
+                self.trace_start(req.request_id, req.traceparent, started)
 
     def _reserve(self, req: ReserveRequest) -> str:
         """Answer a reservation: "lease" (granted), "local" (prefilled here) or "refused"."""
@@ -211,8 +210,7 @@ class DecodeWorker(WorkerBase):
             return
         self.leases.release(done.request_id)  # blocks now belong to the sequence
         self.admitted_at[done.request_id] = time.monotonic()
-        if done.traceparent and tracing.enabled():
-            self.traced[done.request_id] = (done.traceparent, self.admitted_at[done.request_id])
+        self.trace_start(done.request_id, done.traceparent, self.admitted_at[done.request_id])
         blocks = lease.prefix_block_ids + lease.block_ids
         try:
             if not self._prefix_matches(lease.prefix_block_ids, done.prompt_token_ids):
@@ -256,7 +254,7 @@ class DecodeWorker(WorkerBase):
             self.engine.pool.free(self.leases.abort(msg.request_id, writer_gone=msg.lease_unused))
         self.gateway_of.pop(msg.request_id, None)
         self.admitted_at.pop(msg.request_id, None)
-        self._trace_end(msg.request_id, "aborted")
+        self.trace_end(msg.request_id, "decode", "aborted")
 
     def _report_renewals(self) -> None:
         """Leases a prefill worker renewed (it still holds their requests): tell it, through the
@@ -344,16 +342,7 @@ class DecodeWorker(WorkerBase):
         if done or (done is None and reason is not None):
             self.gateway_of.pop(request_id, None)
             self.admitted_at.pop(request_id, None)
-            self._trace_end(request_id, reason or "done", index + len(tokens))
-
-    def _trace_end(self, request_id: str, reason: str, tokens: int | None = None) -> None:
-        """The `decode` span of a traced request: from its admission to its end."""
-        traced = self.traced.pop(request_id, None)
-        if traced is not None:
-            attributes: dict = {"pdserve.finish_reason": reason}
-            if tokens is not None:
-                attributes["pdserve.output_tokens"] = tokens
-            tracing.record_span("decode", traced[0], traced[1], attributes=attributes)
+            self.trace_end(request_id, "decode", reason or "done", index + len(tokens))
 
     def step(self) -> None:
         self.rt.mark_step()

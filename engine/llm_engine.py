@@ -131,9 +131,9 @@ class LLMEngine:
         return seq
 
     def _make_group(self, root: Sequence, check_room: bool) -> None:
-        sp, bs = root.sampling, self.block_size
+        sp = root.sampling
         if check_room:  # every member at full length, sharing only the prompt's full blocks
-            worst = len(root.token_ids) // bs + sp.num_seqs * -(-(len(root.token_ids) % bs + sp.max_tokens) // bs)
+            worst = sp.worst_case_blocks(len(root.token_ids), self.block_size)
             if worst > self.pool.num_blocks:
                 raise ValueError(
                     f"{sp.num_seqs} sequences of up to {sp.max_tokens} tokens need up to {worst} KV blocks;"

@@ -415,15 +415,14 @@ class ClusterBackend(Backend):
     def _check_group_fits(self, prompt_len: int, sampling: SamplingParams) -> None:
         """A group whose sequences at full length (sharing only the prompt's full blocks) need
         more KV blocks than any live decode (or colocated) worker has is refused now, with 400,
-        not after its prefill (the engine's own check, LLMEngine._make_group)."""
+        not after its prefill (the engine checks the same, SamplingParams.worst_case_blocks)."""
         pool = self.table.live("decode") or self.table.live("colocated")
         if not pool:
             return  # (no worker: generate() answers 503)
-        fits = []
-        for w in pool:
-            bs = w.info.kv_layout.block_size
-            worst = prompt_len // bs + sampling.num_seqs * -(-(prompt_len % bs + sampling.max_tokens) // bs)
-            fits.append((worst, w.info.kv_layout.num_blocks))
+        fits = [
+            (sampling.worst_case_blocks(prompt_len, w.info.kv_layout.block_size), w.info.kv_layout.num_blocks)
+            for w in pool
+        ]
         if all(worst > blocks for worst, blocks in fits):
             worst = min(w for w, _ in fits)
             raise RequestTooLarge(

@@ -41,6 +41,11 @@ SEND_HWM = 10_000  # messages queued per peer before send() reports "full"
 _WILDCARD_HOSTS = {"*", "0.0.0.0", "::", "[::]", "", "[*]"}
 
 
+def is_wildcard_host(host: str | None) -> bool:
+    """All interfaces (tcp://*, 0.0.0.0, ::), as a bind's host part."""
+    return (host or "").strip().lower() in _WILDCARD_HOSTS
+
+
 def check_bind_address(addr: str, allow_wildcard: bool = False) -> None:
     """Raise ValueError for a wildcard tcp bind (all interfaces) unless explicitly allowed."""
     scheme, sep, rest = addr.partition("://")
@@ -50,7 +55,7 @@ def check_bind_address(addr: str, allow_wildcard: bool = False) -> None:
         return
     # tcp://[source;]host:port ; host may be an IPv6 literal in brackets
     host = rest.rsplit(";", 1)[-1].rpartition(":")[0]
-    if host.strip().lower() in _WILDCARD_HOSTS:
+    if is_wildcard_host(host):
         raise ValueError(
             f"refusing wildcard bind {addr!r}: bind a specific interface "
             "(127.0.0.1 by default) or pass allow_wildcard=True"

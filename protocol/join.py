@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 import msgspec
 
 from pdserve.protocol.auth import AuthError, FrameAuth
+from pdserve.protocol.channel import is_wildcard_host
 
 JOIN_PATH = "/cluster/join"
 MAX_CLAIM_AGE_S = 120.0
@@ -72,7 +73,7 @@ def worker_plane_addr(bound: str, advertise: str | None, url_host: str) -> str:
     if advertise:
         return advertise
     parts = urlsplit(bound)
-    if parts.scheme == "tcp" and parts.hostname in ("0.0.0.0", "::", "*", None):
+    if parts.scheme == "tcp" and is_wildcard_host(parts.hostname):  # (`--allow-wildcard-bind` only)
         host = f"[{url_host}]" if ":" in url_host else url_host
         return f"tcp://{host}:{parts.port}"
     return bound

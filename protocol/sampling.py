@@ -66,6 +66,12 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         """More than one sequence, or a beam search: the engine runs a SequenceGroup."""
         return self.num_seqs > 1 or self.use_beam_search
 
+    def worst_case_blocks(self, prompt_len: int, block_size: int) -> int:
+        """KV blocks its sequences hold at full length: the prompt's full blocks once (shared),
+        then each sequence's own from the partly filled one on."""
+        tail = -(-(prompt_len % block_size + self.max_tokens) // block_size)
+        return prompt_len // block_size + self.num_seqs * tail
+
     @property
     def streams_choices(self) -> bool:
         """Each choice's tokens go out as they come (else all at once when the group ends)."""

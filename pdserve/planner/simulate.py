@@ -32,6 +32,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from pdserve.decode_node.step_pacing import StepPacer
 from pdserve.planner.costs import CostModel
 
 
@@ -152,7 +153,7 @@ class Simulation:
             self.prefill_caps = (float(topo.prefill_share), float(lanes * topo.prefill_share))
             self.decode_caps = (float(topo.decode_share), float(decode_idle_threads(topo)))
             self.colocated_cap = float(topo.share if layout.colocated else 0)
-            self.pace_max_s = decode_step_interval_ms(topo, lanes, limits.tpot_slo_s * 1e3) / 1e3
+            self.pacer = StepPacer(decode_step_interval_ms(topo, lanes, limits.tpot_slo_s * 1e3))
 
     # --- time and cores -------------------------------------------------------------------
     def _push(self, t: float, kind: str, obj) -> None:
@@ -234,9 +235,9 @@ class Simulation:
     def _paced(self, d: _Worker) -> bool:
         """Whether decode pacing holds `d`'s next step back now (a wake-up is then scheduled)."""
         n = self._in_flight(d)
-        if self.pace_max_s <= 0 or n <= 1 or not (d.running or d.joining):
+        if not self.pacer.enabled or n <= 1 or not (d.running or d.joining):
             return False
-        at = d.last_start + self.pace_max_s * min(n - 1, 2) / 2
+        at = d.last_start + self.pacer.interval_s(n)
         if at <= self.now:
             return False
         if d.wake_at != at:

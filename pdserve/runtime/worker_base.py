@@ -25,6 +25,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from pdserve import tracing
 from pdserve.protocol.auth import FrameAuth
 from pdserve.protocol.messages import Welcome, WorkerInfo, WorkerStats
 from pdserve.runtime.health_server import HealthServer, WorkerHealth
@@ -54,6 +55,7 @@ class WorkerBase:
         self._drain_since: float | None = None  # when SIGTERM asked this worker to drain
         self._idle_since: float | None = None  # while draining: since when it has held nothing
         self.health: HealthServer | None = None
+        self.traced: dict[str, tuple[str, float]] = {}  # traced requests: traceparent, stage start
         self._last_progress = time.monotonic()  # when an engine step last completed
         self.kv_report: PrefixCacheReport | None = None  # set by workers with a prefix cache
 
@@ -75,6 +77,19 @@ class WorkerBase:
 
     def stats(self) -> WorkerStats:
         raise NotImplementedError
+
+    # --- tracing (pdserve/tracing.py): a request's stage on this worker, from start to end ---
+    def trace_start(self, request_id: str, traceparent: str | None, started: float) -> None:
+        if traceparent and tracing.enabled():
+            self.traced[request_id] = (traceparent, started)
+
+    def trace_end(self, request_id: str, span: str, reason: str, tokens: int | None = None) -> None:
+        traced = self.traced.pop(request_id, None)
+        if traced is not None:
+            attributes: dict = {"pdserve.finish_reason": reason}
+            if tokens is not None:
+                attributes["pdserve.output_tokens"] = tokens
+            tracing.record_span(span, traced[0], traced[1], attributes=attributes)
 
     def has_work(self) -> bool:
         """Whether it holds requests not finished (draining waits for them)."""

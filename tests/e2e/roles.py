@@ -81,3 +81,19 @@ def wait_for(cond, timeout_s: float, what: str, procs: Procs | None = None, poll
         time.sleep(poll_s)
     exited = {n: p.returncode for n, p in (procs.procs.items() if procs else []) if p.poll() is not None}
     raise AssertionError(f"timed out waiting for {what} (exited: {exited})")
+
+
+def stream_text(base: str, prompt: list[int], max_tokens: int, model: str = "tiny-llama") -> str:
+    """A greedy streamed completion's text; fails on a non-200 answer or an error event."""
+    import httpx
+
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    text = []
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                text.append(chunk["choices"][0]["text"])
+    return "".join(text)

@@ -7,18 +7,16 @@ a live worker. Every stream equals HF greedy, and every decode worker's KV ledge
 from __future__ import annotations
 
 import concurrent.futures as cf
-import json
 import secrets
 import signal
 import time
 
-import httpx
 import pytest
 from transformers import AutoTokenizer
 
 from tests.conftest import hf_greedy, random_prompts
 from tests.e2e.cluster import free_port
-from tests.e2e.roles import processes, wait_for, workers
+from tests.e2e.roles import processes, stream_text, wait_for, workers
 from tests.reliability.faults import slow_env
 
 pytestmark = pytest.mark.slow
@@ -28,17 +26,7 @@ STEP_S = 0.02  # every decode step this much slower: a stream lasts ~2.5 s, long
 
 
 def _stream(base: str, prompt: list[int]) -> str:
-    body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": MAX_NEW, "temperature": 0, "stream": True}
-    text = []
-    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            assert "error" not in chunk, chunk
-            text.append(chunk["choices"][0]["text"])
-    return "".join(text)
+    return stream_text(base, prompt, MAX_NEW)
 
 
 def _by_pid(base: str, pid: int) -> dict | None:

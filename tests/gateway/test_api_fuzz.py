@@ -25,9 +25,7 @@ from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi import checks as openapi
 from starlette.testclient import TestClient
-from transformers import AutoTokenizer
 
-from pdserve.engine.tokenizer_builder import build_tokenizer
 from pdserve.gateway.app import create_app
 from pdserve.gateway.limits import GatewayLimits
 from tests.e2e.cluster import running_server
@@ -98,13 +96,6 @@ def fuzz(schema, examples: int, record_property, **call_kwargs) -> None:
     assert set(sent) == OPERATIONS, sent
     # The bodies' coverage cases alone are several hundred; the GETs have a few.
     assert all(sent[op] >= (examples + 200 if op.startswith("POST") else 2) for op in OPERATIONS), sent
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tok")
-    build_tokenizer(path, 512)
-    return AutoTokenizer.from_pretrained(path)
 
 
 def test_fuzz_in_process(tokenizer, record_property):

@@ -16,9 +16,7 @@ from collections import Counter
 import httpx
 import pytest
 import uvicorn
-from transformers import AutoTokenizer
 
-from pdserve.engine.tokenizer_builder import build_tokenizer
 from pdserve.gateway.app import create_app
 from pdserve.gateway.limits import GatewayLimits
 from pdserve.gateway.slow_clients import http_protocol
@@ -47,13 +45,6 @@ class CountingBackend(StubBackend):
             async for out in gen:
                 self.produced[request_id] += 1
                 yield out
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tok")
-    build_tokenizer(path, 512)
-    return AutoTokenizer.from_pretrained(path)
 
 
 class Served:

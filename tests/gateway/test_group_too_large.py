@@ -6,25 +6,16 @@ from __future__ import annotations
 import asyncio
 
 import httpx
-import pytest
 import zmq
-from transformers import AutoTokenizer
 
-from pdserve.engine.tokenizer_builder import build_tokenizer
 from pdserve.gateway.app import create_app
 from pdserve.gateway.cluster_backend import ClusterBackend
 from pdserve.protocol.auth import FrameAuth
 from pdserve.protocol.channel import Inbox, Outbox
-from pdserve.protocol.messages import KvLayout, Register, WorkerInfo
+from pdserve.protocol.messages import Register
+from tests.gateway.conftest import fake_worker
 
 AUTH = FrameAuth(b"g" * 32)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tok")
-    build_tokenizer(path, 512)
-    return AutoTokenizer.from_pretrained(path)
 
 
 def test_a_group_that_cannot_fit_gets_400(tmp_path, tokenizer):
@@ -37,10 +28,7 @@ def test_a_group_that_cannot_fit_gets_400(tmp_path, tokenizer):
         app = create_app(backend, tokenizer, model_name="m", max_model_len=512)
         try:
             for role, box in zip(("prefill", "decode"), boxes):
-                info = WorkerInfo(
-                    worker_id=f"{role}-1", role=role, control_addr=box.addr, host="h", pid=1,
-                    model_fingerprint="f", kv_layout=KvLayout(1, 40, 16, 1, 8, "float32"), max_num_seqs=64,
-                )  # fmt: skip
+                info = fake_worker(f"{role}-1", role, box.addr, num_blocks=40, max_num_seqs=64)
                 out.send(Register(info=info))
             for _ in range(150):
                 await asyncio.sleep(0.02)

@@ -7,21 +7,12 @@ import json
 
 import httpx
 import pytest
-from transformers import AutoTokenizer
 
-from pdserve.engine.tokenizer_builder import build_tokenizer
 from pdserve.gateway.app import create_app
 from pdserve.gateway.limits import GatewayLimits
 from tests.gateway.stub_backend import StubBackend
 
 MAX_LEN = 64
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tok")
-    build_tokenizer(path, 512)
-    return AutoTokenizer.from_pretrained(path)
 
 
 @pytest.fixture

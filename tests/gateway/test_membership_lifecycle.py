@@ -10,32 +10,17 @@ import logging
 
 import httpx
 import msgspec
-import pytest
 import zmq
-from transformers import AutoTokenizer
 
-from pdserve.engine.tokenizer_builder import build_tokenizer
 from pdserve.gateway.app import create_app
 from pdserve.gateway.cluster_backend import ClusterBackend
 from pdserve.protocol.auth import FrameAuth
 from pdserve.protocol.channel import Inbox, Outbox
 from pdserve.protocol.join import JOIN_PATH, sign_join
-from pdserve.protocol.messages import Deregister, Heartbeat, KvLayout, Register, Welcome, WorkerInfo, WorkerStats
+from pdserve.protocol.messages import Deregister, Heartbeat, Register, Welcome, WorkerStats
+from tests.gateway.conftest import fake_worker
 
 AUTH = FrameAuth(b"w" * 32)
-
-
-def _info(worker_id: str, role: str, control_addr: str) -> WorkerInfo:
-    return WorkerInfo(
-        worker_id=worker_id,
-        role=role,  # type: ignore[arg-type]
-        control_addr=control_addr,
-        host="localhost",
-        pid=1,
-        model_fingerprint="m",
-        kv_layout=KvLayout(1, 8, 16, 1, 8, "float32"),
-        max_num_seqs=4,
-    )
 
 
 async def _until(cond, timeout_s: float = 3.0) -> None:
@@ -53,7 +38,7 @@ def test_welcome_via_draining_and_deregister(tmp_path):
         ctx = zmq.Context()
         inbox = Inbox(ctx, AUTH, f"ipc://{tmp_path}/d.sock")
         out = Outbox(ctx, AUTH, backend.inbox_addr)
-        info = _info("decode-1", "decode", inbox.addr)
+        info = fake_worker("decode-1", "decode", inbox.addr)
         try:
             # registered through a name the gateway never bound (a Service): welcomed at that name
             out.send(Register(info=info, via="tcp://pdserve-gateway-internal:7100"))
@@ -92,13 +77,6 @@ def test_welcome_via_draining_and_deregister(tmp_path):
             await backend.stop()
 
     asyncio.run(scenario())
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tok")
-    build_tokenizer(path, 512)
-    return AutoTokenizer.from_pretrained(path)
 
 
 def test_join_by_url_needs_the_cluster_secret(tmp_path, tokenizer, caplog):

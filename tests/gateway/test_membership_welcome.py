@@ -13,7 +13,8 @@ import zmq
 from pdserve.gateway.cluster_backend import ClusterBackend
 from pdserve.protocol.auth import FrameAuth
 from pdserve.protocol.channel import Inbox, Outbox
-from pdserve.protocol.messages import Heartbeat, KvLayout, Register, Welcome, WorkerInfo, WorkerStats
+from pdserve.protocol.messages import Heartbeat, Register, Welcome, WorkerStats
+from tests.gateway.conftest import fake_worker
 
 AUTH = FrameAuth(b"w" * 32)
 
@@ -25,15 +26,7 @@ def test_worker_first_heard_by_heartbeat_is_welcomed(tmp_path):
         ctx = zmq.Context()
         worker_inbox = Inbox(ctx, AUTH, f"ipc://{tmp_path}/worker.sock")
         to_gateway = Outbox(ctx, AUTH, backend.inbox_addr)
-        info = WorkerInfo(
-            worker_id="prefill-test-1",
-            role="prefill",
-            control_addr=worker_inbox.addr,
-            host="localhost",
-            pid=1,
-            model_fingerprint="m",
-            kv_layout=KvLayout(1, 4, 16, 1, 8, "float32"),
-        )
+        info = fake_worker("prefill-test-1", "prefill", worker_inbox.addr, num_blocks=4)
         try:
             assert to_gateway.send(Heartbeat(worker_id=info.worker_id, stats=WorkerStats(), info=info))
             got = []

@@ -5,19 +5,9 @@ from __future__ import annotations
 import random
 
 import pytest
-from transformers import AutoTokenizer
 
-from pdserve.engine.tokenizer_builder import build_tokenizer
 from pdserve.gateway.detokenizer import IncrementalDetokenizer
 from pdserve.gateway.stop_strings import StopMatcher
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tok")
-    build_tokenizer(path, 512)
-    return AutoTokenizer.from_pretrained(path)
-
 
 TEXTS = ["Hello wörld 🙂 日本語 the server", "🚀✨ emoji 🙂🙂 and ½ € mixed", "中文 한국어 русский café"]
 

@@ -9,7 +9,6 @@ ledger balances. Skipped where network namespaces cannot be made (not root, no i
 from __future__ import annotations
 
 import concurrent.futures as cf
-import json
 import time
 
 import httpx
@@ -17,7 +16,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from tests.conftest import hf_greedy, random_prompts
-from tests.e2e.roles import processes, wait_for, workers
+from tests.e2e.roles import processes, stream_text, wait_for, workers
 from tests.reliability import netns
 from tests.reliability.faults import slow_env
 
@@ -32,16 +31,7 @@ HOSTS = ["gw", "p", "d1", "d2"]
 
 
 def _stream(base: str, prompt: list[int]) -> str:
-    body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": MAX_NEW, "temperature": 0, "stream": True}
-    text = []
-    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                chunk = json.loads(line[6:])
-                assert "error" not in chunk, chunk
-                text.append(chunk["choices"][0]["text"])
-    return "".join(text)
+    return stream_text(base, prompt, MAX_NEW)
 
 
 def _worker(base: str, pid: int) -> dict:
