@@ -9,7 +9,9 @@ hint: the decode worker checks the real hashes itself at reservation.
 Scores (unit-tested in tests/gateway/test_kv_routing.py, no processes):
 - decode: a worker holding more of the prompt's leading blocks goes first, unless it lacks the
   room for the rest (free KV blocks) or its seats are taken (running + reserving >= max seqs);
-  ties, and workers without room, in the usual order: most free KV, then fewest in flight.
+  ties, and workers without room, by load: requests this gateway has in flight there or is
+  reserving (counted the moment it asks, so a burst spreads before any heartbeat reports it)
+  per seat, then most free KV.
 - prefill: the least expected work before this prompt's first token: the prompt tokens this
   gateway has routed there that have no first token yet, plus this prompt's tokens the worker
   does not hold; ties by fewest requests in flight.
@@ -78,9 +80,10 @@ def decode_order(candidates: list[WorkerEntry], held_blocks: dict[str, int], pro
             w.stats.num_running + w.reserving < seats
         )
 
-    def key(w: WorkerEntry) -> tuple[int, int, int]:
+    def key(w: WorkerEntry) -> tuple[int, float, int]:
         held = held_blocks.get(w.worker_id, 0) if has_room(w) else 0
-        return (-held, -w.stats.kv_blocks_free, w.inflight)
+        load = (w.inflight + w.reserving) / max(1, w.info.max_num_seqs)
+        return (-held, load, -w.stats.kv_blocks_free)
 
     return sorted(candidates, key=key)
 

@@ -50,6 +50,17 @@ def test_decode_goes_where_the_prompt_is_held_unless_that_worker_lacks_room():
     assert decode_order([a, busy, c], {"b": 4}, 160)[0].worker_id == "a"
 
 
+def test_a_burst_spreads_over_equal_decode_workers_before_any_heartbeat():
+    a, b = worker("a"), worker("b")
+    assert decode_order([a, b], {}, 160)[0].worker_id == "a"
+    a.reserving += 1  # the first request of the burst is asking a: the next one asks b
+    assert decode_order([a, b], {}, 160)[0].worker_id == "b"
+    a.reserving, a.inflight = 0, 3
+    b.inflight = 1
+    assert decode_order([a, b], {}, 160)[0].worker_id == "b"
+    assert decode_order([a, b], {"a": 2}, 160)[0].worker_id == "a"  # held blocks still come first
+
+
 def test_prefill_goes_where_the_least_work_waits_before_the_first_token():
     p, q = worker("p", "prefill"), worker("q", "prefill")
     assert pick_prefill([p, q], {"q": 512}, {}, 600).worker_id == "q"  # q holds 512 of 600 tokens
