@@ -67,8 +67,36 @@ class Lan:
     def set_link(self, host: str, up: bool) -> None:
         _ip("-n", self.ns(host), "link", "set", self.links[host], "up" if up else "down")
 
-    def tc(self, host: str, *args: str) -> None:
-        subprocess.run(["ip", "netns", "exec", self.ns(host), "tc", *args], check=True, capture_output=True)
+    def tc(self, host: str, *args: str) -> str:
+        argv = ["ip", "netns", "exec", self.ns(host), "tc", *args]
+        return subprocess.run(argv, check=True, capture_output=True, text=True).stdout
+
+    def impair(self, host: str) -> str:
+        """Make `host`'s outgoing link slow and lossy; say how. With netem: 20 ms delay and 2%
+        loss. Kernels without sch_netem (this project's machines) get what HTB and u32 can do: a
+        20 Mbit/s cap (bulk KV queues behind it) and every IPv4 packet whose IP id ends in 4
+        zero bits (1 in 16 of a flow's packets, retransmissions included by chance) sent to a
+        class whose queue holds nothing, i.e. dropped. SYN and SYN-ACK segments are spared:
+        a SYN-ACK's id is 0 on Linux, so every connection to the host would fail otherwise."""
+        dev = self.links[host]
+        if netem_available(self.ns(host), dev):
+            self.tc(host, "qdisc", "add", "dev", dev, "root", "netem", "delay", "20ms", "loss", "2%")
+            return "netem delay 20ms loss 2%"
+        self.tc(host, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "10")
+        self.tc(host, "class", "add", "dev", dev, "parent", "1:", "classid", "1:10", "htb", "rate", "20mbit")
+        self.tc(host, "class", "add", "dev", dev, "parent", "1:", "classid", "1:20", "htb", "rate", "8kbit")
+        self.tc(host, "qdisc", "add", "dev", dev, "parent", "1:20", "handle", "20:", "pfifo", "limit", "0")
+        u32 = ["filter", "add", "dev", dev, "parent", "1:", "protocol", "ip"]
+        # IPv4 without options (IHL 5): TCP flags at byte 33; SYN is bit 0x02
+        self.tc(host, *u32, "prio", "1", "u32", "match", "u8", "0x02", "0x02", "at", "33", "flowid", "1:10")
+        self.tc(host, *u32, "prio", "2", "u32", "match", "u16", "0x0000", "0x000f", "at", "4", "flowid", "1:20")
+        return "htb 20mbit, 1/16 of packets dropped (u32 on the IP id)"
+
+    def dropped(self, host: str) -> int:
+        """Packets the impaired link has dropped so far (its root qdisc's count, which includes
+        its classes')."""
+        out = self.tc(host, "-s", "qdisc", "show", "dev", self.links[host])
+        return int(out.split("(dropped", 1)[1].split(",", 1)[0])
 
 
 @contextlib.contextmanager
