@@ -9,7 +9,7 @@ import logging
 import time
 
 from pdserve.decode_node.settings import ColocatedSettings
-from pdserve.engine.llm_engine import LLMEngine, wire_finish_reason
+from pdserve.engine.llm_engine import LLMEngine, StepOutput, wire_finish_reason
 from pdserve.protocol.auth import FrameAuth
 from pdserve.protocol.messages import Abort, GenerateRequest, TokenOutput, WorkerStats
 from pdserve.runtime.worker_base import WorkerBase
@@ -45,6 +45,12 @@ class ColocatedWorker(WorkerBase):
         self.trace_start(req.request_id, req.traceparent, self.received[req.request_id])
 
     def _on_abort(self, msg: Abort) -> None:
+        if msg.seq_index is not None:  # one member of a group: the others run on
+            out = self.engine.stop_member(msg.request_id, msg.seq_index)
+            if out is not None:
+                self._emit(out)
+                self.rt.flush_outputs()
+            return
         self.engine.abort(msg.request_id)
         self.gateway_of.pop(msg.request_id, None)
         self.received.pop(msg.request_id, None)
@@ -60,33 +66,34 @@ class ColocatedWorker(WorkerBase):
             if c.seq.request_id in self.received
         }
         for out in self.engine.execute(sched):
-            gateway = self.gateway_of.get(out.request_id)
-            if gateway is None:
-                continue
             timings = {}
             if out.seq.num_output_tokens == 1 and out.request_id in first_seen:
                 timings = {"prefill_queue_s": first_seen[out.request_id], "prefill_compute_s": time.monotonic() - now}
-            self.rt.hold_output(
-                gateway,
-                TokenOutput(
-                    request_id=out.request_id,
-                    worker_id=self.worker_id,
-                    index=out.seq.num_output_tokens - len(out.new_token_ids),
-                    token_ids=out.new_token_ids,
-                    logprobs=out.logprobs,
-                    finish_reason=wire_finish_reason(out.finish_reason),
-                    timings=timings,
-                    cached_tokens=out.seq.num_cached_tokens if out.seq.num_output_tokens == 1 else 0,
-                    seq_index=out.seq_index,
-                ),
-            )
-            if out.request_done:
-                self.gateway_of.pop(out.request_id, None)
-                self.trace_end(
-                    out.request_id, "colocated.generate", out.finish_reason or "done", out.seq.num_output_tokens
-                )
+            self._emit(out, timings)
         self.rt.flush_outputs()  # the step's outputs, one frame a gateway
         self._last_progress = time.monotonic()
+
+    def _emit(self, out: StepOutput, timings: dict[str, float] | None = None) -> None:
+        gateway = self.gateway_of.get(out.request_id)
+        if gateway is None:
+            return
+        self.rt.hold_output(
+            gateway,
+            TokenOutput(
+                request_id=out.request_id,
+                worker_id=self.worker_id,
+                index=out.seq.num_output_tokens - len(out.new_token_ids),
+                token_ids=out.new_token_ids,
+                logprobs=out.logprobs,
+                finish_reason=wire_finish_reason(out.finish_reason),
+                timings=timings or {},
+                cached_tokens=out.seq.num_cached_tokens if out.seq.num_output_tokens == 1 else 0,
+                seq_index=out.seq_index,
+            ),
+        )
+        if out.request_done:
+            self.gateway_of.pop(out.request_id, None)
+            self.trace_end(out.request_id, "colocated.generate", out.finish_reason or "done", out.seq.num_output_tokens)
 
     def stats(self) -> WorkerStats:
         return engine_stats(self.engine, self._last_progress, sum(self.rt.inbox.dropped.values()))

@@ -249,7 +249,14 @@ class DecodeWorker(WorkerBase):
 
     def _on_abort(self, msg: Abort) -> None:
         """A running sequence frees its blocks in the engine; a lease's go back now when its
-        writer is known gone (`lease_unused`), else after its deadline (LeaseTable.abort)."""
+        writer is known gone (`lease_unused`), else after its deadline (LeaseTable.abort). One
+        member of a group (`seq_index`) stops alone and reports its end."""
+        if msg.seq_index is not None:
+            out = self.engine.stop_member(msg.request_id, msg.seq_index)
+            if out is not None:
+                self._emit_step(out)
+                self.rt.flush_outputs()
+            return
         if not self.engine.abort(msg.request_id):
             self.engine.pool.free(self.leases.abort(msg.request_id, writer_gone=msg.lease_unused))
         self.gateway_of.pop(msg.request_id, None)

@@ -204,6 +204,26 @@ class LLMEngine:
         self._abort_seq(seq)
         return True
 
+    def stop_member(self, request_id: str, seq_index: int) -> StepOutput | None:
+        """End one member of a group whose choices stream (n, best_of == n) now: the gateway
+        matched a stop string in its text. Its blocks go back (shared ones lose a reference) and
+        the others run on. Returns its last output (no tokens, reason "stop"), or None when no
+        such member is running here (it ended already, the group has not forked yet, or its
+        choices return whole when it ends: best_of > n, beams)."""
+        seq = self.seqs.get(request_id)
+        group = seq.group if seq is not None else None
+        if group is None or not group.started or not group.sampling.streams_choices:
+            return None
+        member = next((m for m in group.live if m.seq_index == seq_index), None)
+        if member is None:
+            return None
+        self.scheduler.finish(member, "stop")
+        group.live.remove(member)
+        group.done.append(member)
+        if not group.live:
+            self.seqs.pop(request_id, None)
+        return StepOutput(request_id, [], None, "stop", member, not group.live, seq_index)
+
     def _abort_seq(self, seq: Sequence) -> None:
         group = seq.group
         if group is None or not group.started:

@@ -45,6 +45,11 @@ class Backend(ABC):
     @abstractmethod
     async def abort(self, request_id: str) -> None: ...
 
+    def stop_choice(self, request_id: str, index: int) -> None:
+        """One choice of a group whose choices stream ended here (a stop string): let the worker
+        stop generating it; the request's other choices go on. Best effort: tokens it still sends
+        for that choice are dropped."""
+
     @abstractmethod
     def health(self) -> tuple[bool, dict]: ...
 

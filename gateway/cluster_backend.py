@@ -119,6 +119,7 @@ class ClusterBackend(Backend):
         self._reserve_waiters: dict[str, asyncio.Future[ReserveReply]] = {}
         self._streams: dict[str, asyncio.Queue[TokenOutput]] = {}
         self._at_prefill: dict[str, _AtPrefill] = {}
+        self._decoding_at: dict[str, str] = {}  # request id -> the decode or colocated worker generating it
         self.queue_wait = Histogram(
             "pdserve_queue_wait_seconds",
             "Time a request waited in a pool's queue",
@@ -396,6 +397,12 @@ class ClusterBackend(Backend):
         if queue is not None:
             queue.put_nowait(TokenOutput(request_id=request_id, finish_reason="abort"))
 
+    def stop_choice(self, request_id: str, index: int) -> None:
+        # (a group that migrates later reruns every member; the gateway drops this one's tokens)
+        worker_id = self._decoding_at.get(request_id)
+        if worker_id is not None:
+            self._send(worker_id, Abort(request_id=request_id, reason="stop string", seq_index=index))
+
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
     ) -> AsyncGenerator[TokenOutput, None]:
@@ -590,6 +597,7 @@ class ClusterBackend(Backend):
         )
         queue: asyncio.Queue[TokenOutput] = asyncio.Queue()
         self._streams[request_id] = queue
+        self._decoding_at[request_id] = d.worker_id
         d.inflight += 1
         if p is not None:
             p.inflight += 1
@@ -644,6 +652,7 @@ class ClusterBackend(Backend):
                 p.inflight -= 1
             self._at_prefill.pop(request_id, None)
             self._streams.pop(request_id, None)
+            self._decoding_at.pop(request_id, None)
             if not finished:
                 if p is not None:
                     self._send(p.worker_id, Abort(request_id=request_id, reason="stream closed"))
@@ -676,6 +685,7 @@ class ClusterBackend(Backend):
         )
         queue: asyncio.Queue[TokenOutput] = asyncio.Queue()
         self._streams[request_id] = queue
+        self._decoding_at[request_id] = c.worker_id
         finished = False
         try:
             self._send(
@@ -704,6 +714,7 @@ class ClusterBackend(Backend):
         finally:
             c.inflight -= 1
             self._streams.pop(request_id, None)
+            self._decoding_at.pop(request_id, None)
             if not finished:
                 self._send(c.worker_id, Abort(request_id=request_id, reason="client gone"))
             self._notify_queues()  # a colocated seat is free

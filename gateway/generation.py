@@ -4,8 +4,9 @@ body. gateway/app.py owns the HTTP side; gateway/formats.py the endpoint's respo
 
 n = 1 is one backend stream. n > 1, best_of and beam search are one backend stream too (one
 prefill, the KV shared by the choices on the worker) whose outputs carry their choice's index.
-A stop string that ends one choice of a group ends it here; the worker runs that member on to
-its own end (only a whole request can be aborted upstream)."""
+A stop string that ends one choice of a group ends it here and asks the worker to stop that
+member alone (Backend.stop_choice); the whole request is aborted upstream once every choice has
+ended."""
 
 from __future__ import annotations
 
@@ -192,6 +193,8 @@ class GenerationRun:
                     self.tasks[choice.index].cancel()
                 elif all(c.finish_reason is not None for c in self.choices):
                     self.tasks[0].cancel()
+                else:  # the worker stops this member alone
+                    self.app.backend.stop_choice(self.choices[0].request_id, choice.index)
             if delta or lps or reason:
                 yield choice, delta, lps, reason
 

@@ -70,7 +70,7 @@ class PrefillWorker(WorkerBase):
         self.handlers.update(
             {
                 PrefillRequest: self._on_prefill,
-                Abort: lambda msg: self._abort(msg.request_id),
+                Abort: self._on_abort,
                 LeaseRenewed: self._on_lease_renewed,
             }
         )
@@ -170,6 +170,10 @@ class PrefillWorker(WorkerBase):
     def _in_flight(self, request_id: str) -> bool:
         seq = self.engine.seqs.get(request_id)
         return seq is not None and id(seq) in self.lanes.busy_sequences()
+
+    def _on_abort(self, msg: Abort) -> None:
+        if msg.seq_index is None:  # (one member of a group is the decode worker's to stop)
+            self._abort(msg.request_id)
 
     def _abort(self, request_id: str) -> None:
         if self._in_flight(request_id):  # a lane is writing its blocks: abort once it is done

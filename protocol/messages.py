@@ -287,6 +287,9 @@ class Abort(_Msg, kw_only=True, frozen=True):
     # The gateway never sent the lease to any prefill worker (reservation it gave up on): nobody
     # can write it, so the decode worker reclaims the blocks at once instead of quarantining them.
     lease_unused: bool = False
+    # One choice of a group whose choices stream (n > 1, best_of == n) ended at the gateway (a
+    # stop string): only that member stops; the others run on. None: the whole request.
+    seq_index: int | None = None
 
 
 Message = Union[

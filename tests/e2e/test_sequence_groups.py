@@ -51,6 +51,15 @@ def test_groups_over_http(tiny_llama, mode):
                     for c in httpx.Response(200, content=line[6:]).json()["choices"]:
                         texts[c["index"]] += c["text"]
         assert texts == alone
+        # a stop string in choice 1 only: that member stops at its worker, the others run on
+        stop = next(
+            alone[1][k : k + 2]
+            for k in range(1, len(alone[1]) - 1)
+            if all(alone[1][k : k + 2] not in t for t in (alone[0], alone[2]))
+        )
+        cut = complete(base, **sampled, n=3, seed=21, stop=[stop])["choices"]
+        assert [c["finish_reason"] for c in cut] == ["length", "stop", "length"]
+        assert [c["text"] for c in cut] == [alone[0], alone[1][: alone[1].index(stop)], alone[2]]
         # best_of > n: the returned one is one of best_of candidates (logprobs scored, not reported)
         best = complete(base, **sampled, n=1, best_of=3, seed=21)
         assert len(best["choices"]) == 1 and best["choices"][0]["text"] in alone

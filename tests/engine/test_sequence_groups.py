@@ -131,6 +131,41 @@ def test_seeded_n_equals_independent_requests(tiny_llama):
     engine.pool.assert_all_free()
 
 
+def test_a_stopped_member_gives_its_blocks_back_and_the_others_run_on(tiny_llama):
+    """stop_member (a stop string matched at the gateway): that member ends at once, its own
+    blocks go back while the others still share the prompt's, and their tokens do not change."""
+    engine = make_engine(tiny_llama, block_size=4, num_blocks=256)
+    prompt = random_prompts(engine.model_config.vocab_size, [13], seed=9)[0]
+    sp = SamplingParams(max_tokens=24, temperature=1.0, seed=11, n=3)
+    want = run_group(engine, "w", prompt, sp)
+    engine.add_request("g", prompt, sp)
+    got: list[list[int]] = [[], [], []]
+    for _ in range(6):  # the prompt and 5 decode steps: member 1 holds blocks of its own by now
+        for o in engine.step():
+            got[o.seq_index] += o.new_token_ids
+    used = engine.pool.num_used
+    out = engine.stop_member("g", 1)
+    assert out is not None and (out.finish_reason, out.seq_index, out.request_done) == ("stop", 1, False)
+    assert out.new_token_ids == [] and out.seq.num_output_tokens == len(got[1])
+    assert engine.pool.num_used < used  # its own tail blocks, not the shared prompt's
+    engine.pool.check_integrity()
+    assert engine.stop_member("g", 1) is None  # once
+    while engine.has_work():
+        for o in engine.step():
+            assert o.seq_index != 1
+            got[o.seq_index] += o.new_token_ids
+    assert got[0] == want[0] and got[2] == want[2] and got[1] == want[1][: len(got[1])]
+    engine.pool.assert_all_free()
+
+    # choices that return whole (best_of > n) or a group not forked yet: nothing to stop
+    engine.add_request("b", prompt, SamplingParams(max_tokens=4, temperature=1.0, seed=1, n=1, best_of=3))
+    assert engine.stop_member("b", 0) is None
+    engine.step()
+    assert engine.stop_member("b", 0) is None
+    assert engine.abort("b")
+    engine.pool.assert_all_free()
+
+
 def _fields(sp: SamplingParams) -> dict:
     return {f: getattr(sp, f) for f in sp.__struct_fields__}
 

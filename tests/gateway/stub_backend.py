@@ -16,6 +16,7 @@ class StubBackend(Backend):
         self.started: list[str] = []
         self.finished: list[str] = []
         self.aborted: list[str] = []
+        self.stopped: dict[str, set[int]] = {}  # request id -> choices stopped alone (stop_choice)
         self.sampling: dict[str, SamplingParams] = {}
         self.prompts: dict[str, list[int]] = {}
         self.unavailable = False
@@ -37,6 +38,7 @@ class StubBackend(Backend):
         try:
             for k in range(sampling.max_tokens * choices):
                 i, c = divmod(k, choices)
+                ended |= self.stopped.get(request_id, set())
                 if c in ended:
                     continue
                 await asyncio.sleep(self.delay_s)
@@ -70,6 +72,9 @@ class StubBackend(Backend):
         finally:
             if not done:
                 self.aborted.append(request_id)
+
+    def stop_choice(self, request_id: str, index: int) -> None:
+        self.stopped.setdefault(request_id, set()).add(index)
 
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)

@@ -168,6 +168,19 @@ def test_stop_string_truncates_and_aborts_upstream(backend, tokenizer):
     assert len(backend.aborted) == 1
 
 
+def test_a_stop_string_in_one_choice_stops_that_member_alone_upstream(backend, tokenizer):
+    ids = tokenizer.encode("the server the model the cache and the queue")
+    texts = [tokenizer.decode([t + c for t in ids]) for c in range(2)]  # what the stub's choices say
+    stop = next(texts[1][k : k + 3] for k in range(4, len(texts[1])) if texts[1][k : k + 3] not in texts[0])
+    body = {"prompt": ids, "max_tokens": len(ids), "n": 2, "stop": [stop]}
+    r = run(post(backend, tokenizer, "/v1/completions", body))
+    first, second = r.json()["choices"]
+    assert (first["finish_reason"], first["text"]) == ("length", texts[0])
+    assert second["finish_reason"] == "stop" and stop not in second["text"]
+    assert list(backend.stopped.values()) == [{1}]  # that member was stopped at its worker
+    assert backend.aborted == [] and len(backend.finished) == 1  # the other ran to its end
+
+
 def test_logprobs_shapes(backend, tokenizer):
     r = run(post(backend, tokenizer, "/v1/completions", {"prompt": [5, 6], "max_tokens": 2, "logprobs": 2}))
     lp = r.json()["choices"][0]["logprobs"]
