@@ -75,3 +75,17 @@ def test_compare_runs_the_conversations_workload(tiny_llama, tmp_path):
     assert run["turns"]["2"]["mean_cached_tokens"] >= 48  # the shared system prompt, at least
     assert ours["conversation_capacity"] == 4.0 or run["goodput_attainment"] < 0.9
     assert "| pdserve-1P1D | " in (out / "README.md").read_text().split("## Conversations")[1]
+
+
+def test_the_report_names_every_option_the_run_changed():
+    import argparse
+
+    from pdserve.bench.compare import _command_line
+
+    ap = argparse.ArgumentParser()
+    for flag, default in (("--model", None), ("--out", "o"), ("--rates", "1,2"), ("--gguf", None)):
+        ap.add_argument(flag, default=default)
+    ap.add_argument("--burst-repeats", type=int, default=3)
+    ap.add_argument("--reuse", action="store_true")
+    args = ap.parse_args(["--model", "/m", "--rates", "0.25,0.5", "--burst-repeats", "1", "--reuse", "--gguf", "g"])
+    assert _command_line(ap, args) == "pdserve bench-compare --model MODEL --rates 0.25,0.5 --burst-repeats 1 --reuse"
