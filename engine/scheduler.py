@@ -99,11 +99,12 @@ class Scheduler:
         return sum(s.seats for s in self.running) + sum(s.seats for s in self.waiting)
 
     # --- the step -------------------------------------------------------------------------
-    def schedule(self, in_flight: frozenset[int] = frozenset()) -> SchedulerOutput:
+    def schedule(self, in_flight: frozenset[int] = frozenset(), budget: int | None = None) -> SchedulerOutput:
         """`in_flight`: ids of sequences with a launched step still computing (prefill lanes);
-        they get their next chunk if any, but are never preempted (their blocks are in use)."""
+        they get their next chunk if any, but are never preempted (their blocks are in use).
+        `budget`: this step's token budget, if less than `max_num_batched_tokens`."""
         out = SchedulerOutput()
-        budget = self.cfg.max_num_batched_tokens
+        budget = self.cfg.max_num_batched_tokens if budget is None else min(budget, self.cfg.max_num_batched_tokens)
         in_batch: set[int] = set()
 
         for want_decode in (True, False):

@@ -28,6 +28,7 @@ from pdserve.engine.llm_engine import PREFILLED, LLMEngine, wire_finish_reason
 from pdserve.kvtransfer.sender import KvSender, make_kv_sender
 from pdserve.kvtransfer.wire import payload_mac_enabled
 from pdserve.prefill_node.kv_streamer import KvStreamer, TransferStats
+from pdserve.prefill_node.lane_split import step_budget_for_lanes
 from pdserve.prefill_node.lanes import LaneJob, PrefillLanes
 from pdserve.prefill_node.settings import PrefillSettings
 from pdserve.protocol.auth import FrameAuth
@@ -188,8 +189,11 @@ class PrefillWorker(WorkerBase):
     def launch(self) -> bool:
         """Launch steps while a lane is free; returns whether any was launched."""
         launched = False
-        while self.lanes.in_flight() < self.lanes.capacity:
-            sched = self.engine.scheduler.schedule(self.lanes.busy_sequences())
+        scheduler = self.engine.scheduler
+        while (free := self.lanes.capacity - self.lanes.in_flight()) > 0:
+            queued = sum(s.num_uncomputed for s in (*scheduler.running, *scheduler.waiting))
+            budget = step_budget_for_lanes(queued, free, scheduler.cfg.max_num_batched_tokens, self.engine.block_size)
+            sched = scheduler.schedule(self.lanes.busy_sequences(), budget)
             if sched.is_empty:
                 break
             self.rt.mark_step()
