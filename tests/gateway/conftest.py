@@ -1,12 +1,23 @@
-"""What the gateway's tests share: a small byte-level tokenizer, and WorkerInfo for fake workers."""
+"""What the gateway's tests share: a small byte-level tokenizer, WorkerInfo for fake workers, and
+a started ClusterBackend with one fake worker's sockets."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
 import pytest
+import zmq
 from transformers import AutoTokenizer
 
 from pdserve.engine.tokenizer_builder import build_tokenizer
-from pdserve.protocol.messages import KvLayout, WorkerInfo
+from pdserve.gateway.cluster_backend import ClusterBackend
+from pdserve.protocol.auth import FrameAuth
+from pdserve.protocol.channel import Inbox, Outbox
+from pdserve.protocol.messages import KvLayout, Message, WorkerInfo
 
 
 @pytest.fixture(scope="session")
@@ -28,3 +39,40 @@ def fake_worker(worker_id: str, role: str, control_addr: str, num_blocks: int = 
         kv_layout=KvLayout(1, num_blocks, 16, 1, 8, "float32"),
         max_num_seqs=max_num_seqs,
     )
+
+
+@dataclass
+class FakeWorkerLink:
+    backend: ClusterBackend
+    inbox: Inbox  # what the gateway sends the fake worker
+    out: Outbox  # the fake worker's socket to the gateway
+    info: WorkerInfo
+
+    async def recv(self, timeout_s: float = 3.0) -> Message | None:
+        """The next message for the worker (the gateway's loop runs meanwhile), None if none came."""
+        for _ in range(int(timeout_s / 0.02)):
+            await asyncio.sleep(0.02)
+            msg = self.inbox.recv_one(0)
+            if msg is not None:
+                return msg
+        return None
+
+
+@contextlib.asynccontextmanager
+async def gateway_with_fake_worker(
+    tmp_path: Path, auth: FrameAuth, worker_id: str, role: str, **worker: int
+) -> AsyncIterator[FakeWorkerLink]:
+    """A started ClusterBackend and the two sockets of one fake worker (not yet registered);
+    everything closed afterwards, whatever happened."""
+    backend = ClusterBackend(auth, f"ipc://{tmp_path}/gw.sock")
+    await backend.start()
+    ctx = zmq.Context()
+    inbox = Inbox(ctx, auth, f"ipc://{tmp_path}/{worker_id}.sock")
+    out = Outbox(ctx, auth, backend.inbox_addr)
+    try:
+        yield FakeWorkerLink(backend, inbox, out, fake_worker(worker_id, role, inbox.addr, **worker))
+    finally:
+        out.close()
+        inbox.close()
+        ctx.term()
+        await backend.stop()

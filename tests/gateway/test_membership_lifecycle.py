@@ -10,15 +10,13 @@ import logging
 
 import httpx
 import msgspec
-import zmq
 
 from pdserve.gateway.app import create_app
 from pdserve.gateway.cluster_backend import ClusterBackend
 from pdserve.protocol.auth import FrameAuth
-from pdserve.protocol.channel import Inbox, Outbox
 from pdserve.protocol.join import JOIN_PATH, sign_join
 from pdserve.protocol.messages import Deregister, Heartbeat, Register, Welcome, WorkerStats
-from tests.gateway.conftest import fake_worker
+from tests.gateway.conftest import gateway_with_fake_worker
 
 AUTH = FrameAuth(b"w" * 32)
 
@@ -33,21 +31,11 @@ async def _until(cond, timeout_s: float = 3.0) -> None:
 
 def test_welcome_via_draining_and_deregister(tmp_path):
     async def scenario() -> None:
-        backend = ClusterBackend(AUTH, f"ipc://{tmp_path}/gw.sock")
-        await backend.start()
-        ctx = zmq.Context()
-        inbox = Inbox(ctx, AUTH, f"ipc://{tmp_path}/d.sock")
-        out = Outbox(ctx, AUTH, backend.inbox_addr)
-        info = fake_worker("decode-1", "decode", inbox.addr)
-        try:
+        async with gateway_with_fake_worker(tmp_path, AUTH, "decode-1", "decode") as w:
+            backend, out, info = w.backend, w.out, w.info
             # registered through a name the gateway never bound (a Service): welcomed at that name
             out.send(Register(info=info, via="tcp://pdserve-gateway-internal:7100"))
-            welcome = None
-            for _ in range(150):
-                await asyncio.sleep(0.02)
-                welcome = inbox.recv_one(0)
-                if welcome is not None:
-                    break
+            welcome = await w.recv()
             assert isinstance(welcome, Welcome) and welcome.inbox_addr == "tcp://pdserve-gateway-internal:7100"
             out.send(
                 Heartbeat(worker_id=info.worker_id, stats=WorkerStats(kv_blocks_total=8, kv_blocks_free=6), info=info)
@@ -70,11 +58,6 @@ def test_welcome_via_draining_and_deregister(tmp_path):
             out.send(Heartbeat(worker_id=info.worker_id, stats=WorkerStats(), info=info))  # late, other socket
             await asyncio.sleep(0.3)
             assert backend.table.get("decode-1") is None and backend.workers() == []
-        finally:
-            out.close()
-            inbox.close()
-            ctx.term()
-            await backend.stop()
 
     asyncio.run(scenario())
 

@@ -8,48 +8,22 @@ from __future__ import annotations
 
 import asyncio
 
-import zmq
-
-from pdserve.gateway.cluster_backend import ClusterBackend
 from pdserve.protocol.auth import FrameAuth
-from pdserve.protocol.channel import Inbox, Outbox
 from pdserve.protocol.messages import Heartbeat, Register, Welcome, WorkerStats
-from tests.gateway.conftest import fake_worker
+from tests.gateway.conftest import gateway_with_fake_worker
 
 AUTH = FrameAuth(b"w" * 32)
 
 
 def test_worker_first_heard_by_heartbeat_is_welcomed(tmp_path):
     async def scenario() -> list:
-        backend = ClusterBackend(AUTH, f"ipc://{tmp_path}/gw.sock")
-        await backend.start()
-        ctx = zmq.Context()
-        worker_inbox = Inbox(ctx, AUTH, f"ipc://{tmp_path}/worker.sock")
-        to_gateway = Outbox(ctx, AUTH, backend.inbox_addr)
-        info = fake_worker("prefill-test-1", "prefill", worker_inbox.addr, num_blocks=4)
-        try:
-            assert to_gateway.send(Heartbeat(worker_id=info.worker_id, stats=WorkerStats(), info=info))
-            got = []
-            for _ in range(100):  # the gateway's receive loop runs on this event loop
-                await asyncio.sleep(0.02)
-                msg = worker_inbox.recv_one(0)
-                if msg is not None:
-                    got.append(msg)
-                    break
-            assert backend.table.live("prefill"), "the heartbeat did not make the worker routable"
-            assert to_gateway.send(Register(info=info))  # a later Register is answered too
-            for _ in range(100):
-                await asyncio.sleep(0.02)
-                msg = worker_inbox.recv_one(0)
-                if msg is not None:
-                    got.append(msg)
-                    break
+        async with gateway_with_fake_worker(tmp_path, AUTH, "prefill-test-1", "prefill", num_blocks=4) as w:
+            assert w.out.send(Heartbeat(worker_id=w.info.worker_id, stats=WorkerStats(), info=w.info))
+            got = [await w.recv(2.0)]
+            assert w.backend.table.live("prefill"), "the heartbeat did not make the worker routable"
+            assert w.out.send(Register(info=w.info))  # a later Register is answered too
+            got.append(await w.recv(2.0))
             return got
-        finally:
-            to_gateway.close()
-            worker_inbox.close()
-            ctx.term()
-            await backend.stop()
 
     got = asyncio.run(scenario())
     assert len(got) == 2 and all(isinstance(m, Welcome) for m in got), got

@@ -3,17 +3,11 @@ lone prompt's chunks run on all lanes at once; under load the step budget is unt
 
 from __future__ import annotations
 
-import threading
-import time
-
 import pytest
 
-from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.prefill_node.lane_split import MIN_SPLIT_TOKENS, step_budget_for_lanes
-from pdserve.prefill_node.settings import PrefillSettings
-from pdserve.prefill_node.worker import PrefillWorker
-from pdserve.protocol.auth import FrameAuth
 from pdserve.protocol.sampling import SamplingParams
+from tests.prefill_node.workers import complete_until_gone, gate_layers, prefill_worker
 
 
 @pytest.mark.parametrize(
@@ -33,22 +27,9 @@ def test_step_budget_for_lanes(queued, free, want):
 
 
 def test_a_lone_prompt_goes_out_as_one_chunk_a_free_lane(tiny_llama):
-    config = EngineConfig(
-        model=str(tiny_llama),
-        dtype="float32",
-        cache=CacheConfig(block_size=16, num_blocks=128),
-        scheduler=SchedulerConfig(max_num_batched_tokens=512, max_model_len=1024),
-    )
-    settings = PrefillSettings(engine=config, gateways=["tcp://127.0.0.1:9"], host="test", lanes=1, idle_lanes=1)
-    worker = PrefillWorker(settings, FrameAuth(b"k" * 32))
+    worker = prefill_worker(tiny_llama, block_size=16, num_blocks=128, budget=512, max_model_len=1024, idle_lanes=1)
     try:
-        gate, real_run_layers = threading.Event(), worker.engine.runner.run_layers
-
-        def gated(fp, count=None):
-            assert gate.wait(10)
-            real_run_layers(fp, count)
-
-        worker.engine.runner.run_layers = gated
+        gate = gate_layers(worker)
         worker.engine.add_request(
             "r", [5 + i % 200 for i in range(600)], SamplingParams(max_tokens=2), prefill_only=True
         )
@@ -56,11 +37,7 @@ def test_a_lone_prompt_goes_out_as_one_chunk_a_free_lane(tiny_llama):
         jobs = list(worker.lanes._jobs)
         assert [upto for job in jobs for _, upto in job.fp.computed_upto] == [304, 600]  # not 512 + 88
         gate.set()
-        deadline = time.monotonic() + 30
-        while "r" in worker.engine.seqs and time.monotonic() < deadline:
-            for job in worker.lanes.collect():
-                worker.complete(job)
-            time.sleep(0.01)
+        complete_until_gone(worker, "r", 30)
         assert "r" not in worker.engine.seqs
         worker.engine.pool.check_integrity()
     finally:

@@ -3,35 +3,14 @@ sequence's blocks are not freed (and so not handed to another request) while bei
 
 from __future__ import annotations
 
-import threading
-import time
-
-from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from pdserve.prefill_node.settings import PrefillSettings
-from pdserve.prefill_node.worker import PrefillWorker
-from pdserve.protocol.auth import FrameAuth
 from pdserve.protocol.sampling import SamplingParams
+from tests.prefill_node.workers import complete_until_gone, gate_layers, prefill_worker
 
 
 def test_abort_waits_for_the_lane_writing_the_blocks(tiny_llama):
-    config = EngineConfig(
-        model=str(tiny_llama),
-        dtype="float32",
-        cache=CacheConfig(block_size=4, num_blocks=32),
-        scheduler=SchedulerConfig(max_num_batched_tokens=64, max_model_len=128),
-    )
-    worker = PrefillWorker(
-        PrefillSettings(engine=config, gateways=["tcp://127.0.0.1:9"], host="test"), FrameAuth(b"k" * 32)
-    )
+    worker = prefill_worker(tiny_llama, block_size=4, num_blocks=32, budget=64, max_model_len=128)
     try:
-        runner, gate = worker.engine.runner, threading.Event()
-        real_run_layers = runner.run_layers
-
-        def gated(fp, count=None):
-            assert gate.wait(10)
-            real_run_layers(fp, count)
-
-        runner.run_layers = gated
+        gate = gate_layers(worker)
         pool = worker.engine.pool
         worker.engine.add_request("r", list(range(3, 23)), SamplingParams(max_tokens=2), prefill_only=True)
         assert worker.launch()
@@ -44,11 +23,7 @@ def test_abort_waits_for_the_lane_writing_the_blocks(tiny_llama):
         assert worker.engine.scheduler.schedule(worker.lanes.busy_sequences()).is_empty
 
         gate.set()
-        deadline = time.monotonic() + 10
-        while "r" in worker.engine.seqs and time.monotonic() < deadline:
-            for job in worker.lanes.collect():
-                worker.complete(job)
-            time.sleep(0.01)
+        complete_until_gone(worker, "r", 10)
         assert "r" not in worker.engine.seqs and not worker._abort_after
         pool.assert_all_free()
     finally:
