@@ -238,6 +238,9 @@ class GatewayApp:
                 "aborted a request whose client read too slowly (%d outputs waiting)", self.limits.max_stream_buffer
             )
 
+    def header_deadline(self, outcome: str) -> None:
+        self.metrics.header_deadlines.labels(outcome=outcome).inc()
+
     def _done(self) -> None:
         self.in_flight -= 1
         self.metrics.in_flight.dec()

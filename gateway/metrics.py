@@ -133,6 +133,13 @@ class GatewayMetrics:
         self.streams_cut = Counter(
             "pdserve_streams_cut", "Streams ended because the client read too slowly", ["reason"], registry=r
         )
+        self.header_deadlines = Counter(
+            "pdserve_header_deadlines",
+            "Request-header deadlines reached: answered_408, closed_idle (no byte sent), "
+            "moved_bytes_unread (the client's bytes were waiting on this server's loop)",
+            ["outcome"],
+            registry=r,
+        )
         r.register(_WorkerCollector(worker_stats, routed_requests))
         r.register(_QueueCollector(queue_stats))
         for collector in collectors:  # the backend's own (e.g. queue wait histograms)

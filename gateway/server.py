@@ -103,7 +103,7 @@ def serve_gateway(opts: GatewayOptions, auth: FrameAuth) -> None:
                 lifespan="off",
                 timeout_graceful_shutdown=25,
                 # typed as a Protocol class; uvicorn only calls it, a factory works
-                http=http_protocol(gw.limits, gw.stream_cut),  # type: ignore[arg-type]
+                http=http_protocol(gw.limits, gw.stream_cut, gw.header_deadline),  # type: ignore[arg-type]
             )
         )
         log.info("gateway on http://%s:%d", opts.host, opts.port)

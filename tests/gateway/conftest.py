@@ -21,10 +21,15 @@ from pdserve.protocol.messages import KvLayout, Message, WorkerInfo
 
 
 @pytest.fixture(scope="session")
-def tokenizer(tmp_path_factory):
+def tokenizer_dir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("tok")
     build_tokenizer(path, 512)
-    return AutoTokenizer.from_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tokenizer_dir):
+    return AutoTokenizer.from_pretrained(tokenizer_dir)
 
 
 def fake_worker(worker_id: str, role: str, control_addr: str, num_blocks: int = 8, max_num_seqs: int = 4) -> WorkerInfo:

@@ -1,7 +1,9 @@
 """Connections against a real uvicorn server (loopback, free port, always stopped) serving the app
-over the stub backend with gateway/slow_clients.py's protocol: 1000 concurrent streams; a stalled
-reader is cut and aborted upstream while others stream; slow-header and slow-body clients block
-no one and are answered; bodies at and over the size limit."""
+over the stub backend with gateway/slow_clients.py's protocol: 1000 concurrent streams (the server
+in a process of its own, as users run it); a stalled reader is cut and aborted upstream while
+others stream; slow-header and slow-body clients block no one and are answered; a request sent in
+time is answered though the server's loop fell behind past the header deadline; a 408 read late
+is whole; bodies at and over the size limit."""
 
 from __future__ import annotations
 
@@ -9,9 +11,11 @@ import asyncio
 import contextlib
 import json
 import socket
+import subprocess
+import sys
 import threading
 import time
-from collections import Counter
+from pathlib import Path
 
 import httpx
 import pytest
@@ -20,7 +24,7 @@ import uvicorn
 from pdserve.gateway.app import create_app
 from pdserve.gateway.limits import GatewayLimits
 from pdserve.gateway.slow_clients import http_protocol
-from tests.gateway.stub_backend import StubBackend
+from tests.gateway.stub_server import CountingBackend
 
 LIMITS = GatewayLimits(
     max_body_bytes=4096,
@@ -30,21 +34,6 @@ LIMITS = GatewayLimits(
     max_stream_buffer=64,
     stream_write_timeout_s=1.0,
 )
-
-
-class CountingBackend(StubBackend):
-    """The stub backend, counting the outputs it produced per request."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.produced: Counter[str] = Counter()
-        self.delay_s = 0.001  # streams overlap
-
-    async def generate(self, request_id, prompt_token_ids, sampling):
-        async with contextlib.aclosing(super().generate(request_id, prompt_token_ids, sampling)) as gen:
-            async for out in gen:
-                self.produced[request_id] += 1
-                yield out
 
 
 class Served:
@@ -57,6 +46,14 @@ class Served:
         return {
             s.labels["reason"]: s.value
             for m in self.gw.metrics.streams_cut.collect()
+            for s in m.samples
+            if s.name.endswith("_total")
+        }
+
+    def header_deadlines(self) -> dict[str, float]:
+        return {
+            s.labels["outcome"]: s.value
+            for m in self.gw.metrics.header_deadlines.collect()
             for s in m.samples
             if s.name.endswith("_total")
         }
@@ -74,7 +71,9 @@ def serving(tokenizer, limits: GatewayLimits = LIMITS):
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16384)
     sock.bind(("127.0.0.1", 0))
     srv = uvicorn.Server(
-        uvicorn.Config(app, log_level="warning", lifespan="off", http=http_protocol(gw.limits, gw.stream_cut))
+        uvicorn.Config(
+            app, log_level="warning", lifespan="off", http=http_protocol(gw.limits, gw.stream_cut, gw.header_deadline)
+        )
     )
     thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -94,6 +93,52 @@ def serving(tokenizer, limits: GatewayLimits = LIMITS):
 def served(tokenizer):
     with serving(tokenizer) as s:
         yield s
+
+
+class ServedElsewhere:
+    """tests/gateway/stub_server.py in a process of its own, with the gateway's default limits."""
+
+    def __init__(self, proc: subprocess.Popen, port: int) -> None:
+        self.proc, self.port = proc, port
+
+    def stats(self) -> dict:
+        assert self.proc.stdin and self.proc.stdout
+        self.proc.stdin.write("stats\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())
+
+    def settled(self, timeout_s: float = 10.0) -> dict:
+        """Its stats once no request is in flight and no connection open."""
+        t0 = time.monotonic()
+        while (stats := self.stats())["in_flight"] or stats["connections"]:
+            assert time.monotonic() - t0 < timeout_s, stats
+            time.sleep(0.05)
+        return stats
+
+
+@contextlib.contextmanager
+def serving_in_own_process(tokenizer_dir: Path, hold_until: int = 0):
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(2048)
+    args = [str(tokenizer_dir), str(sock.fileno()), str(hold_until)]
+    cmd = [sys.executable, "-m", "tests.gateway.stub_server", *args]
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen(
+        cmd, cwd=root, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, pass_fds=[sock.fileno()]
+    )
+    try:
+        assert proc.stdout and proc.stdout.readline().strip() == "ready", "stub server did not start"
+        yield ServedElsewhere(proc, sock.getsockname()[1])
+    finally:
+        sock.close()
+        with contextlib.suppress(BrokenPipeError):
+            proc.stdin.close()  # type: ignore[union-attr]
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 class RssPeak:
@@ -232,25 +277,91 @@ def wait_until(cond, timeout_s: float = 10.0) -> float:
 
 
 # --- tests --------------------------------------------------------------------------------------
-def test_a_thousand_concurrent_streams(served):
+def test_a_thousand_concurrent_streams(tokenizer_dir):
+    """1000 clients in this process against the server in its own, as users run it (sharing one
+    process and its GIL, each side's lag was the other's: the 1000th client's request came
+    0.7 s after its connection was accepted, and then waited 0.5 s for the server's loop)."""
     n, tokens = 1000, 16
 
     async def go():
         return await asyncio.gather(*[stream_whole(served.port, [5 + i % 50, 7], tokens) for i in range(n)])
 
-    with RssPeak(lambda: served.gw.in_flight) as rss:
+    with serving_in_own_process(tokenizer_dir, hold_until=n) as served, RssPeak() as clients:
         t0 = time.monotonic()
         counts = asyncio.run(go())
         took = time.monotonic() - t0
+        stats = served.settled()
     assert counts == [tokens] * n
-    assert len(served.backend.finished) == n and served.backend.aborted == []
-    wait_until(lambda: served.gw.in_flight == 0 and not served.server.server_state.connections)
+    assert stats["started"] == stats["finished"] == n and stats["aborted"] == 0, stats
+    rss_mib = stats["rss_growth_mib"] + clients.delta_mib
     print(
-        f"{n} concurrent streams of {tokens} tokens in {took:.1f}s, up to {rss.gauge_peak} at once; "
-        f"process RSS +{rss.delta_mib:.0f} MiB (server and clients)"
+        f"{n} concurrent streams of {tokens} tokens in {took:.1f}s, up to {stats['peak_in_flight']} at once; "
+        f"RSS +{stats['rss_growth_mib']:.0f} MiB server, +{clients.delta_mib:.0f} MiB clients; "
+        f"header deadlines {stats['header_deadlines']}"
     )
-    assert rss.gauge_peak >= n // 2, rss.gauge_peak  # they overlapped
-    assert rss.delta_mib < 256, f"RSS grew {rss.delta_mib:.0f} MiB for {n} streams"
+    assert stats["peak_in_flight"] == n, stats  # all at once: the first tokens waited for the 1000th
+    assert rss_mib < 256, f"RSS grew {rss_mib:.0f} MiB for {n} streams"
+    assert stats["header_deadlines"] == {}, stats  # nobody was refused, no deadline was even near
+
+
+def stall_server_loop_in_io(served: Served, seconds: float) -> socket.socket:
+    """Makes the server's loop run a socket-read callback that blocks it for `seconds` (a loop
+    busy with other connections' I/O); returns the socket to close afterwards."""
+    loop = next(iter(served.server.server_state.connections)).loop
+    r, w = socket.socketpair()
+
+    def stall() -> None:
+        loop.remove_reader(r.fileno())
+        time.sleep(seconds)
+
+    loop.call_soon_threadsafe(loop.add_reader, r.fileno(), stall)
+    time.sleep(0.02)
+    w.send(b"x")
+    w.close()
+    time.sleep(0.1)  # blocked now
+    return r
+
+
+def read_all(s: socket.socket, timeout_s: float = 10.0) -> bytes:
+    s.settimeout(timeout_s)
+    got = bytearray()
+    while chunk := s.recv(1 << 16):
+        got += chunk
+    return bytes(got)
+
+
+def test_a_request_sent_in_time_is_answered_though_the_servers_loop_fell_behind(served):
+    """The header deadline measures the client: its request reached our socket 0.1 s after it
+    connected, but the server's loop was blocked 1.5 s (deadline 1 s) and uvloop runs due timers
+    before it polls sockets. Before: closed unread, the client got a reset and no answer."""
+    c = socket.create_connection(("127.0.0.1", served.port))
+    try:
+        wait_until(lambda: served.server.server_state.connections)  # accepted: its deadline runs
+        stalled = stall_server_loop_in_io(served, 1.5)
+        c.sendall(request_bytes(completion([5, 6], 4)))
+        head, body = dechunk(read_all(c))
+        stalled.close()
+    finally:
+        c.close()
+    assert head.startswith(b"HTTP/1.1 200"), head
+    assert sse_tokens(body) == (4, [], True)
+    assert served.header_deadlines() == {"moved_bytes_unread": 1.0}
+
+
+def test_a_408_read_late_is_whole_after_the_linger(served):
+    """Refused, the connection closes lingering, then on our side for good: a client that reads
+    the 408 long after it came still gets it whole, then the end of the stream."""
+    body = completion([5, 6], 2, stream=False)
+    c = socket.create_connection(("127.0.0.1", served.port))
+    try:
+        c.sendall(request_bytes(body)[:30])  # headers begun, never finished
+        time.sleep(LIMITS.header_timeout_s * 3)  # the 408 came, the linger ended; not read yet
+        assert not served.server.server_state.connections  # closed on our side meanwhile
+        head, answer = dechunk(read_all(c))
+    finally:
+        c.close()
+    assert head.startswith(b"HTTP/1.1 408") and json.loads(answer)["error"]["code"] == "header_timeout", head
+    assert served.header_deadlines() == {"answered_408": 1.0}
 
 
 def test_a_stalled_reader_is_cut_and_aborted_while_others_stream(served):
