@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -14,25 +15,35 @@ if TYPE_CHECKING:  # the gateway reads configs without importing torch
 log = logging.getLogger(__name__)
 
 # Architecture name in config.json -> what differs from plain Llama (the table of differences).
+# qkv_bias None: read `attention_bias` from config (which biases o_proj too); qk_norm: per-head
+# RMSNorm on q and k before RoPE. Phi-3's fused qkv_proj/gate_up_proj already are our layout, and
+# its `partial_rotary_factor` and longrope scaling are read for every architecture.
 SUPPORTED_ARCHITECTURES: dict[str, dict[str, Any]] = {
-    "LlamaForCausalLM": {"qkv_bias": None},  # None: read `attention_bias` from config
-    "MistralForCausalLM": {"qkv_bias": False},
-    "Qwen2ForCausalLM": {"qkv_bias": True},
+    "LlamaForCausalLM": {"qkv_bias": None, "qk_norm": False},
+    "MistralForCausalLM": {"qkv_bias": False, "qk_norm": False},
+    "Qwen2ForCausalLM": {"qkv_bias": True, "qk_norm": False},
+    "Qwen3ForCausalLM": {"qkv_bias": None, "qk_norm": True},
+    "Phi3ForCausalLM": {"qkv_bias": False, "qk_norm": False},
 }
+ROPE_KINDS = ("default", "linear", "llama3", "longrope")
 
 
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float = 10000.0
-    kind: str = "default"  # default | linear | llama3
+    kind: str = "default"  # one of ROPE_KINDS
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    # longrope: per-frequency divisors up to original_max_position (HF's `short_factor`; the long
+    # ones are never used, see ModelConfig.max_context) and the scale on cos/sin.
+    short_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.kind not in ("default", "linear", "llama3"):
-            raise ValueError(f"unsupported rope scaling type {self.kind!r}; supported: default, linear, llama3")
+        if self.kind not in ROPE_KINDS:
+            raise ValueError(f"unsupported rope scaling type {self.kind!r}; supported: {', '.join(ROPE_KINDS)}")
 
 
 @dataclass(frozen=True)
@@ -53,17 +64,45 @@ class ModelConfig:
     qkv_bias: bool
     eos_token_ids: tuple[int, ...]
     sliding_window: int | None = None
+    o_bias: bool = False  # o_proj bias (Llama, Qwen3: `attention_bias`)
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k, before RoPE
+    rotary_dim: int | None = None  # None: all of head_dim; else its first rotary_dim dims (Phi-4-mini)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} not a multiple of num_kv_heads {self.num_kv_heads}")
+        rot = self.rotary_dims
+        if not (0 < rot <= self.head_dim and rot % 2 == 0):
+            raise ValueError(f"rotary dims {rot} (partial_rotary_factor) must be even and in (0, {self.head_dim}]")
+        if self.rope.kind == "longrope" and len(self.rope.short_factor) != rot // 2:
+            raise ValueError(f"longrope short_factor has {len(self.rope.short_factor)} entries, expected {rot // 2}")
+
+    @property
+    def rotary_dims(self) -> int:
+        """How many leading dims of each head RoPE rotates (the rest pass through)."""
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
     @property
     def max_context(self) -> int:
-        """Longest sequence this engine serves exactly (a sliding window caps it: no SWA here)."""
+        """Longest sequence this engine serves exactly. A sliding window caps it (no SWA here), and
+        so does longrope's original_max_position_embeddings: past it HF recomputes a sequence's
+        whole KV with `long_factor` frequencies, which KV shared between sequences and workers
+        (prefix cache, P -> D transfer) cannot follow; below it HF uses `short_factor`, as we do."""
+        limit = self.max_position_embeddings
         if self.sliding_window:
-            return min(self.max_position_embeddings, self.sliding_window)
-        return self.max_position_embeddings
+            limit = min(limit, self.sliding_window)
+        if self.rope.kind == "longrope":
+            limit = min(limit, self.rope.original_max_position)
+        return limit
+
+    @property
+    def max_context_reason(self) -> str:
+        """What sets max_context, for refusals that hit it."""
+        if self.rope.kind == "longrope" and self.max_context == self.rope.original_max_position:
+            return "longrope's original_max_position_embeddings (long_factor is not served)"
+        if self.sliding_window and self.max_context == self.sliding_window:
+            return "sliding_window (sliding-window attention is not served)"
+        return "max_position_embeddings"
 
     def fingerprint(self, dtype: "torch.dtype") -> str:
         """Pools exchanging KV must agree on this."""
@@ -90,11 +129,23 @@ class ModelConfig:
         num_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
         qkv_bias = traits["qkv_bias"]
+        o_bias = False
         if qkv_bias is None:
-            qkv_bias = bool(cfg.get("attention_bias", False))
+            qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
         if cfg.get("mlp_bias"):
             raise ValueError("mlp_bias=True is not supported")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
         sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        rope = _rope_from_hf(cfg)
+        partial = float(_rope_params(cfg).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+        if rope.kind == "longrope":
+            log.warning(
+                "%s: longrope served up to original_max_position_embeddings=%d only (short_factor); "
+                "longer sequences (long_factor) are refused",
+                path,
+                rope.original_max_position,
+            )
         return cls(
             path=str(path),
             architecture=arch,
@@ -106,29 +157,58 @@ class ModelConfig:
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
             head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope=_rope_from_hf(cfg),
+            rope=rope,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             eos_token_ids=_eos_ids(path, cfg),
             sliding_window=sliding,
+            o_bias=o_bias,
+            qk_norm=traits["qk_norm"],
+            rotary_dim=None if partial == 1.0 else int(head_dim * partial),  # HF: int(head_dim * factor)
         )
 
 
-def _rope_from_hf(cfg: dict) -> RopeConfig:
+def _rope_params(cfg: dict) -> dict:
     # transformers 5 folds theta + scaling into `rope_parameters`; 4.x uses rope_theta/rope_scaling.
-    params = dict(cfg.get("rope_parameters") or {})
-    scaling = cfg.get("rope_scaling") or {}
-    params = {**scaling, **params}
+    return {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+
+
+def _rope_from_hf(cfg: dict) -> RopeConfig:
+    params = _rope_params(cfg)
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
     kind = params.get("rope_type", params.get("type", "default")) or "default"
+    if kind in ("su", "yarn") and "short_factor" in params:  # Phi-3's old names for longrope (HF renames)
+        kind = "longrope"
+    if kind != "longrope":
+        return RopeConfig(
+            theta=float(theta),
+            kind=kind,
+            factor=float(params.get("factor", 1.0)),
+            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+            original_max_position=int(params.get("original_max_position_embeddings", 8192)),
+        )
+    # As transformers' _compute_longrope_parameters: factor defaults to max / original positions,
+    # and the attention factor (scaling cos and sin) to sqrt(1 + ln(factor) / ln(original)).
+    original = int(
+        params.get("original_max_position_embeddings")
+        or cfg.get("original_max_position_embeddings")
+        or cfg.get("max_position_embeddings", 2048)
+    )
+    factor = params.get("factor")
+    if factor is None:
+        factor = cfg.get("max_position_embeddings", original) / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
     return RopeConfig(
         theta=float(theta),
         kind=kind,
-        factor=float(params.get("factor", 1.0)),
-        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position=int(params.get("original_max_position_embeddings", 8192)),
+        factor=float(factor),
+        original_max_position=original,
+        short_factor=tuple(float(f) for f in params["short_factor"]),
+        attention_factor=float(attention_factor),
     )
 
 

@@ -120,7 +120,11 @@ class LLMEngine:
         if not prompt:
             raise ValueError("empty prompt")
         if len(prompt) >= self.max_model_len:
-            raise ValueError(f"prompt of {len(prompt)} tokens leaves no room in max_model_len {self.max_model_len}")
+            cap = self.model_config.max_context
+            why = f" (the model's limit: {self.model_config.max_context_reason})" if self.max_model_len == cap else ""
+            raise ValueError(
+                f"prompt of {len(prompt)} tokens leaves no room in max_model_len {self.max_model_len}{why}"
+            )
         bad = [t for t in prompt if not 0 <= t < self.model_config.vocab_size]
         if bad:
             raise ValueError(f"token ids out of vocabulary: {bad[:5]}")

@@ -1,4 +1,5 @@
-"""Random-initialised Hugging Face model folders (Llama / Qwen2), made offline and deterministically.
+"""Random-initialised Hugging Face model folders (Llama / Qwen2 / Qwen3 / Phi-3), made offline and
+deterministically, through transformers' own config and model classes.
 
 `pdserve serve` with no --model uses `default_model_path()`: the ~30M-parameter `default`
 preset, built once (a few seconds) and cached. Tests use `tiny` (and `real`, a real small
@@ -38,6 +39,7 @@ class ModelPreset:
     max_position_embeddings: int
     tie_word_embeddings: bool = True
     rope_theta: float = 10000.0
+    head_dim: int | None = None  # None: hidden_size // num_heads (qwen3: twice that, as in Qwen3)
 
 
 PRESETS = {
@@ -50,8 +52,14 @@ PRESETS = {
 PRESETS["default"] = PRESETS["bench"]
 
 
-def _hf_config(arch: str, p: ModelPreset, vocab: int, eos_id: int, rope_scaling: dict | None):
-    from transformers import LlamaConfig, Qwen2Config
+ARCHS = ("llama", "qwen2", "qwen3", "phi3")
+
+
+def _hf_config(
+    arch: str, p: ModelPreset, vocab: int, eos_id: int, rope_scaling: dict | None, extra: dict[str, Any] | None = None
+):
+    """`extra`: more HF config fields (e.g. phi3's partial_rotary_factor, original_max_position_embeddings)."""
+    from transformers import LlamaConfig, Phi3Config, Qwen2Config, Qwen3Config
 
     common: dict[str, Any] = dict(
         vocab_size=vocab,
@@ -67,18 +75,27 @@ def _hf_config(arch: str, p: ModelPreset, vocab: int, eos_id: int, rope_scaling:
         eos_token_id=eos_id,
         pad_token_id=eos_id,
         torch_dtype="float32",
+        **(extra or {}),
     )
+    head_dim = p.head_dim or p.hidden_size // p.num_heads
     rope = {"rope_type": "default", "rope_theta": p.rope_theta, **(rope_scaling or {})}
-    cfg: LlamaConfig | Qwen2Config
+    cfg: LlamaConfig | Qwen2Config | Qwen3Config | Phi3Config
     if arch == "llama":
-        cfg = LlamaConfig(**common, attention_bias=False, mlp_bias=False, head_dim=p.hidden_size // p.num_heads)
+        cfg = LlamaConfig(**common, attention_bias=False, mlp_bias=False, head_dim=head_dim)
     elif arch == "qwen2":
         cfg = Qwen2Config(**common, use_sliding_window=False)
+    elif arch == "qwen3":
+        common.setdefault("attention_bias", False)
+        common.setdefault("use_sliding_window", False)
+        cfg = Qwen3Config(**common, head_dim=p.head_dim or 2 * p.hidden_size // p.num_heads)
+    elif arch == "phi3":
+        cfg = Phi3Config(**common)  # fused qkv_proj / gate_up_proj; head_dim is hidden // heads
     else:
-        raise ValueError(f"unknown arch {arch!r}; choose llama or qwen2")
-    # transformers >= 5 reads rope_parameters; older versions rope_theta/rope_scaling.
+        raise ValueError(f"unknown arch {arch!r}; choose {', '.join(ARCHS)}")
+    # transformers >= 5 reads rope_parameters (keeping what the config put there, e.g. phi3's
+    # partial_rotary_factor); older versions rope_theta/rope_scaling.
     if hasattr(cfg, "rope_parameters"):
-        cfg.rope_parameters = rope
+        cfg.rope_parameters = {**(cfg.rope_parameters or {}), **rope}
     else:
         cfg.rope_theta = p.rope_theta
         cfg.rope_scaling = rope_scaling
@@ -115,6 +132,7 @@ def make_model(
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose {', '.join(PRESETS)}")
     rope_scaling = overrides.pop("rope_scaling", None)
+    hf_extra = overrides.pop("hf_config", None)  # more HF config fields, passed through
     p = replace(PRESETS[preset], **overrides)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent if out_dir.parent.exists() else None))
     try:
@@ -123,7 +141,7 @@ def make_model(
 
         eos_id = Tokenizer.from_file(str(tmp / "tokenizer.json")).token_to_id(EOS)
         assert eos_id is not None, f"{EOS} missing from the tokenizer just built"
-        cfg = _hf_config(arch, p, vocab, eos_id, rope_scaling)
+        cfg = _hf_config(arch, p, vocab, eos_id, rope_scaling, hf_extra)
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
         _init_weights(model, seed)
@@ -168,7 +186,7 @@ def make_model_main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--out", required=True)
     ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-    ap.add_argument("--arch", default="llama", choices=["llama", "qwen2"])
+    ap.add_argument("--arch", default="llama", choices=list(ARCHS))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-shard-size", default=None, help="e.g. 10MB: write sharded safetensors")
     tie = ap.add_mutually_exclusive_group()

@@ -3,6 +3,8 @@
 HF name                                   -> our parameter (shard of a fused weight)
 model.layers.i.self_attn.{q,k,v}_proj.*   -> layers.i.self_attn.qkv_proj.*   (rows q | k | v)
 model.layers.i.mlp.{gate,up}_proj.weight  -> layers.i.mlp.gate_up_proj.weight (rows gate | up)
+model.layers.i.self_attn.qkv_proj.weight,  -> the same names: Phi-3 stores them fused, in our row
+model.layers.i.mlp.gate_up_proj.weight        order (q | k | v, gate | up), so they load whole
 model.* / lm_head.weight                  -> same name without the `model.` prefix
 Every parameter must be covered exactly; unknown, missing or mis-shaped tensors raise.
 """

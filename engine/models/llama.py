@@ -1,4 +1,6 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV cache and ragged batches.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3) over a paged KV cache and ragged
+batches. What the families change is in the config: qkv/o biases, Qwen3's q/k norm
+(models/qk_norm.py), partial rotary and RoPE scaling (models/rotary.py).
 
 Input is a flat ragged batch of T tokens (no padding); attention reads/writes the paged pool
 through `kernels`. Linear layers are fused (qkv, gate_up) -- `engine.weights` maps HF names.
@@ -15,6 +17,7 @@ from torch import nn
 from pdserve import kernels
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.models.cpu_linear import FEW_ROWS, PackedLinear, cpu_linear_kind, gemv_copy_fits, relayout_linears
+from pdserve.engine.models.qk_norm import norm_qk_heads
 from pdserve.engine.models.rotary import RotaryEmbedding, rotate
 from pdserve.kernels import decode_layers, layer_ops
 
@@ -30,7 +33,7 @@ class ForwardContext:
     on_layer_stored: Callable[[int], None] | None = None
 
 
-Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, 1, D]: this step's tokens, shared by every layer
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, 1, R]: this step's tokens, shared by every layer
 
 
 class RMSNorm(nn.Module):
@@ -55,14 +58,24 @@ class Attention(nn.Module):
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.scale = cfg.head_dim**-0.5
+        self.eps = cfg.rms_norm_eps
+        self.full_rotary = cfg.rotary_dims == cfg.head_dim
+        self.q_norm: RMSNorm | None = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm: RMSNorm | None = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, rope: Rope, ctx: ForwardContext) -> torch.Tensor:
         T = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (Hq + 2Hkv) * D]
+        if self.q_norm is not None and self.k_norm is not None:
+            qkv = norm_qk_heads(
+                qkv, self.q_norm.weight, self.k_norm.weight, self.num_heads, self.num_kv_heads, self.head_dim, self.eps
+            )
         kv_layer = ctx.kv_cache[self.layer]  # [2, N, bs, Hkv, D]
-        fused = layer_ops.rope_store(qkv, *rope, self.num_heads, self.num_kv_heads, kv_layer, ctx.slot_mapping)
+        fused = None
+        if self.full_rotary:  # the C op rotates whole heads
+            fused = layer_ops.rope_store(qkv, *rope, self.num_heads, self.num_kv_heads, kv_layer, ctx.slot_mapping)
         if fused is not None:  # C: rotate q, k and store k, v in one pass
             q, k, v = fused  # [T, Hq, D], [T, Hkv, D], [T, Hkv, D]
         else:
@@ -113,7 +126,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.cfg = cfg
-        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.rotary_dims, max_positions)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -156,8 +169,12 @@ class LlamaForCausalLM(nn.Module):
     def describe_decode_layers(self, kv_cache: torch.Tensor) -> decode_layers.DecodeLayers | None:
         """The layers over this KV pool [L, 2, N, bs, Hkv, D], described once for the one-call
         decode driver (kernels/decode_layers.py); None when it cannot run them: not the fp32 CPU
-        path, a linear without few-row panels, or the driver not built."""
+        path, a layer the driver does not know (q/k norm, partial rotary, o_proj bias), a linear
+        without few-row panels, or the driver not built."""
         if not (kv_cache.device.type == "cpu" and kv_cache.dtype == torch.float32 and kv_cache.is_contiguous()):
+            return None
+        c = self.cfg
+        if c.qk_norm or c.rotary_dims != c.head_dim or c.o_bias:
             return None
         layers = self.decoder_layers
         panels = [p for p in map(_few_row_panels, layers) if p is not None]
@@ -181,7 +198,6 @@ class LlamaForCausalLM(nn.Module):
                     kv_cache[i].data_ptr(),
                 )
             )
-        c = self.cfg
         shape = decode_layers.StackShape(
             c.hidden_size,
             c.intermediate_size,

@@ -1,0 +1,66 @@
+"""Qwen3: q/k norm, explicit head_dim, no qkv bias; greedy output == HF generate (fp32)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from pdserve.engine.config import ModelConfig
+from tests.engine import family_checks
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3(models_dir) -> Path:
+    """head_dim 32 with hidden 64 and 4 heads: q is twice as wide as the hidden state, as in Qwen3."""
+    from pdserve.engine.make_model import make_model
+
+    return make_model(models_dir / "tiny-qwen3", preset="tiny", arch="qwen3", seed=4, quiet=True)
+
+
+def test_config_reads_qwen3(tiny_qwen3):
+    cfg = ModelConfig.from_folder(tiny_qwen3)
+    assert (cfg.architecture, cfg.head_dim, cfg.qk_norm, cfg.qkv_bias, cfg.o_bias) == (
+        "Qwen3ForCausalLM",
+        32,
+        True,
+        False,
+        False,
+    )
+    assert cfg.head_dim * cfg.num_heads != cfg.hidden_size
+
+
+def test_batch_with_prefix_cache_matches_hf(tiny_qwen3):
+    engine = family_checks.check_batch_with_prefix_cache(tiny_qwen3)
+    assert engine.runner.decode_layers is None  # q/k norm: the per-layer torch path, not the C driver
+
+
+def test_chunked_prefill_matches_hf(tiny_qwen3):
+    family_checks.check_chunked_prefill(tiny_qwen3)
+
+
+def test_prefill_to_decode_handoff_matches_hf(tiny_qwen3):
+    family_checks.check_prefill_to_decode_handoff(tiny_qwen3)
+
+
+def test_attention_bias_biases_qkv_and_o(models_dir):
+    from pdserve.engine.make_model import make_model
+
+    folder = make_model(
+        models_dir / "tiny-qwen3-bias", arch="qwen3", seed=5, quiet=True, hf_config={"attention_bias": True}
+    )
+    cfg = ModelConfig.from_folder(folder)
+    assert cfg.qkv_bias and cfg.o_bias
+    family_checks.check_chunked_prefill(folder)
+
+
+@pytest.mark.parametrize(("use", "expected"), [(True, 48), (False, 1024)])
+def test_sliding_window_caps_context_as_for_qwen2(tmp_path, tiny_qwen3, use, expected):
+    folder = tmp_path / "swa"
+    shutil.copytree(tiny_qwen3, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(use_sliding_window=use, sliding_window=48)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    assert ModelConfig.from_folder(folder).max_context == expected
