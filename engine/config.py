@@ -67,6 +67,7 @@ class ModelConfig:
     o_bias: bool = False  # o_proj bias (Llama, Qwen3: `attention_bias`)
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k, before RoPE
     rotary_dim: int | None = None  # None: all of head_dim; else its first rotary_dim dims (Phi-4-mini)
+    weights_tag: str = ""  # what else sets the weights' values (a GGUF file's tensor types), in the fingerprint
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -109,14 +110,20 @@ class ModelConfig:
         return (
             f"{self.architecture}/L{self.num_layers}/H{self.num_heads}/KV{self.num_kv_heads}"
             f"/D{self.head_dim}/V{self.vocab_size}/{str(dtype).removeprefix('torch.')}"
+            + (f"/{self.weights_tag}" if self.weights_tag else "")
         )
 
     @classmethod
     def from_folder(cls, path: str | Path) -> "ModelConfig":
+        """An HF folder's config.json, or a GGUF file's metadata (engine/gguf_file.py)."""
+        from pdserve.engine.gguf_file import gguf_model_config, is_gguf
+
+        if is_gguf(path):
+            return gguf_model_config(path)
         path = Path(path)
         cfg_file = path / "config.json"
         if not cfg_file.is_file():
-            raise FileNotFoundError(f"{path} is not a Hugging Face model folder (no config.json)")
+            raise FileNotFoundError(f"{path} is neither a Hugging Face model folder (no config.json) nor a GGUF file")
         cfg = json.loads(cfg_file.read_text())
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)

@@ -182,17 +182,33 @@ def default_model_path() -> Path:
 
 def make_model_main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="pdserve make-model", description="Write a random-initialised Hugging Face model folder."
+        prog="pdserve make-model",
+        description="Write a random-initialised Hugging Face model folder (and, with --gguf, a GGUF file of it).",
     )
     ap.add_argument("--out", required=True)
     ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     ap.add_argument("--arch", default="llama", choices=list(ARCHS))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-shard-size", default=None, help="e.g. 10MB: write sharded safetensors")
+    ap.add_argument(
+        "--gguf",
+        default=None,
+        metavar="TYPE",
+        help="also write OUT/model-TYPE.gguf (f32, f16, bf16, q8_0, q5_0, q5_1, q4_0, q4_1)",
+    )
     tie = ap.add_mutually_exclusive_group()
     tie.add_argument("--tie", dest="tie", action="store_true", default=None)
     tie.add_argument("--no-tie", dest="tie", action="store_false")
     args = ap.parse_args(argv)
     overrides = {} if args.tie is None else {"tie_word_embeddings": args.tie}
-    make_model(args.out, args.preset, args.arch, args.seed, args.max_shard_size, **overrides)
+    if args.gguf is not None:
+        from pdserve.engine.gguf_writer import WRITE_TYPES
+
+        if args.gguf not in WRITE_TYPES:
+            ap.error(f"--gguf {args.gguf}: choose {', '.join(WRITE_TYPES)}")
+    out = make_model(args.out, args.preset, args.arch, args.seed, args.max_shard_size, **overrides)
+    if args.gguf is not None:
+        from pdserve.engine.gguf_writer import write_gguf
+
+        print(f"wrote {write_gguf(out, out / f'model-{args.gguf}.gguf', args.gguf, show_progress=True)}", flush=True)
     return 0

@@ -1,4 +1,5 @@
-"""Load HF safetensors (single file or sharded) into the fused model, failing loudly.
+"""Load HF safetensors (single file or sharded), or a GGUF file (engine/gguf_weights.py: same
+HF names), into the fused model, failing loudly.
 
 HF name                                   -> our parameter (shard of a fused weight)
 model.layers.i.self_attn.{q,k,v}_proj.*   -> layers.i.self_attn.qkv_proj.*   (rows q | k | v)
@@ -13,14 +14,18 @@ from __future__ import annotations
 
 import json
 import logging
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from pdserve.engine.gguf_file import is_gguf
+
 if TYPE_CHECKING:
+    from pdserve.engine.config import ModelConfig
     from pdserve.engine.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -65,50 +70,64 @@ def _fused_slices(model: LlamaForCausalLM) -> dict[str, tuple[str, int, int]]:
     return out
 
 
-def load_weights(model: LlamaForCausalLM, folder: str | Path, show_progress: bool = True) -> None:
-    folder = Path(folder)
+# (HF name, a thunk that reads it as a tensor): one per stored tensor, from whichever format
+TensorSource = Iterator[tuple[str, Callable[[], torch.Tensor]]]
+
+
+def _safetensors_source(folder: Path) -> TensorSource:
+    for file in safetensors_files(folder):
+        with safe_open(str(file), framework="pt") as f:
+            for hf_name in f.keys():
+                yield hf_name, partial(f.get_tensor, hf_name)
+
+
+def _gguf_source(path: Path, cfg: ModelConfig) -> TensorSource:
+    from pdserve.engine.gguf_weights import gguf_tensors
+
+    for hf_name, tensor in gguf_tensors(path, cfg):
+        yield hf_name, tensor.dequantize  # every quant type to float, for now (exact)
+
+
+def load_weights(model: LlamaForCausalLM, path: str | Path, show_progress: bool = True) -> None:
+    """`path`: an HF folder (safetensors) or a GGUF file."""
+    path = Path(path)
     params = dict(model.named_parameters(remove_duplicate=False))
     fused = _fused_slices(model)
     covered: dict[str, int] = {name: 0 for name in params}  # rows loaded per parameter
     tied = getattr(model.cfg, "tie_word_embeddings", False)
     unexpected: list[str] = []
-    files = safetensors_files(folder)
+    source = _gguf_source(path, model.cfg) if is_gguf(path) else _safetensors_source(path)
     with (
         torch.no_grad(),
-        tqdm(desc=f"loading {folder.name}", unit="tensor", disable=not show_progress, leave=False) as bar,
+        tqdm(desc=f"loading {path.name}", unit="tensor", disable=not show_progress, leave=False) as bar,
     ):
-        for file in files:
-            with safe_open(str(file), framework="pt") as f:
-                for hf_name in f.keys():
-                    bar.update(1)
-                    if hf_name.endswith(_IGNORED_SUFFIXES):
-                        continue
-                    name = hf_name.removeprefix("model.")
-                    if name in fused:
-                        target, a, b = fused[name]
-                    elif name in params:
-                        target, a, b = name, 0, params[name].shape[0]
-                    else:
-                        unexpected.append(hf_name)
-                        continue
-                    if target not in params:
-                        unexpected.append(hf_name)  # e.g. a bias for a bias-free layer
-                        continue
-                    tensor = f.get_tensor(hf_name)
-                    dest = params[target][a:b]
-                    if tensor.shape != dest.shape:
-                        raise WeightLoadError(
-                            f"{hf_name}: checkpoint shape {tuple(tensor.shape)} "
-                            f"!= expected {tuple(dest.shape)} in {file.name}"
-                        )
-                    dest.copy_(tensor.to(dest.dtype))
-                    covered[target] += b - a
+        for hf_name, read in source:
+            bar.update(1)
+            if hf_name.endswith(_IGNORED_SUFFIXES):
+                continue
+            name = hf_name.removeprefix("model.")
+            if name in fused:
+                target, a, b = fused[name]
+            elif name in params:
+                target, a, b = name, 0, params[name].shape[0]
+            else:
+                unexpected.append(hf_name)
+                continue
+            if target not in params:
+                unexpected.append(hf_name)  # e.g. a bias for a bias-free layer
+                continue
+            tensor = read()
+            dest = params[target][a:b]
+            if tensor.shape != dest.shape:
+                raise WeightLoadError(
+                    f"{hf_name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(dest.shape)} in {path}"
+                )
+            dest.copy_(tensor.to(dest.dtype))
+            covered[target] += b - a
     if unexpected:
-        raise WeightLoadError(f"{len(unexpected)} unexpected tensors in {folder}: {unexpected[:8]}")
+        raise WeightLoadError(f"{len(unexpected)} unexpected tensors in {path}: {unexpected[:8]}")
     if tied and covered.get("lm_head.weight", 0) == 0:
         covered["lm_head.weight"] = covered.get("embed_tokens.weight", 0)
     incomplete = [n for n, rows in covered.items() if rows != params[n].shape[0]]
     if incomplete:
-        raise WeightLoadError(
-            f"missing weights in {folder}: {incomplete[:8]}" + (" ..." if len(incomplete) > 8 else "")
-        )
+        raise WeightLoadError(f"missing weights in {path}: {incomplete[:8]}" + (" ..." if len(incomplete) > 8 else ""))

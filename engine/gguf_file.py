@@ -1,0 +1,133 @@
+"""`--model` as a GGUF file: its config and tokenizer (chat template included), read with ggml's
+own `gguf` reader. Torch-free: the gateway reads the config through ModelConfig.from_folder.
+The weights are engine/gguf_weights.py's.
+
+GGUF key ({arch}.*)                         -> ModelConfig field
+embedding_length / feed_forward_length      -> hidden_size / intermediate_size
+block_count, attention.head_count(_kv)      -> num_layers, num_heads, num_kv_heads
+attention.key_length (else hidden / heads)  -> head_dim
+rope.dimension_count (< head_dim)           -> rotary_dim (partial rotary)
+rope.freq_base, rope.scaling.{type,factor}  -> rope (none or linear)
+tensors output.weight / blk.0.attn_q.bias / blk.0.attn_output.bias / blk.0.attn_q_norm.weight
+                                            -> untied lm_head, qkv_bias, o_bias, qk_norm
+tokenizer.ggml.{eos,eot,eom}_token_id      -> eos_token_ids
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections import Counter
+from functools import lru_cache
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import gguf
+    from transformers import PreTrainedTokenizerBase
+
+    from pdserve.engine.config import ModelConfig
+
+# GGUF general.architecture -> ours (llama.cpp converts Mistral v0.1-style models as llama)
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+}
+_MAGIC = b"GGUF"
+
+
+def is_gguf(path: str | Path) -> bool:
+    """A file that starts with GGUF's magic (a folder, or any other file, is not)."""
+    path = Path(path)
+    if not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        return f.read(4) == _MAGIC
+
+
+@lru_cache(maxsize=4)
+def open_gguf(path: str) -> "gguf.GGUFReader":
+    """The file's reader (memory-mapped: tensor data is read when touched)."""
+    import gguf
+
+    return gguf.GGUFReader(path)
+
+
+def metadata(reader: "gguf.GGUFReader", key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def gguf_model_config(path: str | Path) -> "ModelConfig":
+    from pdserve.engine.config import ModelConfig, RopeConfig
+
+    reader = open_gguf(str(path))
+    arch = metadata(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r} in {path}; supported: {', '.join(ARCHITECTURES)}")
+    tensors = {t.name: t for t in reader.tensors}
+
+    def key(name: str, default: Any = None) -> Any:
+        value = metadata(reader, f"{arch}.{name}", default)
+        if value is None:
+            raise ValueError(f"{path}: GGUF metadata {arch}.{name} missing")
+        return value
+
+    if "rope_freqs.weight" in tensors or "rope_factors_short.weight" in tensors:
+        raise ValueError(f"{path}: per-frequency RoPE factors (llama3 / longrope scaling) are not served from GGUF")
+    scaling = metadata(reader, f"{arch}.rope.scaling.type", "none")
+    if scaling not in ("none", "linear"):
+        raise ValueError(f"{path}: GGUF rope scaling {scaling!r} is not supported (none, linear)")
+    if metadata(reader, f"{arch}.attention.sliding_window") is not None:
+        raise ValueError(f"{path}: sliding-window attention is not served")
+    hidden, num_heads = int(key("embedding_length")), int(key("attention.head_count"))
+    head_dim = int(key("attention.key_length", hidden // num_heads))
+    rotary = int(key("rope.dimension_count", head_dim))
+    ends = [metadata(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    return ModelConfig(
+        path=str(path),
+        architecture=ARCHITECTURES[arch],
+        vocab_size=int(tensors["token_embd.weight"].shape[1]),  # GGUF shapes: innermost first
+        hidden_size=hidden,
+        intermediate_size=int(key("feed_forward_length")),
+        num_layers=int(key("block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(key("attention.head_count_kv", num_heads)),
+        head_dim=head_dim,
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+        rope=RopeConfig(
+            theta=float(key("rope.freq_base", 10000.0)),
+            kind="linear" if scaling == "linear" else "default",
+            factor=float(key("rope.scaling.factor", 1.0)),
+        ),
+        max_position_embeddings=int(key("context_length")),
+        tie_word_embeddings="output.weight" not in tensors,
+        qkv_bias="blk.0.attn_q.bias" in tensors or "blk.0.attn_qkv.bias" in tensors,
+        eos_token_ids=tuple(dict.fromkeys(int(e) for e in ends if e is not None)),
+        o_bias="blk.0.attn_output.bias" in tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        rotary_dim=None if rotary == head_dim else rotary,
+        weights_tag=weight_types(reader),
+    )
+
+
+def weight_types(reader: "gguf.GGUFReader") -> str:
+    """The file's tensor types, most common first (e.g. `Q4_0+F32`): part of the model fingerprint,
+    so workers that load different quantizations of one model never share KV."""
+    counts = Counter(t.tensor_type.name for t in reader.tensors)
+    return "gguf-" + "+".join(name for name, _ in counts.most_common())
+
+
+def load_tokenizer(model: str | Path) -> "PreTrainedTokenizerBase":
+    """The tokenizer (and chat template) of `--model`: an HF folder, or a GGUF file's metadata
+    (transformers builds it; its GGUF reader imports torch)."""
+    from transformers import AutoTokenizer
+
+    path = Path(model)
+    if not is_gguf(path):
+        return AutoTokenizer.from_pretrained(str(model))
+    # From an empty folder: transformers mixes in the file's folder's tokenizer_config.json, if any
+    # (one beside the GGUF left it with no chat template and no EOS).
+    with tempfile.TemporaryDirectory() as empty:
+        return AutoTokenizer.from_pretrained(empty, gguf_file=str(path.resolve()))
