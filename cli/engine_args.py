@@ -19,7 +19,7 @@ def parse_size(text: str) -> int:
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="HF model folder (default: the embedded random Llama)")
+    g.add_argument("--model", default=None, help="HF model folder or GGUF file (default: the embedded random Llama)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default="cpu")
     g.add_argument("--block-size", type=int, default=16)

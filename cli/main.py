@@ -91,6 +91,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--kv-transport", default="auto", choices=["auto", "shm", "zmq-ipc", "zmq-tcp"])
     s.add_argument("--api-key", default=None)
+    s.add_argument(
+        "--api-keys-file",
+        default=None,
+        metavar="PATH",
+        help="API keys as named tenants, each with optional limits (requests_per_minute, tokens_per_minute, "
+        "max_concurrent_requests, max_tokens_per_request) and a default priority: JSON, or TOML (.toml); "
+        "see gateway/tenants.py. With --api-key too, that key is the tenant 'default'",
+    )
     s.add_argument("--served-model-name", default=None)
     s.add_argument("--request-timeout", type=float, default=None, help="seconds; longer requests end with an error")
     _add_admission_args(s)
@@ -178,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="start from this settings file (JSON, as `pdserve serve` writes), with no other flags",
     )
-    g.add_argument("--model", default=None, help="model folder (tokenizer, chat template, config)")
+    g.add_argument("--model", default=None, help="model folder or GGUF file (tokenizer, chat template, config)")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--worker-bind", default="tcp://127.0.0.1:7100", help="inbox workers connect to")
@@ -195,6 +203,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--kv-transport", default="auto", choices=["auto", "shm", "zmq"])
     g.add_argument("--api-key", default=None)
+    g.add_argument(
+        "--api-keys-file",
+        default=None,
+        metavar="PATH",
+        help="API keys as named tenants, each with optional limits (requests_per_minute, tokens_per_minute, "
+        "max_concurrent_requests, max_tokens_per_request) and a default priority: JSON, or TOML (.toml); "
+        "see gateway/tenants.py. With --api-key too, that key is the tenant 'default'",
+    )
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--served-model-name", default=None)
     g.add_argument("--on-decode-failure", default="migrate", choices=["migrate", "fail"])

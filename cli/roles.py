@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import socket
 
 from pdserve.cli.engine_args import add_engine_args, engine_config, resolve_model
@@ -228,6 +229,7 @@ def gateway_options(args: argparse.Namespace):
         otlp_traces_endpoint=args.otlp_traces_endpoint,
         kv_transport=args.kv_transport,
         api_key=args.api_key,
+        api_keys_file=os.path.abspath(args.api_keys_file) if args.api_keys_file else None,
         max_model_len=args.max_model_len,
         served_model_name=args.served_model_name,
         on_decode_failure=args.on_decode_failure,

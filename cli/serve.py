@@ -2,8 +2,10 @@
 
 Each role is its own OS process (`python -m pdserve.cli <role> --settings FILE`: one typed
 struct per process, planned for this machine by cli/topology.py). Control sockets are IPC
-files in a private 0700 runtime directory; a fresh cluster secret is handed to the children
-through the environment. A worker that dies is restarted; Ctrl-C / SIGTERM stops them all.
+files in a private 0700 runtime directory. The children share the cluster secret the user gave
+(PDSERVE_CLUSTER_SECRET, or PDSERVE_CLUSTER_SECRET_FILE), so workers started by hand with it
+can join; without one, a fresh secret goes to them through the environment. A worker that dies
+is restarted; Ctrl-C / SIGTERM stops them all.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import secrets
 import shutil
 import signal
 import socket
@@ -36,6 +37,9 @@ from pdserve.cli.topology import (
     decode_step_interval_ms,
     prefill_idle_lanes,
 )
+from pdserve.env import settings
+from pdserve.gateway.tenants import KeysFileError, read_keys_file
+from pdserve.protocol.auth import ENV_SECRET, ClusterSecretError, generate_cluster_secret, load_cluster_secret
 
 log = logging.getLogger("pdserve.serve")
 
@@ -174,6 +178,26 @@ def plan_children(args: argparse.Namespace, run_dir: str) -> list[Child]:
     return children
 
 
+def children_env(api_key: str | None) -> dict[str, str]:
+    """The environment every child starts with: this one, the API key, and the cluster secret.
+    A secret the user gave is checked now and passed on as given (the variable, or the file's
+    name); only when none is given is a fresh one made."""
+    env = dict(os.environ)
+    given = settings()
+    if given.cluster_secret or given.cluster_secret_file:
+        try:
+            load_cluster_secret()
+        except ClusterSecretError as e:
+            raise SystemExit(f"pdserve serve: {e}") from None
+        log.info("cluster secret: the one given (workers started with it may join)")
+    else:
+        env[ENV_SECRET] = generate_cluster_secret().hex()
+        log.info("cluster secret: a fresh one (set %s to let other workers join)", ENV_SECRET)
+    if api_key:
+        env["PDSERVE_API_KEY"] = api_key
+    return env
+
+
 def wait_healthy(
     url: str, children: list[Child], timeout_s: float, stopping: Callable[[], bool] = lambda: False
 ) -> bool:
@@ -193,12 +217,15 @@ def wait_healthy(
 
 def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s serve %(levelname)s: %(message)s")
+    if args.api_keys_file:  # a bad keys file fails here, before any child starts
+        try:
+            read_keys_file(args.api_keys_file)
+        except KeysFileError as e:
+            raise SystemExit(f"pdserve serve: --api-keys-file: {e}") from None
+    env = children_env(args.api_key)
     args.model = resolve_model(args.model)  # make the default model once, before the children
     run_dir = tempfile.mkdtemp(prefix="pdserve-")
     os.chmod(run_dir, 0o700)
-    env = dict(os.environ, PDSERVE_CLUSTER_SECRET=secrets.token_hex(32))
-    if args.api_key:
-        env["PDSERVE_API_KEY"] = args.api_key
     children = plan_children(args, run_dir)
     stopping = False
 

@@ -1,23 +1,26 @@
-"""The gateway's admission queue: a request waits here, first come first served, until a worker
-of its pool can take it, instead of being refused because the pool is full right now.
+"""The gateway's admission queue: a request waits here, by priority and then first come first
+served, until a worker of its pool can take it, instead of being refused because the pool is
+full right now.
 
     arrive --queue empty and a start succeeds--------------------------------> started
        |
-       +--bounds hold--> wait (FIFO) --its turn--> try_start --ok--> started
-       |                     ^                        |
-       |                     +----no room (blocked)---+   blocked until `notify()` (a request
-       |                                                   ended, a heartbeat, a worker joined)
+       +--bounds hold--> wait (priority, FIFO) --its turn--> try_start --ok--> started
+       |                     ^                                  |
+       |                     +----------no room (blocked)-------+   blocked until `notify()` (a
+       |                                           request ended, a heartbeat, a worker joined)
        +--queue over max_requests / max_tokens --> QueueFull (429)
                          wait over max_wait_s -------------> QueueTimeout (503)
 
 Refusals happen before the request's first token, so the client gets a status code with
 `Retry-After`, never a stream that breaks midway.
 
-Turns go out in arrival order, up to `free_slots()` at once (the gateway's estimate of free
-worker seats: several requests start together when a decode step finished several sequences)
-and at least one, so a wrong estimate costs a retry, not a stall. When a turn finds no room,
-the waiter goes back to its place at the front and the queue stops handing out turns until
-capacity may have changed.
+Turns go out by priority (lower first: vLLM's `priority`, from the request or its API key,
+gateway/tenants.py), in arrival order within one priority, up to `free_slots()` at once (the
+gateway's estimate of free worker seats: several requests start together when a decode step
+finished several sequences) and at least one, so a wrong estimate costs a retry, not a stall.
+When a turn finds no room, the waiter goes back to its place in the queue and the queue stops
+handing out turns until capacity may have changed. Priority only orders who starts next: a running request is never
+preempted for a more urgent one. A request resumed on a new worker goes before every other.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import asyncio
 import itertools
 import time
 from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -33,6 +37,10 @@ from pdserve.gateway.backend import BackendUnavailable
 from pdserve.gateway.queue_stats import QueueStats
 
 T = TypeVar("T")
+
+# The priority of the request this task serves (lower = more urgent): set by the HTTP layer
+# (gateway/generation.py) for its backend streams, read where they call `admit`.
+request_priority: ContextVar[int] = ContextVar("request_priority", default=0)
 
 
 class QueueFull(BackendUnavailable):
@@ -63,10 +71,10 @@ class QueueLimits:
 
 
 class _Waiter:
-    __slots__ = ("order", "tokens", "turn")
+    __slots__ = ("rank", "tokens", "turn")
 
-    def __init__(self, order: int, tokens: int) -> None:
-        self.order = order
+    def __init__(self, rank: tuple[int, int, int], tokens: int) -> None:
+        self.rank = rank  # (0 resumed / 1 new, priority, arrival): the queue's sort key
         self.tokens = tokens
         self.turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
@@ -83,7 +91,7 @@ class AdmissionQueue(Generic[T]):
         self.limits = limits
         self._free_slots = free_slots
         self._on_wait = on_wait  # (pool, seconds waited) of every request that started
-        self._waiting: list[_Waiter] = []  # arrival order
+        self._waiting: list[_Waiter] = []  # by rank: resumed, then priority, then arrival
         self._tokens = 0
         self._turns_out = 0  # waiters trying to start now
         self._blocked = False  # the last turn found no room: no more turns until notify()
@@ -97,9 +105,17 @@ class AdmissionQueue(Generic[T]):
         self._blocked = False
         self._dispatch()
 
-    async def admit(self, num_tokens: int, try_start: Callable[[], Awaitable[T | None]], *, resumed: bool = False) -> T:
+    async def admit(
+        self,
+        num_tokens: int,
+        try_start: Callable[[], Awaitable[T | None]],
+        *,
+        resumed: bool = False,
+        priority: int = 0,
+    ) -> T:
         """Run `try_start` (None = no room now) in this request's turn until it starts; raises
         QueueFull / QueueTimeout. Errors from `try_start` end the wait and propagate.
+        `priority`: lower waits less (ahead of every waiter with a higher value).
         `resumed`: a request that already streamed tokens (moving off a dead worker) goes first
         and is never refused: the client was promised the rest."""
         t0 = time.monotonic()
@@ -111,11 +127,10 @@ class AdmissionQueue(Generic[T]):
             self._blocked = True
         if not resumed:
             self._check_room(num_tokens)
-        order = next(self._order)
-        waiter = _Waiter(order - (1 << 62) if resumed else order, num_tokens)
+        waiter = _Waiter((0, 0, next(self._order)) if resumed else (1, priority, next(self._order)), num_tokens)
         max_wait_s = float("inf") if resumed else self.limits.max_wait_s
         self._waiting.append(waiter)
-        self._waiting.sort(key=lambda w: w.order)
+        self._waiting.sort(key=lambda w: w.rank)
         self._tokens += num_tokens
         try:
             while True:
@@ -139,9 +154,9 @@ class AdmissionQueue(Generic[T]):
                 if started is not None:
                     self._observe(t0)
                     return started
-                # no room: back to its place at the front, wait for capacity to change
+                # no room: back to its place in the queue, wait for capacity to change
                 self._waiting.append(waiter)
-                self._waiting.sort(key=lambda w: w.order)
+                self._waiting.sort(key=lambda w: w.rank)
                 self._blocked = True
         finally:
             if waiter in self._waiting:
@@ -161,7 +176,8 @@ class AdmissionQueue(Generic[T]):
             )
 
     def _dispatch(self) -> None:
-        """Hand turns to the oldest waiters, as many as there may be free seats (at least one)."""
+        """Hand turns to the first waiters (most urgent, then oldest), as many as there may be free
+        seats (at least one)."""
         if self._blocked or not self._waiting:  # (a request ending with nobody queued: nothing to do)
             return
         budget = max(1, self._free_slots()) - self._turns_out

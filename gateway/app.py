@@ -6,6 +6,11 @@ SSE or JSON), shaped by gateway/formats.py for its endpoint. Besides the OpenAI 
 by this URL, signed with the cluster secret: protocol/join.py), /health (ready: a prefill/decode
 pair or a colocated worker is live), /health/live (the process answers), /metrics.
 
+API keys are tenants (gateway/tenants.py): the bearer key names one, whose limits
+(gateway/rate_limits.py) are checked once the request's tokens are known and before any work
+reaches a worker (429 with Retry-After and OpenAI's x-ratelimit headers; a max_tokens over the
+key's cap: 400); its priority orders the admission queue (gateway/admission.py).
+
 Request ids are made here (`cmpl-...`/`chatcmpl-...`), never taken from the client. Leaving a
 request early for any reason (client gone, stop string, error) closes its backend streams,
 which aborts the request on every worker holding it.
@@ -14,7 +19,6 @@ which aborts the request on every worker holding it.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import secrets
@@ -35,43 +39,55 @@ from pdserve.gateway.generation import GenerationRun
 from pdserve.gateway.limits import GatewayLimits
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.openapi import openapi_endpoint
+from pdserve.gateway.rate_limits import Admission, RateLimited, RequestOverLimit, TenantGate
 from pdserve.gateway.schemas import ParsedRequest, RequestKind, parse_request
+from pdserve.gateway.tenants import TenantDirectory
 from pdserve.protocol.join import JOIN_PATH, JoinRefused
 from pdserve.protocol.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
 MAX_JOIN_BYTES = 4096
+TENANT_SCOPE_KEY = "pdserve.tenant"  # where _ApiKeyMiddleware leaves the request's TenantGate
 
 
 class _EventStream(StreamingResponse):
-    """An SSE response that closes its event generator however the response ends: a client gone
-    mid-write (or cut by gateway/slow_clients.py) would otherwise leave the generator suspended,
-    its request still counted in flight and open upstream, until garbage collection."""
+    """An SSE response that closes its event generator and its run however the response ends: a
+    client gone mid-write (or cut by gateway/slow_clients.py) would otherwise leave the generator
+    suspended, its request still counted in flight (its API key's too) and open upstream, until
+    garbage collection; one gone before the first write leaves the generator unstarted, whose own
+    cleanup then never runs."""
 
     body_iterator: AsyncGenerator[str, None]  # GenerationRun.sse()
+
+    def __init__(self, run: GenerationRun, first, headers: dict[str, str]) -> None:
+        super().__init__(run.sse(first), media_type="text/event-stream", headers=headers)
+        self.run = run
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             await self.body_iterator.aclose()
+            await self.run.close()
 
 
 class _ApiKeyMiddleware:
-    """Pure ASGI: rejects /v1/* without the right bearer token before any body is read."""
+    """Pure ASGI: rejects /v1/* without a known bearer key before any body is read, and leaves
+    the key's tenant in the scope."""
 
-    def __init__(self, app, api_key: str) -> None:
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
+    def __init__(self, app, tenants: TenantDirectory) -> None:
+        self.app, self.tenants = app, tenants
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            auth = dict(scope.get("headers", [])).get(b"authorization", b"")
-            if not hmac.compare_digest(auth, self.expected):
+            gate = self.tenants.lookup(dict(scope.get("headers", [])).get(b"authorization", b""))
+            if gate is None:
                 resp = error_response(
                     401, "invalid or missing API key", type_="authentication_error", code="invalid_api_key"
                 )
                 return await resp(scope, receive, send)
+            scope[TENANT_SCOPE_KEY] = gate
         return await self.app(scope, receive, send)
 
 
@@ -84,8 +100,10 @@ class GatewayApp:
         max_model_len: int,
         limits: GatewayLimits,
         chat_template: str | None,
+        tenants: TenantDirectory,
     ) -> None:
         self.backend = backend
+        self.tenants = tenants
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -178,9 +196,42 @@ class GatewayApp:
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
+    def _max_tokens(self, req: ParsedRequest, prompt: list[int], gate: TenantGate) -> int:
+        """The request's max_tokens: as asked (400 over the key's cap), else what the context
+        leaves, at most the key's cap."""
+        cap = gate.limits.max_tokens_per_request
+        if req.max_tokens is None:
+            rest = max(1, self.max_model_len - len(prompt))
+            return rest if cap is None else min(rest, cap)
+        if cap is not None and req.max_tokens > cap:
+            raise APIError(
+                400,
+                f"max_tokens is {req.max_tokens}, over this API key's limit of {cap} (max_tokens_per_request)",
+                param="max_tokens",
+                code="max_tokens_over_key_limit",
+            )
+        return req.max_tokens
+
+    def _admit(self, gate: TenantGate, req: ParsedRequest, prompt: list[int], max_tokens: int) -> Admission:
+        """Charge the key's limits (prompt + max_tokens per sequence) or raise the 429 / 400."""
+        try:
+            return gate.admit(len(prompt) + max_tokens * req.num_seqs)
+        except RateLimited as e:
+            self.metrics.rate_limited.labels(key=gate.name, limit=e.kind).inc()
+            raise APIError(
+                429,
+                str(e),
+                type_="requests" if e.kind == "concurrency" else e.kind,
+                code="rate_limit_exceeded",
+                headers=e.headers,
+            ) from None
+        except RequestOverLimit as e:
+            raise APIError(400, str(e), param="max_tokens", code="request_too_large") from None
+
     # --- one request --------------------------------------------------------------------------
     async def handle(self, request: Request, kind: RequestKind) -> Response:
         arrival = time.monotonic()
+        gate: TenantGate = request.scope.get(TENANT_SCOPE_KEY) or self.tenants.anonymous
         try:
             req = parse_request(await self._read_json(request), kind, self.limits)
             if req.model is not None and req.model != self.model_name:
@@ -201,7 +252,7 @@ class GatewayApp:
                 raise invalid(
                     f"logit_bias token id {bad} is outside the vocabulary [0, {self.vocab_size})", "logit_bias"
                 )
-            max_tokens = req.max_tokens if req.max_tokens is not None else max(1, self.max_model_len - len(prompt))
+            max_tokens = self._max_tokens(req, prompt, gate)
             if len(prompt) + max_tokens > self.max_model_len:
                 raise invalid(
                     f"this model's maximum context length is {self.max_model_len} tokens; the "
@@ -209,27 +260,38 @@ class GatewayApp:
                     f"({len(prompt) + max_tokens} in total)",
                     "max_tokens",
                 )
+            admission = self._admit(gate, req, prompt, max_tokens)  # nothing awaits from here to the run
         except APIError as e:
             self.metrics.http_errors.labels(status=str(e.status)).inc()
             return e.response()
         base_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
-        run = GenerationRun(self, req, prompt, max_tokens, base_id, arrival, request.headers.get("traceparent"))
+        priority = req.priority if req.priority is not None else gate.limits.priority
+        try:
+            run = GenerationRun(
+                self, req, prompt, max_tokens, base_id, arrival, request.headers.get("traceparent"), admission, priority
+            )
+        except BaseException:
+            admission.release(0)
+            raise
         self.in_flight += 1
         self.metrics.in_flight.inc()
         try:
             first = await run.start()
         except BaseException:
-            self._done()
+            self._done(run)
             raise
         if isinstance(first, Response):
-            self._done()
+            self._done(run)
+            first.headers.update(admission.headers)
             return first
         if req.stream:
-            return _EventStream(run.sse(first), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            return _EventStream(run, first, headers={"Cache-Control": "no-cache", **admission.headers})
         try:
-            return await run.collect(first, request)
+            response = await run.collect(first, request)
         finally:
-            self._done()
+            self._done(run)
+        response.headers.update(admission.headers)
+        return response
 
     def stream_cut(self, reason: str) -> None:
         self.metrics.streams_cut.labels(reason=reason).inc()
@@ -241,9 +303,16 @@ class GatewayApp:
     def header_deadline(self, outcome: str) -> None:
         self.metrics.header_deadlines.labels(outcome=outcome).inc()
 
-    def _done(self) -> None:
+    def _done(self, run: GenerationRun) -> None:
+        """A request's end (once per run): in-flight counts down, its key gets back the tokens
+        it did not use, and the key's usage is counted."""
+        if run.admission.released:
+            return
+        completion = sum(c.num_tokens for c in run.choices)
+        run.admission.release(len(run.prompt) + completion)
         self.in_flight -= 1
         self.metrics.in_flight.dec()
+        self.metrics.observe_usage(run.admission.gate.name, len(run.prompt), completion)
 
 
 def create_app(
@@ -254,10 +323,17 @@ def create_app(
     max_model_len: int,
     limits: GatewayLimits | None = None,
     api_key: str | None = None,
+    tenants: TenantDirectory | None = None,
     chat_template: str | None = None,
     model_root: str | None = None,
 ) -> Starlette:
-    gw = GatewayApp(backend, tokenizer, model_name, max_model_len, limits or GatewayLimits(), chat_template)
+    """`api_key`: one key (tenant `default`, no limits); `tenants`: the keys file's (which
+    already holds `api_key`'s, TenantDirectory.build); neither: no key needed."""
+    if tenants is None:
+        tenants = TenantDirectory.build(api_key)
+    elif api_key:
+        raise ValueError("pass api_key inside tenants (TenantDirectory.build)")
+    gw = GatewayApp(backend, tokenizer, model_name, max_model_len, limits or GatewayLimits(), chat_template, tenants)
 
     async def completions(request: Request) -> Response:
         return await _guard(gw, gw.handle(request, "completion"))
@@ -331,8 +407,8 @@ def create_app(
         ],
     )
     app.state.gateway = gw
-    if api_key:
-        app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
+    if tenants.requires_key:
+        app.add_middleware(_ApiKeyMiddleware, tenants=tenants)
     return app
 
 

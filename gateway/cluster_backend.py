@@ -30,7 +30,7 @@ from msgspec.structs import replace
 from prometheus_client import Histogram
 
 from pdserve import tracing
-from pdserve.gateway.admission import AdmissionQueue, QueueLimits
+from pdserve.gateway.admission import AdmissionQueue, QueueLimits, request_priority
 from pdserve.gateway.backend import Backend, BackendUnavailable, RequestTooLarge
 from pdserve.gateway.kv_index import DEFAULT_LOCAL_PREFILL_MAX_TOKENS, KvIndex, decode_order, pick_prefill
 from pdserve.gateway.membership import WorkerEntry, WorkerTable
@@ -583,7 +583,10 @@ class ClusterBackend(Backend):
     async def _one_pair(self, request_id, prompt, sampling, resumed: bool = False):
         queued_at = time.monotonic()
         p, d, reply = await self._queues["disaggregated"].admit(
-            len(prompt), lambda: self._start_pair(request_id, prompt, sampling), resumed=resumed
+            len(prompt),
+            lambda: self._start_pair(request_id, prompt, sampling),
+            resumed=resumed,
+            priority=request_priority.get(),
         )
         tracing.record_span(
             "gateway.queue",
@@ -676,7 +679,9 @@ class ClusterBackend(Backend):
 
     async def _generate_colocated(self, request_id, prompt, sampling):
         queued_at = time.monotonic()
-        c = await self._queues["colocated"].admit(len(prompt), lambda: self._seat_colocated(prompt))
+        c = await self._queues["colocated"].admit(
+            len(prompt), lambda: self._seat_colocated(prompt), priority=request_priority.get()
+        )
         tracing.record_span(
             "gateway.queue",
             tracing.current_traceparent.get(),

@@ -21,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pdserve import tracing
+from pdserve.gateway.admission import request_priority
 from pdserve.gateway.backend import BackendUnavailable
 from pdserve.gateway.detokenizer import IncrementalDetokenizer
 from pdserve.gateway.errors import error_response
@@ -32,6 +33,7 @@ from pdserve.protocol.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from pdserve.gateway.app import GatewayApp
+    from pdserve.gateway.rate_limits import Admission
 
 
 @dataclass
@@ -66,9 +68,12 @@ class GenerationRun:
         max_tokens: int,
         base_id: str,
         arrival: float,
-        traceparent: str | None = None,  # the client's W3C trace context, if it sent one
+        traceparent: str | None,  # the client's W3C trace context, if it sent one
+        admission: Admission,  # its API key's charge, released at the end (GatewayApp._done)
+        priority: int,  # its place in the admission queue (lower first)
     ) -> None:
         self.app, self.req, self.prompt, self.base_id, self.arrival = app, req, prompt, base_id, arrival
+        self.admission = admission
         # one trace per request (pdserve/tracing.py): its context goes into every message sent
         self.span = tracing.start_span(
             "gateway.request",
@@ -76,6 +81,7 @@ class GenerationRun:
             attributes={"pdserve.request_id": base_id, "pdserve.prompt_tokens": len(prompt), "pdserve.n": req.n},
         )
         token = tracing.current_traceparent.set(self.span.traceparent if self.span else None)
+        priority_token = request_priority.set(priority)
         self.created = int(time.time())
         self.fmt = FORMATS[req.kind](app._token_text)  # the endpoint's response shapes
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -95,6 +101,7 @@ class GenerationRun:
                 asyncio.create_task(self._pump([c], app._sampling(req, max_tokens, c.index))) for c in self.choices
             ]
         tracing.current_traceparent.reset(token)  # (the tasks took a copy of the context)
+        request_priority.reset(priority_token)
         self.open = req.n
 
     async def _pump(self, choices: list[Choice], sampling: SamplingParams) -> None:
@@ -297,10 +304,14 @@ class GenerationRun:
                 yield self._chunk([], usage=self._usage(), pdserve_timings=self._timings())
             yield "data: [DONE]\n\n"
         finally:
-            # _done() first: when the client hangs up, this runs inside a cancelled scope and the
-            # await is cut short (cancel() has still told every backend stream to close).
-            self.app._done()
-            await self.cancel()  # client gone or done: close every backend stream
+            await self.close()
+
+    async def close(self) -> None:
+        """The end of a streamed run, however it came (idempotent): client gone or done."""
+        # _done() first: when the client hangs up, this runs inside a cancelled scope and the
+        # await is cut short (cancel() has still told every backend stream to close).
+        self.app._done(self)
+        await self.cancel()  # close every backend stream
 
     async def collect(self, first, request: Request) -> Response:
         async def drain():

@@ -140,6 +140,22 @@ class GatewayMetrics:
             ["outcome"],
             registry=r,
         )
+        # per API key, labelled by the key's name (gateway/tenants.py), never by the key
+        self.key_requests = Counter(
+            "pdserve_key_requests", "Requests admitted and ended, per API key", ["key"], registry=r
+        )
+        self.key_prompt_tokens = Counter(
+            "pdserve_key_prompt_tokens", "Prompt tokens of ended requests, per API key", ["key"], registry=r
+        )
+        self.key_completion_tokens = Counter(
+            "pdserve_key_completion_tokens", "Tokens generated for ended requests, per API key", ["key"], registry=r
+        )
+        self.rate_limited = Counter(
+            "pdserve_key_rate_limited",
+            "Requests refused with 429 for an API key's limit (requests, tokens or concurrency)",
+            ["key", "limit"],
+            registry=r,
+        )
         r.register(_WorkerCollector(worker_stats, routed_requests))
         r.register(_QueueCollector(queue_stats))
         for collector in collectors:  # the backend's own (e.g. queue wait histograms)
@@ -151,6 +167,11 @@ class GatewayMetrics:
                 self.kv_bytes.inc(value)
             elif key.endswith("_s"):
                 self.ttft_stage.labels(stage=key.removesuffix("_s")).observe(value)
+
+    def observe_usage(self, key: str, prompt_tokens: int, completion_tokens: int) -> None:
+        self.key_requests.labels(key=key).inc()
+        self.key_prompt_tokens.labels(key=key).inc(prompt_tokens)
+        self.key_completion_tokens.labels(key=key).inc(completion_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pdserve.gateway.limits import GatewayLimits
-from pdserve.gateway.schemas import LENGTH_PENALTY, MAX_LOGIT_BIAS, SAMPLING_RANGES, STOP_TOKEN_ID, Range
+from pdserve.gateway.schemas import LENGTH_PENALTY, MAX_LOGIT_BIAS, PRIORITY, SAMPLING_RANGES, STOP_TOKEN_ID, Range
 from pdserve.protocol.messages import FinishReason
 
 if TYPE_CHECKING:
@@ -98,6 +98,11 @@ def _request_schemas(limits: GatewayLimits, model_name: str, max_model_len: int,
         | {"description": "beam score = sum logprob / length ** length_penalty; beam search only"},
         "early_stopping": _optional({"enum": [True, False, "never"]})
         | {"description": "Hugging Face's beam stopping rule; beam search only"},
+        "priority": _optional(_number(PRIORITY))
+        | {
+            "description": "admission order while requests wait for a worker: lower first, arrival order "
+            "within one (vLLM's); null: the API key's default (0 without one)"
+        },
     }
     completion = _object(
         ["prompt"],
@@ -206,7 +211,8 @@ def _response_schemas(model_name: str) -> dict:
             error=_object(
                 ["message", "type", "param", "code"],
                 message=string,
-                type={"enum": ["invalid_request_error", "authentication_error", "server_error"]},
+                # requests / tokens: an API key's rate limit (429 rate_limit_exceeded), as OpenAI's
+                type={"enum": ["invalid_request_error", "authentication_error", "server_error", "requests", "tokens"]},
                 param=_optional(string),
                 code=_optional(string),
             ),
@@ -286,11 +292,15 @@ def _generate(request: str, result: str, chunk: str, summary: str) -> dict:
                     "description": "the result; with stream: true, server-sent events",
                     "content": {"application/json": {"schema": _ref(result)}, "text/event-stream": {"schema": event}},
                 },
-                "400": _error("invalid request"),
+                "400": _error("invalid request, or max_tokens over the API key's max_tokens_per_request"),
                 "401": _error("missing or wrong API key (servers started with --api-key)"),
                 "404": _error("unknown model"),
                 "413": _error("request body over the size limit"),
-                "429": _error("the waiting queue is full", retry_after=True),
+                "429": _error(
+                    "the waiting queue is full, or the API key is over one of its limits (requests or "
+                    "tokens per minute, requests in flight; OpenAI's x-ratelimit-* headers say which)",
+                    retry_after=True,
+                ),
                 "500": _error("generation failed, or an internal error"),
                 "503": _error("no capacity now, or the queue wait ran out", retry_after=True),
                 "504": _error("the request ran past --request-timeout"),

@@ -48,6 +48,12 @@ class ParsedRequest:
     use_beam_search: bool = False  # vLLM's extra parameter: beam width best_of (or n)
     length_penalty: float = 1.0
     early_stopping: bool | Literal["never"] = False
+    priority: int | None = None  # vLLM's: lower is admitted first; None = the API key's default
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences generated: best_of (the beam width with beam search), else n."""
+        return self.best_of if self.best_of is not None else self.n
 
     @property
     def is_group(self) -> bool:
@@ -83,6 +89,7 @@ SAMPLING_RANGES = {
 }
 STOP_TOKEN_ID = Range(True, -_INT64, _INT64 - 1)  # what msgpack carries to the workers
 LENGTH_PENALTY = Range(False, -10.0, 10.0)
+PRIORITY = Range(True, -_INT64, _INT64 - 1)  # vLLM's `priority`: any integer, lower first
 # what beam search leaves alone: it is deterministic and scores raw logprobs
 BEAM_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "temperature": (0, 0.0, None),
@@ -170,6 +177,7 @@ _COMMON_FIELDS = {
     "use_beam_search",
     "length_penalty",
     "early_stopping",
+    "priority",
 }  # user: the caller's end-user id, kept by nobody
 FIELDS = {
     "completion": _COMMON_FIELDS | {"prompt", "max_tokens", "logprobs", "echo", "suffix"},
@@ -309,6 +317,7 @@ def parse_request(body: Any, kind: RequestKind, limits: GatewayLimits) -> Parsed
         if stop_ids is None or not all(STOP_TOKEN_ID.admits(t) for t in stop_ids):
             raise invalid("'stop_token_ids' must be a list of 64-bit integers", "stop_token_ids")
         req.stop_token_ids = stop_ids
+    req.priority = _num(body, "priority", None, **PRIORITY._asdict())
     _parse_group(body, req, limits)
     return req
 

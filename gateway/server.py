@@ -11,12 +11,14 @@ import uvicorn
 
 from pdserve import tracing
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.gguf_file import load_tokenizer
 from pdserve.gateway.admission import QueueLimits
 from pdserve.gateway.app import create_app
 from pdserve.gateway.cluster_backend import ClusterBackend
 from pdserve.gateway.kv_index import DEFAULT_LOCAL_PREFILL_MAX_TOKENS
 from pdserve.gateway.limits import GatewayLimits
 from pdserve.gateway.slow_clients import http_protocol
+from pdserve.gateway.tenants import KeysFileError, TenantDirectory, read_keys_file
 from pdserve.protocol.auth import FrameAuth
 
 log = logging.getLogger(__name__)
@@ -33,6 +35,7 @@ class GatewayOptions:
     otlp_traces_endpoint: str | None = None  # OpenTelemetry traces go here (pdserve/tracing.py)
     kv_transport: str = "auto"
     api_key: str | None = None
+    api_keys_file: str | None = None  # named keys with limits and priorities (gateway/tenants.py)
     max_model_len: int | None = None
     served_model_name: str | None = None
     on_decode_failure: str = "migrate"
@@ -56,15 +59,21 @@ def _chat_template(path: str | None) -> str | None:
         raise SystemExit(f"--chat-template {path}: {e}") from None
 
 
-def serve_gateway(opts: GatewayOptions, auth: FrameAuth) -> None:
-    from transformers import AutoTokenizer
+def tenant_directory(api_key: str | None, api_keys_file: str | None) -> TenantDirectory:
+    """The tenants of --api-key and --api-keys-file (read once, at start: a bad file fails now)."""
+    try:
+        return TenantDirectory.build(api_key, read_keys_file(api_keys_file) if api_keys_file else ())
+    except KeysFileError as e:
+        raise SystemExit(f"--api-keys-file: {e}") from None
 
+
+def serve_gateway(opts: GatewayOptions, auth: FrameAuth) -> None:
     try:
         tracing.setup_tracing("pdserve-gateway", opts.otlp_traces_endpoint)
     except tracing.TracingUnavailable as e:
         raise SystemExit(f"pdserve gateway: {e}") from None
 
-    tokenizer = AutoTokenizer.from_pretrained(opts.model)
+    tokenizer = load_tokenizer(opts.model)  # an HF folder or a GGUF file
     model_cfg = ModelConfig.from_folder(opts.model)
     max_len = min(opts.max_model_len or model_cfg.max_context, model_cfg.max_context)
     backend = ClusterBackend(
@@ -86,7 +95,7 @@ def serve_gateway(opts: GatewayOptions, auth: FrameAuth) -> None:
         limits=GatewayLimits(
             request_timeout_s=opts.request_timeout_s, stream_write_timeout_s=opts.stream_write_timeout_s
         ),
-        api_key=opts.api_key,
+        tenants=tenant_directory(opts.api_key, opts.api_keys_file),
         chat_template=_chat_template(opts.chat_template),
         model_root=str(Path(opts.model).resolve()),
     )

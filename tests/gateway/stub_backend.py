@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+from pdserve.gateway.admission import request_priority
 from pdserve.gateway.backend import Backend, BackendUnavailable
 from pdserve.protocol.messages import TokenLogprob, TokenOutput, WorkerStats
 from pdserve.protocol.sampling import SamplingParams
@@ -19,6 +20,7 @@ class StubBackend(Backend):
         self.stopped: dict[str, set[int]] = {}  # request id -> choices stopped alone (stop_choice)
         self.sampling: dict[str, SamplingParams] = {}
         self.prompts: dict[str, list[int]] = {}
+        self.priorities: dict[str, int] = {}  # the admission priority each request came with
         self.unavailable = False
         self.refusal: BackendUnavailable | None = None  # raised before the first token when set
         self.healthy = True
@@ -32,6 +34,7 @@ class StubBackend(Backend):
         self.started.append(request_id)
         self.sampling[request_id] = sampling
         self.prompts[request_id] = list(prompt_token_ids)
+        self.priorities[request_id] = request_priority.get()
         done = False
         choices = sampling.n if sampling.is_group else 1
         ended: set[int] = set()

@@ -137,3 +137,47 @@ def test_errors_from_the_start_propagate():
         assert q.stats().depth == 0
 
     run(go())
+
+
+def test_lower_priority_value_goes_first_and_fifo_within_one():
+    async def go():
+        pool = Pool(seats=1)
+        q = AdmissionQueue("decode", QueueLimits(), pool.free)
+        running = asyncio.create_task(q.admit(1, pool.starter("running"), priority=9))
+        await asyncio.sleep(0.01)
+        arrivals = [("a5", 5), ("b1", 1), ("c5", 5), ("d0", 0), ("e1", 1)]
+        tasks = []
+        for name, priority in arrivals:  # each arrives after the one before
+            tasks.append(asyncio.create_task(q.admit(1, pool.starter(name), priority=priority)))
+            await asyncio.sleep(0.01)
+        # the pool is full: the urgent arrivals wait; the running request is never preempted
+        assert pool.started == ["running"] and q.stats().depth == 5
+        for _ in arrivals:
+            pool.seats += 1
+            q.notify()
+            await asyncio.sleep(0.01)
+        await asyncio.gather(running, *tasks)
+        assert pool.started == ["running", "d0", "b1", "e1", "a5", "c5"]
+        assert_empty(q)
+
+    run(go())
+
+
+def test_a_resumed_request_goes_before_any_priority():
+    async def go():
+        pool = Pool(seats=0)
+        q = AdmissionQueue("decode", QueueLimits(), pool.free)
+        urgent = asyncio.create_task(q.admit(1, pool.starter("urgent"), priority=-(2**40)))
+        await asyncio.sleep(0.01)
+        resumed = asyncio.create_task(q.admit(1, pool.starter("resumed"), resumed=True, priority=7))
+        await asyncio.sleep(0.01)
+        pool.seats = 1
+        q.notify()
+        await asyncio.sleep(0.01)
+        assert pool.started == ["resumed"]
+        pool.seats = 1
+        q.notify()
+        assert await asyncio.gather(resumed, urgent) == ["resumed", "urgent"]
+        assert_empty(q)
+
+    run(go())
