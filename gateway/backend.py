@@ -42,9 +42,6 @@ class Backend(ABC):
         """Yield TokenOutputs until one has finish_reason set. May raise BackendUnavailable
         before the first yield. Closing the iterator early (aclose) aborts the request."""
 
-    @abstractmethod
-    async def abort(self, request_id: str) -> None: ...
-
     def stop_choice(self, request_id: str, index: int) -> None:
         """One choice of a group whose choices stream ended here (a stop string): let the worker
         stop generating it; the request's other choices go on. Best effort: tokens it still sends

@@ -391,12 +391,6 @@ class ClusterBackend(Backend):
     def routed_requests(self) -> dict[str, int]:
         return {wid: w.inflight for wid, w in self.table.workers.items() if self.table.is_live(w)}
 
-    async def abort(self, request_id: str) -> None:
-        # generate()'s finally block does the work; this is for callers holding only an id.
-        queue = self._streams.get(request_id)
-        if queue is not None:
-            queue.put_nowait(TokenOutput(request_id=request_id, finish_reason="abort"))
-
     def stop_choice(self, request_id: str, index: int) -> None:
         # (a group that migrates later reruns every member; the gateway drops this one's tokens)
         worker_id = self._decoding_at.get(request_id)

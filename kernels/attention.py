@@ -17,8 +17,6 @@ from pdserve.env import settings
 from pdserve.kernels import cpu_native, torch_attention
 from pdserve.kernels.metadata import AttentionMetadata
 
-_CHOICES = ("", "auto", "torch", "triton")
-
 
 @functools.lru_cache(maxsize=None)
 def triton_available() -> bool:

@@ -26,7 +26,6 @@ on drops frames whose tag is missing or wrong before their bytes reach a KV bloc
 
 from __future__ import annotations
 
-import math
 from typing import Union
 
 import msgspec
@@ -84,10 +83,6 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def element_size(name: str) -> int:
     return torch.empty((), dtype=torch_dtype(name)).element_size()
-
-
-def payload_nbytes(shape: list[int] | tuple[int, ...], dtype: str) -> int:
-    return math.prod(shape) * element_size(dtype)
 
 
 PAYLOAD_MAC_MODES = ("auto", "on", "off")

@@ -40,10 +40,6 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 S = TypeVar("S", bound=WorkerSettings)
 
 
-def write_settings(settings: WorkerSettings, path: Path) -> None:
-    path.write_bytes(msgspec.json.format(msgspec.json.encode(settings)))
-
-
 def read_settings(path: str | Path, kind: type[S]) -> S:
     """The settings in `path`, validated as `kind`; ValueError naming the file and the field."""
     try:

@@ -79,9 +79,6 @@ class StubBackend(Backend):
     def stop_choice(self, request_id: str, index: int) -> None:
         self.stopped.setdefault(request_id, set()).add(index)
 
-    async def abort(self, request_id: str) -> None:
-        self.aborted.append(request_id)
-
     def health(self):
         return self.healthy, {"live_workers": {"stub": int(self.healthy)}}
 
