@@ -7,7 +7,7 @@ import sys
 
 from pdserve.cli import roles
 from pdserve.cli.engine_args import add_engine_args
-from pdserve.gateway.kv_index import DEFAULT_LOCAL_PREFILL_MAX_TOKENS
+from pdserve.gateway.router import DEFAULT_LOCAL_PREFILL_MAX_TOKENS, ROUTER_POLICIES
 
 
 def _positive_float(text: str) -> float:
@@ -56,6 +56,14 @@ def _add_admission_args(p: argparse.ArgumentParser) -> None:
         help="a decode worker that holds all of a prompt but at most this many tokens (the next turn of "
         "a conversation) prefills them itself, skipping the prefill pool (0: never; the rule: "
         "docs/ARCHITECTURE.md, prefix cache)",
+    )
+    p.add_argument(
+        "--router",
+        default="kv-aware",
+        choices=ROUTER_POLICIES,
+        help="which worker takes a request: kv-aware (the one holding most of the prompt, then the least "
+        "loaded; short rests prefilled on the decode worker), least-loaded (load only), round-robin "
+        "(gateway/router.py)",
     )
 
 

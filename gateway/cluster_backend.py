@@ -32,9 +32,10 @@ from prometheus_client import Histogram
 from pdserve import tracing
 from pdserve.gateway.admission import AdmissionQueue, QueueLimits, request_priority
 from pdserve.gateway.backend import Backend, BackendUnavailable, RequestTooLarge
-from pdserve.gateway.kv_index import DEFAULT_LOCAL_PREFILL_MAX_TOKENS, KvIndex, decode_order, pick_prefill
+from pdserve.gateway.kv_index import KvIndex
 from pdserve.gateway.membership import WorkerEntry, WorkerTable
 from pdserve.gateway.queue_stats import QueueStats
+from pdserve.gateway.router import DEFAULT_LOCAL_PREFILL_MAX_TOKENS, Router, RouterPolicy
 from pdserve.protocol.auth import FrameAuth
 from pdserve.protocol.block_hashes import BlockHasher, short_id
 from pdserve.protocol.channel import AsyncInbox, AsyncOutbox
@@ -95,6 +96,7 @@ class ClusterBackend(Backend):
         max_attempts: int = 3,
         queue_limits: QueueLimits = QueueLimits(),
         local_prefill_max_tokens: int = DEFAULT_LOCAL_PREFILL_MAX_TOKENS,
+        router: RouterPolicy = "kv-aware",  # gateway/router.py
         worker_advertise: str | None = None,
         allow_wildcard_bind: bool = False,
     ) -> None:
@@ -105,7 +107,7 @@ class ClusterBackend(Backend):
         self.on_decode_failure = on_decode_failure
         self.max_attempts = max_attempts
         # a decode worker holding all but this many prompt tokens prefills them itself (0: never)
-        self.local_prefill_max_tokens = local_prefill_max_tokens
+        self.router = Router(router, local_prefill_max_tokens)
         self.auth = auth
         self.inbox_bind = inbox_bind
         self.worker_advertise = worker_advertise  # the worker-plane address /cluster/join hands out
@@ -313,7 +315,7 @@ class ClusterBackend(Backend):
         for a in self._at_prefill.values():
             queued[a.prefill_id] = queued.get(a.prefill_id, 0) + a.num_tokens
         held = {w.worker_id: self._held_blocks(w, prompt, memo) * w.info.kv_layout.block_size for w in prefills}
-        p = pick_prefill(prefills, held, queued, len(prompt))
+        p = self.router.pick_prefill("prefill", prefills, held, queued, len(prompt))
         self._at_prefill[request_id] = _AtPrefill(p.worker_id, d.worker_id, reply.lease.deadline, len(prompt))
         return p, d, reply
 
@@ -459,11 +461,9 @@ class ClusterBackend(Backend):
             raise BackendUnavailable("no live decode worker", retry_after_s=2.0)
         reasons, full = [], False
         held = {d.worker_id: self._held_blocks(d, prompt, memo) for d in decodes}
-        for d in decode_order(decodes, held, len(prompt)):
+        for d in self.router.decode_order(decodes, held, len(prompt)):
             # ask it to prefill the rest itself when its heartbeats say it holds all but a little
-            rest = len(prompt) - held[d.worker_id] * d.info.kv_layout.block_size
-            holds = held[d.worker_id] > 0  # a prompt it holds nothing of goes to the prefill pool
-            local = self.local_prefill_max_tokens if holds and 0 < rest <= self.local_prefill_max_tokens else 0
+            local = self.router.local_prefill_tokens(held[d.worker_id] * d.info.kv_layout.block_size, len(prompt))
             fut = asyncio.get_running_loop().create_future()
             self._reserve_waiters[request_id] = fut
             d.reserving += 1
@@ -658,7 +658,7 @@ class ClusterBackend(Backend):
 
     async def _seat_colocated(self, prompt: list[int]) -> WorkerEntry | None:
         """The colocated worker with a free seat and the least expected work before this prompt's
-        first token (gateway/kv_index.py `pick_prefill`), taken at once; or None."""
+        first token (or as the router's policy says: gateway/router.py), taken at once; or None."""
         live = self.table.live("colocated")
         if not live:
             raise BackendUnavailable("no live colocated worker", retry_after_s=2.0)
@@ -667,7 +667,7 @@ class ClusterBackend(Backend):
             return None
         memo: dict[tuple[str, int], list[bytes]] = {}
         held = {w.worker_id: self._held_blocks(w, prompt, memo) * w.info.kv_layout.block_size for w in free}
-        c = pick_prefill(free, held, {}, len(prompt))
+        c = self.router.pick_prefill("colocated", free, held, {}, len(prompt))
         c.inflight += 1
         return c
 

@@ -15,8 +15,8 @@ from pdserve.engine.gguf_file import load_tokenizer
 from pdserve.gateway.admission import QueueLimits
 from pdserve.gateway.app import create_app
 from pdserve.gateway.cluster_backend import ClusterBackend
-from pdserve.gateway.kv_index import DEFAULT_LOCAL_PREFILL_MAX_TOKENS
 from pdserve.gateway.limits import GatewayLimits
+from pdserve.gateway.router import DEFAULT_LOCAL_PREFILL_MAX_TOKENS, RouterPolicy
 from pdserve.gateway.slow_clients import http_protocol
 from pdserve.gateway.tenants import KeysFileError, TenantDirectory, read_keys_file
 from pdserve.protocol.auth import FrameAuth
@@ -47,6 +47,7 @@ class GatewayOptions:
     stuck_after_s: float = 30.0
     # a decode worker holding all but this many prompt tokens prefills them itself (0: never)
     local_prefill_max_tokens: int = DEFAULT_LOCAL_PREFILL_MAX_TOKENS
+    router: RouterPolicy = "kv-aware"  # which worker takes a request (gateway/router.py)
 
 
 def _chat_template(path: str | None) -> str | None:
@@ -84,6 +85,7 @@ def serve_gateway(opts: GatewayOptions, auth: FrameAuth) -> None:
         stuck_after_s=opts.stuck_after_s,
         queue_limits=opts.queue_limits,
         local_prefill_max_tokens=opts.local_prefill_max_tokens,
+        router=opts.router,
         worker_advertise=opts.worker_advertise,
         allow_wildcard_bind=opts.allow_wildcard_bind,
     )

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import os
 
-from pdserve.gateway.kv_index import KvIndex, decode_order, pick_prefill
+from pdserve.gateway.kv_index import KvIndex
 from pdserve.gateway.membership import WorkerEntry
+from pdserve.gateway.router import decode_order, pick_prefill
 from pdserve.protocol.messages import KvDigest, KvLayout, WorkerInfo, WorkerStats
 
 
