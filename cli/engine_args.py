@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from pdserve.cli.topology import step_budget
-from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.config import QUANTIZATIONS, CacheConfig, EngineConfig, SchedulerConfig
 
 
 def parse_size(text: str) -> int:
@@ -21,6 +21,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None, help="HF model folder or GGUF file (default: the embedded random Llama)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument(
+        "--quantization",
+        default="none",
+        choices=QUANTIZATIONS,
+        help="weight-only quantization of the linear layers at load (CPU): int8, or int4, both in "
+        "groups of 32 inputs with a scale each; a GGUF file's Q8_0 / Q4_0 blocks are kept as stored",
+    )
     g.add_argument("--device", default="cpu")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-blocks", type=int, default=None, help="KV blocks (overrides --kv-cache-memory)")
@@ -72,6 +79,7 @@ def engine_config(args: argparse.Namespace, role: str, budget: int | None = None
         model=resolve_model(args.model),
         dtype=args.dtype,
         device=args.device,
+        quantization=args.quantization,
         seed=args.seed,
         cache=CacheConfig(
             block_size=args.block_size,

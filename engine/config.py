@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -270,6 +270,14 @@ class CacheConfig:
 
 
 SCHEDULING_POLICIES = ("fcfs", "shortest-first")
+QUANTIZATIONS = ("none", "int8", "int4")  # --quantization
+
+
+def quantized(cfg: ModelConfig, quantization: str) -> ModelConfig:
+    """`cfg` with a weight-only quantization named in its fingerprint (it changes the KV)."""
+    if quantization == "none":
+        return cfg
+    return replace(cfg, weights_tag="+".join(t for t in (cfg.weights_tag, quantization) if t))
 
 
 @dataclass(frozen=True)
@@ -299,3 +307,8 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     seed: int | None = None  # sampler seed for requests without their own
+    quantization: str = "none"  # none | int8 | int4: weight-only linears (engine/models/quantized_linear.py)
+
+    def __post_init__(self) -> None:
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")

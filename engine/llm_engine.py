@@ -20,7 +20,7 @@ import torch
 
 from pdserve.engine.beam_search import BeamSearch, Candidate
 from pdserve.engine.block_pool import BlockPool
-from pdserve.engine.config import EngineConfig, ModelConfig, resolve_dtype
+from pdserve.engine.config import EngineConfig, ModelConfig, quantized, resolve_dtype
 from pdserve.engine.kv_cache import KvAllocator, KVCacheSpec, allocate_kv_cache, plan_num_blocks
 from pdserve.engine.model_runner import ForwardPass, ModelRunner, load_model
 from pdserve.engine.prefix_cache import BlockHasher
@@ -69,7 +69,7 @@ class LLMEngine:
     ) -> None:
         self.config = config
         self.device = torch.device(config.device)
-        self.model_config = ModelConfig.from_folder(config.model)
+        self.model_config = quantized(ModelConfig.from_folder(config.model), config.quantization)
         self.dtype = resolve_dtype(config.dtype, self.device)
         if config.dtype == "auto":
             log.info(
@@ -87,7 +87,7 @@ class LLMEngine:
         self.kv_spec = KVCacheSpec.for_model(mc, self.block_size, self.dtype)
         num_blocks = plan_num_blocks(self.kv_spec, config.cache, self.max_model_len)
         t0 = time.perf_counter()
-        model = load_model(mc, self.dtype, self.device, self.max_model_len, show_progress)
+        model = load_model(mc, self.dtype, self.device, self.max_model_len, show_progress, config.quantization)
         kv_cache = allocate_kv_cache(self.kv_spec, num_blocks, self.device, kv_allocator)
         log.info(
             "model %s loaded in %.1fs: dtype %s, %d KV blocks x %d tokens (%.1f MiB)",

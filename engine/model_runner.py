@@ -11,6 +11,7 @@ import torch
 from pdserve.engine.batch import ForwardBatch, build_batch
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.models.llama import ForwardContext, LlamaForCausalLM, Rope
+from pdserve.engine.models.quantized_linear import quantize_model
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.engine.sequence import Sequence
@@ -20,12 +21,19 @@ log = logging.getLogger(__name__)
 
 
 def load_model(
-    cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int, show_progress: bool = True
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    show_progress: bool = True,
+    quantization: str = "none",
 ) -> LlamaForCausalLM:
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, max_positions)
     model.materialize(device, dtype)
     load_weights(model, cfg.path, show_progress=show_progress)
+    if quantization != "none":
+        quantize_model(model, quantization, cfg.path)  # before the relayout, which skips them
     if device.type == "cpu":
         kind = model.use_cpu_weight_layout()
         from pdserve.kernels import (

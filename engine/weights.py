@@ -54,7 +54,7 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def _fused_slices(model: LlamaForCausalLM) -> dict[str, tuple[str, int, int]]:
+def fused_slices(model: LlamaForCausalLM) -> dict[str, tuple[str, int, int]]:
     """HF name (without `model.`) -> (our param, row start, row end)."""
     out: dict[str, tuple[str, int, int]] = {}
     for i, layer in enumerate(model.decoder_layers):
@@ -92,7 +92,7 @@ def load_weights(model: LlamaForCausalLM, path: str | Path, show_progress: bool 
     """`path`: an HF folder (safetensors) or a GGUF file."""
     path = Path(path)
     params = dict(model.named_parameters(remove_duplicate=False))
-    fused = _fused_slices(model)
+    fused = fused_slices(model)
     covered: dict[str, int] = {name: 0 for name in params}  # rows loaded per parameter
     tied = getattr(model.cfg, "tie_word_embeddings", False)
     unexpected: list[str] = []

@@ -170,7 +170,8 @@ class LlamaForCausalLM(nn.Module):
         """The layers over this KV pool [L, 2, N, bs, Hkv, D], described once for the one-call
         decode driver (kernels/decode_layers.py); None when it cannot run them: not the fp32 CPU
         path, a layer the driver does not know (q/k norm, partial rotary, o_proj bias), a linear
-        without few-row panels, or the driver not built."""
+        without few-row panels (a quantized one among them: models/quantized_linear.py), or the
+        driver not built."""
         if not (kv_cache.device.type == "cpu" and kv_cache.dtype == torch.float32 and kv_cache.is_contiguous()):
             return None
         c = self.cfg

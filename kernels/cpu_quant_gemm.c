@@ -1,0 +1,178 @@
+/* Weight-only int8 / int4 linear on the CPU: y[m, out] = x[m, in] . dequant(W)^T (+ bias).
+ *
+ * Layout (kernels/quant_gemm.py `QuantWeight`): W [out, in] in groups of GROUP = 32 consecutive
+ * inputs, each group one fp32 scale d (scales [out, in / 32]):
+ *   int8: q [out, in] int8, w = q * d                      (GGUF Q8_0's blocks, scale widened)
+ *   int4: q [out, in / 2] bytes, 16 a group; byte j of a group holds element j in its low
+ *         nibble and element j + 16 in its high one, w = (nibble - 8) * d   (GGUF Q4_0's blocks)
+ * `in` is a multiple of 32 here (the caller pads x and the weight rows with zeros).
+ *
+ * `quant_gemm_f32` (decode: 1-16 rows) reads each quantized weight once a call, widens it to
+ * fp32 in registers (w = q * d, the same fp32 product as the torch reference's dequantized
+ * weight) and accumulates with FMA. A tile is J output rows x R input rows: each (output, row)
+ * pair keeps one vector accumulator, summing its groups in order, then its lanes in order, so
+ * a row's result depends neither on the other rows in the call nor on the thread count
+ * (threads split output rows; each thread streams contiguous weight rows). No int8 x int8 dot
+ * (VNNI): that would quantize the activations too; the kernel is bound by reading weights, not
+ * by FMAs, at these sizes.
+ *
+ * `quant_dequant_f32` widens output rows [o0, o1) to fp32 [o1 - o0, in] (prefill: the caller
+ * multiplies a tile at a time with torch's GEMM).
+ *
+ * Vector width: 16 floats with AVX-512, 8 with AVX2, else 4 (SSE2, or whatever the compiler
+ * lowers GCC's vector extensions to). Threads: OpenMP on torch's own libgomp.
+ */
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define GROUP 32
+
+#if defined(__AVX512F__)
+#define VW 16
+#define J 4
+#define R 4
+#elif defined(__AVX2__)
+#define VW 8
+#define J 4
+#define R 2
+#else
+#define VW 4
+#define J 2
+#define R 2
+#endif
+
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef float vfu __attribute__((vector_size(VW * 4), aligned(4)));
+typedef int8_t vq __attribute__((vector_size(VW)));
+typedef uint8_t vb __attribute__((vector_size(VW)));
+typedef int32_t vi __attribute__((vector_size(VW * 4)));
+
+int quant_group(void) { return GROUP; } /* kernels/quant_gemm.py checks it */
+
+static inline vf loadf(const float *p) { return *(const vfu *)p; }
+
+/* VW int8 -> VW int32 -> fp32: by intrinsics where there are (GCC turned the vector-extension
+ * form of a load and convert into byte-by-byte scalar loads) */
+static inline vf to_float(vq q) {
+#if defined(__AVX512F__)
+    __m128i b;
+    memcpy(&b, &q, sizeof b);
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+#elif defined(__AVX2__)
+    __m128i b = _mm_setzero_si128();
+    memcpy(&b, &q, sizeof q);
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+#else
+    return __builtin_convertvector(__builtin_convertvector(q, vi), vf);
+#endif
+}
+
+/* elements [s * VW, s * VW + VW) of one group, as fp32 times the group's scale */
+static inline __attribute__((always_inline)) vf widen(const int bits, const uint8_t *g, const int s, const float d) {
+    vq q;
+    if (bits == 8) {
+        memcpy(&q, g + s * VW, sizeof q);
+    } else {
+        const int e = s * VW; /* element offset: low nibbles hold 0..15, high ones 16..31 */
+        vb b;
+        memcpy(&b, g + (e & 15), sizeof b);
+        q = (vq)(e < 16 ? (b & 15) : (b >> 4)) - 8;
+    }
+    vf w = to_float(q) * d;
+#if defined(__x86_64__)
+    __asm__("" : "+x"(w)); /* w = q * d stays one product: -ffast-math may not regroup it per tile */
+#endif
+    return w;
+}
+
+/* lanes in order; not inlined, so -ffast-math cannot regroup it with its neighbours per tile shape */
+static __attribute__((noinline)) float hsum(vf v) {
+    float s = 0.0f;
+    for (int i = 0; i < VW; i++) s += v[i];
+    return s;
+}
+
+/* jn (<= J) output rows from `o` times rn (<= R) rows of x -> y */
+static inline __attribute__((always_inline)) void tile(const int bits, const int jn, const int rn, const float *x,
+                                                       int64_t ldx, const uint8_t *q, const float *scales,
+                                                       const float *bias, float *y, int64_t ldy, int64_t in,
+                                                       int64_t o) {
+    const int64_t groups = in / GROUP, gbytes = GROUP * bits / 8, row_bytes = groups * gbytes;
+    vf acc[J][R];
+    for (int j = 0; j < jn; j++)
+        for (int r = 0; r < rn; r++) acc[j][r] = (vf){0};
+    for (int64_t g = 0; g < groups; g++) {
+        for (int s = 0; s < GROUP / VW; s++) {
+            vf xs[R];
+            for (int r = 0; r < rn; r++) xs[r] = loadf(x + r * ldx + g * GROUP + s * VW);
+            for (int j = 0; j < jn; j++) {
+                const vf w = widen(bits, q + (o + j) * row_bytes + g * gbytes, s, scales[(o + j) * groups + g]);
+                for (int r = 0; r < rn; r++) acc[j][r] += w * xs[r];
+            }
+        }
+    }
+    for (int j = 0; j < jn; j++)
+        for (int r = 0; r < rn; r++) y[r * ldy + o + j] = hsum(acc[j][r]) + (bias ? bias[o + j] : 0.0f);
+}
+
+/* full tiles, then the leftover rows/outputs one at a time: constant sizes so tiles unroll */
+static void rows_range(const int bits, const float *x, int64_t ldx, const uint8_t *q, const float *scales,
+                       const float *bias, float *y, int64_t m, int64_t in, int64_t out, int64_t o0, int64_t o1) {
+    for (int64_t o = o0; o < o1;) {
+        const int jn = o + J <= o1 ? J : 1;
+        int64_t r = 0;
+        for (; r + R <= m; r += R) {
+            if (jn == J && bits == 8) tile(8, J, R, x + r * ldx, ldx, q, scales, bias, y + r * out, out, in, o);
+            else if (jn == J) tile(4, J, R, x + r * ldx, ldx, q, scales, bias, y + r * out, out, in, o);
+            else if (bits == 8) tile(8, 1, R, x + r * ldx, ldx, q, scales, bias, y + r * out, out, in, o);
+            else tile(4, 1, R, x + r * ldx, ldx, q, scales, bias, y + r * out, out, in, o);
+        }
+        for (; r < m; r++) {
+            if (jn == J && bits == 8) tile(8, J, 1, x + r * ldx, ldx, q, scales, bias, y + r * out, out, in, o);
+            else if (jn == J) tile(4, J, 1, x + r * ldx, ldx, q, scales, bias, y + r * out, out, in, o);
+            else if (bits == 8) tile(8, 1, 1, x + r * ldx, ldx, q, scales, bias, y + r * out, out, in, o);
+            else tile(4, 1, 1, x + r * ldx, ldx, q, scales, bias, y + r * out, out, in, o);
+        }
+        o += jn;
+    }
+}
+
+/* y [m, out] = x [m, in] (rows ldx floats apart) . dequant(q, scales)^T (+ bias; may be NULL).
+ * bits 8 or 4; in a multiple of GROUP. Returns 0, or -1 for a bad argument. */
+int quant_gemm_f32(const float *x, int64_t ldx, const uint8_t *q, const float *scales, const float *bias, float *y,
+                   int64_t m, int64_t in, int64_t out, int bits, int nthreads) {
+    if ((bits != 8 && bits != 4) || in % GROUP || m < 1) return -1;
+    if (nthreads < 1) nthreads = 1;
+    int64_t per = (out + nthreads - 1) / nthreads;
+    per = (per + J - 1) / J * J; /* ranges of whole J-row tiles */
+    const int parts = (int)((out + per - 1) / per);
+#pragma omp parallel for num_threads(parts) schedule(static, 1) if (parts > 1)
+    for (int t = 0; t < parts; t++) {
+        const int64_t o0 = t * per, o1 = o0 + per < out ? o0 + per : out;
+        rows_range(bits, x, ldx, q, scales, bias, y, m, in, out, o0, o1);
+    }
+    return 0;
+}
+
+/* w [o1 - o0, in] = dequant(q, scales) rows [o0, o1). Returns 0, or -1 for a bad argument. */
+int quant_dequant_f32(const uint8_t *q, const float *scales, float *w, int64_t in, int64_t o0, int64_t o1, int bits,
+                      int nthreads) {
+    if ((bits != 8 && bits != 4) || in % GROUP || o1 < o0) return -1;
+    const int64_t groups = in / GROUP, gbytes = GROUP * bits / 8;
+#pragma omp parallel for num_threads(nthreads > 0 ? nthreads : 1) schedule(static) if (nthreads > 1)
+    for (int64_t o = o0; o < o1; o++) {
+        for (int64_t g = 0; g < groups; g++) {
+            const uint8_t *src = q + (o * groups + g) * gbytes;
+            const float d = scales[o * groups + g];
+            float *dst = w + (o - o0) * in + g * GROUP;
+            for (int s = 0; s < GROUP / VW; s++) {
+                const vf v = bits == 8 ? widen(8, src, s, d) : widen(4, src, s, d);
+                memcpy(dst + s * VW, &v, sizeof v);
+            }
+        }
+    }
+    return 0;
+}
