@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable, cast, get_args
 
 import torch
@@ -28,6 +29,7 @@ from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.engine.sequence import SeqStatus, Sequence
 from pdserve.engine.sequence_group import SequenceGroup, member_sampling
+from pdserve.engine.structured.matcher import GrammarCache, constrain
 from pdserve.protocol.messages import FinishReason, TokenLogprob
 from pdserve.protocol.sampling import SamplingParams
 
@@ -106,6 +108,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, kv_cache, self.block_size, Sampler(mc.eos_token_ids, seed=config.seed))
         self.seqs: dict[str, Sequence] = {}
         self.num_steps = 0
+        self.grammars = GrammarCache(config.model, mc.vocab_size, mc.eos_token_ids)
 
     @property
     def kv_cache(self) -> torch.Tensor:
@@ -129,10 +132,24 @@ class LLMEngine:
         if bad:
             raise ValueError(f"token ids out of vocabulary: {bad[:5]}")
         seq = Sequence(request_id, list(prompt), len(prompt), sampling)
+        if sampling.structured is not None:
+            self._attach_grammar(seq)
         if sampling.is_group:
             self._make_group(seq, check_room=not prefill_only)
         self.seqs[request_id] = seq
         return seq
+
+    def _attach_grammar(self, seq: Sequence) -> None:
+        """The sequence's matcher (compiled here, synchronously: < 1 ms, engine/structured/); a
+        migrated request's matcher first consumes the tokens it generated before (its prompt's tail)."""
+        c = seq.sampling.structured
+        assert c is not None
+        seq.grammar = grammar = self.grammars.new(c)
+        if c.resumed_tokens > len(seq.token_ids):
+            raise ValueError("structured.resumed_tokens exceeds the prompt")
+        for t in seq.token_ids[len(seq.token_ids) - c.resumed_tokens :]:
+            if not grammar.accept(t):
+                raise ValueError(f"the resumed tokens break the constraint: {grammar.error}")
 
     def _make_group(self, root: Sequence, check_room: bool) -> None:
         sp = root.sampling
@@ -291,11 +308,13 @@ class LLMEngine:
                 rows += [r] * len(members)
                 drawn += members
         if drawn:
+            grammars = [s.grammar for s in drawn]
             out = self.runner.sampler(
                 logits[rows],
                 [s.sampling for s in drawn],
                 [s.prompt_token_ids for s in drawn],
                 [s.output_token_ids for s in drawn],
+                mask=partial(constrain, grammars=grammars) if any(grammars) else None,
             )
             results += self._accept(list(zip(drawn, out.token_ids, out.logprobs, strict=True)))
         for group_rows in beams.values():
@@ -326,7 +345,9 @@ class LLMEngine:
         else:
             k = group.sampling.num_seqs
             params = [member_sampling(group.sampling, i) for i in range(k)]
-            out = self.runner.sampler(row.expand(k, -1), params, [root.prompt_token_ids] * k, [[]] * k)
+            # every member's first token obeys the root's constraint
+            mask = None if root.grammar is None else partial(constrain, grammars=[root.grammar] * k)
+            out = self.runner.sampler(row.expand(k, -1), params, [root.prompt_token_ids] * k, [[]] * k, mask)
             fork = [lp or TokenLogprob(t, 0.0, [], []) for t, lp in zip(out.token_ids, out.logprobs, strict=True)]
         self._finish(root, PREFILLED)
         return StepOutput(root.request_id, [], None, PREFILLED, root, request_done=True, fork=fork)
@@ -434,6 +455,12 @@ class LLMEngine:
             seq.logprobs.append(logprob)
         sp = seq.sampling
         n_out = seq.num_output_tokens
+        if seq.grammar is not None:
+            if not seq.grammar.accept(token):  # (a masked row cannot draw it: min_tokens' EOS ban may force one)
+                log.warning("request %s: token %d refused by its grammar: %s", seq.request_id, token, seq.grammar.error)
+                return "stop"
+            if seq.grammar.terminated:  # the structure is complete
+                return "stop"
         if n_out >= sp.min_tokens:
             if not sp.ignore_eos and token in self.model_config.eos_token_ids:
                 return "stop"

@@ -1,9 +1,10 @@
 """Batched sampling: greedy, temperature, top-k, top-p, min-p, penalties, per-request seeds,
 logprobs.
 
-Order per row: penalties -> min_tokens suppression -> temperature -> top-k -> top-p -> min-p
--> draw. Logprobs are reported from the RAW model distribution (log_softmax of the logits
-before any processing), as vLLM does by default.
+Order per row: penalties -> min_tokens suppression -> grammar mask (constrained rows,
+engine/structured/) -> temperature -> top-k -> top-p -> min-p -> draw. Logprobs are reported
+from the RAW model distribution (log_softmax of the logits before any processing), as vLLM does
+by default.
 
 A seeded row draws from a generator seeded by (seed, number of tokens it has generated), so its
 output does not depend on batch composition, on which worker samples it (a prefill worker
@@ -12,7 +13,7 @@ draws the first token, a decode worker the rest) or on preemption.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -52,14 +53,19 @@ class Sampler:
         params: Sequence[SamplingParams],
         prompt_token_ids: Sequence[Sequence[int]],
         output_token_ids: Sequence[Sequence[int]],
+        mask: Callable[[torch.Tensor], None] | None = None,
     ) -> SamplerOutput:
-        """logits [B, V] -> one token per row (the caller's tensor is not modified)."""
+        """logits [B, V] -> one token per row (the caller's tensor is not modified). `mask`, when
+        some rows are constrained, sets their disallowed tokens to -inf in place (a [B, V] copy)."""
         logits = logits.float()
         simple = all(
             p.greedy and not p.uses_penalties and p.logprobs is None and len(out) >= p.min_tokens
             for p, out in zip(params, output_token_ids)
         )
         if simple:  # the decode hot path
+            if mask is not None:
+                logits = logits.clone()
+                mask(logits)
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(params))
 
         raw = logits
@@ -70,6 +76,8 @@ class Sampler:
             if len(out) < p.min_tokens:
                 banned = [t for t in (*self.eos_token_ids, *p.stop_token_ids) if 0 <= t < x.shape[1]]
                 x[i, banned] = float("-inf")
+        if mask is not None:
+            mask(x)
 
         tokens = x.argmax(dim=-1)  # [B] greedy rows keep this
         random_rows = [i for i, p in enumerate(params) if not p.greedy]

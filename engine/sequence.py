@@ -12,6 +12,7 @@ from pdserve.protocol.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from pdserve.engine.sequence_group import SequenceGroup
+    from pdserve.engine.structured.matcher import Grammar
 
 
 class SeqStatus(enum.Enum):
@@ -55,6 +56,8 @@ class Sequence:
     seq_index: int = 0
     cumulative_logprob: float = 0.0
     report_logprobs: bool = True
+    # Constrained decoding (sampling.structured): the matcher, advanced with every output token.
+    grammar: Grammar | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -12,7 +12,8 @@ first writes into it while another still holds it (copy-on-write).
 
 Sampled members (n, best_of) are independent after the fork: member i draws with seed + i
 (the same stream an n=1 request with that seed draws). With best_of > n they all finish before
-the n with the highest cumulative logprob are returned. Beams move in lockstep (the scheduler
+the n with the highest cumulative logprob are returned. A constrained member gets a copy of its
+parent's grammar matcher at the fork (beam search takes no constraint). Beams move in lockstep (the scheduler
 runs a beam group's decodes together or not at all) and every step BeamSearch decides which
 beams continue: a beam picked twice forks, a beam not picked ends and gives its blocks back.
 """
@@ -70,6 +71,7 @@ class SequenceGroup:
             group=self,
             cumulative_logprob=parent.cumulative_logprob,
             report_logprobs=parent.report_logprobs,
+            grammar=parent.grammar.fork() if parent.grammar is not None else None,
         )
         pool.incref(child.block_table)
         return child

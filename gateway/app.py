@@ -191,6 +191,7 @@ class GatewayApp:
             min_tokens=min(req.min_tokens, max_tokens),
             logprobs=req.logprobs,
             logit_bias=tuple(req.logit_bias),
+            structured=req.structured,
         )
 
     def _token_text(self, token_id: int) -> str:

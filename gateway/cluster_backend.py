@@ -531,6 +531,10 @@ class ClusterBackend(Backend):
                     sampling,
                     max_tokens=sampling.max_tokens - len(generated),
                     min_tokens=max(0, sampling.min_tokens - len(generated)),
+                    # the constraint's matcher replays what was generated (the new prompt's tail)
+                    structured=None
+                    if sampling.structured is None
+                    else replace(sampling.structured, resumed_tokens=len(generated)),
                 )
                 pair = self._one_pair(sub_id, prompt + generated, remaining, resumed=bool(generated))
             try:

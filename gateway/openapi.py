@@ -5,7 +5,9 @@ Built from the serving app's own settings (limits, model name, context length, v
 404 for another model, 413 when over the size limit. Rules across fields that JSON Schema cannot
 state are only described, and also answered with a 400: prompt tokens + max_tokens must fit the
 context; best_of >= n, and not streamed when > n (without beam search); beam search takes no
-sampling knobs, penalties, logit_bias or logprobs; length_penalty and early_stopping need it.
+sampling knobs, penalties, logit_bias, logprobs or output constraint; length_penalty and
+early_stopping need it; at most one output constraint (response_format other than text,
+structured_outputs, guided_*), whose schema, regex or grammar must compile.
 An optional field given as null means its default; a field not listed is refused (400).
 tests/gateway/test_api_fuzz.py fuzzes the server against this document.
 """
@@ -65,6 +67,44 @@ def _needs_true(*rules: tuple[str, str]) -> dict:
     return {"anyOf": branches}
 
 
+def _constraint_schemas() -> dict:
+    """Output constraints (gateway/constraints.py), both endpoints."""
+    nonempty = {"type": "string", "minLength": 1}
+    choice = {"type": "array", "minItems": 1, "items": nonempty}
+    schema = {"type": "object", "description": "a JSON Schema; invalid ones are a 400"}
+    json_schema = _object(
+        ["name", "schema"],
+        name={"type": "string"},
+        schema=schema,
+        strict=_optional({"type": "boolean"}),
+        description=_optional({"type": "string"}),
+    )
+    formats = [
+        _object(["type"], type={"enum": ["text", "json_object"]}),
+        _object(["type", "json_schema"], type={"const": "json_schema"}, json_schema=json_schema),
+    ]
+    for f in formats:
+        f["additionalProperties"] = False
+    json_schema["additionalProperties"] = False
+    structured = _object(
+        [],
+        json=_optional({"anyOf": [schema, nonempty]}),
+        regex=_optional(nonempty),
+        choice=_optional(choice),
+        grammar=_optional(nonempty | {"description": "Lark, or GBNF (with ::=)"}),
+        json_object=_optional({"type": "boolean"}),
+    ) | {"additionalProperties": False, "minProperties": 1, "description": "vLLM's: exactly one constraint"}
+    return {
+        "response_format": _optional({"anyOf": formats})
+        | {"description": "JSON mode or a JSON schema the output follows (compact JSON)"},
+        "structured_outputs": _optional(structured),
+        "guided_json": _optional({"anyOf": [schema, nonempty]}) | {"description": "vLLM's older name"},
+        "guided_regex": _optional(nonempty) | {"description": "the whole output matches it"},
+        "guided_choice": _optional(choice),
+        "guided_grammar": _optional(nonempty),
+    }
+
+
 def _request_schemas(limits: GatewayLimits, model_name: str, max_model_len: int, vocab_size: int) -> dict:
     tokens = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}}
     text = {"type": "string", "minLength": 1}
@@ -103,6 +143,7 @@ def _request_schemas(limits: GatewayLimits, model_name: str, max_model_len: int,
             "description": "admission order while requests wait for a worker: lower first, arrival order "
             "within one (vLLM's); null: the API key's default (0 without one)"
         },
+        **_constraint_schemas(),
     }
     completion = _object(
         ["prompt"],
@@ -141,10 +182,9 @@ def _request_schemas(limits: GatewayLimits, model_name: str, max_model_len: int,
             "logprobs": _optional({"type": "boolean"}),
             "top_logprobs": _optional(_number(Range(True, 0, limits.max_logprobs)))
             | {"description": "only with logprobs: true"},
-            # refused (400) until implemented: function calling, JSON mode and schemas
+            # refused (400) until implemented: function calling
             "tools": _optional({"type": "array", "maxItems": 0}),
             "tool_choice": {"enum": ["none", None]},
-            "response_format": _optional(_object(["type"], type={"const": "text"})),
         },
     )
     for schema in (completion, chat):  # an unknown field is a 400: nothing is ignored silently

@@ -10,8 +10,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
+from pdserve.gateway.constraints import CONSTRAINT_FIELDS, parse_constraint
 from pdserve.gateway.errors import invalid
 from pdserve.gateway.limits import GatewayLimits
+from pdserve.protocol.sampling import StructuredOutput
 
 _INT64 = 2**63
 
@@ -49,6 +51,7 @@ class ParsedRequest:
     length_penalty: float = 1.0
     early_stopping: bool | Literal["never"] = False
     priority: int | None = None  # vLLM's: lower is admitted first; None = the API key's default
+    structured: StructuredOutput | None = None  # response_format / structured_outputs / guided_* (constraints.py)
 
     @property
     def num_seqs(self) -> int:
@@ -178,6 +181,7 @@ _COMMON_FIELDS = {
     "length_penalty",
     "early_stopping",
     "priority",
+    *CONSTRAINT_FIELDS,
 }  # user: the caller's end-user id, kept by nobody
 FIELDS = {
     "completion": _COMMON_FIELDS | {"prompt", "max_tokens", "logprobs", "echo", "suffix"},
@@ -190,7 +194,6 @@ FIELDS = {
         "top_logprobs",
         "tools",
         "tool_choice",
-        "response_format",
     },
 }
 
@@ -208,12 +211,6 @@ def _refuse_what_is_not_implemented(body: dict, kind: str) -> None:
             raise invalid("'tools' (function calling) is not supported", "tools")
         if body.get("tool_choice") not in (None, "none"):
             raise invalid("'tool_choice' is not supported (no tools)", "tool_choice")
-        fmt = body.get("response_format")
-        if fmt is not None and fmt != {"type": "text"}:
-            raise invalid(
-                '\'response_format\' other than {"type": "text"} (JSON mode, schemas) is not supported',
-                "response_format",
-            )
 
 
 def _logit_bias(value: Any) -> list[tuple[int, float]]:
@@ -319,6 +316,9 @@ def parse_request(body: Any, kind: RequestKind, limits: GatewayLimits) -> Parsed
         req.stop_token_ids = stop_ids
     req.priority = _num(body, "priority", None, **PRIORITY._asdict())
     _parse_group(body, req, limits)
+    req.structured = parse_constraint(body)
+    if req.structured is not None and req.use_beam_search:
+        raise invalid("beam search with an output constraint is not supported", "use_beam_search")
     return req
 
 

@@ -11,6 +11,21 @@ from typing import Literal, Union
 
 import msgspec
 
+StructuredKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+
+
+class StructuredOutput(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A constraint on a request's output text (engine/structured/): the engine masks every
+    token the grammar does not allow and ends the sequence ("stop") once the grammar is done."""
+
+    kind: StructuredKind
+    # json_schema: the schema as JSON text; json_object: ""; regex: the pattern (whole output);
+    # choice: a JSON list of the allowed strings; grammar: Lark (or GBNF with `::=`)
+    spec: str
+    # a migrated request's prompt ends with this many tokens generated under the constraint:
+    # the matcher consumes them before its first new token
+    resumed_tokens: int = 0
+
 
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_tokens: int = 16
@@ -33,6 +48,7 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     use_beam_search: bool = False  # width best_of (or n); deterministic: temperature etc. do not apply
     length_penalty: float = 1.0  # beam score = sum logprob / generated_len ** length_penalty (HF)
     early_stopping: Union[bool, Literal["never"]] = False  # HF's beam stopping rule
+    structured: StructuredOutput | None = None  # constrained decoding (response_format, guided_*)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -55,6 +71,10 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError("n must be >= 1 and best_of >= n")
         if self.use_beam_search and (self.uses_penalties or self.logprobs is not None):
             raise ValueError("beam search takes no penalties, logit_bias or logprobs")
+        if self.use_beam_search and self.structured is not None:
+            raise ValueError("beam search takes no structured output constraint")
+        if self.structured is not None and self.structured.resumed_tokens < 0:
+            raise ValueError("structured.resumed_tokens must be >= 0")
 
     @property
     def num_seqs(self) -> int:

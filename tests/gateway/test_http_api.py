@@ -294,7 +294,7 @@ def test_unknown_path_and_wrong_method_get_envelopes(backend, tokenizer):
         ),
         (
             "/v1/chat/completions",
-            {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+            {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}},
             "response_format",
         ),
         ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),

@@ -1,0 +1,103 @@
+"""One grammar matcher per constrained sequence, and the engine's compile cache.
+
+llguidance builds a grammar's lexer and parser lazily, so a "compile" is a matcher plus its first
+mask: 0.4-0.8 ms for the schemas of docs/benchmarks/structured_output.md on this CPU. It runs
+synchronously at add_request (no compile thread); the cache keeps one pristine matcher per
+(kind, spec) and every sequence deep-copies it, sharing what was built.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+
+import llguidance
+import llguidance.torch as llg_torch
+import torch
+
+from pdserve.engine.structured.bitmask import allocate_bitmask, apply_bitmask
+from pdserve.engine.structured.grammar import grammar_of
+from pdserve.protocol.sampling import StructuredOutput
+
+
+class Grammar:
+    """A sequence's matcher: which tokens may come next; advanced with each accepted token."""
+
+    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+        self._m = matcher
+
+    def accept(self, token: int) -> bool:
+        """Consume a sampled token; False when the grammar refuses it (the matcher is then dead)."""
+        return self._m.consume_token(token)
+
+    @property
+    def terminated(self) -> bool:
+        """Nothing may follow: the sequence ends here."""
+        return self._m.is_stopped()
+
+    @property
+    def error(self) -> str:
+        return self._m.get_error()
+
+    def fork(self) -> Grammar:
+        return Grammar(self._m.deep_copy())
+
+    def fill(self, mask: torch.Tensor, row: int) -> None:
+        """mask [R, ceil(V / 32)] int32: row `row` <- the tokens allowed next."""
+        llg_torch.fill_next_token_bitmask(self._m, mask, row)
+
+
+class GrammarCache:
+    """(kind, spec) -> a compiled matcher at its start; LRU of `max_entries`. The llguidance
+    tokenizer (the model's vocabulary, ~50 ms at 15k tokens) is built at the first constraint."""
+
+    def __init__(self, model: str | Path, vocab_size: int, eos_token_ids: Sequence[int], max_entries: int = 256):
+        self.model, self.vocab_size, self.eos = str(model), vocab_size, list(eos_token_ids)
+        self.max_entries = max_entries
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._cache: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
+
+    def _llg_tokenizer(self) -> llguidance.LLTokenizer:
+        if self._tokenizer is None:
+            import llguidance.hf
+
+            from pdserve.engine.gguf_file import load_tokenizer
+
+            hf = load_tokenizer(self.model)
+            self._tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size, eos_token=self.eos)  # type: ignore[arg-type]
+        return self._tokenizer
+
+    def new(self, c: StructuredOutput) -> Grammar:
+        """A fresh matcher for one sequence; ValueError when the constraint does not compile."""
+        key = (c.kind, c.spec)
+        start = self._cache.get(key)
+        if start is None:
+            start = llguidance.LLMatcher(self._llg_tokenizer(), grammar_of(c), log_level=0)
+            if start.is_error():
+                raise ValueError(f"invalid {c.kind.replace('_', ' ')}: {start.get_error().strip()}")
+            self._cache[key] = start
+            if len(self._cache) > self.max_entries:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(key)
+        return Grammar(start.deep_copy())
+
+
+def constrain(logits: torch.Tensor, grammars: Sequence[Grammar | None]) -> None:
+    """logits [R, V] in place: each constrained row keeps only the tokens its grammar allows."""
+    rows = [i for i, g in enumerate(grammars) if g is not None]
+    if not rows:
+        return
+    mask = allocate_bitmask(len(rows), logits.shape[1])  # [C, ceil(V / 32)]
+    for r, i in enumerate(rows):
+        grammar = grammars[i]
+        assert grammar is not None
+        grammar.fill(mask, r)
+    if len(rows) == logits.shape[0]:
+        apply_bitmask(logits, mask)
+        return
+    index = torch.tensor(rows)
+    sub = logits[index]  # [C, V]
+    apply_bitmask(sub, mask)
+    logits[index] = sub
