@@ -67,6 +67,18 @@ def _add_admission_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_api_key_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--api-key", default=None)
+    p.add_argument(
+        "--api-keys-file",
+        default=None,
+        metavar="PATH",
+        help="API keys as named tenants, each with optional limits (requests_per_minute, tokens_per_minute, "
+        "max_concurrent_requests, max_tokens_per_request) and a default priority: JSON, or TOML (.toml); "
+        "see gateway/tenants.py. With --api-key too, that key is the tenant 'default'",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -98,15 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1", help="HTTP bind address (loopback by default)")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--kv-transport", default="auto", choices=["auto", "shm", "zmq-ipc", "zmq-tcp"])
-    s.add_argument("--api-key", default=None)
-    s.add_argument(
-        "--api-keys-file",
-        default=None,
-        metavar="PATH",
-        help="API keys as named tenants, each with optional limits (requests_per_minute, tokens_per_minute, "
-        "max_concurrent_requests, max_tokens_per_request) and a default priority: JSON, or TOML (.toml); "
-        "see gateway/tenants.py. With --api-key too, that key is the tenant 'default'",
-    )
+    _add_api_key_args(s)
     s.add_argument("--served-model-name", default=None)
     s.add_argument("--request-timeout", type=float, default=None, help="seconds; longer requests end with an error")
     _add_admission_args(s)
@@ -210,15 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="let --worker-bind listen on all interfaces (tcp://0.0.0.0:PORT); refused otherwise",
     )
     g.add_argument("--kv-transport", default="auto", choices=["auto", "shm", "zmq"])
-    g.add_argument("--api-key", default=None)
-    g.add_argument(
-        "--api-keys-file",
-        default=None,
-        metavar="PATH",
-        help="API keys as named tenants, each with optional limits (requests_per_minute, tokens_per_minute, "
-        "max_concurrent_requests, max_tokens_per_request) and a default priority: JSON, or TOML (.toml); "
-        "see gateway/tenants.py. With --api-key too, that key is the tenant 'default'",
-    )
+    _add_api_key_args(g)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--served-model-name", default=None)
     g.add_argument("--on-decode-failure", default="migrate", choices=["migrate", "fail"])
