@@ -7,7 +7,8 @@ import time
 import torch
 
 
-def _best_of(fn, repeat: int) -> float:
+def best_of(fn, repeat: int) -> float:
+    """The fastest of `repeat` timed calls of `fn`, after one untimed call (seconds)."""
     fn()  # warm up
     best = float("inf")
     for _ in range(repeat):
@@ -21,7 +22,7 @@ def measure_memcpy_gbps(nbytes: int = 256 * 2**20, repeat: int = 5) -> float:
     """Bytes copied per second (GB/s, 1e9) by a plain tensor copy of `nbytes`."""
     src = torch.ones(nbytes // 4, dtype=torch.float32)
     dst = torch.empty_like(src)
-    return nbytes / _best_of(lambda: dst.copy_(src), repeat) / 1e9
+    return nbytes / best_of(lambda: dst.copy_(src), repeat) / 1e9
 
 
 def measure_read_gbps(nbytes: int = 256 * 2**20, repeat: int = 5) -> float:
@@ -29,7 +30,7 @@ def measure_read_gbps(nbytes: int = 256 * 2**20, repeat: int = 5) -> float:
     reads (decode streams weights and KV). A copy moves each byte twice, so memcpy's figure
     counts half the traffic a read-only stream can have."""
     src = torch.ones(nbytes // 4, dtype=torch.float32)
-    return nbytes / _best_of(lambda: src.sum(), repeat) / 1e9
+    return nbytes / best_of(lambda: src.sum(), repeat) / 1e9
 
 
 def measure_matmul_gflops(n: int = 2048, dtype: torch.dtype = torch.float32, repeat: int = 5) -> float:
@@ -40,10 +41,10 @@ def measure_matmul_gflops(n: int = 2048, dtype: torch.dtype = torch.float32, rep
 
     a = torch.randn(n, n, dtype=dtype)
     b = torch.randn(n, n, dtype=dtype)
-    best = _best_of(lambda: a @ b, repeat)
+    best = best_of(lambda: a @ b, repeat)
     if cpu_linear_kind(dtype) == "packed":
         dense = torch.nn.Linear(n, n, bias=False, dtype=dtype)
         packed = PackedLinear(dense, gemv_copy=False)  # the engine's own CPU linear
         with torch.inference_mode():
-            best = min(best, _best_of(lambda: packed(a), repeat))
+            best = min(best, best_of(lambda: packed(a), repeat))
     return 2 * n**3 / best / 1e9

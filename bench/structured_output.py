@@ -16,12 +16,12 @@ import json
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from pdserve.bench.machine import best_of
 from pdserve.engine.structured.bitmask import apply_bitmask
 from pdserve.engine.tokenizer_builder import EOS, build_tokenizer
 
@@ -84,15 +84,6 @@ SCHEMAS: list[tuple[str, dict[str, Any], Any]] = [
     ),
 ]
 REGEX = ("regex (date)", r"[0-9]{4}-[0-9]{2}-[0-9]{2}", "2024-05-17")
-
-
-def _best(fn: Callable[[], Any], repeat: int) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 class Xgr:
@@ -219,7 +210,7 @@ def run(vocab: int) -> list[str]:
             rows.append(f"| {cls.name} | not installed (`pip install {cls.name}`) | | | | | |")
             continue
         for name, kind, spec, text in cases:
-            compile_s = _best(lambda: lib.compile(kind, spec), 3)
+            compile_s = best_of(lambda: lib.compile(kind, spec), 3)
             compiled = lib.compile(kind, spec)
             tokens = tok.encode(text).ids
             b1, _ = _walk(lib, compiled, tokens, 1)
