@@ -212,3 +212,56 @@ def test_a_bad_constraint_or_replay_is_refused_at_add_request(tiny_llama):
         engine.add_request("b", [5, 6, 7], SamplingParams(structured=bad))
     with pytest.raises(ValueError, match="beam"):
         SamplingParams(use_beam_search=True, n=2, temperature=0.0, structured=regex_c())
+
+
+def test_constrained_greedy_equals_hf_generate_under_the_same_mask(tiny_llama, tok):
+    """Which tokens come out, checked against transformers, not pdserve: HF generate with a logits
+    processor applying the same grammar's mask, greedy, fp32, on the same weights."""
+    import torch
+    from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
+
+    from pdserve.engine.structured.bitmask import allocate_bitmask, apply_bitmask
+    from pdserve.engine.structured.matcher import GrammarCache
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    cfg = hf.config
+    eos = [cfg.eos_token_id] if isinstance(cfg.eos_token_id, int) else list(cfg.eos_token_id)
+    cache = GrammarCache(tiny_llama, cfg.vocab_size, eos)
+
+    class GrammarMask(LogitsProcessor):
+        def __init__(self, c: StructuredOutput, prompt_len: int) -> None:
+            self.grammar, self.prompt_len = cache.new(c), prompt_len
+
+        def __call__(self, input_ids, scores):  # input_ids [1, T], scores [1, V]
+            if input_ids.shape[1] > self.prompt_len:
+                assert self.grammar.accept(int(input_ids[0, -1]))
+            if self.grammar.terminated:  # pdserve ends here ("stop"); HF may only end on EOS
+                scores[:, :] = float("-inf")
+                scores[0, eos[0]] = 0.0
+                return scores
+            mask = allocate_bitmask(1, scores.shape[1])
+            self.grammar.fill(mask, 0)
+            apply_bitmask(scores, mask)
+            return scores
+
+    engine = make_engine(tiny_llama)
+    prompts = random_prompts(tok.vocab_size, [5, 13, 21], seed=3)
+    constraints = [schema_c(), regex_c(), choice_c()]
+    requests, want = {}, {}
+    for i, p in enumerate(prompts):
+        for j, c in enumerate(constraints):
+            rid = f"r{i}-{j}"
+            requests[rid] = (p, SamplingParams(max_tokens=60, temperature=0.0, structured=c))
+            with torch.no_grad():
+                out = hf.generate(
+                    torch.tensor([p]),
+                    max_new_tokens=60,
+                    do_sample=False,
+                    logits_processor=LogitsProcessorList([GrammarMask(c, len(p))]),
+                    pad_token_id=eos[0],
+                )
+            got = out[0, len(p) :].tolist()
+            want[rid] = [t for t in got[: next((k for k, t in enumerate(got) if t in eos), len(got))]]
+    outs = run(engine, requests)
+    got = {rid: [t for t in outs[rid][0] if t not in eos] for rid in requests}  # (an EOS the grammar let through)
+    assert all(want.values()) and got == want, {rid: (got[rid], want[rid]) for rid in requests if got[rid] != want[rid]}
