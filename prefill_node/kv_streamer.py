@@ -12,7 +12,7 @@ A request's first chunk also sends the blocks its prompt found in this worker's 
 (engine/prefix_cache.py): computed by an earlier request, but the decode worker lacks them.
 Blocks the decode worker holds already (`lease.prefix_block_ids`, found by the prompt's block
 hashes in its own cache) are never sent: the lease's `block_ids` start after them.
-Each layer's send reads the request's lease from the worker's routes at that moment, so a
+Each layer's send reads the request's lease from the worker's request record at that moment, so a
 renewal that arrives while the step computes counts for its remaining layers.
 """
 
@@ -26,14 +26,8 @@ import torch
 
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.kvtransfer.sender import KvSender, KvTransferError
-from pdserve.protocol.messages import KvDestination, Lease
-
-
-@dataclass
-class TransferStats:
-    bytes: int = 0
-    seconds: float = 0.0
-    error: str | None = None  # set when a send failed: the request is failed, the step goes on
+from pdserve.prefill_node.request_record import PrefillRecord, TransferStats
+from pdserve.protocol.messages import Lease
 
 
 @dataclass
@@ -54,18 +48,18 @@ class StepTransfers:
         kv_cache: torch.Tensor,
         jobs: list[_Job],
         lock: threading.Lock,
-        routes: dict[str, tuple[KvDestination, KvSender]],
+        records: dict[str, PrefillRecord],
     ) -> None:
         self.kv_cache = kv_cache  # [L, 2, N, bs, Hkv, D]
         self.jobs = jobs
         self.lock = lock
-        self.routes = routes  # the worker's, updated by its loop when a lease is renewed
+        self.records = records  # the worker's: its loop renews their leases
 
     def _lease(self, job: _Job) -> Lease:
         """The job's lease as last renewed (same epoch), else as it was at launch."""
-        route = self.routes.get(job.request_id)
-        if route is not None and route[0].lease.epoch == job.lease.epoch:
-            return route[0].lease
+        r = self.records.get(job.request_id)
+        if r is not None and r.dest.lease.epoch == job.lease.epoch:
+            return r.dest.lease
         return job.lease
 
     def __call__(self, layer: int) -> None:
@@ -90,25 +84,22 @@ class KvStreamer:
         self.block_size = block_size
         self.lock = lock or threading.Lock()  # held around every send to a decode worker
 
-    def prepare(
-        self, sched: SchedulerOutput, dests: dict[str, tuple[KvDestination, KvSender]], stats: dict[str, TransferStats]
-    ) -> StepTransfers:
+    def prepare(self, sched: SchedulerOutput, records: dict[str, PrefillRecord]) -> StepTransfers:
         """Plan a step's transfers (before it launches: block tables and chunk starts are final)."""
         bs = self.block_size
         jobs = []
         for chunk in sched.prefills:
             seq = chunk.seq
-            route = dests.get(seq.request_id)
-            if route is None:
+            r = records.get(seq.request_id)
+            if r is None:
                 continue
-            dest, sender = route
+            dest = r.dest
             start = seq.num_computed_tokens
             end = start + chunk.num_tokens
             b0 = 0 if start <= seq.num_cached_tokens else start // bs  # first chunk: the cached prefix too
             b1 = -(-end // bs)
             held = len(dest.lease.prefix_block_ids)  # D holds these already: nothing to send
             b0 = max(b0, held)
-            stat = stats.setdefault(seq.request_id, TransferStats())
             if b0 >= b1:
                 continue
             jobs.append(
@@ -117,8 +108,8 @@ class KvStreamer:
                     dest.lease,
                     seq.block_table[b0:b1],
                     dest.lease.block_ids[b0 - held : b1 - held],
-                    sender,
-                    stat,
+                    r.sender,
+                    r.transfer,
                 )
             )
-        return StepTransfers(self.kv_cache, jobs, self.lock, dests)
+        return StepTransfers(self.kv_cache, jobs, self.lock, records)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
 
 import msgspec
 
@@ -27,15 +26,15 @@ from pdserve import tracing
 from pdserve.engine.llm_engine import PREFILLED, LLMEngine, wire_finish_reason
 from pdserve.kvtransfer.sender import KvSender, make_kv_sender
 from pdserve.kvtransfer.wire import payload_mac_enabled
-from pdserve.prefill_node.kv_streamer import KvStreamer, TransferStats
+from pdserve.prefill_node.kv_streamer import KvStreamer
 from pdserve.prefill_node.lane_split import step_budget_for_lanes
 from pdserve.prefill_node.lanes import LaneJob, PrefillLanes
+from pdserve.prefill_node.request_record import PrefillRecord
 from pdserve.prefill_node.settings import PrefillSettings
 from pdserve.protocol.auth import FrameAuth
 from pdserve.protocol.messages import (
     Abort,
     KvDestination,
-    KvDone,
     LeaseRenewed,
     PrefillRequest,
     TokenOutput,
@@ -47,14 +46,6 @@ from pdserve.runtime.worker_runtime import PrefixCacheReport, describe_worker, e
 log = logging.getLogger(__name__)
 
 RENEW_CHECK_INTERVAL_S = 0.1
-
-
-@dataclass
-class _Pending:
-    req: PrefillRequest
-    received: float
-    first_scheduled: float | None = None
-    renew_sent: float = 0.0  # time.time() of the last KvRenew for its lease
 
 
 class PrefillWorker(WorkerBase):
@@ -75,9 +66,7 @@ class PrefillWorker(WorkerBase):
                 LeaseRenewed: self._on_lease_renewed,
             }
         )
-        self.pending: dict[str, _Pending] = {}
-        self.routes: dict[str, tuple[KvDestination, KvSender]] = {}
-        self.transfer_stats: dict[str, TransferStats] = {}
+        self.requests: dict[str, PrefillRecord] = {}  # by request id, until KvDone or release
         self._senders: dict[tuple[str, str], KvSender] = {}
         self._send_lock = threading.Lock()  # senders are shared by this loop and the lanes
         self.streamer = KvStreamer(self.engine.kv_cache, self.engine.block_size, self._send_lock)
@@ -116,8 +105,7 @@ class PrefillWorker(WorkerBase):
             with self._send_lock:
                 self._sender(req.dest).send_release(req.request_id, req.dest.lease.epoch)
             return
-        self.pending[req.request_id] = _Pending(req, time.monotonic())
-        self.routes[req.request_id] = (req.dest, self._sender(req.dest))
+        self.requests[req.request_id] = PrefillRecord(req, self._sender(req.dest), time.monotonic())
 
     # --- lease renewal ----------------------------------------------------------------------
     def _renew_leases(self) -> None:
@@ -127,25 +115,24 @@ class PrefillWorker(WorkerBase):
         if now < self._renew_checked + RENEW_CHECK_INTERVAL_S:
             return
         self._renew_checked = now
-        for request_id, (dest, sender) in self.routes.items():
-            lease, p = dest.lease, self.pending.get(request_id)
+        for request_id, r in self.requests.items():
+            lease = r.dest.lease
             if (
-                p is None
-                or lease.ttl_s <= 0
+                lease.ttl_s <= 0
                 or request_id in self._abort_after
                 or lease.deadline - now > lease.ttl_s / 2
-                or now - p.renew_sent < lease.ttl_s / 4
+                or now - r.renew_sent < lease.ttl_s / 4
             ):
                 continue
-            p.renew_sent = now
+            r.renew_sent = now
             with self._send_lock:
-                sender.send_renew(request_id, lease.epoch)
+                r.sender.send_renew(request_id, lease.epoch)
 
     def _on_lease_renewed(self, msg: LeaseRenewed) -> None:
-        route = self.routes.get(msg.request_id)
-        if route is None:
+        r = self.requests.get(msg.request_id)
+        if r is None:
             return
-        dest, sender = route
+        dest = r.dest
         if (
             msg.worker_id != dest.worker_id
             or msg.lease_epoch != dest.lease.epoch
@@ -153,20 +140,17 @@ class PrefillWorker(WorkerBase):
         ):
             return
         lease = msgspec.structs.replace(dest.lease, deadline=msg.deadline)
-        self.routes[msg.request_id] = (msgspec.structs.replace(dest, lease=lease), sender)
+        r.dest = msgspec.structs.replace(dest, lease=lease)
 
     def _release(self, request_id: str) -> None:
         """This request will never hand its KV over: let its decode worker reclaim the lease now."""
-        route = self.routes.get(request_id)
-        if route is not None:
-            dest, sender = route
+        r = self.requests.get(request_id)
+        if r is not None:
             with self._send_lock:
-                sender.send_release(request_id, dest.lease.epoch)
+                r.sender.send_release(request_id, r.dest.lease.epoch)
 
     def _forget(self, request_id: str) -> None:
-        self.pending.pop(request_id, None)
-        self.routes.pop(request_id, None)
-        self.transfer_stats.pop(request_id, None)
+        self.requests.pop(request_id, None)
 
     def _in_flight(self, request_id: str) -> bool:
         seq = self.engine.seqs.get(request_id)
@@ -199,10 +183,10 @@ class PrefillWorker(WorkerBase):
             self.rt.mark_step()
             now = time.monotonic()
             for c in sched.prefills:
-                p = self.pending.get(c.seq.request_id)
-                if p is not None and p.first_scheduled is None:
-                    p.first_scheduled = now
-            transfers = self.streamer.prepare(sched, self.routes, self.transfer_stats)
+                r = self.requests.get(c.seq.request_id)
+                if r is not None and r.first_scheduled is None:
+                    r.first_scheduled = now
+            transfers = self.streamer.prepare(sched, self.requests)
             self.lanes.submit(sched, self.engine.launch(sched, transfers))
             launched = True
         return launched
@@ -215,19 +199,18 @@ class PrefillWorker(WorkerBase):
         done_at = time.monotonic()
         self._last_progress = done_at
         for out in outputs:
-            p = self.pending.get(out.request_id)
-            if p is None or out.request_id in self._abort_after:
+            r = self.requests.get(out.request_id)
+            if r is None or out.request_id in self._abort_after:
                 continue
-            req = p.req
-            ts = self.transfer_stats.get(out.request_id, TransferStats())
+            req, ts, started = r.req, r.transfer, r.first_scheduled or r.received
             timings = {
-                "prefill_queue_s": (p.first_scheduled or p.received) - p.received,
-                "prefill_compute_s": done_at - (p.first_scheduled or p.received),
+                "prefill_queue_s": started - r.received,
+                "prefill_compute_s": done_at - started,
                 "kv_transfer_s": ts.seconds,
                 "kv_bytes": float(ts.bytes),
             }
-            self._trace(req, p, ts, done_at, out.seq.num_cached_tokens)
-            lp = out.logprobs[0] if out.logprobs else None
+            self._trace(r, done_at, out.seq.num_cached_tokens)
+            num_layers = self.engine.model_config.num_layers
             if ts.error is not None:  # the decode side never got its KV: fail the request
                 self.rt.to_gateway(
                     req.gateway_id,
@@ -239,73 +222,41 @@ class PrefillWorker(WorkerBase):
                         timings=timings,
                     ),
                 )
-                self._forget(out.request_id)
-                continue
-            if out.fork is not None:  # a group: D forks it and sends all its tokens
-                dest, sender = self.routes[out.request_id]
+            elif out.fork is not None:  # a group: D forks it and sends all its tokens
                 with self._send_lock:
-                    sender.send_done(
-                        KvDone(
-                            request_id=req.request_id,
-                            gateway_id=req.gateway_id,
-                            lease_epoch=dest.lease.epoch,
-                            prompt_token_ids=req.prompt_token_ids,
-                            first_token=out.fork[0].token_id,
-                            sampling=req.sampling,
-                            num_layers=self.engine.model_config.num_layers,
-                            kv_bytes=ts.bytes,
-                            timings=timings,
-                            fork=out.fork,
-                            traceparent=req.traceparent,
-                        )
-                    )
-                self._forget(out.request_id)
-                continue
-            if out.finish_reason == PREFILLED:
-                dest, sender = self.routes[out.request_id]
-                with self._send_lock:
-                    sender.send_done(
-                        KvDone(
-                            request_id=req.request_id,
-                            gateway_id=req.gateway_id,
-                            lease_epoch=dest.lease.epoch,
-                            prompt_token_ids=req.prompt_token_ids,
-                            first_token=out.new_token_ids[0],
-                            first_logprob=lp,
-                            sampling=req.sampling,
-                            num_layers=self.engine.model_config.num_layers,
-                            kv_bytes=ts.bytes,
-                            timings=timings,
-                            traceparent=req.traceparent,
-                        )
-                    )
-            else:  # ended at its first token (stop/length): D's lease is not needed
-                self._release(out.request_id)
-            reason = wire_finish_reason(out.finish_reason)
-            self.rt.to_gateway(
-                req.gateway_id,
-                TokenOutput(
-                    request_id=req.request_id,
-                    worker_id=self.worker_id,
-                    index=0,
-                    token_ids=out.new_token_ids,
-                    logprobs=out.logprobs,
-                    finish_reason=reason,
-                    timings=timings,
-                    cached_tokens=out.seq.num_cached_tokens,
-                ),
-            )
+                    r.sender.send_done(r.kv_done(out.fork[0].token_id, None, num_layers, timings, out.fork))
+            else:
+                lp = out.logprobs[0] if out.logprobs else None
+                if out.finish_reason == PREFILLED:
+                    with self._send_lock:
+                        r.sender.send_done(r.kv_done(out.new_token_ids[0], lp, num_layers, timings))
+                else:  # ended at its first token (stop/length): D's lease is not needed
+                    self._release(out.request_id)
+                self.rt.to_gateway(
+                    req.gateway_id,
+                    TokenOutput(
+                        request_id=req.request_id,
+                        worker_id=self.worker_id,
+                        index=0,
+                        token_ids=out.new_token_ids,
+                        logprobs=out.logprobs,
+                        finish_reason=wire_finish_reason(out.finish_reason),
+                        timings=timings,
+                        cached_tokens=out.seq.num_cached_tokens,
+                    ),
+                )
             self._forget(out.request_id)
         for request_id in list(self._abort_after):
             self._abort(request_id)
 
     @staticmethod
-    def _trace(req: PrefillRequest, p: _Pending, ts: TransferStats, done_at: float, cached: int) -> None:
+    def _trace(r: PrefillRecord, done_at: float, cached: int) -> None:
         """This worker's stages of a traced request (pdserve/tracing.py)."""
+        req, ts = r.req, r.transfer
         if not req.traceparent or not tracing.enabled():
             return
-        started = p.first_scheduled or p.received
-        tracing.record_span("prefill.queue", req.traceparent, p.received, started)
+        started = r.first_scheduled or r.received
+        tracing.record_span("prefill.queue", req.traceparent, r.received, started)
         tracing.record_span(
             "prefill.compute",
             req.traceparent,
@@ -322,7 +273,7 @@ class PrefillWorker(WorkerBase):
         return engine_stats(self.engine, self._last_progress, sum(self.rt.inbox.dropped.values()))
 
     def has_work(self) -> bool:
-        return bool(self.pending) or self.engine.has_work()
+        return bool(self.requests) or self.engine.has_work()
 
     def describe_start(self) -> str:
         return f"{self.lanes.capacity - self.lanes.num_idle} lanes, {self.lanes.num_idle} idle lanes"

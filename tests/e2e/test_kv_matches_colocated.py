@@ -19,8 +19,9 @@ from pdserve.kvtransfer.receiver import KvReceiver
 from pdserve.kvtransfer.sender import make_kv_sender
 from pdserve.kvtransfer.shm import SharedTensor
 from pdserve.prefill_node.kv_streamer import KvStreamer
+from pdserve.prefill_node.request_record import PrefillRecord
 from pdserve.protocol.auth import FrameAuth
-from pdserve.protocol.messages import KvDestination, KvDone, KvLayout
+from pdserve.protocol.messages import KvDestination, KvLayout, PrefillRequest
 from pdserve.protocol.sampling import SamplingParams
 from tests.conftest import random_prompts
 from tests.engine.test_engine_vs_hf import make_engine
@@ -85,20 +86,20 @@ def test_received_kv_equals_colocated_kv(tiny_llama, tmp_path, transport):
             lease=lease,
             layout=layout,
         )
-        streamer, stats = KvStreamer(prefill.kv_cache, prefill.block_size), {}
+        streamer = KvStreamer(prefill.kv_cache, prefill.block_size)
+        req = PrefillRequest(request_id="r", gateway_id="g", prompt_token_ids=prompt, sampling=SP, dest=dest)
+        record = PrefillRecord(req, sender, received=time.monotonic())
 
-        prefill_keeping_kv(prefill, prompt, lambda sched: streamer.prepare(sched, {"r": (dest, sender)}, stats))
-        assert stats["r"].error is None
-        sender.send_done(
-            KvDone(request_id="r", lease_epoch=lease.epoch, num_layers=spec.num_layers, kv_bytes=stats["r"].bytes)
-        )
+        prefill_keeping_kv(prefill, prompt, lambda sched: streamer.prepare(sched, {"r": record}))
+        assert record.transfer.error is None and record.transfer.bytes > 0
+        sender.send_done(record.kv_done(prompt[0], None, spec.num_layers, {}))
         done, deadline = [], time.monotonic() + 10
         while not done and time.monotonic() < deadline:
             done = receiver.poll(50)
         assert [d.request_id for d in done] == ["r"]
         received = pool.tensor[:, :, dst_blocks]
         assert torch.equal(received, reference)
-        assert receiver.bytes_received == stats["r"].bytes >= reference.numel() * reference.element_size()
+        assert receiver.bytes_received == record.transfer.bytes >= reference.numel() * reference.element_size()
         sender.close()
         receiver.close()
     finally:

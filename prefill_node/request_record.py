@@ -1,0 +1,55 @@
+"""One disaggregated request's state on a prefill worker, from its PrefillRequest until its
+KvDone (or release) is sent: one record, created in `_on_prefill`, dropped in `_forget`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdserve.kvtransfer.sender import KvSender
+from pdserve.protocol.messages import KvDestination, KvDone, PrefillRequest, TokenLogprob
+
+
+@dataclass
+class TransferStats:
+    bytes: int = 0
+    seconds: float = 0.0
+    error: str | None = None  # set when a send failed: the request is failed, the step goes on
+
+
+@dataclass
+class PrefillRecord:
+    req: PrefillRequest
+    sender: KvSender  # to its decode worker (shared by every request going there)
+    received: float  # time.monotonic()
+    first_scheduled: float | None = None
+    renew_sent: float = 0.0  # time.time() of the last KvRenew for its lease
+    transfer: TransferStats = field(default_factory=TransferStats)
+    dest: KvDestination = field(init=False)  # the lease as last renewed (same epoch, later deadline)
+
+    def __post_init__(self) -> None:
+        self.dest = self.req.dest
+
+    def kv_done(
+        self,
+        first_token: int,
+        first_logprob: TokenLogprob | None,
+        num_layers: int,
+        timings: dict[str, float],
+        fork: list[TokenLogprob] | None = None,
+    ) -> KvDone:
+        """The message that hands the request (its KV, first token and sampling) to its decoder."""
+        req = self.req
+        return KvDone(
+            request_id=req.request_id,
+            gateway_id=req.gateway_id,
+            lease_epoch=self.dest.lease.epoch,
+            prompt_token_ids=req.prompt_token_ids,
+            first_token=first_token,
+            first_logprob=first_logprob,
+            sampling=req.sampling,
+            num_layers=num_layers,
+            kv_bytes=self.transfer.bytes,
+            timings=timings,
+            fork=fork or [],
+            traceparent=req.traceparent,
+        )
