@@ -26,7 +26,6 @@ from __future__ import annotations
 import collections
 import logging
 import math
-import threading
 import time
 from abc import ABC, abstractmethod
 
@@ -133,7 +132,6 @@ class KvSender(ABC):
         self.send_timeout_ms = send_timeout_ms
         self._seq: collections.OrderedDict[tuple[str, int], int] = collections.OrderedDict()
         self._closed = False
-        self._on_close: list = []
         self.bytes_sent = 0
 
     @property
@@ -180,8 +178,6 @@ class KvSender(ABC):
             return
         self._closed = True
         self.outbox.close()
-        for fn in self._on_close:
-            fn()
 
     # --- shared steps -----------------------------------------------------------------------
     @staticmethod
@@ -392,11 +388,7 @@ class ShmKvSender(KvSender):
         super().close()
 
 
-# --- factory with one sender per destination ----------------------------------------------------
-_cache: dict[tuple, KvSender] = {}
-_cache_lock = threading.Lock()
-
-
+# --- factory --------------------------------------------------------------------------------------
 def make_kv_sender(
     transport: str,
     *,
@@ -405,43 +397,17 @@ def make_kv_sender(
     kv_addr: str,
     shm_name: str | None = None,
     layout: KvLayout | None = None,
-    cache: bool = True,
     payload_mac: bool = False,
     **kwargs,
 ) -> KvSender:
-    """A sender to one decode worker: `transport` "zmq" (tcp/ipc per kv_addr) or "shm" (needs the
-    worker's shm_name and its pool `layout`). `payload_mac`: zmq only, MAC each payload's bytes
-    (shm writes in place: nothing travels to authenticate). With `cache`, the same open sender is
-    returned for the same (ctx, transport, kv_addr, shm_name, layout, payload_mac) until closed."""
+    """A new sender to one decode worker: `transport` "zmq" (tcp/ipc per kv_addr) or "shm" (needs
+    the worker's shm_name and its pool `layout`). `payload_mac`: zmq only, MAC each payload's
+    bytes (shm writes in place: nothing travels to authenticate). A prefill worker keeps one per
+    destination (kvtransfer/sender_cache.py)."""
     if transport not in ("zmq", "shm"):
         raise ValueError(f"unknown KV transport {transport!r} (zmq or shm)")
-    if transport == "shm" and (not shm_name or layout is None):
-        raise ValueError("shm transport needs the decode worker's shared-memory name and KV layout")
-    key = (
-        id(ctx),
-        transport,
-        kv_addr,
-        shm_name if transport == "shm" else None,
-        layout if transport == "shm" else None,
-        id(auth),
-        payload_mac and transport == "zmq",
-    )
-    with _cache_lock:
-        sender = _cache.get(key) if cache else None
-        if sender is not None and not sender.closed and sender.ctx is ctx:
-            return sender
-        if transport == "shm":
-            assert shm_name and layout is not None  # checked above
-            sender = ShmKvSender(auth, kv_addr, shm_name, layout, ctx=ctx, **kwargs)
-        else:
-            sender = ZmqKvSender(ctx, auth, kv_addr, payload_mac=payload_mac, **kwargs)
-        if cache:
-            _cache[key] = sender
-            sender._on_close.append(lambda: _forget(key, sender))
-        return sender
-
-
-def _forget(key: tuple, sender: KvSender) -> None:
-    with _cache_lock:
-        if _cache.get(key) is sender:
-            del _cache[key]
+    if transport == "shm":
+        if not shm_name or layout is None:
+            raise ValueError("shm transport needs the decode worker's shared-memory name and KV layout")
+        return ShmKvSender(auth, kv_addr, shm_name, layout, ctx=ctx, **kwargs)
+    return ZmqKvSender(ctx, auth, kv_addr, payload_mac=payload_mac, **kwargs)

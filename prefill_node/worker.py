@@ -24,8 +24,7 @@ import msgspec
 
 from pdserve import tracing
 from pdserve.engine.llm_engine import PREFILLED, LLMEngine, wire_finish_reason
-from pdserve.kvtransfer.sender import KvSender, make_kv_sender
-from pdserve.kvtransfer.wire import payload_mac_enabled
+from pdserve.kvtransfer.sender_cache import KvSenderCache
 from pdserve.prefill_node.kv_streamer import KvStreamer
 from pdserve.prefill_node.lane_split import step_budget_for_lanes
 from pdserve.prefill_node.lanes import LaneJob, PrefillLanes
@@ -34,7 +33,6 @@ from pdserve.prefill_node.settings import PrefillSettings
 from pdserve.protocol.auth import FrameAuth
 from pdserve.protocol.messages import (
     Abort,
-    KvDestination,
     LeaseRenewed,
     PrefillRequest,
     TokenOutput,
@@ -53,8 +51,6 @@ class PrefillWorker(WorkerBase):
 
     def __init__(self, settings: PrefillSettings, auth: FrameAuth) -> None:
         super().__init__(settings, auth)
-        payload_mac_enabled(settings.kv_payload_mac)  # validate the mode now, not at the first request
-        self.kv_payload_mac = settings.kv_payload_mac
         self.engine = LLMEngine(settings.engine)
         self.describe(describe_worker(self.engine, "prefill", self.rt.control_addr, settings.host))
         if self.engine.hasher is not None:
@@ -67,26 +63,12 @@ class PrefillWorker(WorkerBase):
             }
         )
         self.requests: dict[str, PrefillRecord] = {}  # by request id, until KvDone or release
-        self._senders: dict[tuple[str, str], KvSender] = {}
+        self.senders = KvSenderCache(self.ctx, auth, settings.kv_payload_mac)  # one per decode worker
         self._send_lock = threading.Lock()  # senders are shared by this loop and the lanes
         self.streamer = KvStreamer(self.engine.kv_cache, self.engine.block_size, self._send_lock)
         self.lanes = PrefillLanes(self.engine.runner, settings.lanes, settings.idle_lanes)
         self._abort_after: set[str] = set()  # aborted while a lane computes its chunk
         self._renew_checked = 0.0
-
-    def _sender(self, dest: KvDestination) -> KvSender:
-        key = (dest.worker_id, dest.transport)
-        if key not in self._senders:
-            self._senders[key] = make_kv_sender(
-                dest.transport,
-                ctx=self.ctx,
-                auth=self.auth,
-                kv_addr=dest.kv_addr,
-                shm_name=dest.shm_name,
-                layout=dest.layout,
-                payload_mac=payload_mac_enabled(self.kv_payload_mac, dest.kv_addr),
-            )
-        return self._senders[key]
 
     # --- messages -----------------------------------------------------------------------------
     def _on_prefill(self, req: PrefillRequest) -> None:
@@ -103,9 +85,9 @@ class PrefillWorker(WorkerBase):
                 TokenOutput(request_id=req.request_id, worker_id=self.worker_id, finish_reason="error", error=str(e)),
             )
             with self._send_lock:
-                self._sender(req.dest).send_release(req.request_id, req.dest.lease.epoch)
+                self.senders.get(req.dest).send_release(req.request_id, req.dest.lease.epoch)
             return
-        self.requests[req.request_id] = PrefillRecord(req, self._sender(req.dest), time.monotonic())
+        self.requests[req.request_id] = PrefillRecord(req, self.senders.get(req.dest), time.monotonic())
 
     # --- lease renewal ----------------------------------------------------------------------
     def _renew_leases(self) -> None:
@@ -289,6 +271,5 @@ class PrefillWorker(WorkerBase):
 
     def close(self) -> None:
         self.lanes.close()
-        for s in self._senders.values():
-            s.close()
+        self.senders.close()
         super().close()

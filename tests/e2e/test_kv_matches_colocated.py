@@ -76,7 +76,6 @@ def test_received_kv_equals_colocated_kv(tiny_llama, tmp_path, transport):
             kv_addr=receiver.addr,
             shm_name=pool.name,
             layout=layout,
-            cache=False,
         )
         dest = KvDestination(
             worker_id="d",

@@ -12,11 +12,12 @@ import zmq
 from pdserve.kvtransfer.lease import LeaseTable
 from pdserve.kvtransfer.receiver import KvReceiver
 from pdserve.kvtransfer.sender import KvSendError, LeaseExpired, ShmKvSender, ZmqKvSender, make_kv_sender
+from pdserve.kvtransfer.sender_cache import KvSenderCache
 from pdserve.kvtransfer.shm import SharedTensor
 from pdserve.kvtransfer.wire import KvFrameHeader, decode_kv, encode_kv
 from pdserve.protocol.auth import FrameAuth
 from pdserve.protocol.channel import Outbox
-from pdserve.protocol.messages import Abort, KvDone, KvLayout, Lease
+from pdserve.protocol.messages import Abort, KvDestination, KvDone, KvLayout, Lease
 
 L, N, BS, H, D = 3, 12, 4, 2, 8
 BLOCK_BYTES = 2 * BS * H * D * 4
@@ -69,7 +70,6 @@ def test_transport_lands_leased_blocks_exactly(ctx, tmp_path, pool, transport, b
             kv_addr=receiver.addr,
             shm_name=pool.name,
             layout=KvLayout(L, N, BS, H, D, "float32"),
-            cache=False,
         )
         try:
             sent = sum(sender.send_layer("r1", lease, layer, src[layer], src_blocks, dst_blocks) for layer in range(L))
@@ -227,25 +227,32 @@ def test_senders_refuse_after_the_deadline(ctx, pool):
         assert untouched(pool.tensor, [])
 
 
-def test_make_kv_sender_caches_one_per_destination(ctx, pool):
+def test_sender_cache_keeps_one_open_sender_per_destination(ctx, pool):
     layout = KvLayout(L, N, BS, H, D, "float32")
     with KvReceiver(ctx, AUTH, "tcp://127.0.0.1:0", pool.tensor, LeaseTable(L)) as receiver:
-        a = make_kv_sender("zmq", ctx=ctx, auth=AUTH, kv_addr=receiver.addr)
-        b = make_kv_sender("zmq", ctx=ctx, auth=AUTH, kv_addr=receiver.addr)
-        s = make_kv_sender("shm", ctx=ctx, auth=AUTH, kv_addr=receiver.addr, shm_name=pool.name, layout=layout)
+
+        def dest(transport: str, epoch: int, worker_id: str = "d") -> KvDestination:
+            lease = Lease(epoch=epoch, block_ids=[1], deadline=time.time() + 30)
+            return KvDestination(worker_id, receiver.addr, pool.name, transport, lease, layout)  # type: ignore[arg-type]
+
+        senders = KvSenderCache(ctx, AUTH, "auto")
         try:
-            assert a is b and s is not a and s.transport == "shm"
+            a, b = senders.get(dest("zmq", 1)), senders.get(dest("zmq", 2, "other-name"))
+            s = senders.get(dest("shm", 3))
+            assert a is b and s is not a and s.transport == "shm" and len(senders) == 2
+            assert a.payload_mac  # auto: tcp:// is authenticated
             a.close()
-            c = make_kv_sender("zmq", ctx=ctx, auth=AUTH, kv_addr=receiver.addr)
-            assert c is not a and not c.closed
-            c.close()
+            c = senders.get(dest("zmq", 4))
+            assert c is not a and not c.closed and len(senders) == 2
         finally:
-            a.close()
-            s.close()
+            senders.close()
+        assert c.closed and s.closed and len(senders) == 0
         with pytest.raises(ValueError):
             make_kv_sender("shm", ctx=ctx, auth=AUTH, kv_addr=receiver.addr, shm_name=None, layout=layout)
         with pytest.raises(ValueError):
             make_kv_sender("carrier-pigeon", ctx=ctx, auth=AUTH, kv_addr=receiver.addr)
+        with pytest.raises(ValueError):
+            KvSenderCache(ctx, AUTH, "sometimes")
 
 
 def test_wire_roundtrip_and_tags():
