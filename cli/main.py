@@ -67,6 +67,11 @@ def _add_admission_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_tls_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ssl-certfile", default=None, metavar="PEM", help="serve HTTPS with this certificate (chain)")
+    p.add_argument("--ssl-keyfile", default=None, metavar="PEM", help="... and this private key (both or neither)")
+
+
 def _add_api_key_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None)
     p.add_argument(
@@ -111,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--kv-transport", default="auto", choices=["auto", "shm", "zmq-ipc", "zmq-tcp"])
     _add_api_key_args(s)
+    _add_tls_args(s)
     s.add_argument("--served-model-name", default=None)
     s.add_argument("--request-timeout", type=float, default=None, help="seconds; longer requests end with an error")
     _add_admission_args(s)
@@ -215,6 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--kv-transport", default="auto", choices=["auto", "shm", "zmq"])
     _add_api_key_args(g)
+    _add_tls_args(g)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--served-model-name", default=None)
     g.add_argument("--on-decode-failure", default="migrate", choices=["migrate", "fail"])

@@ -86,7 +86,8 @@ def add_kv_args(p: argparse.ArgumentParser, role: str) -> None:
         default="auto",
         choices=["auto", "on", "off"],
         help="HMAC over every KV payload's bytes, checked before they land in KV blocks: "
-        "auto = on for tcp://, off for ipc:// and shared memory (same host)",
+        "auto = on for tcp:// links left unencrypted (PDSERVE_PLANE_ENCRYPTION=off; CURVE authenticates the "
+        "encrypted ones), off for ipc:// and shared memory (same host)",
     )
     if role == "decode":
         p.add_argument(
@@ -230,6 +231,8 @@ def gateway_options(args: argparse.Namespace):
         kv_transport=args.kv_transport,
         api_key=args.api_key,
         api_keys_file=os.path.abspath(args.api_keys_file) if args.api_keys_file else None,
+        ssl_certfile=os.path.abspath(args.ssl_certfile) if args.ssl_certfile else None,
+        ssl_keyfile=os.path.abspath(args.ssl_keyfile) if args.ssl_keyfile else None,
         max_model_len=args.max_model_len,
         served_model_name=args.served_model_name,
         on_decode_failure=args.on_decode_failure,

@@ -16,6 +16,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -39,6 +40,7 @@ from pdserve.cli.topology import (
 )
 from pdserve.env import settings
 from pdserve.gateway.tenants import KeysFileError, read_keys_file
+from pdserve.gateway.tls import check_tls_files
 from pdserve.protocol.auth import ENV_SECRET, ClusterSecretError, generate_cluster_secret, load_cluster_secret
 
 log = logging.getLogger("pdserve.serve")
@@ -198,15 +200,25 @@ def children_env(api_key: str | None) -> dict[str, str]:
     return env
 
 
+def _own_tls_probe() -> ssl.SSLContext:
+    """For polling our own gateway child over HTTPS on this host: its certificate is the user's
+    (possibly self-signed, named for another host), so it is not verified for this probe."""
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    return ctx
+
+
 def wait_healthy(
     url: str, children: list[Child], timeout_s: float, stopping: Callable[[], bool] = lambda: False
 ) -> bool:
     deadline = time.monotonic() + timeout_s
+    tls = _own_tls_probe() if url.startswith("https://") else None
     while time.monotonic() < deadline and not stopping():
         if any(c.proc is not None and c.proc.poll() is not None for c in children):
             return False
         try:
-            with urllib.request.urlopen(url, timeout=1) as r:
+            with urllib.request.urlopen(url, timeout=1, context=tls) as r:
                 if r.status == 200:
                     return True
         except OSError:
@@ -222,6 +234,7 @@ def serve(args: argparse.Namespace) -> int:
             read_keys_file(args.api_keys_file)
         except KeysFileError as e:
             raise SystemExit(f"pdserve serve: --api-keys-file: {e}") from None
+    check_tls_files(args.ssl_certfile, args.ssl_keyfile)  # before any child starts
     env = children_env(args.api_key)
     args.model = resolve_model(args.model)  # make the default model once, before the children
     run_dir = tempfile.mkdtemp(prefix="pdserve-")
@@ -251,7 +264,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         for c in children:
             c.start(env)
-        url = f"http://{args.host}:{args.port}"
+        url = f"{'https' if args.ssl_certfile else 'http'}://{args.host}:{args.port}"
         if wait_healthy(f"{url}/health", children, timeout_s=300, stopping=lambda: stopping):
             print(f"pdserve ready: {url}/v1 (model {args.model})", flush=True)
         elif not stopping:

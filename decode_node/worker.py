@@ -69,7 +69,9 @@ class DecodeWorker(WorkerBase):
             settings.kv_bind,
             self.engine.kv_cache,
             self.leases,
-            payload_mac=payload_mac_enabled(settings.kv_payload_mac, settings.kv_bind, settings.kv_advertise),
+            payload_mac=payload_mac_enabled(
+                settings.kv_payload_mac, settings.kv_bind, settings.kv_advertise, encryption=auth.encryption
+            ),
         )
         self.kv_advertised = settings.kv_advertise or self.receiver.addr
         self.describe(

@@ -19,6 +19,7 @@ from pdserve.gateway.limits import GatewayLimits
 from pdserve.gateway.router import DEFAULT_LOCAL_PREFILL_MAX_TOKENS, RouterPolicy
 from pdserve.gateway.slow_clients import http_protocol
 from pdserve.gateway.tenants import KeysFileError, TenantDirectory, read_keys_file
+from pdserve.gateway.tls import check_tls_files
 from pdserve.protocol.auth import FrameAuth
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,8 @@ class GatewayOptions:
     kv_transport: str = "auto"
     api_key: str | None = None
     api_keys_file: str | None = None  # named keys with limits and priorities (gateway/tenants.py)
+    ssl_certfile: str | None = None  # HTTPS: certificate chain and private key (PEM), both or neither
+    ssl_keyfile: str | None = None
     max_model_len: int | None = None
     served_model_name: str | None = None
     on_decode_failure: str = "migrate"
@@ -69,6 +72,7 @@ def tenant_directory(api_key: str | None, api_keys_file: str | None) -> TenantDi
 
 
 def serve_gateway(opts: GatewayOptions, auth: FrameAuth) -> None:
+    check_tls_files(opts.ssl_certfile, opts.ssl_keyfile)
     try:
         tracing.setup_tracing("pdserve-gateway", opts.otlp_traces_endpoint)
     except tracing.TracingUnavailable as e:
@@ -115,9 +119,11 @@ def serve_gateway(opts: GatewayOptions, auth: FrameAuth) -> None:
                 timeout_graceful_shutdown=25,
                 # typed as a Protocol class; uvicorn only calls it, a factory works
                 http=http_protocol(gw.limits, gw.stream_cut, gw.header_deadline),  # type: ignore[arg-type]
+                ssl_certfile=opts.ssl_certfile,
+                ssl_keyfile=opts.ssl_keyfile,
             )
         )
-        log.info("gateway on http://%s:%d", opts.host, opts.port)
+        log.info("gateway on %s://%s:%d", "https" if opts.ssl_certfile else "http", opts.host, opts.port)
         try:
             await server.serve()
         finally:

@@ -12,6 +12,9 @@ accepted the KvDone. Every repeat's destination blocks are checked to equal the 
 Rounds alternate memcpy and every transport, so a noisy machine affects all of them alike.
 `--kv-payload-mac` as the workers take it (auto: on for zmq-tcp only); each transport's result
 says whether its payloads were MACed (`payload_mac`). Compare zmq-tcp with `on` and `off`.
+`zmq-tcp` runs as the cluster's PDSERVE_PLANE_ENCRYPTION says (auto: CURVE-encrypted,
+protocol/plane_encryption.py); `zmq-tcp-clear` is the same link unencrypted: the cost of
+encryption, measured in the same run (`curve` column).
 Sender and receiver share one process (receiver in a thread, one ZMQ context): on a machine with
 few cores they compete for them, as P and D on one host would.
 """
@@ -38,10 +41,11 @@ from pdserve.kvtransfer.receiver import KvReceiver
 from pdserve.kvtransfer.sender import KvSender, ShmKvSender, ZmqKvSender
 from pdserve.kvtransfer.shm import SharedTensor
 from pdserve.kvtransfer.wire import PAYLOAD_MAC_MODES, payload_mac_enabled, torch_dtype
+from pdserve.protocol import plane_encryption
 from pdserve.protocol.auth import FrameAuth, generate_cluster_secret
 from pdserve.protocol.messages import KvDone, KvLayout
 
-TRANSPORTS = ("zmq-tcp", "zmq-ipc", "shm")
+TRANSPORTS = ("zmq-tcp", "zmq-tcp-clear", "zmq-ipc", "shm")  # zmq-tcp-clear: tcp with encryption off
 TARGETS = {"shm": 0.5, "zmq-ipc": 0.2}
 
 
@@ -143,7 +147,8 @@ class _Transport:
     ) -> None:
         self.name, self.pool, self.layout = name, pool, layout
         bind = f"ipc://{tmpdir}/kv-{name}.sock" if name == "zmq-ipc" else "tcp://127.0.0.1:0"
-        self.payload_mac = name != "shm" and payload_mac_enabled(payload_mac, bind)
+        self.encrypted = name != "shm" and plane_encryption.encrypts(auth.encryption, bind)
+        self.payload_mac = name != "shm" and payload_mac_enabled(payload_mac, bind, encryption=auth.encryption)
         self.leases = LeaseTable(layout.num_layers)
         assert pool.tensor is not None  # open until the bench ends
         self.receiver = KvReceiver(ctx, auth, bind, pool.tensor, self.leases, payload_mac=self.payload_mac)
@@ -208,7 +213,8 @@ def run_bench(args: argparse.Namespace) -> dict:
     src = torch.randn(L, 2, num_blocks, bs, H, D, generator=gen).to(dtype)  # the prefill worker's pool
     layout = KvLayout(L, num_blocks, bs, H, D, args.dtype)
     kv_bytes = L * 2 * n * bs * H * D * src.element_size()
-    auth = FrameAuth(generate_cluster_secret())
+    secret = generate_cluster_secret()
+    auth, clear = FrameAuth(secret), FrameAuth(secret, encryption="off")  # the cluster's setting; none
     ctx = zmq.Context()
     pool = SharedTensor.create((L, 2, num_blocks, bs, H, D), dtype)  # the decode worker's pool
     tmpdir = tempfile.mkdtemp(prefix="pdkv-")
@@ -217,7 +223,8 @@ def run_bench(args: argparse.Namespace) -> dict:
     runs: dict[str, _Transport] = {}
     try:
         for name in transports:
-            runs[name] = _Transport(name, ctx, auth, pool, layout, tmpdir, args.kv_payload_mac)
+            how = clear if name == "zmq-tcp-clear" else auth
+            runs[name] = _Transport(name, ctx, how, pool, layout, tmpdir, args.kv_payload_mac)
         # Round robin (memcpy, then each transport) so that all share the machine's state of the
         # moment; round 0 is a warm-up (connections, first touches) and is not counted.
         for r in range(args.repeat + 1):
@@ -238,6 +245,7 @@ def run_bench(args: argparse.Namespace) -> dict:
                 "verified": run.verified,
                 "dropped": sum(run.receiver.dropped.values()),
                 "payload_mac": run.payload_mac,
+                "encrypted": run.encrypted,
             }
     finally:
         for run in runs.values():
@@ -274,14 +282,14 @@ def _table(res: dict) -> str:
         f"memcpy of the same size (best, interleaved with the transfers): {res['memcpy_gbps']:.2f} GB/s",
         f"each transport: best of {c['repeat']} transfers, first send_layer -> KvDone accepted by D",
         "",
-        f"{'transport':<10} {'GB/s':>8} {'ms':>9} {'x memcpy':>9} {'target':>7} {'verified':>9} {'mac':>4}",
+        f"{'transport':<13} {'GB/s':>8} {'ms':>9} {'x memcpy':>9} {'target':>7} {'verified':>9} {'mac':>4} {'curve':>6}",
     ]
     for name, t in res["transports"].items():
         target = TARGETS.get(name)
         lines.append(
-            f"{name:<10} {t['gbps']:>8.2f} {t['seconds'] * 1e3:>9.2f} {res['ratios'][name]:>9.2f} "
+            f"{name:<13} {t['gbps']:>8.2f} {t['seconds'] * 1e3:>9.2f} {res['ratios'][name]:>9.2f} "
             f"{'>= %.1f' % target if target else '-':>7} {str(t['verified']):>9} "
-            f"{'on' if t['payload_mac'] else 'off':>4}"
+            f"{'on' if t['payload_mac'] else 'off':>4} {'on' if t['encrypted'] else 'off':>6}"
         )
     return "\n".join(lines)
 

@@ -26,7 +26,7 @@ class KvSenderCache:
     def get(self, dest: KvDestination) -> KvSender:
         """The open sender to `dest` (made now if there is none, or the last one was closed)."""
         shm = dest.transport == "shm"
-        mac = not shm and payload_mac_enabled(self.payload_mac_mode, dest.kv_addr)
+        mac = not shm and payload_mac_enabled(self.payload_mac_mode, dest.kv_addr, encryption=self.auth.encryption)
         key = (dest.transport, dest.kv_addr, dest.shm_name if shm else None, dest.layout if shm else None, mac)
         sender = self._senders.get(key)
         if sender is None or sender.closed:

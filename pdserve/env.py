@@ -6,6 +6,7 @@
     PDSERVE_CPU_GEMV           auto | torch            the C few-row linears, or torch/oneDNN
     PDSERVE_CLUSTER_SECRET     hex                     the cluster's HMAC secret ...
     PDSERVE_CLUSTER_SECRET_FILE path                   ... or a file holding it
+    PDSERVE_PLANE_ENCRYPTION   auto | on | off         CURVE on the worker/KV planes: auto = tcp:// only
     PDSERVE_API_KEY            text                    the gateway's bearer key (or --api-key)
     PDSERVE_LOG_LEVEL          INFO, DEBUG, ...
     PDSERVE_CACHE_DIR          path                    the default model's cache (~/.cache/pdserve)
@@ -43,6 +44,7 @@ class Settings:
     cpu_gemv: str  # auto | torch
     cluster_secret: str
     cluster_secret_file: str
+    plane_encryption: str  # auto | on | off (protocol/plane_encryption.py)
     api_key: str | None
     log_level: str
     model_cache_dir: Path
@@ -61,6 +63,7 @@ class Settings:
             cpu_gemv=_choice("PDSERVE_CPU_GEMV", "auto", ("auto", "torch")),
             cluster_secret=env.get("PDSERVE_CLUSTER_SECRET", "").strip(),
             cluster_secret_file=env.get("PDSERVE_CLUSTER_SECRET_FILE", "").strip(),
+            plane_encryption=_choice("PDSERVE_PLANE_ENCRYPTION", "auto", ("auto", "on", "off")),
             api_key=env.get("PDSERVE_API_KEY") or None,
             log_level=env.get("PDSERVE_LOG_LEVEL", "INFO"),
             model_cache_dir=Path(env.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve")),

@@ -37,7 +37,10 @@ import struct
 from collections.abc import Sequence
 from pathlib import Path
 
+import zmq
+
 from pdserve.env import settings
+from pdserve.protocol import plane_encryption
 
 MAC_SIZE = 32
 PAYLOAD_MAC_SIZE = 32
@@ -106,15 +109,29 @@ def _buffer(frame) -> memoryview:
 class FrameAuth:
     """Signs and verifies multipart messages under the cluster secret (see module docstring)."""
 
-    def __init__(self, secret: bytes, digest_payloads: bool = False) -> None:
+    def __init__(self, secret: bytes, digest_payloads: bool = False, encryption: str | None = None) -> None:
+        """`encryption`: which sockets of the cluster's planes encrypt (protocol/plane_encryption.py:
+        auto | on | off); None: $PDSERVE_PLANE_ENCRYPTION (default auto)."""
         if not isinstance(secret, (bytes, bytearray)) or len(secret) < MIN_SECRET_BYTES:
             raise ValueError(f"cluster secret must be at least {MIN_SECRET_BYTES} bytes")
         self._secret = bytes(secret)
         self._payload_key = hmac.new(self._secret, _PAYLOAD_KEY_LABEL, hashlib.sha256).digest()
         self.digest_payloads = digest_payloads
+        self.encryption = settings().plane_encryption if encryption is None else encryption
+        plane_encryption.encrypts(self.encryption, "")  # a bad mode fails here, not at a socket
 
     def __repr__(self) -> str:  # never print the secret
-        return f"FrameAuth(digest_payloads={self.digest_payloads})"
+        return f"FrameAuth(digest_payloads={self.digest_payloads}, encryption={self.encryption!r})"
+
+    def secure_bind(self, sock: zmq.Socket, addr: str) -> None:
+        """Before `sock` binds `addr`: a CURVE server when the cluster's setting encrypts `addr`."""
+        if plane_encryption.encrypts(self.encryption, addr):
+            plane_encryption.secure_bound(sock, plane_encryption.curve_keys(self._secret))
+
+    def secure_connect(self, sock: zmq.Socket, addr: str) -> None:
+        """Before `sock` connects to `addr`: a CURVE client when the setting encrypts `addr`."""
+        if plane_encryption.encrypts(self.encryption, addr):
+            plane_encryption.secure_connected(sock, plane_encryption.curve_keys(self._secret))
 
     def _mac(self, header: memoryview, payloads: Sequence[memoryview]) -> bytes:
         mode = _MODE_DIGEST if self.digest_payloads else _MODE_LENGTHS

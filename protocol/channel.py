@@ -11,6 +11,9 @@ instead of blocking when it is full (or after `timeout_ms` when one is given); t
 (drop, retry, fail the request). Sockets close with linger 0: a dying process never hangs on
 undelivered messages.
 
+Encryption: a tcp:// channel is encrypted with CURVE unless the cluster turns it off
+(protocol/plane_encryption.py; `FrameAuth.secure_bind` / `secure_connect`).
+
 Binding defaults to loopback (tcp://127.0.0.1:0 = any free port; `.addr` is the resolved
 address); ipc:// and inproc:// work too. Wildcard binds (tcp://*, 0.0.0.0, ::) are refused unless
 `allow_wildcard=True`. Sockets are not thread-safe: one owner thread per channel.
@@ -91,6 +94,7 @@ class _InboxBase:
         if max_message_bytes > 0:
             sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)  # peers exceeding it are disconnected
         try:
+            auth.secure_bind(sock, bind_addr or DEFAULT_BIND)
             self.addr = bind_socket(sock, bind_addr, allow_wildcard)
         except BaseException:
             sock.close(linger=0)
@@ -239,6 +243,7 @@ class _OutboxBase:
         try:
             sock.setsockopt(zmq.SNDHWM, sndhwm)
             sock.setsockopt(zmq.LINGER, 0)
+            auth.secure_connect(sock, connect_addr)
             sock.connect(connect_addr)
         except BaseException:
             sock.close(linger=0)

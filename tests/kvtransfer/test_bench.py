@@ -29,9 +29,11 @@ def test_bench_kv_json_tiny(capsys):
     assert rc == 0 and len(out) == 1
     res = json.loads(out[0])
     assert res["kv_bytes"] == 2 * 2 * 5 * 8 * 2 * 8 * 4 and res["memcpy_gbps"] > 0
-    assert set(res["transports"]) == {"zmq-tcp", "zmq-ipc", "shm"} == set(res["ratios"])
+    assert set(res["transports"]) == {"zmq-tcp", "zmq-tcp-clear", "zmq-ipc", "shm"} == set(res["ratios"])
     for t in res["transports"].values():
         assert t["verified"] and t["gbps"] > 0 and t["seconds"] > 0 and t["dropped"] == 0
+    encrypted = {name: t["encrypted"] for name, t in res["transports"].items()}
+    assert encrypted == {"zmq-tcp": True, "zmq-tcp-clear": False, "zmq-ipc": False, "shm": False}
 
 
 def test_bench_kv_table_and_bad_args(capsys):

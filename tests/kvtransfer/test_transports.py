@@ -240,7 +240,10 @@ def test_sender_cache_keeps_one_open_sender_per_destination(ctx, pool):
             a, b = senders.get(dest("zmq", 1)), senders.get(dest("zmq", 2, "other-name"))
             s = senders.get(dest("shm", 3))
             assert a is b and s is not a and s.transport == "shm" and len(senders) == 2
-            assert a.payload_mac  # auto: tcp:// is authenticated
+            assert not a.payload_mac  # auto: a CURVE-encrypted tcp link needs no payload MAC
+            in_clear = KvSenderCache(ctx, FrameAuth(b"k" * 32, encryption="off"), "auto")
+            assert in_clear.get(dest("zmq", 5)).payload_mac  # ... an unencrypted one does
+            in_clear.close()
             a.close()
             c = senders.get(dest("zmq", 4))
             assert c is not a and not c.closed and len(senders) == 2

@@ -61,6 +61,7 @@ def test_hostile_frames_are_dropped_counted_and_receiving_goes_on(ctx):
         raw = ctx.socket(zmq.PUSH)
         raw.setsockopt(zmq.LINGER, 0)
         try:
+            AUTH.secure_connect(raw, inbox.addr)  # a peer that passed the CURVE handshake (an insider)
             raw.connect(inbox.addr)
             good = Abort(request_id="ok")
             raw.send_multipart([b"garbage"])  # one frame

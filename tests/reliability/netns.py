@@ -61,6 +61,11 @@ class Lan:
     def ns(self, host: str) -> str:
         return f"pd{self.tag}-{host}"
 
+    @property
+    def lan_ns(self) -> str:
+        """The namespace holding the bridge (`br0`) every host's link is attached to."""
+        return f"pd{self.tag}-lan"
+
     def exec_argv(self, host: str, argv: list[str]) -> list[str]:
         return ["ip", "netns", "exec", self.ns(host), *argv]
 
@@ -105,7 +110,7 @@ def lan(hosts: list[str]) -> Iterator[Lan]:
     from .254."""
     tag = uuid.uuid4().hex[:5]
     net = Lan(tag, f"198.18.{int(tag, 16) % 250 + 1}")
-    lan_ns = f"pd{tag}-lan"
+    lan_ns = net.lan_ns
     made: list[str] = []
     client_link = f"pd{tag}c"
     try:

@@ -6,7 +6,12 @@ Real processes on loopback: gateway, one prefill and one decode worker (`python 
 <role>`, one cluster secret), the decode worker's KV inbox behind the fault-injection relay of
 tests/reliability/kv_relay.py (`--kv-advertise` = the relay). The lease TTL is short (3 s) so
 the "later than the lease" case stays quick. The first tests run the receiver in-process, to
-show what the payload MAC stops (and that without it a tampered payload would land)."""
+show what the payload MAC stops (and that without it a tampered payload would land).
+
+The planes run unencrypted here (PDSERVE_PLANE_ENCRYPTION=off), so the relay can read and alter
+frames: these tests check what the MACs catch beneath the encryption. With it on (the default
+over TCP) a relay without the secret cannot even complete the handshake
+(tests/protocol/test_plane_encryption.py)."""
 
 from __future__ import annotations
 
@@ -51,7 +56,7 @@ HTTP_TIMEOUT_S = LEASE_TTL_S + 15  # a request that outlives this has hung
 def _tampered_transfer(receiver_mac: bool, sender_mac: bool = True) -> tuple[dict, bool, list]:
     """One 1-layer, 2-block transfer whose payload bits are flipped on the way (a relay without
     the secret). Returns (dropped reasons, whether the tampered bytes landed, KvDones accepted)."""
-    auth = FrameAuth(b"s" * 32)
+    auth = FrameAuth(b"s" * 32, encryption="off")  # the relay must see the frames (module docstring)
     ctx = zmq.Context()
     try:
         dst = torch.zeros(1, 2, 4, 4, 2, 8)  # [L, 2, N, bs, Hkv, D]
@@ -163,7 +168,12 @@ def cluster(tiny_llama, tmp_path_factory) -> Iterator[Cluster]:
     http, gw_inbox, kv_port = free_port(), free_port(), free_port()
     relay = KvRelay("tcp://127.0.0.1:0", f"tcp://127.0.0.1:{kv_port}")
     relay.start()
-    env = dict(os.environ, PDSERVE_CLUSTER_SECRET=secrets.token_hex(32), PDSERVE_LOG_LEVEL="INFO")
+    env = dict(
+        os.environ,
+        PDSERVE_CLUSTER_SECRET=secrets.token_hex(32),
+        PDSERVE_LOG_LEVEL="INFO",
+        PDSERVE_PLANE_ENCRYPTION="off",  # the relay must see the frames (module docstring)
+    )
     engine = [
         "--model",
         str(tiny_llama),

@@ -1,6 +1,8 @@
 """Gateway, prefill and two decode workers on separate "hosts" (network namespaces joined by
 veth links through a bridge, each with its own address): workers join by the gateway's URL, KV
-crosses over TCP with the payload MAC on, and greedy output equals HF. Then faults on the links:
+crosses over TCP, and greedy output equals HF. The worker and KV planes are CURVE-encrypted (the
+default over TCP, protocol/plane_encryption.py): a capture on the bridge while they serve holds
+their bytes, and no prompt, message field name or KV header in clear. Then faults on the links:
 a decode host's link down mid-stream (its streams move to the other decode host, exactly), the
 prefill host's link down (a clear 503, nothing hangs; served again once it is back), and slow,
 lossy links from every worker host (netem delay and loss where the kernel has sch_netem, else an
@@ -10,15 +12,17 @@ ledger balances. Skipped where network namespaces cannot be made (not root, no i
 from __future__ import annotations
 
 import concurrent.futures as cf
+import sys
 import time
 
 import httpx
+import msgspec
 import pytest
 from transformers import AutoTokenizer
 
 from tests.conftest import hf_greedy, random_prompts
 from tests.e2e.roles import processes, stream_text, wait_for, workers
-from tests.reliability import netns
+from tests.reliability import link_capture, netns
 from tests.reliability.faults import slow_env
 
 pytestmark = pytest.mark.slow
@@ -53,13 +57,20 @@ def test_pools_on_separate_hosts_over_real_links(tiny_llama, tmp_path):
     want = [tok.decode(hf_greedy(str(tiny_llama), tuple(p), MAX_NEW), skip_special_tokens=True) for p in prompts]
     model = str(tiny_llama)
     common = ["--model", model, "--dtype", "float32", "--num-blocks", "256", "--max-model-len", "512"]
-    common += ["--kv-payload-mac", "on"]
     with netns.lan(HOSTS) as net, processes(tmp_path) as procs:
         gw = net.hosts["gw"]
         base = f"http://{gw}:8000"
 
         def on(host: str, name: str, *args: str, env: dict[str, str] | None = None):
             return procs.start(name, net.exec_argv(host, [*procs_python(), *args]), env)
+
+        captured = tmp_path / "link.bin"  # the worker and KV planes' bytes on the bridge (not HTTP)
+        capture = procs.start(
+            "capture",
+            ["ip", "netns", "exec", net.lan_ns, sys.executable, link_capture.__file__, "any", str(captured)]
+            + ["--skip-port", "8000"],
+        )
+        wait_for(lambda: "capturing" in procs.log("capture"), 30, "the link capture", procs)
 
         on("gw", "gateway", "gateway", "--model", model, "--host", gw, "--worker-bind", f"tcp://{gw}:7100")
         p = on(
@@ -112,6 +123,13 @@ def test_pools_on_separate_hosts_over_real_links(tiny_llama, tmp_path):
             (kv_bytes,) = [ln for ln in metrics.splitlines() if ln.startswith("pdserve_kv_transfer_bytes_total")]
             assert float(kv_bytes.split()[-1]) > 0
             assert all(w["kv"]["blocks_total"] > 0 for w in workers(base) if w["role"] == "decode")
+            capture.terminate()
+            capture.wait(timeout=10)
+            on_the_wire = captured.read_bytes()
+            assert len(on_the_wire) > float(kv_bytes.split()[-1])  # the capture saw the KV go by ...
+            in_clear = [m for m in (b"prompt_token_ids", b"request_id", b"lease_epoch") if m in on_the_wire]
+            in_clear += [q for q in prompts if msgspec.msgpack.encode(q) in on_the_wire]
+            assert not in_clear  # ... and nothing of what it carried
 
             # 2. a decode host's link goes down mid-stream: its streams continue on the other one
             runs = [pool.submit(_stream, base, q) for q in prompts]
@@ -147,6 +165,4 @@ def test_pools_on_separate_hosts_over_real_links(tiny_llama, tmp_path):
 
 
 def procs_python() -> list[str]:
-    import sys
-
     return [sys.executable, "-m", "pdserve.cli"]
