@@ -50,6 +50,14 @@ def _add_admission_args(p: argparse.ArgumentParser) -> None:
         help="a Jinja chat template file for /v1/chat/completions (default: the tokenizer's own)",
     )
     p.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=["hermes", "llama3_json", "mistral", "pythonic"],
+        help="the model's tool-call format (vLLM's names; gateway/tools/): chat requests with tools are read "
+        "for calls in it, and tool_choice required or a named function is forced by a grammar of it "
+        "(default: none, and a request with tools gets a 400 unless tool_choice is none)",
+    )
+    p.add_argument(
         "--local-prefill-max-tokens",
         type=int,
         default=DEFAULT_LOCAL_PREFILL_MAX_TOKENS,

@@ -239,6 +239,7 @@ def gateway_options(args: argparse.Namespace):
         request_timeout_s=args.request_timeout,
         stream_write_timeout_s=args.stream_write_timeout,
         chat_template=args.chat_template,
+        tool_call_parser=args.tool_call_parser,
         queue_limits=QueueLimits(
             max_requests=args.max_queued_requests, max_tokens=args.max_queued_tokens, max_wait_s=args.max_queue_wait
         ),

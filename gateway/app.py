@@ -42,6 +42,8 @@ from pdserve.gateway.openapi import openapi_endpoint
 from pdserve.gateway.rate_limits import Admission, RateLimited, RequestOverLimit, TenantGate
 from pdserve.gateway.schemas import ParsedRequest, RequestKind, parse_request
 from pdserve.gateway.tenants import TenantDirectory
+from pdserve.gateway.tools.parser import ToolParser
+from pdserve.gateway.tools.registry import tool_parser
 from pdserve.protocol.join import JOIN_PATH, JoinRefused
 from pdserve.protocol.sampling import SamplingParams
 
@@ -101,8 +103,10 @@ class GatewayApp:
         limits: GatewayLimits,
         chat_template: str | None,
         tenants: TenantDirectory,
+        tool_parser: ToolParser | None = None,
     ) -> None:
         self.backend = backend
+        self.tool_parser = tool_parser  # --tool-call-parser's (gateway/tools/)
         self.tenants = tenants
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -153,8 +157,9 @@ class GatewayApp:
                     "with --chat-template FILE",
                     "messages",
                 )
+            tools = [f.template_entry() for f in req.tools.functions] if req.tools is not None else None
             text = self.tokenizer.apply_chat_template(
-                req.messages, chat_template=self.chat_template, add_generation_prompt=True, tokenize=False
+                req.messages, tools=tools, chat_template=self.chat_template, add_generation_prompt=True, tokenize=False
             )
             return self.tokenizer.encode(text, add_special_tokens=False)
         return self.tokenizer.encode(req.prompt_text)
@@ -234,7 +239,7 @@ class GatewayApp:
         arrival = time.monotonic()
         gate: TenantGate = request.scope.get(TENANT_SCOPE_KEY) or self.tenants.anonymous
         try:
-            req = parse_request(await self._read_json(request), kind, self.limits)
+            req = parse_request(await self._read_json(request), kind, self.limits, self.tool_parser)
             if req.model is not None and req.model != self.model_name:
                 raise APIError(
                     404,
@@ -262,6 +267,9 @@ class GatewayApp:
                     "max_tokens",
                 )
             admission = self._admit(gate, req, prompt, max_tokens)  # nothing awaits from here to the run
+            if req.constraint_kind is not None:
+                self.metrics.structured_requests.labels(kind=req.constraint_kind).inc()
+                self.metrics.structured_compile.observe(req.constraint_check_s)
         except APIError as e:
             self.metrics.http_errors.labels(status=str(e.status)).inc()
             return e.response()
@@ -327,14 +335,20 @@ def create_app(
     tenants: TenantDirectory | None = None,
     chat_template: str | None = None,
     model_root: str | None = None,
+    tool_call_parser: str | None = None,
 ) -> Starlette:
     """`api_key`: one key (tenant `default`, no limits); `tenants`: the keys file's (which
-    already holds `api_key`'s, TenantDirectory.build); neither: no key needed."""
+    already holds `api_key`'s, TenantDirectory.build); neither: no key needed.
+    `tool_call_parser`: how tool calls are read and forced (gateway/tools/registry.py; None:
+    chat requests with tools get a 400 unless tool_choice is none)."""
     if tenants is None:
         tenants = TenantDirectory.build(api_key)
     elif api_key:
         raise ValueError("pass api_key inside tenants (TenantDirectory.build)")
-    gw = GatewayApp(backend, tokenizer, model_name, max_model_len, limits or GatewayLimits(), chat_template, tenants)
+    parser = tool_parser(tool_call_parser) if tool_call_parser is not None else None
+    gw = GatewayApp(
+        backend, tokenizer, model_name, max_model_len, limits or GatewayLimits(), chat_template, tenants, parser
+    )
 
     async def completions(request: Request) -> Response:
         return await _guard(gw, gw.handle(request, "completion"))

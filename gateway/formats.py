@@ -4,7 +4,7 @@ these say it in each endpoint's dialect."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from pdserve.protocol.messages import TokenLogprob
 
@@ -37,10 +37,14 @@ class CompletionFormat:
             "text_offset": offsets,
         }
 
-    def stream_item(self, index: int, delta: str, logprobs: dict | None, finish_reason: str | None) -> dict:
+    def stream_item(
+        self, index: int, delta: str, logprobs: dict | None, finish_reason: str | None, tool_calls: Sequence[dict] = ()
+    ) -> dict:
         return {"index": index, "text": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
-    def final_choice(self, index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
+    def final_choice(
+        self, index: int, text: str, logprobs: dict | None, finish_reason: str | None, tool_calls: Sequence[dict] = ()
+    ) -> dict:
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
@@ -68,21 +72,24 @@ class ChatFormat(CompletionFormat):
             ]
         }
 
-    def stream_item(self, index: int, delta: str, logprobs: dict | None, finish_reason: str | None) -> dict:
-        return {
-            "index": index,
-            "delta": {"content": delta} if delta else {},
-            "logprobs": logprobs,
-            "finish_reason": finish_reason,
-        }
+    def stream_item(
+        self, index: int, delta: str, logprobs: dict | None, finish_reason: str | None, tool_calls: Sequence[dict] = ()
+    ) -> dict:
+        """`tool_calls`: OpenAI's tool-call delta entries (gateway/tools/stream.py)."""
+        out: dict = {"content": delta} if delta else {}
+        if tool_calls:
+            out["tool_calls"] = list(tool_calls)
+        return {"index": index, "delta": out, "logprobs": logprobs, "finish_reason": finish_reason}
 
-    def final_choice(self, index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
-        return {
-            "index": index,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": logprobs,
-            "finish_reason": finish_reason,
-        }
+    def final_choice(
+        self, index: int, text: str, logprobs: dict | None, finish_reason: str | None, tool_calls: Sequence[dict] = ()
+    ) -> dict:
+        """`tool_calls`: the calls read from the output; `text` is then what was outside them
+        (content null when nothing was)."""
+        message: dict = {"role": "assistant", "content": text}
+        if tool_calls:
+            message |= {"content": text or None, "tool_calls": list(tool_calls)}
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 FORMATS = {"completion": CompletionFormat, "chat": ChatFormat}

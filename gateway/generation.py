@@ -28,6 +28,7 @@ from pdserve.gateway.errors import error_response
 from pdserve.gateway.formats import FORMATS
 from pdserve.gateway.schemas import ParsedRequest
 from pdserve.gateway.stop_strings import StopMatcher
+from pdserve.gateway.tools.stream import ToolCallStream, message_calls
 from pdserve.protocol.messages import TokenLogprob, TokenOutput
 from pdserve.protocol.sampling import SamplingParams
 
@@ -51,6 +52,11 @@ class Choice:
     timings: dict[str, float] = field(default_factory=dict)
     timed_out: bool = False
     cached_tokens: int = 0  # prompt tokens a worker found in its prefix cache
+    tools: ToolCallStream | None = None  # its output read for tool calls (gateway/tools/)
+
+    def answer_reason(self, called: bool) -> str | None:
+        """The finish_reason the client sees: OpenAI's "tool_calls" for an answer that called."""
+        return "tool_calls" if called and self.finish_reason == "stop" else self.finish_reason
 
 
 class StreamCut(Exception):
@@ -94,6 +100,9 @@ class GenerationRun:
             )
             for i in range(req.n)
         ]
+        if req.tools is not None and req.tools.parsed and app.tool_parser is not None:
+            for c in self.choices:
+                c.tools = ToolCallStream(app.tool_parser)
         if req.is_group:  # one backend stream for all the choices
             self.tasks = [asyncio.create_task(self._pump(self.choices, app._sampling(req, max_tokens, 0)))]
         else:
@@ -296,10 +305,21 @@ class GenerationRun:
                     continue
                 lp = self.fmt.logprobs(lps, text_pos[choice.index]) if want_lp else None
                 text_pos[choice.index] += len(delta)
-                item = self.fmt.stream_item(choice.index, delta, lp, reason)
+                calls = []
+                if choice.tools is not None:  # markup withheld, calls sent as tool-call deltas
+                    delta, calls = choice.tools.feed(delta, final=reason is not None)
+                    reason = choice.answer_reason(choice.tools.has_calls) if reason is not None else None
+                    if not (delta or calls or lps or reason):
+                        continue
+                # OpenAI's shape: the content (and logprobs) first, then one chunk per tool-call entry
+                items = [(delta, lp, ())] if (delta or lp is not None or not calls) else []
+                items += [("", None, (entry,)) for entry in calls]
                 last = reason is not None and all(c.finish_reason is not None for c in self.choices)
-                extra = {"pdserve_timings": self._timings()} if last and not self.req.include_usage else {}
-                yield self._chunk([item], **extra)
+                for k, (text, item_lp, entries) in enumerate(items):
+                    final_item = k == len(items) - 1
+                    item = self.fmt.stream_item(choice.index, text, item_lp, reason if final_item else None, entries)
+                    timed = final_item and last and not self.req.include_usage
+                    yield self._chunk([item], **({"pdserve_timings": self._timings()} if timed else {}))
             if self.req.include_usage:
                 yield self._chunk([], usage=self._usage(), pdserve_timings=self._timings())
             yield "data: [DONE]\n\n"
@@ -312,6 +332,14 @@ class GenerationRun:
         # await is cut short (cancel() has still told every backend stream to close).
         self.app._done(self)
         await self.cancel()  # close every backend stream
+
+    def _final_choice(self, c: Choice, want_lp: bool) -> dict:
+        text, calls = "".join(c.text), []
+        if c.tools is not None:  # the whole output read at once, as the stream reads it
+            parsed = c.tools.parser.parse(text)
+            text, calls = parsed.content, message_calls(parsed)
+        lp = self.fmt.logprobs(c.logprobs) if want_lp else None
+        return self.fmt.final_choice(c.index, text, lp, c.answer_reason(bool(calls)), calls)
 
     async def collect(self, first, request: Request) -> Response:
         async def drain():
@@ -339,12 +367,7 @@ class GenerationRun:
                 500, f"generation failed: {errors[0]}", type_="server_error", code="generation_failed"
             )
         want_lp = self.req.logprobs is not None
-        choices = [
-            self.fmt.final_choice(
-                c.index, "".join(c.text), self.fmt.logprobs(c.logprobs) if want_lp else None, c.finish_reason
-            )
-            for c in self.choices
-        ]
+        choices = [self._final_choice(c, want_lp) for c in self.choices]
         return JSONResponse(
             {
                 "id": self.base_id,

@@ -156,6 +156,18 @@ class GatewayMetrics:
             ["key", "limit"],
             registry=r,
         )
+        self.structured_requests = Counter(
+            "pdserve_structured_requests",
+            "Requests admitted with an output constraint, by kind (json_schema, regex, ..., tool_call)",
+            ["kind"],
+            registry=r,
+        )
+        self.structured_compile = Histogram(
+            "pdserve_structured_compile_seconds",
+            "Gateway time compiling a request's constraint (and tool schemas) to check it",
+            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5),
+            registry=r,
+        )
         r.register(_WorkerCollector(worker_stats, routed_requests))
         r.register(_QueueCollector(queue_stats))
         for collector in collectors:  # the backend's own (e.g. queue wait histograms)

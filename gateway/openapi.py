@@ -105,6 +105,35 @@ def _constraint_schemas() -> dict:
     }
 
 
+def _tool_schemas() -> dict:
+    """Chat's tools (gateway/tools/request.py): a forced choice needs --tool-call-parser."""
+    string = {"type": "string"}
+    function = _object(
+        ["name"],
+        name={"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"},
+        description=_optional(string),
+        parameters={"type": "object", "description": "a JSON schema of an object (type: object)"},
+        strict=_optional({"type": "boolean"}),
+    ) | {"additionalProperties": False}
+    tool = _object(["type", "function"], type={"const": "function"}, function=function) | {
+        "additionalProperties": False
+    }
+    named = _object(
+        ["type", "function"],
+        type={"const": "function"},
+        function=_object(["name"], name=string) | {"additionalProperties": False},
+    ) | {"additionalProperties": False}
+    return {
+        "tools": _optional({"type": "array", "items": tool}),
+        "tool_choice": {"anyOf": [{"enum": ["none", "auto", "required", None]}, named]}
+        | {
+            "description": "auto (the default with tools): calls read from the output; required or a named "
+            "function: the call is forced by a grammar of --tool-call-parser's format"
+        },
+        "parallel_tool_calls": _optional({"type": "boolean"}),
+    }
+
+
 def _request_schemas(limits: GatewayLimits, model_name: str, max_model_len: int, vocab_size: int) -> dict:
     tokens = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}}
     text = {"type": "string", "minLength": 1}
@@ -166,10 +195,19 @@ def _request_schemas(limits: GatewayLimits, model_name: str, max_model_len: int,
         },
     )
     text_part = _object(["type", "text"], type={"const": "text"}, text={"type": "string"})
+    string = {"type": "string"}
+    past_call = _object(
+        ["function"],
+        id=string,
+        type={"const": "function"},
+        function=_object(["name", "arguments"], name=string, arguments=string | {"description": "JSON text"}),
+    )
     message = _object(
         ["role"],
         role={"type": "string"},
         content={"anyOf": [{"type": "string"}, {"type": "array", "items": text_part}, {"type": "null"}]},
+        tool_calls=_optional({"type": "array", "items": past_call}) | {"description": "assistant messages only"},
+        tool_call_id=_optional(string) | {"description": "tool messages (role: tool) only, and required there"},
     )
     chat = _object(
         ["messages"],
@@ -182,9 +220,7 @@ def _request_schemas(limits: GatewayLimits, model_name: str, max_model_len: int,
             "logprobs": _optional({"type": "boolean"}),
             "top_logprobs": _optional(_number(Range(True, 0, limits.max_logprobs)))
             | {"description": "only with logprobs: true"},
-            # refused (400) until implemented: function calling
-            "tools": _optional({"type": "array", "maxItems": 0}),
-            "tool_choice": {"enum": ["none", None]},
+            **_tool_schemas(),
         },
     )
     for schema in (completion, chat):  # an unknown field is a 400: nothing is ignored silently
@@ -196,6 +232,7 @@ def _request_schemas(limits: GatewayLimits, model_name: str, max_model_len: int,
 
 def _response_schemas(model_name: str) -> dict:
     finish = {"enum": [r for r in get_args(FinishReason) if r != "error"]}  # an error is a 500
+    chat_finish = {"enum": [*finish["enum"], "tool_calls"]}  # "stop" of an answer that called a tool
     num, string, integer = {"type": "number"}, {"type": "string"}, {"type": "integer"}
     top = _object(["token", "logprob", "bytes"], token=string, logprob=num, bytes={"type": "array", "items": integer})
     chat_lp = _optional(
@@ -245,6 +282,20 @@ def _response_schemas(model_name: str) -> dict:
         )
 
     index = {"type": "integer", "minimum": 0}
+    call = _object(
+        ["id", "type", "function"],
+        id=string,
+        type={"const": "function"},
+        function=_object(["name", "arguments"], name=string, arguments=string),
+    )
+    # OpenAI's: a call's first delta has its id, type, name and arguments "", later ones argument pieces
+    call_delta = _object(
+        ["index"],
+        index=index,
+        id=string,
+        type={"const": "function"},
+        function=_object([], name=string, arguments=string),
+    )
     return {
         "Error": _object(
             ["error"],
@@ -273,8 +324,13 @@ def _response_schemas(model_name: str) -> dict:
                 ["index", "message", "logprobs", "finish_reason"],
                 index=index,
                 logprobs=chat_lp,
-                finish_reason=finish,
-                message=_object(["role", "content"], role={"const": "assistant"}, content=string),
+                finish_reason=chat_finish,
+                message=_object(
+                    ["role", "content"],
+                    role={"const": "assistant"},
+                    content=_optional(string) | {"description": "null when the answer is only tool calls"},
+                    tool_calls={"type": "array", "items": call},
+                ),
             ),
         ),
         # Streams: one JSON object per `data:` event, an error event if generation fails, then [DONE].
@@ -295,8 +351,10 @@ def _response_schemas(model_name: str) -> dict:
                 ["index", "delta", "logprobs", "finish_reason"],
                 index=index,
                 logprobs=chat_lp,
-                finish_reason=_optional(finish),
-                delta=_object([], role={"const": "assistant"}, content=string),
+                finish_reason=_optional(chat_finish),
+                delta=_object(
+                    [], role={"const": "assistant"}, content=string, tool_calls={"type": "array", "items": call_delta}
+                ),
             ),
             chunk=True,
         ),

@@ -7,12 +7,16 @@ parameter in the OpenAI error envelope. A JSON bool is not accepted where a numb
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
 from pdserve.gateway.constraints import CONSTRAINT_FIELDS, parse_constraint
 from pdserve.gateway.errors import invalid
 from pdserve.gateway.limits import GatewayLimits
+from pdserve.gateway.tools.constraint import tool_constraint
+from pdserve.gateway.tools.parser import ToolParser
+from pdserve.gateway.tools.request import TOOL_FIELDS, ToolRequest, parse_tools, tool_message
 from pdserve.protocol.sampling import StructuredOutput
 
 _INT64 = 2**63
@@ -52,6 +56,15 @@ class ParsedRequest:
     early_stopping: bool | Literal["never"] = False
     priority: int | None = None  # vLLM's: lower is admitted first; None = the API key's default
     structured: StructuredOutput | None = None  # response_format / structured_outputs / guided_* (constraints.py)
+    tools: ToolRequest | None = None  # chat's tools and tool_choice (gateway/tools/)
+    constraint_check_s: float = 0.0  # spent compiling its constraint and tool schemas to check them
+
+    @property
+    def constraint_kind(self) -> str | None:
+        """What constrains its output, for metrics: a StructuredOutput kind, or tool_call."""
+        if self.structured is None:
+            return None
+        return "tool_call" if self.tools is not None and self.tools.forced else self.structured.kind
 
     @property
     def num_seqs(self) -> int:
@@ -192,8 +205,7 @@ FIELDS = {
         "max_completion_tokens",
         "logprobs",
         "top_logprobs",
-        "tools",
-        "tool_choice",
+        *TOOL_FIELDS,
     },
 }
 
@@ -203,14 +215,6 @@ def _refuse_what_is_not_implemented(body: dict, kind: str) -> None:
     unknown = sorted(set(body) - FIELDS[kind])
     if unknown:
         raise invalid(f"unrecognized request argument '{unknown[0]}'", unknown[0])
-    if kind == "chat":
-        tools = body.get("tools")
-        if tools is not None and not isinstance(tools, list):
-            raise invalid("'tools' must be a list", "tools")
-        if tools:
-            raise invalid("'tools' (function calling) is not supported", "tools")
-        if body.get("tool_choice") not in (None, "none"):
-            raise invalid("'tool_choice' is not supported (no tools)", "tool_choice")
 
 
 def _logit_bias(value: Any) -> list[tuple[int, float]]:
@@ -234,7 +238,11 @@ def _logit_bias(value: Any) -> list[tuple[int, float]]:
     return sorted(out)
 
 
-def parse_request(body: Any, kind: RequestKind, limits: GatewayLimits) -> ParsedRequest:
+def parse_request(
+    body: Any, kind: RequestKind, limits: GatewayLimits, tool_parser: ToolParser | None = None
+) -> ParsedRequest:
+    """`tool_parser`: --tool-call-parser's, which reads tool calls and writes the grammar of a
+    forced one (chat requests with tools other than tool_choice none need one)."""
     if not isinstance(body, dict):
         raise invalid("request body must be a JSON object")
     _refuse_what_is_not_implemented(body, kind)
@@ -274,7 +282,7 @@ def parse_request(body: Any, kind: RequestKind, limits: GatewayLimits) -> Parsed
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise invalid(f"messages[{i}] must be an object with a string 'role'", "messages")
-            clean.append({"role": m["role"], "content": _message_text(m.get("content"), i)})
+            clean.append({"role": m["role"], "content": _message_text(m.get("content"), i), **tool_message(m, i)})
         req.messages = clean
         if _bool(body, "logprobs", False):
             req.logprobs = _num(body, "top_logprobs", 0, integer=True, lo=0, hi=limits.max_logprobs)
@@ -316,7 +324,13 @@ def parse_request(body: Any, kind: RequestKind, limits: GatewayLimits) -> Parsed
         req.stop_token_ids = stop_ids
     req.priority = _num(body, "priority", None, **PRIORITY._asdict())
     _parse_group(body, req, limits)
+    t0 = time.perf_counter()
     req.structured = parse_constraint(body)
+    if kind == "chat":
+        req.tools = parse_tools(body)
+        if req.tools is not None:
+            req.structured = tool_constraint(req.tools, tool_parser, req.structured) or req.structured
+    req.constraint_check_s = time.perf_counter() - t0
     if req.structured is not None and req.use_beam_search:
         raise invalid("beam search with an output constraint is not supported", "use_beam_search")
     return req

@@ -45,6 +45,7 @@ class GatewayOptions:
     request_timeout_s: float | None = None
     stream_write_timeout_s: float = 30.0  # a streamed response left unread this long is cut
     chat_template: str | None = None  # a Jinja file in place of the tokenizer's own template
+    tool_call_parser: str | None = None  # the model's tool-call format (gateway/tools/registry.py)
     queue_limits: QueueLimits = QueueLimits()  # per pool: waiting requests, tokens, seconds
     # a worker with work pending whose engine step has not completed for this long counts as dead
     stuck_after_s: float = 30.0
@@ -103,6 +104,7 @@ def serve_gateway(opts: GatewayOptions, auth: FrameAuth) -> None:
         ),
         tenants=tenant_directory(opts.api_key, opts.api_keys_file),
         chat_template=_chat_template(opts.chat_template),
+        tool_call_parser=opts.tool_call_parser,
         model_root=str(Path(opts.model).resolve()),
     )
 

@@ -121,6 +121,7 @@ def test_wheel_installs_only_pdserve(tmp_path):
     assert len(others) == 1 and others.pop().endswith(".dist-info"), names
     for needed in (
         "pdserve/gateway/app.py",
+        "pdserve/gateway/tools/hermes.py",
         "pdserve/engine/models/llama.py",
         "pdserve/kernels/cpu_decode_attention.c",
         "pdserve/cli/main.py",

@@ -43,6 +43,8 @@ def grammar_of(c: StructuredOutput) -> str:
         if not isinstance(choices, list) or not choices or not all(isinstance(x, str) and x for x in choices):
             raise ValueError("choice needs a non-empty list of non-empty strings")
         return m.grammar_from_lark("start: " + " | ".join(_lark_literal(x) for x in choices))
+    if c.kind == "lark":
+        return m.grammar_from_lark(c.spec)
     return m.grammar_from_lark(gbnf_to_lark(c.spec) if "::=" in c.spec else c.spec)
 
 

@@ -101,7 +101,14 @@ def fuzz(schema, examples: int, record_property, **call_kwargs) -> None:
 def test_fuzz_in_process(tokenizer, record_property):
     backend = StubBackend()
     # A small body cap so that some generated bodies get the 413.
-    app = create_app(backend, tokenizer, model_name="m", max_model_len=64, limits=GatewayLimits(max_body_bytes=8192))
+    app = create_app(
+        backend,
+        tokenizer,
+        model_name="m",
+        max_model_len=64,
+        limits=GatewayLimits(max_body_bytes=8192),
+        tool_call_parser="hermes",  # tools read and forced (gateway/tools/)
+    )
     fuzz(schemathesis.openapi.from_asgi("/openapi.json", app, config=CONFIG), 150, record_property)
     # Every request ended, and closed its backend streams.
     assert app.state.gateway.in_flight == 0

@@ -82,7 +82,7 @@ def test_every_form_becomes_one_constraint(extra, want, kind):
         ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs", "structural_tag"),
         ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex", "at most one"),
         ({"guided_regex": "a", "use_beam_search": True, "n": 2, "temperature": 0}, "use_beam_search", "beam search"),
-        ({"tools": [{"type": "function"}]}, "tools", "not supported"),
+        ({"tools": [{"type": "function"}]}, "tools", "tools[0]"),
     ],
 )
 def test_a_bad_constraint_is_a_400_naming_it(extra, param, words):
