@@ -5,7 +5,9 @@
   - tokenizer: building the library's tokenizer view (once per worker);
   - compile: a schema (or regex) to a ready matcher, first mask included, no cache;
   - mask: filling the next-token bitmask per decode step, for batch 1 and 32 (every row its
-    own matcher), walking the tokens of a valid document; and applying it to [B, V] logits.
+    own matcher), walking the tokens of a valid document; and applying it to [B, V] logits;
+  - compile p50/p99: every schema of bench/real_world_schemas.py compiled --compile-repeats
+    times, no cache (the distribution over schemas x repeats).
 Figures go to stdout as a markdown table (docs/benchmarks/structured_output.md holds a run).
 """
 
@@ -22,6 +24,7 @@ from typing import Any
 import torch
 
 from pdserve.bench.machine import best_of
+from pdserve.bench.real_world_schemas import REAL_WORLD_SCHEMAS
 from pdserve.engine.structured.bitmask import apply_bitmask
 from pdserve.engine.tokenizer_builder import EOS, build_tokenizer
 
@@ -186,7 +189,29 @@ def _walk(lib: Any, compiled: Any, tokens: list[int], batch: int) -> tuple[float
     return statistics.median(fills), statistics.median(applies)
 
 
-def run(vocab: int) -> list[str]:
+def _percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+
+
+def compile_rows(lib: Any, repeats: int) -> list[str]:
+    """Compile time over the real-world schemas: p50, p99, the slowest schema."""
+    times: list[float] = []
+    slowest: tuple[float, str] = (0.0, "")
+    for name, schema in REAL_WORLD_SCHEMAS:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            lib.compile("json", schema)
+            dt = time.perf_counter() - t0
+            times.append(dt)
+            slowest = max(slowest, (dt, name))
+    return [
+        f"| {lib.name} | {len(REAL_WORLD_SCHEMAS)} real-world schemas x {repeats} | {_percentile(times, 0.5) * 1e3:.2f}"
+        f" | {_percentile(times, 0.99) * 1e3:.2f} | {slowest[0] * 1e3:.2f} ({slowest[1]}) |"
+    ]
+
+
+def run(vocab: int, compile_repeats: int = 5) -> list[str]:
     from tokenizers import Tokenizer
 
     folder = Path(tempfile.mkdtemp(prefix=f"so-bench-{vocab}-"))
@@ -203,12 +228,14 @@ def run(vocab: int) -> list[str]:
         (n, "json", s, json.dumps(doc, separators=(",", ":"))) for n, s, doc in SCHEMAS
     ]
     cases.append((REGEX[0], "regex", REGEX[1], REGEX[2]))
+    compiles = ["", "| library | schemas | compile p50 ms | p99 ms | slowest ms |", "|---|---|---|---|---|"]
     for cls in (Xgr, Llg):
         try:
             lib = cls(folder, real_vocab)
         except ImportError:  # xgrammar is not a dependency: installed by hand to compare
             rows.append(f"| {cls.name} | not installed (`pip install {cls.name}`) | | | | | |")
             continue
+        compiles += compile_rows(lib, compile_repeats)
         for name, kind, spec, text in cases:
             compile_s = best_of(lambda: lib.compile(kind, spec), 3)
             compiled = lib.compile(kind, spec)
@@ -219,17 +246,18 @@ def run(vocab: int) -> list[str]:
                 f"| {lib.name} | {name} | {lib.tokenizer_s * 1e3:.0f} | {compile_s * 1e3:.2f}"
                 f" | {b1 * 1e6:.0f} | {b32 * 1e6:.0f} | {apply32 * 1e6:.0f} |"
             )
-    return rows
+    return rows + compiles
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     # 49152 asked: the synthetic corpus gives BPE ~14.6k merges at most (the size reported)
     ap.add_argument("--vocab", type=int, nargs="+", default=[512, 49152])
+    ap.add_argument("--compile-repeats", type=int, default=5, help="compiles of each real-world schema")
     args = ap.parse_args(argv)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     for v in args.vocab:
-        print("\n".join(run(v)), flush=True)
+        print("\n".join(run(v, args.compile_repeats)), flush=True)
     return 0
 
 
