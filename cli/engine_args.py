@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from pdserve.cli.topology import step_budget
-from pdserve.engine.config import QUANTIZATIONS, CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.config import MODEL_IMPLS, QUANTIZATIONS, CacheConfig, EngineConfig, SchedulerConfig
 
 
 def parse_size(text: str) -> int:
@@ -27,6 +27,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         choices=QUANTIZATIONS,
         help="weight-only quantization of the linear layers at load (CPU): int8, or int4, both in "
         "groups of 32 inputs with a scale each; a GGUF file's Q8_0 / Q4_0 blocks are kept as stored",
+    )
+    g.add_argument(
+        "--model-impl",
+        default="auto",
+        choices=MODEL_IMPLS,
+        help="native: pdserve's own model code (Llama, Mistral, Qwen2, Qwen3, Phi-3); transformers: "
+        "transformers' modelling code with pdserve's paged KV cache (any decoder-only model, slower); "
+        "auto (default): native where the folder has a native path, else transformers",
     )
     g.add_argument("--device", default="cpu")
     g.add_argument("--block-size", type=int, default=16)
@@ -80,6 +88,7 @@ def engine_config(args: argparse.Namespace, role: str, budget: int | None = None
         dtype=args.dtype,
         device=args.device,
         quantization=args.quantization,
+        model_impl=args.model_impl,
         seed=args.seed,
         cache=CacheConfig(
             block_size=args.block_size,

@@ -26,6 +26,7 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, Any]] = {
     "Phi3ForCausalLM": {"qkv_bias": False, "qk_norm": False},
 }
 ROPE_KINDS = ("default", "linear", "llama3", "longrope")
+MODEL_IMPLS = ("auto", "native", "transformers")  # --model-impl (vLLM's name)
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k, before RoPE
     rotary_dim: int | None = None  # None: all of head_dim; else its first rotary_dim dims (Phi-4-mini)
     weights_tag: str = ""  # what else sets the weights' values (a GGUF file's tensor types), in the fingerprint
+    impl: str = "native"  # native (models/llama.py) | transformers (models/transformers_backend.py)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -111,20 +113,44 @@ class ModelConfig:
             f"{self.architecture}/L{self.num_layers}/H{self.num_heads}/KV{self.num_kv_heads}"
             f"/D{self.head_dim}/V{self.vocab_size}/{str(dtype).removeprefix('torch.')}"
             + (f"/{self.weights_tag}" if self.weights_tag else "")
+            + ("/transformers" if self.impl == "transformers" else "")  # its KV rounds differently
         )
 
     @classmethod
-    def from_folder(cls, path: str | Path) -> "ModelConfig":
-        """An HF folder's config.json, or a GGUF file's metadata (engine/gguf_file.py)."""
+    def from_folder(cls, path: str | Path, model_impl: str = "auto") -> "ModelConfig":
+        """An HF folder's config.json, or a GGUF file's metadata (engine/gguf_file.py).
+        `model_impl` (--model-impl): `native` refuses what models/llama.py cannot serve,
+        `transformers` serves through transformers' modelling code, `auto` is native where the
+        folder's architecture and features have a native path, else transformers."""
         from pdserve.engine.gguf_file import gguf_model_config, is_gguf
 
+        if model_impl not in MODEL_IMPLS:
+            raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {model_impl!r}")
         if is_gguf(path):
+            if model_impl == "transformers":
+                raise ValueError(f"{path}: a GGUF file is served by the native path only (--model-impl auto or native)")
             return gguf_model_config(path)
         path = Path(path)
         cfg_file = path / "config.json"
         if not cfg_file.is_file():
             raise FileNotFoundError(f"{path} is neither a Hugging Face model folder (no config.json) nor a GGUF file")
         cfg = json.loads(cfg_file.read_text())
+        from pdserve.engine.transformers_config import transformers_model_config
+
+        if model_impl == "transformers":
+            return transformers_model_config(path, cfg)
+        try:
+            return cls._native(path, cfg)
+        except ValueError as why:
+            if model_impl == "native":
+                raise ValueError(f"--model-impl native: {why} (--model-impl auto or transformers serves it)") from None
+            log.info("%s: no native path (%s); serving it through transformers' modelling code", path, why)
+            return transformers_model_config(path, cfg)
+
+    @classmethod
+    def _native(cls, path: Path, cfg: dict[str, Any]) -> "ModelConfig":
+        """The native model's config (models/llama.py); ValueError naming what it cannot serve."""
+        cfg_file = path / "config.json"
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
@@ -168,7 +194,7 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
-            eos_token_ids=_eos_ids(path, cfg),
+            eos_token_ids=eos_token_ids(path, cfg),
             sliding_window=sliding,
             o_bias=o_bias,
             qk_norm=traits["qk_norm"],
@@ -219,7 +245,7 @@ def _rope_from_hf(cfg: dict) -> RopeConfig:
     )
 
 
-def _eos_ids(path: Path, cfg: dict) -> tuple[int, ...]:
+def eos_token_ids(path: Path, cfg: dict) -> tuple[int, ...]:
     ids: list[int] = []
     gen_file = path / "generation_config.json"
     sources = [cfg]
@@ -308,7 +334,10 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     seed: int | None = None  # sampler seed for requests without their own
     quantization: str = "none"  # none | int8 | int4: weight-only linears (engine/models/quantized_linear.py)
+    model_impl: str = "auto"  # auto | native | transformers (ModelConfig.from_folder)
 
     def __post_init__(self) -> None:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.model_impl not in MODEL_IMPLS:
+            raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {self.model_impl!r}")

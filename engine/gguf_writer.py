@@ -61,7 +61,7 @@ def write_gguf(folder: str | Path, out: str | Path, qtype: str = "f32", show_pro
     if qtype not in WRITE_TYPES:
         raise ValueError(f"unsupported GGUF type {qtype!r}; choose {', '.join(WRITE_TYPES)}")
     folder, out = Path(folder), Path(out)
-    cfg = ModelConfig.from_folder(folder)
+    cfg = ModelConfig.from_folder(folder, "native")  # llama.cpp's names map the native families only
     if cfg.rope.kind != "default":  # llama3 / longrope factors travel as extra tensors: not written here
         raise ValueError(f"writing GGUF with rope scaling {cfg.rope.kind!r} is not supported")
     arch = GGUF_ARCH[cfg.architecture]

@@ -71,7 +71,7 @@ class LLMEngine:
     ) -> None:
         self.config = config
         self.device = torch.device(config.device)
-        self.model_config = quantized(ModelConfig.from_folder(config.model), config.quantization)
+        self.model_config = quantized(ModelConfig.from_folder(config.model, config.model_impl), config.quantization)
         self.dtype = resolve_dtype(config.dtype, self.device)
         if config.dtype == "auto":
             log.info(

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from pdserve.engine.make_model_families import TRANSFORMERS_ARCHS, transformers_family_config
 from pdserve.engine.tokenizer_builder import EOS, build_tokenizer
 from pdserve.env import settings
 
@@ -52,7 +53,7 @@ PRESETS = {
 PRESETS["default"] = PRESETS["bench"]
 
 
-ARCHS = ("llama", "qwen2", "qwen3", "phi3")
+ARCHS = ("llama", "qwen2", "qwen3", "phi3", *TRANSFORMERS_ARCHS)  # the latter: engine/make_model_families.py
 
 
 def _hf_config(
@@ -61,6 +62,8 @@ def _hf_config(
     """`extra`: more HF config fields (e.g. phi3's partial_rotary_factor, original_max_position_embeddings)."""
     from transformers import LlamaConfig, Phi3Config, Qwen2Config, Qwen3Config
 
+    if arch in TRANSFORMERS_ARCHS:
+        return transformers_family_config(arch, p, vocab, eos_id, {"rope_type": "default", "rope_theta": p.rope_theta})
     common: dict[str, Any] = dict(
         vocab_size=vocab,
         hidden_size=p.hidden_size,
@@ -110,10 +113,10 @@ def _init_weights(model: torch.nn.Module, seed: int) -> None:
             param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
         elif name.endswith("bias"):
             param.copy_(0.1 * torch.randn(param.shape, generator=gen))
-        elif "embed_tokens" in name or "lm_head" in name:
+        elif name.endswith(("embed_tokens.weight", "lm_head.weight", "embed_in.weight", "embed_out.weight")):
             param.copy_(0.5 * torch.randn(param.shape, generator=gen))
-        else:  # linear [out, in]
-            param.copy_(torch.randn(param.shape, generator=gen) / param.shape[1] ** 0.5)
+        else:  # linear [out, in], or stacked experts' [E, out, in]
+            param.copy_(torch.randn(param.shape, generator=gen) / param.shape[-1] ** 0.5)
 
 
 def make_model(

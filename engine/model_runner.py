@@ -10,7 +10,8 @@ import torch
 
 from pdserve.engine.batch import ForwardBatch, build_batch
 from pdserve.engine.config import ModelConfig
-from pdserve.engine.models.llama import ForwardContext, LlamaForCausalLM, Rope
+from pdserve.engine.models.interface import CausalLM, LayerInputs
+from pdserve.engine.models.llama import ForwardContext, LlamaForCausalLM
 from pdserve.engine.models.quantized_linear import quantize_model
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import SchedulerOutput
@@ -27,7 +28,13 @@ def load_model(
     max_positions: int,
     show_progress: bool = True,
     quantization: str = "none",
-) -> LlamaForCausalLM:
+) -> CausalLM:
+    if cfg.impl == "transformers":  # any other decoder-only model (models/transformers_backend.py)
+        from pdserve.engine.models.transformers_backend import load_transformers_model
+
+        if quantization != "none":
+            raise ValueError("--quantization is served on the native model path only, not through transformers")
+        return load_transformers_model(cfg, dtype, device)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, max_positions)
     model.materialize(device, dtype)
@@ -56,14 +63,14 @@ class ForwardPass:
     batch: ForwardBatch
     ctx: ForwardContext
     x: torch.Tensor  # [T, H] hidden states after `next_layer` layers
-    rope: Rope
+    rope: LayerInputs  # what every layer takes besides x (native: the rotary tables)
     next_layer: int = 0
     # (sequence, its tokens with KV once this pass is done): the engine publishes full blocks then
     computed_upto: list[tuple[Sequence, int]] = field(default_factory=list)
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int, sampler: Sampler) -> None:
+    def __init__(self, model: CausalLM, kv_cache: torch.Tensor, block_size: int, sampler: Sampler) -> None:
         self.model = model
         self.kv_cache = kv_cache  # [L, 2, N, bs, Hkv, D]
         self.block_size = block_size

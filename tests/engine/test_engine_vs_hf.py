@@ -122,8 +122,8 @@ def test_refuses_unsupported_architecture(tmp_path, tiny_llama):
     cfg = json.loads((bad / "config.json").read_text())
     cfg["architectures"] = ["GPT2LMHeadModel"]
     (bad / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="supported: LlamaForCausalLM"):
-        make_engine(bad)
+    with pytest.raises(ValueError, match="supported: LlamaForCausalLM"):  # auto: transformers serves it
+        LLMEngine(EngineConfig(model=str(bad), dtype="float32", model_impl="native"), show_progress=False)
 
 
 def test_refuses_kv_cache_that_cannot_hold_one_sequence(tiny_llama):

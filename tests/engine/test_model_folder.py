@@ -79,7 +79,8 @@ def test_config_reads_rope_scaling_and_refuses_unknown_types(tmp_path, tiny_llam
     cfg["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
     (folder / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="unsupported rope scaling"):
-        ModelConfig.from_folder(folder)
+        ModelConfig.from_folder(folder, "native")
+    assert ModelConfig.from_folder(folder).impl == "transformers"  # auto: transformers' rope code serves it
 
 
 def test_llama3_rope_matches_transformers(tmp_path):
