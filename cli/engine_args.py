@@ -23,10 +23,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument(
         "--quantization",
-        default="none",
+        default="auto",
         choices=QUANTIZATIONS,
-        help="weight-only quantization of the linear layers at load (CPU): int8, or int4, both in "
-        "groups of 32 inputs with a scale each; a GGUF file's Q8_0 / Q4_0 blocks are kept as stored",
+        help="weight-only quantized linear layers (CPU). auto (default): a GGUF file's Q8_0, Q4_0, Q4_1, "
+        "Q4_K, Q5_K and Q6_K linears are kept as stored (other types dequantized), float weights stay "
+        "float; int8 / int4: every linear quantized at load in groups of 32 inputs with a scale each "
+        "(a GGUF file's Q8_0 / Q4_0 blocks kept); none: everything dequantized to --dtype",
     )
     g.add_argument(
         "--model-impl",

@@ -296,12 +296,16 @@ class CacheConfig:
 
 
 SCHEDULING_POLICIES = ("fcfs", "shortest-first")
-QUANTIZATIONS = ("none", "int8", "int4")  # --quantization
+# --quantization; auto: a GGUF file's quantized linears kept as stored (engine/quantize.py
+# KEPT_GGUF_TYPES), float weights as they are
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
 
 def quantized(cfg: ModelConfig, quantization: str) -> ModelConfig:
     """`cfg` with a weight-only quantization named in its fingerprint (it changes the KV)."""
-    if quantization == "none":
+    from pdserve.engine.gguf_file import is_gguf
+
+    if quantization == "none" or (quantization == "auto" and not is_gguf(cfg.path)):
         return cfg
     return replace(cfg, weights_tag="+".join(t for t in (cfg.weights_tag, quantization) if t))
 
@@ -333,7 +337,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     seed: int | None = None  # sampler seed for requests without their own
-    quantization: str = "none"  # none | int8 | int4: weight-only linears (engine/models/quantized_linear.py)
+    quantization: str = "auto"  # auto | none | int8 | int4: weight-only linears (engine/models/quantized_linear.py)
     model_impl: str = "auto"  # auto | native | transformers (ModelConfig.from_folder)
 
     def __post_init__(self) -> None:

@@ -16,6 +16,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.gguf_kquants import quantize_q4_k, quantize_q5_k, quantize_q6_k
 from pdserve.engine.weights import safetensors_files
 
 # our architecture -> llama.cpp's (Mistral v0.1-style models convert as llama)
@@ -27,7 +28,9 @@ GGUF_ARCH = {
     "Phi3ForCausalLM": gguf.MODEL_ARCH.PHI3,
 }
 Q = gguf.GGMLQuantizationType
-# --gguf TYPE -> the type of 2-D weights (the gguf package quantizes these; K-quants it cannot)
+# --gguf TYPE -> the type of 2-D weights (the gguf package quantizes the legacy types; K-quants
+# come from engine/gguf_kquants.py). q4_k_m: Q4_K, with attn_v, ffn_down and the output in Q6_K
+# (the mix of llama.cpp's Q4_K_M, which varies it by layer)
 WRITE_TYPES = {
     "f32": Q.F32,
     "f16": Q.F16,
@@ -37,7 +40,13 @@ WRITE_TYPES = {
     "q5_1": Q.Q5_1,
     "q4_0": Q.Q4_0,
     "q4_1": Q.Q4_1,
+    "q4_k": Q.Q4_K,
+    "q5_k": Q.Q5_K,
+    "q6_k": Q.Q6_K,
+    "q4_k_m": Q.Q4_K,
 }
+_MIX_Q6_K = ("attn_v.weight", "ffn_down.weight", "output.weight")  # q4_k_m's Q6_K tensors
+_K_WRITERS = {Q.Q4_K: quantize_q4_k, Q.Q5_K: quantize_q5_k, Q.Q6_K: quantize_q6_k}
 _FILE_TYPES = {
     Q.F32: gguf.LlamaFileType.ALL_F32,
     Q.F16: gguf.LlamaFileType.MOSTLY_F16,
@@ -47,6 +56,9 @@ _FILE_TYPES = {
     Q.Q5_1: gguf.LlamaFileType.MOSTLY_Q5_1,
     Q.Q4_0: gguf.LlamaFileType.MOSTLY_Q4_0,
     Q.Q4_1: gguf.LlamaFileType.MOSTLY_Q4_1,
+    Q.Q4_K: gguf.LlamaFileType.MOSTLY_Q4_K_M,
+    Q.Q5_K: gguf.LlamaFileType.MOSTLY_Q5_K_M,
+    Q.Q6_K: gguf.LlamaFileType.MOSTLY_Q6_K,
 }
 
 
@@ -81,7 +93,8 @@ def write_gguf(folder: str | Path, out: str | Path, qtype: str = "f32", show_pro
                     data = llama_permute(data, cfg.num_heads)
                 elif arch == gguf.MODEL_ARCH.LLAMA and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
                     data = llama_permute(data, cfg.num_kv_heads)
-                _add_tensor(writer, name, data, wtype)
+                mixed = qtype == "q4_k_m" and name.endswith(_MIX_Q6_K)
+                _add_tensor(writer, name, data, Q.Q6_K if mixed else wtype)
     out.parent.mkdir(parents=True, exist_ok=True)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -100,6 +113,8 @@ def _add_tensor(writer: gguf.GGUFWriter, name: str, data: np.ndarray, wtype: ggu
         writer.add_tensor(name, np.ascontiguousarray(data, dtype=np.float32))
     elif wtype == Q.F16:
         writer.add_tensor(name, data.astype(np.float16))
+    elif wtype in _K_WRITERS:
+        writer.add_tensor(name, _K_WRITERS[wtype](data), raw_dtype=wtype)
     else:  # uint8 blocks; the writer recovers the element shape from the type
         writer.add_tensor(name, gguf.quants.quantize(data, wtype), raw_dtype=wtype)
 

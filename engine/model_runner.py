@@ -27,12 +27,12 @@ def load_model(
     device: torch.device,
     max_positions: int,
     show_progress: bool = True,
-    quantization: str = "none",
+    quantization: str = "auto",
 ) -> CausalLM:
     if cfg.impl == "transformers":  # any other decoder-only model (models/transformers_backend.py)
         from pdserve.engine.models.transformers_backend import load_transformers_model
 
-        if quantization != "none":
+        if quantization not in ("none", "auto"):
             raise ValueError("--quantization is served on the native model path only, not through transformers")
         return load_transformers_model(cfg, dtype, device)
     with torch.device("meta"):

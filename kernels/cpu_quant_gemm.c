@@ -1,10 +1,14 @@
 /* Weight-only int8 / int4 linear on the CPU: y[m, out] = x[m, in] . dequant(W)^T (+ bias).
  *
  * Layout (kernels/quant_gemm.py `QuantWeight`): W [out, in] in groups of GROUP = 32 consecutive
- * inputs, each group one fp32 scale d (scales [out, in / 32]):
+ * inputs; one fp32 scale d per `sg` inputs (sg = 32, or 16: scales [out, in / sg]):
  *   int8: q [out, in] int8, w = q * d                      (GGUF Q8_0's blocks, scale widened)
  *   int4: q [out, in / 2] bytes, 16 a group; byte j of a group holds element j in its low
  *         nibble and element j + 16 in its high one, w = (nibble - 8) * d   (GGUF Q4_0's blocks)
+ * Affine (offsets given, [out, in / sg] like the scales): w = q * d + m with int4's nibble taken
+ * as it is (0..15, no -8): GGUF's Q4_1, Q4_K and Q5_K (its 5-bit q in int8) in the very fp32
+ * operations of ggml's own dequantization (d * q, then + m: never fused into one FMA).
+ * Q6_K is int8 (q - 32) with sg = 16.
  * `in` is a multiple of 32 here (the caller pads x and the weight rows with zeros).
  *
  * `quant_gemm_f32` (decode: 1-16 rows) reads each quantized weight once a call, widens it to
@@ -70,8 +74,9 @@ static inline vf to_float(vq q) {
 #endif
 }
 
-/* elements [s * VW, s * VW + VW) of one group, as fp32 times the group's scale */
-static inline __attribute__((always_inline)) vf widen(const int bits, const uint8_t *g, const int s, const float d) {
+/* elements [s * VW, s * VW + VW) of one group, as fp32 times their scale d (plus m when affine) */
+static inline __attribute__((always_inline)) vf widen(const int bits, const int affine, const uint8_t *g, const int s,
+                                                      const float d, const float m) {
     vq q;
     if (bits == 8) {
         memcpy(&q, g + s * VW, sizeof q);
@@ -79,13 +84,25 @@ static inline __attribute__((always_inline)) vf widen(const int bits, const uint
         const int e = s * VW; /* element offset: low nibbles hold 0..15, high ones 16..31 */
         vb b;
         memcpy(&b, g + (e & 15), sizeof b);
-        q = (vq)(e < 16 ? (b & 15) : (b >> 4)) - 8;
+        q = (vq)(e < 16 ? (b & 15) : (b >> 4));
+        if (!affine) q -= 8;
     }
     vf w = to_float(q) * d;
 #if defined(__x86_64__)
     __asm__("" : "+x"(w)); /* w = q * d stays one product: -ffast-math may not regroup it per tile */
 #endif
+    if (affine) {
+        w += m;
+#if defined(__x86_64__)
+        __asm__("" : "+x"(w));
+#endif
+    }
     return w;
+}
+
+/* the scale (and offset) of elements [s * VW, s * VW + VW) of group g: one per sg (16 or 32) */
+static inline int64_t scale_index(int64_t g, int s, int sg_shift) {
+    return sg_shift == 5 ? g : g * (GROUP / 16) + ((s * VW) >> 4); /* sg 32 or 16 */
 }
 
 /* lanes in order; not inlined, so -ffast-math cannot regroup it with its neighbours per tile shape */
@@ -95,12 +112,20 @@ static __attribute__((noinline)) float hsum(vf v) {
     return s;
 }
 
+/* How a weight's scales are laid out: one per 2^sg_shift inputs; offsets NULL (symmetric) or like
+ * the scales (affine). */
+typedef struct {
+    const float *scales, *offsets;
+    int sg_shift;
+} qscales;
+
 /* jn (<= J) output rows from `o` times rn (<= R) rows of x -> y */
-static inline __attribute__((always_inline)) void tile(const int bits, const int jn, const int rn, const float *x,
-                                                       int64_t ldx, const uint8_t *q, const float *scales,
-                                                       const float *bias, float *y, int64_t ldy, int64_t in,
-                                                       int64_t o) {
+static inline __attribute__((always_inline)) void tile(const int bits, const int affine, const int sg_shift,
+                                                       const int jn, const int rn, const float *x, int64_t ldx,
+                                                       const uint8_t *q, qscales sc, const float *bias, float *y,
+                                                       int64_t ldy, int64_t in, int64_t o) {
     const int64_t groups = in / GROUP, gbytes = GROUP * bits / 8, row_bytes = groups * gbytes;
+    const int64_t row_scales = in >> sg_shift;
     vf acc[J][R];
     for (int j = 0; j < jn; j++)
         for (int r = 0; r < rn; r++) acc[j][r] = (vf){0};
@@ -108,8 +133,11 @@ static inline __attribute__((always_inline)) void tile(const int bits, const int
         for (int s = 0; s < GROUP / VW; s++) {
             vf xs[R];
             for (int r = 0; r < rn; r++) xs[r] = loadf(x + r * ldx + g * GROUP + s * VW);
+            const int64_t si = scale_index(g, s, sg_shift);
             for (int j = 0; j < jn; j++) {
-                const vf w = widen(bits, q + (o + j) * row_bytes + g * gbytes, s, scales[(o + j) * groups + g]);
+                const int64_t k = (o + j) * row_scales + si;
+                const vf w = widen(bits, affine, q + (o + j) * row_bytes + g * gbytes, s, sc.scales[k],
+                                   affine ? sc.offsets[k] : 0.0f);
                 for (int r = 0; r < rn; r++) acc[j][r] += w * xs[r];
             }
         }
@@ -119,32 +147,49 @@ static inline __attribute__((always_inline)) void tile(const int bits, const int
 }
 
 /* full tiles, then the leftover rows/outputs one at a time: constant sizes so tiles unroll */
-static void rows_range(const int bits, const float *x, int64_t ldx, const uint8_t *q, const float *scales,
-                       const float *bias, float *y, int64_t m, int64_t in, int64_t out, int64_t o0, int64_t o1) {
+/* every format as constants, so each tile compiles for its own: (bits, affine, scale group) */
+#define TILE(BITS, AFF, SG, JN, RN) \
+    tile(BITS, AFF, SG, JN, RN, x + r * ldx, ldx, q, sc, bias, y + r * out, out, in, o)
+#define KIND(JN, RN)                                                  \
+    do {                                                              \
+        if (bits == 8 && !affine && sc.sg_shift == 5) TILE(8, 0, 5, JN, RN); \
+        else if (bits == 8 && !affine) TILE(8, 0, 4, JN, RN);                \
+        else if (bits == 8 && sc.sg_shift == 5) TILE(8, 1, 5, JN, RN);      \
+        else if (bits == 8) TILE(8, 1, 4, JN, RN);                           \
+        else if (!affine && sc.sg_shift == 5) TILE(4, 0, 5, JN, RN);         \
+        else if (!affine) TILE(4, 0, 4, JN, RN);                             \
+        else if (sc.sg_shift == 5) TILE(4, 1, 5, JN, RN);                    \
+        else TILE(4, 1, 4, JN, RN);                                          \
+    } while (0)
+static void rows_range(const int bits, const float *x, int64_t ldx, const uint8_t *q, qscales sc, const float *bias,
+                       float *y, int64_t m, int64_t in, int64_t out, int64_t o0, int64_t o1) {
+    const int affine = sc.offsets != 0;
     for (int64_t o = o0; o < o1;) {
         const int jn = o + J <= o1 ? J : 1;
         int64_t r = 0;
         for (; r + R <= m; r += R) {
-            if (jn == J && bits == 8) tile(8, J, R, x + r * ldx, ldx, q, scales, bias, y + r * out, out, in, o);
-            else if (jn == J) tile(4, J, R, x + r * ldx, ldx, q, scales, bias, y + r * out, out, in, o);
-            else if (bits == 8) tile(8, 1, R, x + r * ldx, ldx, q, scales, bias, y + r * out, out, in, o);
-            else tile(4, 1, R, x + r * ldx, ldx, q, scales, bias, y + r * out, out, in, o);
+            if (jn == J) KIND(J, R);
+            else KIND(1, R);
         }
         for (; r < m; r++) {
-            if (jn == J && bits == 8) tile(8, J, 1, x + r * ldx, ldx, q, scales, bias, y + r * out, out, in, o);
-            else if (jn == J) tile(4, J, 1, x + r * ldx, ldx, q, scales, bias, y + r * out, out, in, o);
-            else if (bits == 8) tile(8, 1, 1, x + r * ldx, ldx, q, scales, bias, y + r * out, out, in, o);
-            else tile(4, 1, 1, x + r * ldx, ldx, q, scales, bias, y + r * out, out, in, o);
+            if (jn == J) KIND(J, 1);
+            else KIND(1, 1);
         }
         o += jn;
     }
 }
+#undef KIND
+#undef TILE
 
-/* y [m, out] = x [m, in] (rows ldx floats apart) . dequant(q, scales)^T (+ bias; may be NULL).
- * bits 8 or 4; in a multiple of GROUP. Returns 0, or -1 for a bad argument. */
-int quant_gemm_f32(const float *x, int64_t ldx, const uint8_t *q, const float *scales, const float *bias, float *y,
-                   int64_t m, int64_t in, int64_t out, int bits, int nthreads) {
-    if ((bits != 8 && bits != 4) || in % GROUP || m < 1) return -1;
+static int sg_shift_of(int sg) { return sg == 32 ? 5 : sg == 16 ? 4 : -1; }
+
+/* y [m, out] = x [m, in] (rows ldx floats apart) . dequant(q, scales, offsets)^T (+ bias; may be
+ * NULL). bits 8 or 4; offsets NULL (symmetric) or one per scale; sg (inputs a scale) 32 or 16; in a
+ * multiple of GROUP. Returns 0, or -1 for a bad argument. */
+int quant_gemm_f32(const float *x, int64_t ldx, const uint8_t *q, const float *scales, const float *offsets,
+                   const float *bias, float *y, int64_t m, int64_t in, int64_t out, int bits, int sg, int nthreads) {
+    const qscales sc = {scales, offsets, sg_shift_of(sg)};
+    if ((bits != 8 && bits != 4) || in % GROUP || m < 1 || sc.sg_shift < 0) return -1;
     if (nthreads < 1) nthreads = 1;
     int64_t per = (out + nthreads - 1) / nthreads;
     per = (per + J - 1) / J * J; /* ranges of whole J-row tiles */
@@ -152,24 +197,29 @@ int quant_gemm_f32(const float *x, int64_t ldx, const uint8_t *q, const float *s
 #pragma omp parallel for num_threads(parts) schedule(static, 1) if (parts > 1)
     for (int t = 0; t < parts; t++) {
         const int64_t o0 = t * per, o1 = o0 + per < out ? o0 + per : out;
-        rows_range(bits, x, ldx, q, scales, bias, y, m, in, out, o0, o1);
+        rows_range(bits, x, ldx, q, sc, bias, y, m, in, out, o0, o1);
     }
     return 0;
 }
 
-/* w [o1 - o0, in] = dequant(q, scales) rows [o0, o1). Returns 0, or -1 for a bad argument. */
-int quant_dequant_f32(const uint8_t *q, const float *scales, float *w, int64_t in, int64_t o0, int64_t o1, int bits,
-                      int nthreads) {
-    if ((bits != 8 && bits != 4) || in % GROUP || o1 < o0) return -1;
-    const int64_t groups = in / GROUP, gbytes = GROUP * bits / 8;
+/* w [o1 - o0, in] = dequant(q, scales, offsets) rows [o0, o1) (arguments as quant_gemm_f32's).
+ * Returns 0, or -1 for a bad argument. */
+int quant_dequant_f32(const uint8_t *q, const float *scales, const float *offsets, float *w, int64_t in, int64_t o0,
+                      int64_t o1, int bits, int sg, int nthreads) {
+    const int shift = sg_shift_of(sg), affine = offsets != 0;
+    if ((bits != 8 && bits != 4) || in % GROUP || o1 < o0 || shift < 0) return -1;
+    const int64_t groups = in / GROUP, gbytes = GROUP * bits / 8, row_scales = in >> shift;
 #pragma omp parallel for num_threads(nthreads > 0 ? nthreads : 1) schedule(static) if (nthreads > 1)
     for (int64_t o = o0; o < o1; o++) {
         for (int64_t g = 0; g < groups; g++) {
             const uint8_t *src = q + (o * groups + g) * gbytes;
-            const float d = scales[o * groups + g];
             float *dst = w + (o - o0) * in + g * GROUP;
             for (int s = 0; s < GROUP / VW; s++) {
-                const vf v = bits == 8 ? widen(8, src, s, d) : widen(4, src, s, d);
+                const int64_t k = o * row_scales + scale_index(g, s, shift);
+                const float d = scales[k], m = affine ? offsets[k] : 0.0f;
+                vf v;
+                if (bits == 8) v = affine ? widen(8, 1, src, s, d, m) : widen(8, 0, src, s, d, m);
+                else v = affine ? widen(4, 1, src, s, d, m) : widen(4, 0, src, s, d, m);
                 memcpy(dst + s * VW, &v, sizeof v);
             }
         }

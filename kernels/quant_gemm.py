@@ -1,11 +1,12 @@
 """Weight-only int8 / int4 linears (kernels/cpu_quant_gemm.c): the group-wise format, its torch
 reference, and the C kernels.
 
-Format (`QuantWeight`): W [out, in] in groups of 32 consecutive inputs with one fp32 scale each,
-so GGUF's Q8_0 and Q4_0 blocks map onto it as they are (their fp16 scales widened exactly):
-int8 `q` [out, in] holds w / d; int4 `q` [out, in / 2] holds 16 bytes a group, byte j = element
-j (low nibble) | element j + 16 (high nibble), w = (nibble - 8) * d. Rows are padded to whole
-groups with zeros.
+Format (`QuantWeight`): W [out, in] in groups of 32 consecutive inputs, one fp32 scale per
+`scale_group` inputs (32, or 16 for GGUF's Q6_K), so GGUF's blocks map onto it as they are
+(their fp16 scales widened exactly): int8 `q` [out, in] holds w / d; int4 `q` [out, in / 2]
+holds 16 bytes a group, byte j = element j (low nibble) | element j + 16 (high nibble),
+w = (nibble - 8) * d. Affine weights (`offsets`, one per scale: GGUF's Q4_1, Q4_K, Q5_K) are
+w = q * d + m, int4's nibble taken as it is (0..15). Rows are padded to whole groups with zeros.
 
 `linear`: 1-FEW_ROWS rows go to the C kernel (each weight read once, widened in registers);
 more rows (prefill) widen TILE_OUT output rows at a time to fp32 (in C: ~5% of the GEMM's time
@@ -38,8 +39,16 @@ class QuantWeight:
 
     bits: int  # 8 or 4
     q: torch.Tensor  # int8 [out, G * 32] (bits 8) or uint8 [out, G * 16] (bits 4)
-    scales: torch.Tensor  # fp32 [out, G]
+    scales: torch.Tensor  # fp32 [out, G * 32 / scale_group]
     in_features: int  # <= G * 32; the rest of each row is zero padding
+    offsets: torch.Tensor | None = None  # fp32 like scales: affine, w = q * d + m (int4: nibble as is)
+    scale_group: int = GROUP  # inputs a scale: 32, or 16
+
+    def __post_init__(self) -> None:
+        if self.scale_group not in (16, 32) or self.scales.shape[1] * self.scale_group != self.padded_in:
+            raise ValueError(f"scales {tuple(self.scales.shape)} do not fit {self.padded_in} inputs a row")
+        if self.offsets is not None and self.offsets.shape != self.scales.shape:
+            raise ValueError("offsets must have the scales' shape")
 
     @property
     def out_features(self) -> int:
@@ -47,21 +56,30 @@ class QuantWeight:
 
     @property
     def padded_in(self) -> int:
-        return self.scales.shape[1] * GROUP
+        return self.q.shape[1] * 8 // self.bits
+
+    @property
+    def affine(self) -> bool:
+        return self.offsets is not None
 
     def nbytes(self) -> int:
-        return self.q.numel() * self.q.element_size() + self.scales.numel() * self.scales.element_size()
+        extra = [] if self.offsets is None else [self.offsets]
+        return sum(t.numel() * t.element_size() for t in (self.q, self.scales, *extra))
 
 
 def dequantize(w: QuantWeight) -> torch.Tensor:
-    """The torch reference: fp32 [out, in_features]."""
-    out, groups = w.scales.shape
+    """The torch reference: fp32 [out, in_features] (q * d, then + m when affine: ggml's order)."""
+    out, groups = w.out_features, w.padded_in // GROUP
     if w.bits == 8:
         values = w.q.view(out, groups, GROUP).float()  # [out, G, 32]
     else:
         b = w.q.view(out, groups, GROUP // 2)  # [out, G, 16]
-        values = (torch.cat([b & 15, b >> 4], dim=-1).to(torch.int8) - 8).float()  # [out, G, 32]
-    return (values * w.scales.unsqueeze(-1)).reshape(out, -1)[:, : w.in_features]
+        values = (torch.cat([b & 15, b >> 4], dim=-1).to(torch.int8) - (0 if w.affine else 8)).float()  # [out, G, 32]
+    values = values.view(out, -1, w.scale_group)  # [out, S, scale_group]
+    weight = values * w.scales.unsqueeze(-1)
+    if w.offsets is not None:
+        weight = weight + w.offsets.unsqueeze(-1)
+    return weight.reshape(out, -1)[:, : w.in_features]
 
 
 @functools.lru_cache(maxsize=None)
@@ -71,9 +89,9 @@ def _library() -> ctypes.CDLL | None:
         return None
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.quant_gemm_f32.restype = i32
-    lib.quant_gemm_f32.argtypes = [p, i64, p, p, p, p, i64, i64, i64, i32, i32]
+    lib.quant_gemm_f32.argtypes = [p, i64, p, p, p, p, p, i64, i64, i64, i32, i32, i32]
     lib.quant_dequant_f32.restype = i32
-    lib.quant_dequant_f32.argtypes = [p, p, p, i64, i64, i64, i32, i32]
+    lib.quant_dequant_f32.argtypes = [p, p, p, p, i64, i64, i64, i32, i32, i32]
     lib.quant_group.restype = i32
     if lib.quant_group() != GROUP:
         raise RuntimeError(f"{SOURCE.name} groups {lib.quant_group()} inputs a scale, quant_gemm.py {GROUP}")
@@ -94,7 +112,16 @@ def widen_rows(w: QuantWeight, o0: int, o1: int) -> torch.Tensor:
     """Output rows [o0, o1) as fp32 [o1 - o0, padded_in], in C (callers check `available()`)."""
     dense = torch.empty(o1 - o0, w.padded_in, dtype=torch.float32)
     rc = built(_library()).quant_dequant_f32(
-        w.q.data_ptr(), w.scales.data_ptr(), dense.data_ptr(), w.padded_in, o0, o1, w.bits, torch.get_num_threads()
+        w.q.data_ptr(),
+        w.scales.data_ptr(),
+        None if w.offsets is None else w.offsets.data_ptr(),
+        dense.data_ptr(),
+        w.padded_in,
+        o0,
+        o1,
+        w.bits,
+        w.scale_group,
+        torch.get_num_threads(),
     )
     _check(rc)
     return dense
@@ -126,12 +153,14 @@ def linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None) -> torch.
             x.stride(0),
             w.q.data_ptr(),
             w.scales.data_ptr(),
+            None if w.offsets is None else w.offsets.data_ptr(),
             None if bias is None else bias.data_ptr(),
             y.data_ptr(),
             m,
             w.padded_in,
             w.out_features,
             w.bits,
+            w.scale_group,
             torch.get_num_threads(),
         )
         _check(rc)

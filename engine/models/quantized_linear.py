@@ -1,12 +1,16 @@
-"""`--quantization int8|int4`: the model's linears (qkv, o, gate_up, down and the LM head) as
-weight-only group-wise int8 / int4 (engine/quantize.py), run by kernels/quant_gemm.py.
-Embeddings and norms stay in the model's dtype. A tied LM head gets its own quantized copy (the
-embedding lookup keeps the float table).
+"""Weight-only quantized linears (qkv, o, gate_up, down and the LM head), run by
+kernels/quant_gemm.py on weights in engine/quantize.py's format. Embeddings and norms stay in
+the model's dtype. A tied LM head gets its own quantized copy (the embedding lookup keeps the
+float table).
 
-From a GGUF file, a linear whose every part (q, k, v; gate, up) is stored in the scheme's own
-block type (Q8_0 for int8, Q4_0 for int4) takes those blocks as they are; any other is quantized
-from its loaded float values. Quantized models run their layers one op at a time: the one-call
-decode driver (kernels/decode_layers.py) takes only fp32 panels.
+`--quantization int8|int4`: every linear in that scheme; a GGUF linear whose every part (q, k, v;
+gate, up) is stored in the scheme's own block type (Q8_0, Q4_0) takes those blocks as they are,
+any other is quantized from its loaded float values.
+`--quantization auto` (the default) on a GGUF file: every linear whose parts are all stored in a
+kept type (engine/quantize.py KEPT_GGUF_TYPES) keeps them, each part in its own format (a fused
+linear of mixed types, e.g. Q4_K q/k with a Q6_K v, runs one kernel call per format); the rest
+stay float. Quantized models run their layers one op at a time: the one-call decode driver
+(kernels/decode_layers.py) takes only fp32 panels.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from torch import nn
 
 from pdserve.engine.config import QUANTIZATIONS
 from pdserve.engine.gguf_file import is_gguf
-from pdserve.engine.quantize import GGUF_TYPES, concat_rows, from_gguf_blocks, quantize
+from pdserve.engine.quantize import GGUF_TYPES, KEPT_GGUF_TYPES, concat_rows, from_gguf_blocks, quantize, same_format
 from pdserve.kernels import quant_gemm
 from pdserve.kernels.quant_gemm import QuantWeight
 
@@ -29,32 +33,65 @@ if TYPE_CHECKING:
 
 
 class QuantizedLinear(nn.Module):
-    """y = x dequant(W)^T (+ b) with W kept group-wise quantized. x in the model's dtype (fp32
-    or bf16: the kernel computes in fp32 and the result is cast back)."""
+    """y = x dequant(W)^T (+ b) with W kept group-wise quantized, as one or more row segments
+    (`parts`, one format each). x in the model's dtype (fp32 or bf16: the kernel computes in fp32
+    and the result is cast back)."""
 
-    def __init__(self, weight: QuantWeight, bias: torch.Tensor | None) -> None:
+    def __init__(self, parts: QuantWeight | list[QuantWeight], bias: torch.Tensor | None) -> None:
         super().__init__()
-        self.in_features, self.out_features = weight.in_features, weight.out_features
-        self.bits = weight.bits
-        self.q = nn.Parameter(weight.q, requires_grad=False)  # int8 [out, G * 32] / uint8 [out, G * 16]
-        self.scales = nn.Parameter(weight.scales, requires_grad=False)  # fp32 [out, G]
+        parts = [parts] if isinstance(parts, QuantWeight) else parts
+        self.in_features, self.out_features = parts[0].in_features, sum(p.out_features for p in parts)
+        self._formats = [(p.bits, p.in_features, p.scale_group) for p in parts]
+        for i, p in enumerate(parts):  # parameters, so .to() / state_dict see them
+            self.register_parameter(f"q{i}", nn.Parameter(p.q, requires_grad=False))
+            self.register_parameter(f"scales{i}", nn.Parameter(p.scales, requires_grad=False))
+            off = None if p.offsets is None else nn.Parameter(p.offsets, requires_grad=False)
+            self.register_parameter(f"offsets{i}", off)
         self.bias = None if bias is None else nn.Parameter(bias.detach().float().contiguous(), requires_grad=False)
 
     @property
+    def parts(self) -> list[QuantWeight]:
+        out = []
+        for i, (bits, n_in, sg) in enumerate(self._formats):
+            off = getattr(self, f"offsets{i}")
+            out.append(
+                QuantWeight(
+                    bits,
+                    getattr(self, f"q{i}").data,
+                    getattr(self, f"scales{i}").data,
+                    n_in,
+                    None if off is None else off.data,
+                    sg,
+                )
+            )
+        return out
+
+    @property
     def weight(self) -> QuantWeight:
-        return QuantWeight(self.bits, self.q.data, self.scales.data, self.in_features)
+        """The one format's weight (a linear of several formats has `parts`)."""
+        (only,) = self.parts
+        return only
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = quant_gemm.linear(x.float(), self.weight, self.bias)  # [T, out] fp32
+        parts = self.parts
+        if len(parts) == 1:
+            y = quant_gemm.linear(x.float(), parts[0], self.bias)  # [T, out] fp32
+        else:
+            y = torch.cat([quant_gemm.linear(x.float(), p, None) for p in parts], dim=1)  # [T, out]
+            if self.bias is not None:
+                y += self.bias
         return y.to(x.dtype)
 
 
 def quantize_model(model: LlamaForCausalLM, scheme: str, path: str | Path) -> None:
-    """Replace the model's linears (loaded, still nn.Linear) by `scheme` QuantizedLinears;
-    `path` the weights' source (a GGUF file's matching blocks are taken as stored)."""
-    if scheme not in QUANTIZATIONS[1:]:
+    """Replace the model's linears (loaded, still nn.Linear) by QuantizedLinears in `scheme`;
+    `path` the weights' source (a GGUF file's blocks are taken as stored: see the module doc)."""
+    if scheme not in QUANTIZATIONS or scheme == "none":
         raise ValueError(f"unknown quantization {scheme!r}; choose {', '.join(QUANTIZATIONS)}")
-    stored = _gguf_blocks(model, path, scheme) if is_gguf(Path(path)) else {}
+    gguf = is_gguf(Path(path))
+    if scheme == "auto" and not gguf:
+        return  # float weights stay float
+    stored = _gguf_blocks(model, path, scheme) if gguf else {}
     owners: dict[str, nn.Module] = {"lm_head": model}
     for layer in model.decoder_layers:
         owners.update(
@@ -66,19 +103,24 @@ def quantize_model(model: LlamaForCausalLM, scheme: str, path: str | Path) -> No
             attr = name.rpartition(".")[2]
             linear = getattr(owner, attr)
             assert isinstance(linear, nn.Linear), f"{name} is {type(linear).__name__}: quantize before the CPU relayout"
-            weight = stored.get(f"{name}.weight") or quantize(linear.weight, scheme)
-            if (weight.out_features, weight.in_features) != tuple(linear.weight.shape):
-                raise ValueError(f"{name}: stored blocks make {weight.out_features}x{weight.in_features}")
-            setattr(owner, attr, QuantizedLinear(weight, linear.bias))
+            parts = stored.get(f"{name}.weight")
+            if parts is None and scheme == "auto":
+                continue  # not stored in a kept type: stays float
+            parts = parts or [quantize(linear.weight, scheme)]
+            got = (sum(p.out_features for p in parts), parts[0].in_features)
+            if got != tuple(linear.weight.shape):
+                raise ValueError(f"{name}: stored blocks make {got[0]}x{got[1]}")
+            setattr(owner, attr, QuantizedLinear(parts, linear.bias))
 
 
-def _gguf_blocks(model: LlamaForCausalLM, path: str | Path, scheme: str) -> dict[str, QuantWeight]:
-    """Our parameter name -> its weight from the file's blocks, for the linears stored whole in
-    the scheme's GGUF type (fused ones from their parts, in row order)."""
+def _gguf_blocks(model: LlamaForCausalLM, path: str | Path, scheme: str) -> dict[str, list[QuantWeight]]:
+    """Our parameter name -> its weight from the file's blocks as row segments (parts of one
+    format stacked), for the linears stored whole in kept types: the scheme's own (int8: Q8_0,
+    int4: Q4_0), or with `auto` any of KEPT_GGUF_TYPES. Fused ones from their parts, in row order."""
     from pdserve.engine.gguf_weights import gguf_tensors
     from pdserve.engine.weights import fused_slices
 
-    want = GGUF_TYPES[scheme]
+    kept = KEPT_GGUF_TYPES if scheme == "auto" else (GGUF_TYPES[scheme],)
     fused = fused_slices(model)
     parts: dict[str, list[tuple[int, GgufTensor]]] = {}
     for hf_name, tensor in gguf_tensors(path, model.cfg):
@@ -88,9 +130,15 @@ def _gguf_blocks(model: LlamaForCausalLM, path: str | Path, scheme: str) -> dict
         target, start = fused[name][:2] if name in fused else (name, 0)
         if target.endswith("proj.weight") or target == "lm_head.weight":
             parts.setdefault(target, []).append((start, tensor))
-    out: dict[str, QuantWeight] = {}
+    out: dict[str, list[QuantWeight]] = {}
     for target, found in parts.items():
-        if all(t.qtype == want for _, t in found):
+        if all(t.qtype in kept for _, t in found):
             rows = [from_gguf_blocks(t.hf_rows(), t.qtype, t.shape[1]) for _, t in sorted(found, key=lambda p: p[0])]
-            out[target] = concat_rows(rows)
+            segments: list[list[QuantWeight]] = []
+            for w in rows:  # neighbours of one format stack into one segment
+                if segments and same_format(segments[-1][-1], w):
+                    segments[-1].append(w)
+                else:
+                    segments.append([w])
+            out[target] = [concat_rows(s) for s in segments]
     return out

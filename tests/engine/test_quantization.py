@@ -72,7 +72,7 @@ def test_greedy_equals_hf_on_dequantized_weights(tiny_model, scheme, tmp_path_fa
     engine.pool.assert_all_free()
 
 
-@pytest.mark.parametrize("qtype,scheme", [("q8_0", "int8"), ("q4_0", "int4")])
+@pytest.mark.parametrize("qtype,scheme", [("q8_0", "int8"), ("q4_0", "int4"), ("q8_0", "auto"), ("q4_0", "auto")])
 def test_gguf_blocks_served_as_stored(tmp_path_factory, qtype, scheme):
     root = tmp_path_factory.mktemp("gguf-quant")
     file = gguf_file(root, "llama", qtype)
@@ -85,7 +85,7 @@ def test_gguf_blocks_served_as_stored(tmp_path_factory, qtype, scheme):
     n_q = q.shape[0]
     block = 34 if qtype == "q8_0" else 18
     raw = np.ascontiguousarray(q.hf_rows()).reshape(n_q, -1, block)[..., 2:].reshape(n_q, -1)
-    assert np.array_equal(qkv.q.data[:n_q].view(torch.uint8).numpy(), raw)
+    assert np.array_equal(qkv.q0.data[:n_q].view(torch.uint8).numpy(), raw)
     torch.testing.assert_close(dequantize(qkv.weight)[:n_q], q.dequantize(), rtol=0, atol=0)
     prompts = prompts_for(engine.model_config.vocab_size)
     float_run = quant_engine(file, "none").generate(prompts, GREEDY)

@@ -1,0 +1,101 @@
+"""A GGUF file's quantized blocks kept as they are (engine/quantize.py `from_gguf_blocks`): for
+every kept type, the values our format holds, in the torch reference and in the C kernel's
+widening, equal ggml's own dequantization (the gguf package's) to the bit; and the C linear on
+them matches a float matmul of those values."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from pdserve.engine.quantize import KEPT_GGUF_TYPES, from_gguf_blocks
+from pdserve.kernels import quant_gemm
+
+FP16_FIELDS = {  # byte offsets of a block's fp16 fields (d, dmin / m)
+    "Q8_0": [0],
+    "Q4_0": [0],
+    "Q4_1": [0, 2],
+    "Q4_K": [0, 2],
+    "Q5_K": [0, 2],
+    "Q6_K": [208],
+}
+
+
+def random_blocks(qtype: gguf.GGMLQuantizationType, rows: int, n_in: int, seed: int = 0) -> np.ndarray:
+    """Raw blocks [rows, bytes]: random bits, with finite, moderate fp16 scales."""
+    elems, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows * n_in // elems, nbytes), dtype=np.uint8)
+    for off in FP16_FIELDS[qtype.name]:
+        scale = rng.uniform(-0.02, 0.02, size=blocks.shape[0]).astype(np.float16)
+        blocks[:, off : off + 2] = scale.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", KEPT_GGUF_TYPES, ids=lambda t: t.name)
+def test_kept_blocks_hold_ggmls_values_to_the_bit(qtype):
+    rows, n_in = 40, 512
+    raw = random_blocks(qtype, rows, n_in)
+    want = torch.from_numpy(np.asarray(gguf.quants.dequantize(raw, qtype), dtype=np.float32)).reshape(rows, n_in)
+    w = from_gguf_blocks(raw, qtype, n_in)
+    torch.testing.assert_close(quant_gemm.dequantize(w), want, rtol=0, atol=0)
+    if quant_gemm.available():
+        torch.testing.assert_close(quant_gemm.widen_rows(w, 0, rows), want, rtol=0, atol=0)  # the C widening
+    kind = {8: "int8", 4: "int4"}[w.bits]
+    assert (kind, w.scale_group, w.affine) == {
+        "Q8_0": ("int8", 32, False),
+        "Q4_0": ("int4", 32, False),
+        "Q4_1": ("int4", 32, True),
+        "Q4_K": ("int4", 32, True),
+        "Q5_K": ("int8", 32, True),
+        "Q6_K": ("int8", 16, False),
+    }[qtype.name]
+
+
+@pytest.mark.parametrize("qtype", KEPT_GGUF_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("m", [1, 3, 16, 40])
+def test_kept_blocks_linear_matches_a_float_matmul(qtype, m):
+    rows, n_in = 36, 512
+    raw = random_blocks(qtype, rows, n_in, seed=1)
+    w = from_gguf_blocks(raw, qtype, n_in)
+    x = torch.randn(m, n_in, generator=torch.Generator().manual_seed(m))
+    bias = torch.randn(rows)
+    dense = quant_gemm.dequantize(w)  # [rows, n_in]
+    want = x @ dense.T + bias  # [m, rows]
+    scale = (x.abs() @ dense.abs().T).max().item()  # fp32 sums of this size round at ~1e-7 of it
+    torch.testing.assert_close(quant_gemm.linear(x, w, bias), want, rtol=0, atol=2e-6 * scale)
+
+
+@pytest.fixture(scope="module")
+def k_quant_source(tmp_path_factory):
+    """A llama whose linears' rows are whole 256-element K-quant super-blocks."""
+    from pdserve.engine.make_model import make_model
+
+    folder = tmp_path_factory.mktemp("kq") / "src"
+    return make_model(folder, preset="tiny", arch="llama", seed=31, quiet=True, hidden_size=256, intermediate_size=512)
+
+
+@pytest.mark.parametrize("qtype", ["q4_k_m", "q5_k", "q6_k", "q4_1"])
+def test_a_k_quant_file_is_served_from_its_blocks_as_its_dequantized_floats_are(k_quant_source, tmp_path, qtype):
+    """--quantization auto (the default) keeps every linear's blocks (q4_k_m: Q4_K q/k with a
+    Q6_K v, so the fused qkv runs as two formats) and generates what the file's dequantized float
+    weights generate (--quantization none; those equal HF on the same values: test_gguf.py)."""
+    from pdserve.engine.gguf_writer import write_gguf
+    from pdserve.engine.models.quantized_linear import QuantizedLinear
+    from tests.engine.test_quantization import GREEDY, prompts_for, quant_engine
+
+    file = write_gguf(k_quant_source, tmp_path / "m.gguf", qtype)
+    kept = quant_engine(file, "auto")
+    layer = kept.runner.model.layers[0]
+    linears = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+    assert all(isinstance(m, QuantizedLinear) for m in linears)
+    if qtype == "q4_k_m":
+        qkv = layer.self_attn.qkv_proj.parts
+        assert [(p.bits, p.affine, p.scale_group) for p in qkv] == [(4, True, 32), (8, False, 16)]
+    dense = sum(m.in_features * m.out_features * 4 for m in linears)
+    assert sum(p.nbytes() for m in linears for p in m.parts) < dense / 2.5  # kept small in memory
+    prompts = prompts_for(kept.model_config.vocab_size)
+    assert kept.generate(prompts, GREEDY) == quant_engine(file, "none").generate(prompts, GREEDY)
+    kept.pool.assert_all_free()
