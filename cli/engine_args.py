@@ -6,6 +6,7 @@ import argparse
 
 from pdserve.cli.topology import step_budget
 from pdserve.engine.config import MODEL_IMPLS, QUANTIZATIONS, CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.spec.config import SpeculativeConfig
 
 
 def parse_size(text: str) -> int:
@@ -15,6 +16,13 @@ def parse_size(text: str) -> int:
     if t and t[-1] in units:
         return int(float(t[:-1]) * units[t[-1]])
     return int(t)
+
+
+def speculative_config(text: str) -> SpeculativeConfig:
+    try:
+        return SpeculativeConfig.from_json(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -72,6 +80,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--threads", type=int, default=None, help="torch threads for this worker")
     g.add_argument("--seed", type=int, default=None)
+    g.add_argument(
+        "--speculative-config",
+        type=speculative_config,
+        default=None,
+        help='decode-side speculation (vLLM\'s JSON): \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 1}\' (+ "disable_by_batch_size": no speculation in '
+        "steps with more decoding sequences); decode and colocated workers (engine/spec/)",
+    )
 
 
 def resolve_model(model: str | None) -> str:
@@ -92,6 +108,7 @@ def engine_config(args: argparse.Namespace, role: str, budget: int | None = None
         quantization=args.quantization,
         model_impl=args.model_impl,
         seed=args.seed,
+        speculative=getattr(args, "speculative_config", None) if role != "prefill" else None,
         cache=CacheConfig(
             block_size=args.block_size,
             num_blocks=args.num_blocks,

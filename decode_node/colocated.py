@@ -96,7 +96,13 @@ class ColocatedWorker(WorkerBase):
             self.trace_end(out.request_id, "colocated.generate", out.finish_reason or "done", out.seq.num_output_tokens)
 
     def stats(self) -> WorkerStats:
-        return engine_stats(self.engine, self._last_progress, sum(self.rt.inbox.dropped.values()))
+        spec = self.engine.speculator
+        return engine_stats(
+            self.engine,
+            self._last_progress,
+            sum(self.rt.inbox.dropped.values()),
+            **(spec.stats.as_worker_stats() if spec is not None else {}),
+        )
 
     def has_work(self) -> bool:
         return self.engine.has_work() or bool(self.gateway_of)

@@ -361,8 +361,9 @@ class DecodeWorker(WorkerBase):
         sched = self.engine.schedule()
         for out in self.engine.execute(sched):
             self._emit_step(out)
-        if self.aimd is not None and sched.decodes:
-            self._adapt(time.monotonic() - started, len(sched.decodes), len(sched.preempted))
+        decodes = len(sched.decodes) + len(sched.speculative)
+        if self.aimd is not None and decodes:
+            self._adapt(time.monotonic() - started, decodes, len(sched.preempted))
         self.rt.flush_outputs()
         self._last_progress = time.monotonic()
 
@@ -387,6 +388,7 @@ class DecodeWorker(WorkerBase):
             lease_renewals=self.leases.num_renewals,
             kv_blocks_skipped=self.blocks_skipped,
             local_prefills=self.local_prefills,
+            **(self.engine.speculator.stats.as_worker_stats() if self.engine.speculator is not None else {}),
         )
 
     def describe_start(self) -> str:

@@ -17,8 +17,12 @@ class ForwardBatch:
     positions: torch.Tensor  # [T] int64
     slot_mapping: torch.Tensor  # [T] int64
     attn: AttentionMetadata
-    logits_indices: torch.Tensor  # [S] rows of T whose next token is sampled
+    logits_indices: torch.Tensor  # [R] rows of T whose logits are computed (R >= S)
     sampled: list[ScheduledChunk]  # the S chunks that complete their sequence, in row order
+    # per sampled chunk: its first row in the logits, and its drafts (engine/spec/): a chunk with
+    # d drafts has d + 1 logits rows (its last token's and each draft's), others one
+    logits_offsets: list[int]
+    num_drafts: list[int]
 
 
 def build_batch(chunks: list[ScheduledChunk], num_decodes: int, block_size: int, device: torch.device) -> ForwardBatch:
@@ -29,6 +33,8 @@ def build_batch(chunks: list[ScheduledChunk], num_decodes: int, block_size: int,
     context_lens: list[int] = []
     logits_rows: list[int] = []
     sampled: list[ScheduledChunk] = []
+    logits_offsets: list[int] = []
+    num_drafts: list[int] = []
     for chunk in chunks:
         seq, start = chunk.seq, chunk.seq.num_computed_tokens
         end = start + chunk.num_tokens
@@ -37,7 +43,10 @@ def build_batch(chunks: list[ScheduledChunk], num_decodes: int, block_size: int,
         cu_seqlens.append(cu_seqlens[-1] + chunk.num_tokens)
         context_lens.append(end)
         if chunk.completes_sequence:
-            logits_rows.append(cu_seqlens[-1] - 1)
+            drafts = min(seq.num_draft_tokens, chunk.num_tokens - 1)
+            logits_offsets.append(len(logits_rows))
+            num_drafts.append(drafts)
+            logits_rows.extend(range(cu_seqlens[-1] - 1 - drafts, cu_seqlens[-1]))
             sampled.append(chunk)
 
     max_blocks = max(len(c.seq.block_table) for c in chunks)
@@ -67,4 +76,6 @@ def build_batch(chunks: list[ScheduledChunk], num_decodes: int, block_size: int,
         attn=attn,
         logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=device),
         sampled=sampled,
+        logits_offsets=logits_offsets,
+        num_drafts=num_drafts,
     )

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pdserve.engine.spec.config import SpeculativeConfig
+
 if TYPE_CHECKING:  # the gateway reads configs without importing torch
     import torch
 
@@ -339,6 +341,7 @@ class EngineConfig:
     seed: int | None = None  # sampler seed for requests without their own
     quantization: str = "auto"  # auto | none | int8 | int4: weight-only linears (engine/models/quantized_linear.py)
     model_impl: str = "auto"  # auto | native | transformers (ModelConfig.from_folder)
+    speculative: SpeculativeConfig | None = None  # decode-side speculation (engine/spec/); None: off
 
     def __post_init__(self) -> None:
         if self.quantization not in QUANTIZATIONS:

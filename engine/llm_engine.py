@@ -29,6 +29,8 @@ from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.engine.sequence import SeqStatus, Sequence
 from pdserve.engine.sequence_group import SequenceGroup, member_sampling
+from pdserve.engine.spec.speculator import Speculator
+from pdserve.engine.spec.verify import num_accepted
 from pdserve.engine.structured.matcher import GrammarCache, constrain
 from pdserve.protocol.messages import FinishReason, TokenLogprob
 from pdserve.protocol.sampling import SamplingParams
@@ -109,6 +111,8 @@ class LLMEngine:
         self.seqs: dict[str, Sequence] = {}
         self.num_steps = 0
         self.grammars = GrammarCache(config.model, mc.vocab_size, mc.eos_token_ids)
+        spec = config.speculative
+        self.speculator = Speculator(spec, self.max_model_len) if spec is not None else None
 
     @property
     def kv_cache(self) -> torch.Tensor:
@@ -260,7 +264,15 @@ class LLMEngine:
 
     # --- the step -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        return self.scheduler.schedule()
+        if self.speculator is None:
+            return self.scheduler.schedule()
+        self.speculator.propose(self.scheduler.running)
+        sched = self.scheduler.schedule()
+        verifying = {id(c.seq) for c in sched.speculative}
+        for seq in self.scheduler.running:  # drafts of a sequence left out of this step go
+            if seq.num_draft_tokens and id(seq) not in verifying:
+                seq.drop_drafts()
+        return sched
 
     def execute(self, sched: SchedulerOutput, on_layer_stored: Callable[[int], None] | None = None) -> list[StepOutput]:
         if sched.is_empty:
@@ -276,7 +288,8 @@ class LLMEngine:
         fp = self.runner.begin(sched, on_layer_stored)
         for chunk in sched.chunks:
             chunk.seq.num_computed_tokens += chunk.num_tokens
-            fp.computed_upto.append((chunk.seq, chunk.seq.num_computed_tokens))
+            # (drafts' KV is published only once verification accepts them)
+            fp.computed_upto.append((chunk.seq, chunk.seq.num_computed_tokens - chunk.seq.num_draft_tokens))
         self.num_steps += 1
         return fp
 
@@ -290,11 +303,14 @@ class LLMEngine:
         drawn: list[Sequence] = []
         beams: dict[int, dict[int, int]] = {}  # id(group) -> {id(beam): logits row}
         results: list[StepOutput] = []
-        for r, chunk in enumerate(fp.batch.sampled):
+        for i, chunk in enumerate(fp.batch.sampled):
             seq, group = chunk.seq, chunk.seq.group
+            r, drafts = fp.batch.logits_offsets[i], fp.batch.num_drafts[i]
             if seq.is_finished:
                 continue  # (ended while its step ran: prefill lanes)
-            if group is None or (group.started and group.beam is None):
+            if drafts:
+                results.append(self._verify(seq, logits[r : r + drafts + 1]))  # [d + 1, V]
+            elif group is None or (group.started and group.beam is None):
                 rows.append(r)
                 drawn.append(seq)
             elif group.started:  # a beam: the group's step waits for all its beams' rows
@@ -327,6 +343,49 @@ class LLMEngine:
             cands = group.beam.candidates(rows_of, scores, group.live[0].num_output_tokens)
             results += self._beam_step(group, list(group.live), cands)
         return results
+
+    # --- speculation (engine/spec/) ---------------------------------------------------------
+    def _verify(self, seq: Sequence, rows: torch.Tensor) -> StepOutput:
+        """A speculating sequence's step (engine/spec/verify.py): rows [d + 1, V] are the target's
+        logits after its last real token and after each of its d drafts. Its tokens are drawn
+        row by row exactly as without speculation (same sampler, same state), each appended
+        through `_append_token`, while they confirm the drafts; the rejected drafts' KV is
+        dropped: `num_computed_tokens` rolled back, blocks past the new end freed (never
+        registered with the prefix cache: `_publish` only covers accepted tokens)."""
+        assert self.speculator is not None
+        drafts = seq.drop_drafts()
+        real = seq.num_tokens
+        seq.num_computed_tokens = real  # the drafts' KV counts once they are accepted
+        sp = seq.sampling
+        plain = seq.grammar is None and sp.greedy and not sp.uses_penalties and sp.logprobs is None
+        targets = rows.argmax(dim=-1).tolist() if plain and seq.num_output_tokens >= sp.min_tokens else None
+        emitted: list[int] = []
+        logprobs: list[TokenLogprob] = []
+        reason = None
+        for j in range(len(drafts) + 1):
+            if targets is not None:
+                token, logprob = targets[j], None
+            else:
+                mask = None if seq.grammar is None else partial(constrain, grammars=[seq.grammar])
+                out = self.runner.sampler(rows[j : j + 1], [sp], [seq.prompt_token_ids], [seq.output_token_ids], mask)
+                token, logprob = out.token_ids[0], out.logprobs[0]
+            reason = self._append_token(seq, token, logprob)
+            emitted.append(token)
+            if logprob is not None:
+                logprobs.append(logprob)
+            if reason is not None or j == len(drafts) or token != drafts[j]:
+                break
+        self.speculator.observe(seq, len(drafts), num_accepted(drafts, emitted))
+        if reason is not None:
+            self._finish(seq, reason)
+        else:
+            seq.num_computed_tokens = real + len(emitted) - 1  # the last emitted token has no KV yet
+            keep = -(-seq.num_tokens // self.block_size)
+            if len(seq.block_table) > keep:
+                self.pool.free(seq.block_table[: keep - 1 : -1])  # tail first; none is registered
+                del seq.block_table[keep:]
+            self._publish(seq, seq.num_computed_tokens)
+        return _output(seq, emitted, logprobs or None, reason)
 
     # --- groups: n, best_of, beams --------------------------------------------------------
     def _fork(self, group: SequenceGroup) -> list[Sequence]:

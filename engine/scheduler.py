@@ -46,6 +46,8 @@ class ScheduledChunk:
 @dataclass
 class SchedulerOutput:
     decodes: list[ScheduledChunk] = field(default_factory=list)
+    # decodes carrying drafts to verify: the last token + its drafts in one chunk (engine/spec/)
+    speculative: list[ScheduledChunk] = field(default_factory=list)
     prefills: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     # (source, destination) blocks to copy before the forward: copy-on-write of shared blocks
@@ -53,15 +55,15 @@ class SchedulerOutput:
 
     @property
     def chunks(self) -> list[ScheduledChunk]:
-        return self.decodes + self.prefills  # batch order: decodes first
+        return self.decodes + self.speculative + self.prefills  # batch order: decodes first
 
     @property
     def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.decodes) + sum(c.num_tokens for c in self.prefills)
+        return sum(c.num_tokens for c in self.chunks)
 
     @property
     def is_empty(self) -> bool:
-        return not self.decodes and not self.prefills
+        return not self.decodes and not self.speculative and not self.prefills
 
 
 class Scheduler:
@@ -113,7 +115,11 @@ class Scheduler:
                     break
                 if seq.status is not SeqStatus.RUNNING or id(seq) in in_batch or seq.num_uncomputed == 0:
                     continue  # (none left: its last chunk is in flight)
-                if (seq.num_uncomputed == 1) != want_decode:
+                if (seq.num_uncomputed - seq.num_draft_tokens == 1) != want_decode:
+                    continue
+                if seq.num_draft_tokens and self._schedule_drafts(seq, budget, out):
+                    in_batch.add(id(seq))
+                    budget -= out.speculative[-1].num_tokens
                     continue
                 if seq.is_beam and want_decode:
                     budget -= self._schedule_beams(seq, budget, in_batch, in_flight, out)
@@ -192,6 +198,20 @@ class Scheduler:
             out.decodes.append(ScheduledChunk(b, 1))
             in_batch.add(id(b))
         return len(beams)
+
+    def _schedule_drafts(self, seq: Sequence, budget: int, out: SchedulerOutput) -> bool:
+        """A decode with drafts (engine/spec/) as one chunk of its last token + drafts, trimmed to
+        the budget and to the free blocks: drafts never preempt anyone. False when none is left
+        (it then decodes as usual)."""
+        n = min(seq.num_uncomputed, budget)
+        while n > 1 and not self.pool.can_allocate(self._blocks_needed(seq, n) + self._needs_copy(seq)):
+            n -= 1
+        seq.drop_drafts(seq.num_uncomputed - n)
+        if n <= 1:
+            return False
+        self._grow(seq, n, out)
+        out.speculative.append(ScheduledChunk(seq, n))
+        return True
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """Blocks holding the longest cached run of `seq`'s leading full blocks, leaving at least
@@ -288,7 +308,8 @@ class Scheduler:
 
     # --- outcomes -------------------------------------------------------------------------
     def preempt(self, seq: Sequence) -> None:
-        """Recompute preemption: drop the KV, keep the tokens, go to the front of the queue."""
+        """Recompute preemption: drop the KV, keep the tokens (not drafts), go to the front of the queue."""
+        seq.drop_drafts()
         self._release(seq)
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
@@ -299,6 +320,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
+        seq.drop_drafts()
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SeqStatus.WAITING:

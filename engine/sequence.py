@@ -12,6 +12,7 @@ from pdserve.protocol.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from pdserve.engine.sequence_group import SequenceGroup
+    from pdserve.engine.spec.adaptive import DraftLength
     from pdserve.engine.structured.matcher import Grammar
 
 
@@ -58,6 +59,24 @@ class Sequence:
     report_logprobs: bool = True
     # Constrained decoding (sampling.structured): the matcher, advanced with every output token.
     grammar: Grammar | None = None
+    # Speculation (engine/spec/): the last `num_draft_tokens` of `token_ids` are tentative drafts,
+    # appended before a step and removed by its verification; the sequence's adaptive draft length.
+    num_draft_tokens: int = 0
+    draft_length: DraftLength | None = None
+
+    def add_drafts(self, drafts: list[int]) -> None:
+        self.token_ids.extend(drafts)
+        self.num_draft_tokens += len(drafts)
+
+    def drop_drafts(self, n: int | None = None) -> list[int]:
+        """Remove the last `n` drafts (default: all); returns the removed ones, in order."""
+        n = self.num_draft_tokens if n is None else min(n, self.num_draft_tokens)
+        if n == 0:
+            return []
+        dropped = self.token_ids[-n:]
+        del self.token_ids[-n:]
+        self.num_draft_tokens -= n
+        return dropped
 
     @property
     def num_tokens(self) -> int:

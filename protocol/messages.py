@@ -77,6 +77,12 @@ class WorkerStats(msgspec.Struct, frozen=True):
     preemptions: int = 0  # sequences preempted (their KV dropped, recomputed later) so far
     seq_limit: int = 0  # its limit on running sequences now (adaptive: decode_node/aimd.py)
     draining: bool = False  # SIGTERM'd: takes no new requests, finishes those it has, then leaves
+    # speculation (engine/spec/, vLLM's spec_decode counters, totals): verifications, draft
+    # tokens proposed, of them accepted, and accepted at each draft position
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = msgspec.field(default_factory=list)
 
 
 class WorkerInfo(msgspec.Struct, frozen=True):

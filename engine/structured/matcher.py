@@ -31,6 +31,10 @@ class Grammar:
         """Consume a sampled token; False when the grammar refuses it (the matcher is then dead)."""
         return self._m.consume_token(token)
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many leading `tokens` the grammar would accept in a row (nothing is consumed)."""
+        return self._m.validate_tokens(tokens)
+
     @property
     def terminated(self) -> bool:
         """Nothing may follow: the sequence ends here."""

@@ -1,0 +1,142 @@
+"""`python -m pdserve.bench.speculation`: decode tokens/s with and without n-gram speculation,
+one engine (speculation switched on and off between runs, so weights and KV are the same),
+at several batch sizes, on two workloads:
+
+    repetitive  greedy: a random-weight model's greedy output falls into loops, which the
+                prompt lookup predicts (the copy/edit case: output largely seen before)
+    sampled     `--temperature` (20: near uniform), seeded: output rarely repeats, lookups
+                rarely match and drafts mostly miss (the cost of proposing and verifying where
+                it does not pay, and what adaptivity saves)
+
+Each row: prompts prefilled first (untimed), then the decode of `--max-tokens` tokens per
+sequence timed; best of `--repeats` interleaved runs. Greedy rows also check that both runs
+emit the same tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.spec.config import SpeculativeConfig
+from pdserve.engine.spec.speculator import Speculator
+from pdserve.protocol.sampling import SamplingParams
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n, length), generator=g).tolist()
+
+
+def timed_decode(engine: LLMEngine, prompts: list[list[int]], sp: SamplingParams) -> tuple[float, list[list[int]]]:
+    """Seconds to decode every prompt's output once all are prefilled, and the outputs."""
+    outs: dict[str, list[int]] = {}
+    for i, p in enumerate(prompts):
+        rid = f"b{time.monotonic_ns()}-{i}"
+        engine.add_request(rid, p, sp)
+        outs[rid] = []
+
+    def collect(step_outputs) -> None:
+        for o in step_outputs:
+            outs[o.request_id].extend(o.new_token_ids)
+
+    while engine.scheduler.waiting or any(s.num_uncomputed > 1 for s in engine.scheduler.running):
+        collect(engine.step())  # prefill (untimed)
+    t0 = time.perf_counter()
+    while engine.has_work():
+        collect(engine.step())
+    return time.perf_counter() - t0, list(outs.values())
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    spec = SpeculativeConfig(
+        num_speculative_tokens=args.k,
+        prompt_lookup_max=4,
+        prompt_lookup_min=1,
+        disable_by_batch_size=args.disable_by_batch_size,
+    )
+    engine = LLMEngine(
+        EngineConfig(
+            model=args.model,
+            dtype="float32",
+            cache=CacheConfig(block_size=16, num_blocks=args.num_blocks),
+            scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=1024),
+        ),
+        show_progress=False,
+    )
+    vocab = engine.model_config.vocab_size
+    rows = []
+    for workload in args.workloads:
+        greedy = workload == "repetitive"
+        for batch in args.batches:
+            prompts = _prompts(batch, args.prompt_len, vocab, seed=batch)
+            times: dict[str, float] = {"off": float("inf"), "on": float("inf")}
+            outputs: dict[str, list[list[int]]] = {}
+            stats = None
+            for r in range(args.repeats + 1):  # the first round warms up, untimed
+                for mode in ("off", "on"):
+                    engine.speculator = Speculator(spec, engine.max_model_len) if mode == "on" else None
+                    sp = SamplingParams(
+                        max_tokens=args.max_tokens,
+                        temperature=0.0 if greedy else args.temperature,
+                        seed=None if greedy else 7,
+                        ignore_eos=True,
+                    )
+                    dt, outs = timed_decode(engine, prompts, sp)
+                    if r:
+                        times[mode] = min(times[mode], dt)
+                    outputs[mode] = outs
+                    if mode == "on" and engine.speculator is not None:
+                        stats = engine.speculator.stats
+            engine.pool.assert_all_free()
+            tokens = batch * args.max_tokens
+            assert stats is not None
+            row = {
+                "workload": workload,
+                "batch": batch,
+                "tok_s_off": round(tokens / times["off"], 1),
+                "tok_s_on": round(tokens / times["on"], 1),
+                "speedup": round(times["off"] / times["on"], 2),
+                "acceptance": round(stats.num_accepted_tokens / max(1, stats.num_draft_tokens), 2),
+                "drafts_per_token": round(stats.num_draft_tokens / tokens, 2),  # (the last run's)
+                "same_output": outputs["on"] == outputs["off"],
+            }
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pdserve.engine.make_model import default_model_path
+
+    ap = argparse.ArgumentParser(prog="python -m pdserve.bench.speculation", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="HF folder (default: the bench model)")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 32])
+    ap.add_argument("--workloads", nargs="+", default=["repetitive", "sampled"], choices=["repetitive", "sampled"])
+    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--disable-by-batch-size", type=int, default=SpeculativeConfig().disable_by_batch_size)
+    ap.add_argument("--temperature", type=float, default=20.0, help="of the sampled workload")
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--num-blocks", type=int, default=1024)
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args(argv)
+    args.model = args.model or str(default_model_path())
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from pdserve.bench.machine import measure_read_gbps
+
+    before = measure_read_gbps()  # the machine's read ceiling, before and after (a shared host drifts)
+    run(args)
+    print(json.dumps({"read_gbps_before": round(before, 1), "read_gbps_after": round(measure_read_gbps(), 1)}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

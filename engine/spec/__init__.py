@@ -1,0 +1,8 @@
+"""Speculative decoding in the decode pool (n-gram / prompt lookup).
+
+config.py     `--speculative-config` JSON -> SpeculativeConfig (torch-free)
+ngram.py      proposals: the tokens that followed the latest earlier match of the sequence's tail
+adaptive.py   per-sequence draft length from its acceptance history (on only where it pays)
+speculator.py proposes for a step's decode-ready sequences; counts drafts and acceptances
+verify.py     how many drafts a verification step's target tokens accept
+"""

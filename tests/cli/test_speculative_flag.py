@@ -1,0 +1,41 @@
+"""`--speculative-config` reaches the decode and colocated children's settings files (and not
+the prefill pool's, which never speculates), and a bad one is refused naming the problem."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.cli import serve
+from pdserve.cli.main import build_parser
+from pdserve.cli.roles import colocated_settings, decode_settings
+from pdserve.decode_node.settings import ColocatedSettings, DecodeSettings
+from pdserve.engine.spec.config import SpeculativeConfig
+from pdserve.prefill_node.settings import PrefillSettings
+from pdserve.runtime.worker_settings import read_settings
+
+FLAG = ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}']
+WANT = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=2, prompt_lookup_min=1)
+
+
+def test_serve_hands_it_to_decode_workers_only(tmp_path):
+    args = build_parser().parse_args(["serve", "--model", str(tmp_path), *FLAG])
+    children = {c.name: c for c in serve.plan_children(args, str(tmp_path))}
+    decode = read_settings(children["decode-0"].argv[-1], DecodeSettings)
+    assert decode.engine.speculative == WANT
+    assert read_settings(children["prefill-0"].argv[-1], PrefillSettings).engine.speculative is None
+    args = build_parser().parse_args(["serve", "--model", str(tmp_path), "--colocated", *FLAG])
+    colocated = next(c for c in serve.plan_children(args, str(tmp_path)) if c.name.startswith("colocated"))
+    assert read_settings(colocated.argv[-1], ColocatedSettings).engine.speculative == WANT
+
+
+def test_workers_started_alone_take_it(tmp_path):
+    common = ["--model", str(tmp_path), "--gateway", "ipc:///tmp/g", *FLAG]
+    assert decode_settings(build_parser().parse_args(["decode", *common])).engine.speculative == WANT
+    assert colocated_settings(build_parser().parse_args(["colocated", *common])).engine.speculative == WANT
+    assert decode_settings(build_parser().parse_args(["decode", *common[:4]])).engine.speculative is None
+
+
+def test_a_bad_config_is_a_usage_error(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["decode", "--model", str(tmp_path), "--speculative-config", '{"k": 2}'])
+    assert "unknown keys ['k']" in capsys.readouterr().err
