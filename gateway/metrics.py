@@ -67,10 +67,27 @@ class _WorkerCollector:
             "prefix_hit_tokens": CounterMetricFamily(
                 "pdserve_prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed)", labels=["node"]
             ),
+            # speculative decoding (engine/spec/), vLLM's counter names
+            "spec_num_drafts": CounterMetricFamily(
+                "pdserve_spec_decode_num_drafts", "Verification steps of speculating sequences", labels=["node"]
+            ),
+            "spec_num_draft_tokens": CounterMetricFamily(
+                "pdserve_spec_decode_num_draft_tokens", "Draft tokens proposed", labels=["node"]
+            ),
+            "spec_num_accepted_tokens": CounterMetricFamily(
+                "pdserve_spec_decode_num_accepted_tokens", "Draft tokens the target accepted", labels=["node"]
+            ),
         }
+        per_pos = CounterMetricFamily(
+            "pdserve_spec_decode_num_accepted_tokens_per_pos",
+            "Drafts accepted at each position of a speculation (0: the first draft)",
+            labels=["node", "position"],
+        )
         for node, st in self._stats().items():
             for attr, fam in fams.items():
                 fam.add_metric([node], getattr(st, attr))
+            for pos, count in enumerate(st.spec_accepted_per_pos):
+                per_pos.add_metric([node, str(pos)], count)
         routed = GaugeMetricFamily(
             "pdserve_worker_requests_routed",
             "Requests this gateway has routed to the worker and not seen end",
@@ -79,6 +96,7 @@ class _WorkerCollector:
         for node, count in self._routed().items():
             routed.add_metric([node], count)
         yield from fams.values()
+        yield per_pos
         yield routed
 
 

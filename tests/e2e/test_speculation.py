@@ -62,6 +62,30 @@ def test_speculating_server_matches_hf(request, family, mode):
         sizes, streamed = tokens_per_event(base, prompts[2], MAX_NEW)
         assert streamed == text[2] and max(sizes) > 1, sizes
         wait_ledger_balanced(base, timeout_s=10)
+        # vLLM's counters in the gateway's /metrics (from the workers' heartbeats, so polled)
+        metrics = wait_for_metric(base, "pdserve_spec_decode_num_accepted_tokens_total")
+        drafted = _total(metrics, "pdserve_spec_decode_num_draft_tokens_total")
+        accepted = _total(metrics, "pdserve_spec_decode_num_accepted_tokens_total")
+        first = _total(metrics, 'pdserve_spec_decode_num_accepted_tokens_per_pos_total{node="', 'position="0"}')
+        assert drafted >= accepted >= first > 0, (drafted, accepted, first)
+
+
+def _total(metrics: str, prefix: str, suffix: str = "") -> float:
+    """The sum over nodes of a metric's samples whose line starts with `prefix` (and has `suffix`)."""
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith(prefix) and suffix in line
+    )
+
+
+def wait_for_metric(base: str, name: str, timeout_s: float = 5.0) -> str:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = httpx.get(f"{base}/metrics", timeout=5).text
+        if _total(text, name) > 0 or time.monotonic() > deadline:
+            return text
+        time.sleep(0.2)
 
 
 def tokens_per_event(base: str, prompt: list[int], max_tokens: int) -> tuple[list[int], str]:
