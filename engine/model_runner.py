@@ -10,9 +10,10 @@ import torch
 
 from pdserve.engine.batch import ForwardBatch, build_batch
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.gguf_file import is_gguf
 from pdserve.engine.models.interface import CausalLM, LayerInputs
 from pdserve.engine.models.llama import ForwardContext, LlamaForCausalLM
-from pdserve.engine.models.quantized_linear import quantize_model
+from pdserve.engine.models.quantized_linear import keep_gguf_blocks, quantize_model
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.engine.sequence import Sequence
@@ -37,10 +38,12 @@ def load_model(
         return load_transformers_model(cfg, dtype, device)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, max_positions)
+    if quantization != "none" and is_gguf(cfg.path) and device.type == "cpu":
+        keep_gguf_blocks(model, quantization, cfg.path)  # read as stored, never dequantized
     model.materialize(device, dtype)
     load_weights(model, cfg.path, show_progress=show_progress)
-    if quantization != "none":
-        quantize_model(model, quantization, cfg.path)  # before the relayout, which skips them
+    if quantization in ("int8", "int4"):
+        quantize_model(model, quantization)  # the linears still float; before the relayout, which skips them
     if device.type == "cpu":
         kind = model.use_cpu_weight_layout()
         from pdserve.kernels import (

@@ -23,6 +23,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from pdserve.engine.gguf_file import is_gguf
+from pdserve.engine.models.quantized_linear import QuantizedLinear
 
 if TYPE_CHECKING:
     from pdserve.engine.config import ModelConfig
@@ -91,7 +92,13 @@ def _gguf_source(path: Path, cfg: ModelConfig) -> TensorSource:
 def load_weights(model: LlamaForCausalLM, path: str | Path, show_progress: bool = True) -> None:
     """`path`: an HF folder (safetensors) or a GGUF file."""
     path = Path(path)
-    params = dict(model.named_parameters(remove_duplicate=False))
+    # linears kept as a GGUF file's blocks (models/quantized_linear.py) have their weights already
+    kept = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    params = {
+        n: p
+        for n, p in model.named_parameters(remove_duplicate=False)
+        if n.endswith(".bias") or f"{n.rpartition('.')[0]}.weight" not in kept
+    }
     fused = fused_slices(model)
     covered: dict[str, int] = {name: 0 for name in params}  # rows loaded per parameter
     tied = getattr(model.cfg, "tie_word_embeddings", False)
@@ -110,9 +117,13 @@ def load_weights(model: LlamaForCausalLM, path: str | Path, show_progress: bool 
                 target, a, b = fused[name]
             elif name in params:
                 target, a, b = name, 0, params[name].shape[0]
+            elif name in kept:
+                continue  # its blocks are loaded already (not dequantized)
             else:
                 unexpected.append(hf_name)
                 continue
+            if target in kept:
+                continue  # its blocks are loaded already (not dequantized)
             if target not in params:
                 unexpected.append(hf_name)  # e.g. a bias for a bias-free layer
                 continue
@@ -126,7 +137,7 @@ def load_weights(model: LlamaForCausalLM, path: str | Path, show_progress: bool 
             covered[target] += b - a
     if unexpected:
         raise WeightLoadError(f"{len(unexpected)} unexpected tensors in {path}: {unexpected[:8]}")
-    if tied and covered.get("lm_head.weight", 0) == 0:
+    if tied and "lm_head.weight" in covered and covered["lm_head.weight"] == 0:
         covered["lm_head.weight"] = covered.get("embed_tokens.weight", 0)
     incomplete = [n for n, rows in covered.items() if rows != params[n].shape[0]]
     if incomplete:

@@ -18,6 +18,7 @@ from pdserve import kernels
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.models.cpu_linear import FEW_ROWS, PackedLinear, cpu_linear_kind, gemv_copy_fits, relayout_linears
 from pdserve.engine.models.qk_norm import norm_qk_heads
+from pdserve.engine.models.quantized_linear import QuantizedLinear
 from pdserve.engine.models.rotary import RotaryEmbedding, rotate
 from pdserve.kernels import decode_layers, layer_ops
 
@@ -140,10 +141,16 @@ class LlamaForCausalLM(nn.Module):
         return [cast(DecoderLayer, layer) for layer in self.layers]
 
     def materialize(self, device: torch.device, dtype: torch.dtype) -> None:
-        """Give a meta-built model real (uninitialised) storage; weights come from the loader."""
-        self.to_empty(device=device)
-        self.to(dtype)
-        if self.cfg.tie_word_embeddings:  # to_empty re-creates parameters: tie again
+        """Give a meta-built model real (uninitialised) storage; weights come from the loader.
+        Tensors already real (linears kept as a GGUF file's blocks, built before: their bias
+        stays fp32, as the quantized kernel takes it) are left as they are."""
+        for module in self.modules():
+            keep_fp32 = isinstance(module, QuantizedLinear)
+            for name, p in list(module.named_parameters(recurse=False)):
+                if p.is_meta:
+                    want = p.dtype if not p.is_floating_point() else torch.float32 if keep_fp32 else dtype
+                    setattr(module, name, nn.Parameter(torch.empty(p.shape, dtype=want, device=device), False))
+        if self.cfg.tie_word_embeddings and isinstance(self.lm_head, nn.Linear):  # tie the new parameters
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary.build_tables(device)  # kept in fp32 whatever the model dtype
 

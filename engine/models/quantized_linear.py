@@ -22,7 +22,6 @@ import torch
 from torch import nn
 
 from pdserve.engine.config import QUANTIZATIONS
-from pdserve.engine.gguf_file import is_gguf
 from pdserve.engine.quantize import GGUF_TYPES, KEPT_GGUF_TYPES, concat_rows, from_gguf_blocks, quantize, same_format
 from pdserve.kernels import quant_gemm
 from pdserve.kernels.quant_gemm import QuantWeight
@@ -83,34 +82,50 @@ class QuantizedLinear(nn.Module):
         return y.to(x.dtype)
 
 
-def quantize_model(model: LlamaForCausalLM, scheme: str, path: str | Path) -> None:
-    """Replace the model's linears (loaded, still nn.Linear) by QuantizedLinears in `scheme`;
-    `path` the weights' source (a GGUF file's blocks are taken as stored: see the module doc)."""
-    if scheme not in QUANTIZATIONS or scheme == "none":
-        raise ValueError(f"unknown quantization {scheme!r}; choose {', '.join(QUANTIZATIONS)}")
-    gguf = is_gguf(Path(path))
-    if scheme == "auto" and not gguf:
-        return  # float weights stay float
-    stored = _gguf_blocks(model, path, scheme) if gguf else {}
+def _linear_owners(model: LlamaForCausalLM) -> dict[str, nn.Module]:
+    """Our linear's name (e.g. layers.0.self_attn.qkv_proj) -> the module holding it."""
     owners: dict[str, nn.Module] = {"lm_head": model}
     for layer in model.decoder_layers:
-        owners.update(
-            {f"layers.{layer.self_attn.layer}.self_attn.{n}": layer.self_attn for n in ("qkv_proj", "o_proj")}
-        )
-        owners.update({f"layers.{layer.self_attn.layer}.mlp.{n}": layer.mlp for n in ("gate_up_proj", "down_proj")})
+        i = layer.self_attn.layer
+        owners.update({f"layers.{i}.self_attn.{n}": layer.self_attn for n in ("qkv_proj", "o_proj")})
+        owners.update({f"layers.{i}.mlp.{n}": layer.mlp for n in ("gate_up_proj", "down_proj")})
+    return owners
+
+
+def keep_gguf_blocks(model: LlamaForCausalLM, scheme: str, path: str | Path) -> None:
+    """Before the model gets storage: every linear a GGUF file stores whole in a kept type
+    (`scheme` auto: any of KEPT_GGUF_TYPES; int8 / int4: Q8_0 / Q4_0) becomes a QuantizedLinear
+    of those blocks, read straight from the file: its weight is never dequantized, so loading
+    needs no more memory than the quantized model (engine/weights.py skips these)."""
+    if scheme not in QUANTIZATIONS or scheme == "none":
+        raise ValueError(f"unknown quantization {scheme!r}; choose {', '.join(QUANTIZATIONS)}")
+    stored = _gguf_blocks(model, path, scheme)
+    for name, owner in _linear_owners(model).items():
+        parts = stored.get(f"{name}.weight")
+        if parts is None:
+            continue
+        attr = name.rpartition(".")[2]
+        linear = getattr(owner, attr)
+        got = (sum(p.out_features for p in parts), parts[0].in_features)
+        if got != tuple(linear.weight.shape):
+            raise ValueError(
+                f"{name}: stored blocks make {got[0]}x{got[1]}, the model wants {tuple(linear.weight.shape)}"
+            )
+        setattr(owner, attr, QuantizedLinear(parts, linear.bias))  # (its bias, on meta, is loaded later)
+
+
+def quantize_model(model: LlamaForCausalLM, scheme: str) -> None:
+    """`--quantization int8|int4` after loading: every linear still float (nn.Linear) becomes a
+    QuantizedLinear of its weights quantized to `scheme` (those kept from a GGUF file's blocks
+    already are; with `auto` the rest stay float)."""
+    if scheme not in ("int8", "int4"):
+        raise ValueError(f"quantize_model takes int8 or int4, not {scheme!r}")
     with torch.no_grad():
-        for name, owner in owners.items():
+        for name, owner in _linear_owners(model).items():
             attr = name.rpartition(".")[2]
             linear = getattr(owner, attr)
-            assert isinstance(linear, nn.Linear), f"{name} is {type(linear).__name__}: quantize before the CPU relayout"
-            parts = stored.get(f"{name}.weight")
-            if parts is None and scheme == "auto":
-                continue  # not stored in a kept type: stays float
-            parts = parts or [quantize(linear.weight, scheme)]
-            got = (sum(p.out_features for p in parts), parts[0].in_features)
-            if got != tuple(linear.weight.shape):
-                raise ValueError(f"{name}: stored blocks make {got[0]}x{got[1]}")
-            setattr(owner, attr, QuantizedLinear(parts, linear.bias))
+            if isinstance(linear, nn.Linear):  # (before the CPU relayout, which skips QuantizedLinear)
+                setattr(owner, attr, QuantizedLinear(quantize(linear.weight, scheme), linear.bias))
 
 
 def _gguf_blocks(model: LlamaForCausalLM, path: str | Path, scheme: str) -> dict[str, list[QuantWeight]]:

@@ -99,3 +99,19 @@ def test_a_k_quant_file_is_served_from_its_blocks_as_its_dequantized_floats_are(
     prompts = prompts_for(kept.model_config.vocab_size)
     assert kept.generate(prompts, GREEDY) == quant_engine(file, "none").generate(prompts, GREEDY)
     kept.pool.assert_all_free()
+
+
+def test_kept_linears_are_never_dequantized_at_load(k_quant_source, tmp_path, monkeypatch):
+    """Loading reads a kept linear's blocks straight into its QuantizedLinear: no float copy of
+    its weight is ever made (so a Q4_K_M file loads in about its own size, not fp32's)."""
+    from pdserve.engine.gguf_weights import GgufTensor
+    from pdserve.engine.gguf_writer import write_gguf
+    from tests.engine.test_quantization import quant_engine
+
+    file = write_gguf(k_quant_source, tmp_path / "m.gguf", "q4_k_m")
+    dequantized: list[tuple[int, ...]] = []
+    original = GgufTensor.dequantize
+    monkeypatch.setattr(GgufTensor, "dequantize", lambda self: dequantized.append(self.shape) or original(self))
+    engine = quant_engine(file, "auto")
+    mc = engine.model_config
+    assert dequantized and all(len(shape) == 1 or shape == (mc.vocab_size, mc.hidden_size) for shape in dequantized)
