@@ -13,6 +13,7 @@ from pdserve.engine.config import ModelConfig
 from pdserve.engine.models.interface import CausalLM, LayerInputs
 from pdserve.engine.models.llama import ForwardContext, LlamaForCausalLM
 from pdserve.engine.models.quantized_linear import quantize_model
+from pdserve.engine.parallel.group import TensorParallelGroup
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.engine.sequence import Sequence
@@ -28,7 +29,9 @@ def load_model(
     max_positions: int,
     show_progress: bool = True,
     quantization: str = "none",
+    tp: TensorParallelGroup | None = None,
 ) -> CausalLM:
+    """`tp`: this process's rank of a tensor-parallel group; it loads that rank's shard only."""
     if cfg.impl == "transformers":  # any other decoder-only model (models/transformers_backend.py)
         from pdserve.engine.models.transformers_backend import load_transformers_model
 
@@ -36,7 +39,7 @@ def load_model(
             raise ValueError("--quantization is served on the native model path only, not through transformers")
         return load_transformers_model(cfg, dtype, device)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, max_positions)
+        model = LlamaForCausalLM(cfg, max_positions, tp)
     model.materialize(device, dtype)
     load_weights(model, cfg.path, show_progress=show_progress)
     if quantization != "none":
@@ -105,6 +108,9 @@ class ModelRunner:
         while fp.next_layer < stop:
             fp.x = self.model.layers[fp.next_layer](fp.x, fp.rope, fp.ctx)
             fp.next_layer += 1
+
+    def close(self) -> None:
+        """Release what the runner started (a tensor-parallel runner: its rank processes)."""
 
     @torch.inference_mode()
     def logits(self, fp: ForwardPass) -> torch.Tensor | None:
