@@ -79,6 +79,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "(aged by its wait, so none starves): more requests within a TTFT SLO under load",
     )
     g.add_argument("--threads", type=int, default=None, help="torch threads for this worker")
+    g.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="split the model over N processes on this machine (Megatron-style, gloo on the CPU; "
+        "colocated workers only so far): this worker's threads are shared out, threads/N per rank",
+    )
     g.add_argument("--seed", type=int, default=None)
     g.add_argument(
         "--speculative-config",
@@ -98,9 +105,36 @@ def resolve_model(model: str | None) -> str:
     return str(default_model_path())
 
 
+def refuse_tensor_parallel(args: argparse.Namespace, role: str) -> None:
+    """--tensor-parallel-size > 1 where it is not built, or with a model it cannot split: a clear
+    exit at start, rather than a worker that fails and is restarted forever."""
+    from pdserve.engine.config import ModelConfig
+    from pdserve.engine.parallel.shard import check_tensor_parallel
+
+    n = args.tensor_parallel_size
+    if role in ("prefill", "decode"):
+        raise SystemExit(
+            f"pdserve {role}: --tensor-parallel-size > 1 is built for colocated workers only so far "
+            "(pdserve colocated, pdserve serve --colocated)"
+        )
+    try:
+        EngineConfig(
+            model="",
+            quantization=args.quantization,
+            model_impl=args.model_impl,
+            device=args.device,
+            tensor_parallel_size=n,
+        )
+        check_tensor_parallel(ModelConfig.from_folder(resolve_model(args.model), args.model_impl), n)
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"pdserve {role}: {e}") from None
+
+
 def engine_config(args: argparse.Namespace, role: str, budget: int | None = None) -> EngineConfig:
     """The engine flags as a `role` worker's config (its step budget planned by cli/topology.py;
     `budget` given wins)."""
+    if args.tensor_parallel_size != 1:
+        refuse_tensor_parallel(args, role)
     return EngineConfig(
         model=resolve_model(args.model),
         dtype=args.dtype,
@@ -109,6 +143,7 @@ def engine_config(args: argparse.Namespace, role: str, budget: int | None = None
         model_impl=args.model_impl,
         seed=args.seed,
         speculative=getattr(args, "speculative_config", None) if role != "prefill" else None,
+        tensor_parallel_size=args.tensor_parallel_size,
         cache=CacheConfig(
             block_size=args.block_size,
             num_blocks=args.num_blocks,

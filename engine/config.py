@@ -342,9 +342,30 @@ class EngineConfig:
     quantization: str = "auto"  # auto | none | int8 | int4: weight-only linears (engine/models/quantized_linear.py)
     model_impl: str = "auto"  # auto | native | transformers (ModelConfig.from_folder)
     speculative: SpeculativeConfig | None = None  # decode-side speculation (engine/spec/); None: off
+    # ranks of one logical engine (engine/parallel/): this process is rank 0 and starts the others
+    tensor_parallel_size: int = 1
+    tensor_parallel_timeout_s: float = 60.0  # a collective waiting longer than this raises
 
     def __post_init__(self) -> None:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.model_impl not in MODEL_IMPLS:
             raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
+        if self.tensor_parallel_size < 1 or not self.tensor_parallel_timeout_s > 0:
+            raise ValueError("tensor_parallel_size must be >= 1 and tensor_parallel_timeout_s > 0")
+        if self.tensor_parallel_size > 1:
+            from pdserve.engine.gguf_file import is_gguf
+
+            if self.quantization in ("int8", "int4"):
+                raise ValueError("--tensor-parallel-size > 1 with --quantization is not supported yet")
+            if self.quantization == "auto" and is_gguf(self.model):
+                raise ValueError(
+                    "--tensor-parallel-size > 1 does not shard a GGUF file's quantized blocks yet: "
+                    "add --quantization none to serve it dequantized"
+                )
+            if self.model_impl == "transformers":
+                raise ValueError(
+                    "--tensor-parallel-size > 1 runs the native model path only, not --model-impl transformers"
+                )
+            if self.device != "cpu":
+                raise ValueError("--tensor-parallel-size > 1 is built for the CPU (gloo) only so far")

@@ -1,7 +1,9 @@
 """Paged KV pool: sizing from a memory budget (checked at start-up) and allocation.
 
 Layout `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`: each layer's K and V
-are one contiguous slab, so a layer can be shipped (or mapped by a peer) as a unit.
+are one contiguous slab, so a layer can be shipped (or mapped by a peer) as a unit. Under tensor
+parallelism every rank holds such a pool for its own KV heads, with the same block count and ids;
+the memory budget counts all of the model's heads (replicated heads cost once per rank on top).
 """
 
 from __future__ import annotations
@@ -28,6 +30,10 @@ class KVCacheSpec:
     @classmethod
     def for_model(cls, cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> "KVCacheSpec":
         return cls(cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+
+    def for_kv_heads(self, num_kv_heads: int) -> "KVCacheSpec":
+        """The same pool for a tensor-parallel rank holding `num_kv_heads` of the heads."""
+        return KVCacheSpec(self.num_layers, self.block_size, num_kv_heads, self.head_dim, self.dtype)
 
     @property
     def bytes_per_block(self) -> int:

@@ -91,8 +91,20 @@ class LLMEngine:
         self.kv_spec = KVCacheSpec.for_model(mc, self.block_size, self.dtype)
         num_blocks = plan_num_blocks(self.kv_spec, config.cache, self.max_model_len)
         t0 = time.perf_counter()
-        model = load_model(mc, self.dtype, self.device, self.max_model_len, show_progress, config.quantization)
-        kv_cache = allocate_kv_cache(self.kv_spec, num_blocks, self.device, kv_allocator)
+        sampler = Sampler(mc.eos_token_ids, seed=config.seed)
+        if config.tensor_parallel_size > 1:  # rank 0 of N processes (engine/parallel/runner.py)
+            if kv_allocator is not None:
+                raise ValueError(
+                    "a KV allocator (a decode worker's shared pool) is not built for tensor parallelism yet"
+                )
+            from pdserve.engine.parallel.runner import start_tensor_parallel
+
+            args = (config, mc, self.dtype, self.kv_spec, num_blocks, self.max_model_len, sampler, show_progress)
+            runner: ModelRunner = start_tensor_parallel(*args)
+        else:
+            model = load_model(mc, self.dtype, self.device, self.max_model_len, show_progress, config.quantization)
+            kv_cache = allocate_kv_cache(self.kv_spec, num_blocks, self.device, kv_allocator)
+            runner = ModelRunner(model, kv_cache, self.block_size, sampler)
         log.info(
             "model %s loaded in %.1fs: dtype %s, %d KV blocks x %d tokens (%.1f MiB)",
             mc.path,
@@ -107,7 +119,7 @@ class LLMEngine:
         # a block's KV depends on the model, its dtype and the block's place in the prefix
         self.hasher = BlockHasher(mc.fingerprint(self.dtype), self.block_size) if caching else None
         self.scheduler = Scheduler(config.scheduler, self.pool, self.block_size, self.hasher)
-        self.runner = ModelRunner(model, kv_cache, self.block_size, Sampler(mc.eos_token_ids, seed=config.seed))
+        self.runner = runner
         self.seqs: dict[str, Sequence] = {}
         self.num_steps = 0
         self.grammars = GrammarCache(config.model, mc.vocab_size, mc.eos_token_ids)
@@ -116,7 +128,12 @@ class LLMEngine:
 
     @property
     def kv_cache(self) -> torch.Tensor:
+        """[L, 2, N, bs, Hkv, D]; under tensor parallelism rank 0's KV heads only."""
         return self.runner.kv_cache
+
+    def close(self) -> None:
+        """Stop what the engine started (tensor-parallel rank processes); idempotent."""
+        self.runner.close()
 
     # --- intake ---------------------------------------------------------------------------
     def _new_sequence(

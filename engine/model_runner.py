@@ -14,6 +14,7 @@ from pdserve.engine.gguf_file import is_gguf
 from pdserve.engine.models.interface import CausalLM, LayerInputs
 from pdserve.engine.models.llama import ForwardContext, LlamaForCausalLM
 from pdserve.engine.models.quantized_linear import keep_gguf_blocks, quantize_model
+from pdserve.engine.parallel.group import TensorParallelGroup
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.engine.sequence import Sequence
@@ -29,7 +30,9 @@ def load_model(
     max_positions: int,
     show_progress: bool = True,
     quantization: str = "auto",
+    tp: TensorParallelGroup | None = None,
 ) -> CausalLM:
+    """`tp`: this process's rank of a tensor-parallel group; it loads that rank's shard only."""
     if cfg.impl == "transformers":  # any other decoder-only model (models/transformers_backend.py)
         from pdserve.engine.models.transformers_backend import load_transformers_model
 
@@ -37,7 +40,7 @@ def load_model(
             raise ValueError("--quantization is served on the native model path only, not through transformers")
         return load_transformers_model(cfg, dtype, device)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, max_positions)
+        model = LlamaForCausalLM(cfg, max_positions, tp)
     if quantization != "none" and is_gguf(cfg.path) and device.type == "cpu":
         keep_gguf_blocks(model, quantization, cfg.path)  # read as stored, never dequantized
     model.materialize(device, dtype)
@@ -108,6 +111,9 @@ class ModelRunner:
         while fp.next_layer < stop:
             fp.x = self.model.layers[fp.next_layer](fp.x, fp.rope, fp.ctx)
             fp.next_layer += 1
+
+    def close(self) -> None:
+        """Release what the runner started (a tensor-parallel runner: its rank processes)."""
 
     @torch.inference_mode()
     def logits(self, fp: ForwardPass) -> torch.Tensor | None:

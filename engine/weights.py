@@ -8,13 +8,17 @@ model.layers.i.self_attn.qkv_proj.weight,  -> the same names: Phi-3 stores them 
 model.layers.i.mlp.gate_up_proj.weight        order (q | k | v, gate | up), so they load whole
 model.* / lm_head.weight                  -> same name without the `model.` prefix
 Every parameter must be covered exactly; unknown, missing or mis-shaped tensors raise.
+
+Under tensor parallelism a rank reads only its slices (`weight_pieces`, engine/parallel/shard.py):
+rows of q/k/v, gate/up, embedding and LM head, columns of o_proj and down_proj (safetensors'
+`get_slice` reads just those bytes; a GGUF tensor is dequantized whole, then sliced).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from functools import partial
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
@@ -71,22 +75,80 @@ def fused_slices(model: LlamaForCausalLM) -> dict[str, tuple[str, int, int]]:
     return out
 
 
-# (HF name, a thunk that reads it as a tensor): one per stored tensor, from whichever format
-TensorSource = Iterator[tuple[str, Callable[[], torch.Tensor]]]
+Index = tuple[slice, ...]  # into a stored tensor; (): all of it
+# (HF name, a reader of (a slice of) it as a tensor): one per stored tensor, from whichever format
+TensorSource = Iterator[tuple[str, Callable[[Index], torch.Tensor]]]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows [start, end) of our parameter `target` come from `source` of a stored tensor."""
+
+    target: str
+    start: int
+    end: int
+    source: Index = ()
+    zero: bool = False  # zeros instead (a row-parallel bias on ranks > 0: the all-reduce adds rank 0's)
+
+
+def weight_pieces(model: LlamaForCausalLM) -> dict[str, list[Piece]]:
+    """HF name (without `model.`) -> the pieces of our parameters it fills, for this model's
+    tensor-parallel shard (all of each at one rank). Names not listed load whole, unsliced."""
+    cfg, shard = model.cfg, model.shard
+    d, hidden = cfg.head_dim, cfg.hidden_size
+    (h0, h1), (k0, k1) = shard.heads(cfg), shard.kv_heads(cfg)
+    (i0, i1), (v0, v1) = shard.intermediate(cfg), shard.vocab(cfg)
+    q, kv, inter = (h1 - h0) * d, (k1 - k0) * d, i1 - i0  # this rank's sizes
+    full_q, full_kv, full_inter = cfg.num_heads * d, cfg.num_kv_heads * d, cfg.intermediate_size
+    q_rows, kv_rows = slice(h0 * d, h1 * d), slice(k0 * d, k1 * d)
+    out: dict[str, list[Piece]] = {}
+    for i in range(cfg.num_layers):
+        attn, mlp = f"layers.{i}.self_attn", f"layers.{i}.mlp"
+        for kind in ("weight", "bias"):
+            qkv = f"{attn}.qkv_proj.{kind}"
+            out[f"{attn}.q_proj.{kind}"] = [Piece(qkv, 0, q, (q_rows,))]
+            out[f"{attn}.k_proj.{kind}"] = [Piece(qkv, q, q + kv, (kv_rows,))]
+            out[f"{attn}.v_proj.{kind}"] = [Piece(qkv, q + kv, q + 2 * kv, (kv_rows,))]
+            out[qkv] = [  # Phi-3: stored fused, rows q | k | v
+                Piece(qkv, 0, q, (q_rows,)),
+                Piece(qkv, q, q + kv, (slice(full_q + k0 * d, full_q + k1 * d),)),
+                Piece(qkv, q + kv, q + 2 * kv, (slice(full_q + full_kv + k0 * d, full_q + full_kv + k1 * d),)),
+            ]
+        gate_up = f"{mlp}.gate_up_proj.weight"
+        out[f"{mlp}.gate_proj.weight"] = [Piece(gate_up, 0, inter, (slice(i0, i1),))]
+        out[f"{mlp}.up_proj.weight"] = [Piece(gate_up, inter, 2 * inter, (slice(i0, i1),))]
+        out[gate_up] = [  # Phi-3: stored fused, rows gate | up
+            Piece(gate_up, 0, inter, (slice(i0, i1),)),
+            Piece(gate_up, inter, 2 * inter, (slice(full_inter + i0, full_inter + i1),)),
+        ]
+        out[f"{attn}.o_proj.weight"] = [Piece(f"{attn}.o_proj.weight", 0, hidden, (slice(None), q_rows))]
+        out[f"{attn}.o_proj.bias"] = [Piece(f"{attn}.o_proj.bias", 0, hidden, zero=shard.rank > 0)]
+        out[f"{mlp}.down_proj.weight"] = [Piece(f"{mlp}.down_proj.weight", 0, hidden, (slice(None), slice(i0, i1)))]
+    for name in ("embed_tokens.weight", "lm_head.weight"):
+        out[name] = [Piece(name, 0, v1 - v0, (slice(v0, v1),))]
+    return out
 
 
 def _safetensors_source(folder: Path) -> TensorSource:
     for file in safetensors_files(folder):
         with safe_open(str(file), framework="pt") as f:
             for hf_name in f.keys():
-                yield hf_name, partial(f.get_tensor, hf_name)
+
+                def read(index: Index, name: str = hf_name) -> torch.Tensor:
+                    return f.get_slice(name)[index] if index else f.get_tensor(name)  # only the slice's bytes
+
+                yield hf_name, read
 
 
 def _gguf_source(path: Path, cfg: ModelConfig) -> TensorSource:
     from pdserve.engine.gguf_weights import gguf_tensors
 
     for hf_name, tensor in gguf_tensors(path, cfg):
-        yield hf_name, tensor.dequantize  # every quant type to float, for now (exact)
+
+        def read(index: Index, t=tensor) -> torch.Tensor:
+            return t.dequantize()[index]  # every quant type to float, for now (exact)
+
+        yield hf_name, read
 
 
 def load_weights(model: LlamaForCausalLM, path: str | Path, show_progress: bool = True) -> None:
@@ -99,7 +161,7 @@ def load_weights(model: LlamaForCausalLM, path: str | Path, show_progress: bool 
         for n, p in model.named_parameters(remove_duplicate=False)
         if n.endswith(".bias") or f"{n.rpartition('.')[0]}.weight" not in kept
     }
-    fused = fused_slices(model)
+    pieces = weight_pieces(model)
     covered: dict[str, int] = {name: 0 for name in params}  # rows loaded per parameter
     tied = getattr(model.cfg, "tie_word_embeddings", False)
     unexpected: list[str] = []
@@ -113,28 +175,33 @@ def load_weights(model: LlamaForCausalLM, path: str | Path, show_progress: bool 
             if hf_name.endswith(_IGNORED_SUFFIXES):
                 continue
             name = hf_name.removeprefix("model.")
-            if name in fused:
-                target, a, b = fused[name]
+            if name in pieces:
+                todo = pieces[name]
             elif name in params:
-                target, a, b = name, 0, params[name].shape[0]
+                todo = [Piece(name, 0, params[name].shape[0])]
             elif name in kept:
                 continue  # its blocks are loaded already (not dequantized)
             else:
                 unexpected.append(hf_name)
                 continue
-            if target in kept:
+            if all(p.target in kept for p in todo):
                 continue  # its blocks are loaded already (not dequantized)
-            if target not in params:
+            if any(p.target not in params for p in todo):
                 unexpected.append(hf_name)  # e.g. a bias for a bias-free layer
                 continue
-            tensor = read()
-            dest = params[target][a:b]
-            if tensor.shape != dest.shape:
-                raise WeightLoadError(
-                    f"{hf_name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(dest.shape)} in {path}"
-                )
-            dest.copy_(tensor.to(dest.dtype))
-            covered[target] += b - a
+            for p in todo:
+                dest = params[p.target][p.start : p.end]
+                if p.zero:
+                    dest.zero_()
+                else:
+                    tensor = read(p.source)
+                    if tensor.shape != dest.shape:
+                        raise WeightLoadError(
+                            f"{hf_name}: checkpoint shape {tuple(tensor.shape)} (slice {p.source}) != expected "
+                            f"{tuple(dest.shape)} in {path}"
+                        )
+                    dest.copy_(tensor.to(dest.dtype))
+                covered[p.target] += p.end - p.start
     if unexpected:
         raise WeightLoadError(f"{len(unexpected)} unexpected tensors in {path}: {unexpected[:8]}")
     if tied and "lm_head.weight" in covered and covered["lm_head.weight"] == 0:

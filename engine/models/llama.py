@@ -4,6 +4,11 @@ batches. What the families change is in the config: qkv/o biases, Qwen3's q/k no
 
 Input is a flat ragged batch of T tokens (no padding); attention reads/writes the paged pool
 through `kernels`. Linear layers are fused (qkv, gate_up) -- `engine.weights` maps HF names.
+
+Under tensor parallelism (`tp`, engine/parallel/) each rank builds only its shard
+(engine/parallel/shard.py): its q and KV heads, its MLP rows, its vocabulary rows; o_proj and
+down_proj end in one all-reduce each, the embedding in one, and the LM head gathers the logits
+to rank 0.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from pdserve.engine.models.cpu_linear import FEW_ROWS, PackedLinear, cpu_linear_
 from pdserve.engine.models.qk_norm import norm_qk_heads
 from pdserve.engine.models.quantized_linear import QuantizedLinear
 from pdserve.engine.models.rotary import RotaryEmbedding, rotate
+from pdserve.engine.parallel.group import TensorParallelGroup
+from pdserve.engine.parallel.shard import TensorParallelShard
 from pdserve.kernels import decode_layers, layer_ops
 
 
@@ -51,13 +58,19 @@ class RMSNorm(nn.Module):
         return layer_ops.add_rms_norm(x, delta, self.weight, self.eps)
 
 
+def _shard(tp: TensorParallelGroup | None) -> TensorParallelShard:
+    return tp.shard if tp is not None else TensorParallelShard()
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         self.layer = layer
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.tp = tp
+        (h0, h1), (k0, k1) = _shard(tp).heads(cfg), _shard(tp).kv_heads(cfg)  # this rank's heads
+        self.num_heads, self.num_kv_heads, self.head_dim = h1 - h0, k1 - k0, cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.scale = cfg.head_dim**-0.5
@@ -88,27 +101,31 @@ class Attention(nn.Module):
         if ctx.on_layer_stored is not None:
             ctx.on_layer_stored(self.layer)
         out = kernels.paged_attention(q, k, v, kv_layer, ctx.attn, self.scale)  # [T, Hq, D]
-        return self.o_proj(out.reshape(T, self.q_size))
+        y = self.o_proj(out.reshape(T, self.q_size))  # [T, H]: this rank's heads' share
+        return y if self.tp is None else self.tp.all_reduce(y)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
-        self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.tp = tp
+        i0, i1 = _shard(tp).intermediate(cfg)  # this rank's rows of the intermediate
+        self.intermediate = i1 - i0
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate, bias=False)
+        self.down_proj = nn.Linear(self.intermediate, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(layer_ops.silu_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I] -> [T, H]
+        y = self.down_proj(layer_ops.silu_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I] -> [T, H]
+        return y if self.tp is None else self.tp.all_reduce(y)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer)
+        self.self_attn = Attention(cfg, layer, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
 
     def forward(self, x: torch.Tensor, rope: Rope, ctx: ForwardContext) -> torch.Tensor:
         x, h = self.post_attention_layernorm.add_forward(x, self.self_attn(self.input_layernorm(x), rope, ctx))
@@ -124,14 +141,18 @@ def _few_row_panels(layer: DecoderLayer) -> list[torch.Tensor] | None:
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         self.cfg = cfg
+        self.tp = tp
+        self.shard = _shard(tp)
+        self.shard.check(cfg)
+        self.vocab_start, vocab_end = self.shard.vocab(cfg)  # this rank's rows of the vocabulary
         self.rotary = RotaryEmbedding(cfg.rope, cfg.rotary_dims, max_positions)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.embed_tokens = nn.Embedding(vocab_end - self.vocab_start, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, vocab_end - self.vocab_start, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -178,7 +199,9 @@ class LlamaForCausalLM(nn.Module):
         decode driver (kernels/decode_layers.py); None when it cannot run them: not the fp32 CPU
         path, a layer the driver does not know (q/k norm, partial rotary, o_proj bias), a linear
         without few-row panels (a quantized one among them: models/quantized_linear.py), or the
-        driver not built."""
+        driver not built, or tensor parallelism (the driver has no all-reduce between layers)."""
+        if self.tp is not None:
+            return None
         if not (kv_cache.device.type == "cpu" and kv_cache.dtype == torch.float32 and kv_cache.is_contiguous()):
             return None
         c = self.cfg
@@ -239,10 +262,21 @@ class LlamaForCausalLM(nn.Module):
     # The pass in stages, for callers that run it a layer at a time (prefill lanes).
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, Rope]:
         """input_ids/positions [T] -> hidden states [T, H] and this step's rotary tables."""
-        x = self.embed_tokens(input_ids)  # [T, H]
+        if self.tp is None:
+            x = self.embed_tokens(input_ids)  # [T, H]
+        else:  # vocab-parallel: each rank looks up the ids in its rows, zeros elsewhere, summed
+            local = input_ids - self.vocab_start  # [T]
+            mine = (local >= 0) & (local < self.embed_tokens.num_embeddings)  # [T]
+            x = self.embed_tokens(local.clamp(0, self.embed_tokens.num_embeddings - 1))  # [T, H]
+            x = self.tp.all_reduce(x * mine.unsqueeze(1).to(x.dtype))  # [T, H]
         return x, self.rotary.tables(positions, x.dtype)
 
     def head(self, x: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
-        """Hidden states [T, H] -> logits [S, V] for the S rows in `logits_indices`."""
+        """Hidden states [T, H] -> logits [S, V] for the S rows in `logits_indices` (under tensor
+        parallelism: gathered on rank 0; the other ranks get their own vocabulary slice [S, V/N])."""
         x = self.norm(x[logits_indices])  # [S, H]; norm is per-token, so select first
-        return self.lm_head(x).float()  # [S, V]
+        logits = self.lm_head(x).float()  # [S, V/N]
+        if self.tp is None:
+            return logits
+        gathered = self.tp.gather_columns(logits)  # [S, V] on rank 0
+        return logits if gathered is None else gathered

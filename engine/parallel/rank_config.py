@@ -1,0 +1,21 @@
+"""What a rank process is told at start: one typed struct, msgspec JSON on the first line of its
+stdin (nothing pickled)."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class RankConfig(msgspec.Struct, frozen=True):
+    model: str  # HF folder or GGUF file
+    model_impl: str
+    dtype: str  # resolved: float32 | bfloat16 | float16
+    device: str
+    max_positions: int
+    block_size: int
+    num_blocks: int
+    rank: int
+    size: int
+    store_port: int  # rank 0's rendezvous TCPStore on 127.0.0.1
+    timeout_s: float
+    threads: int  # torch threads of this rank
