@@ -2,6 +2,9 @@
 beside the machine's matmul FLOP/s and read GB/s measured in the same run.
 
     prefill MFU      = 2 * decoder-layer params * tokens / time / matmul FLOP/s
+    MFU+attn         = (the same + causal attention FLOPs) / time / matmul FLOP/s, attention
+                       counted as 2 * 2 * L (L + 1) / 2 * head_dim * heads * layers a prompt of L
+                       (Q K^T and P V; the "attn" column is its share of the prompt's FLOPs)
     decode bandwidth = (weight bytes + KV bytes read) per step / step time / read GB/s (on the CPU
     a sum over 256 MB, the ceiling of a read-only stream; memcpy GB/s, which counts each byte
     once though a copy moves it twice, is printed beside it)
@@ -14,8 +17,10 @@ anywhere from 27 to 54 GB/s within minutes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
+from unittest import mock
 
 import torch
 
@@ -60,6 +65,19 @@ def bench_decode(engine: LLMEngine, batch: int, context: int, steps: int) -> flo
     return dt
 
 
+def tiled_prefill_attention() -> contextlib.AbstractContextManager:
+    """The engine's CPU prefill chunks on the older tiled C kernel alone while open (the figures
+    before kernels/cpu_prefill_flash.c, for a same-run comparison)."""
+    from pdserve.kernels import attention, cpu_native
+
+    return mock.patch.object(attention, "CPU_PREFILL_KERNELS", (cpu_native.PREFILL_SOURCE,))
+
+
+def attention_flops_per_prompt(mc, prompt_len: int) -> int:
+    """Causal attention FLOPs (Q K^T and P V) of one prompt, every layer (sliding windows ignored)."""
+    return 4 * mc.num_layers * mc.num_heads * mc.head_dim * prompt_len * (prompt_len + 1) // 2
+
+
 def _cpu_ceilings() -> tuple[float, float, float]:
     """This machine's matmul FLOP/s, memcpy B/s and read B/s, measured now."""
     return measure_matmul_gflops() * 1e9, measure_memcpy_gbps() * 1e9, measure_read_gbps() * 1e9
@@ -87,6 +105,12 @@ def main(argv: list[str] | None = None) -> int:
         default=SchedulerConfig.max_num_batched_tokens,
         help="token budget of a step, as a serving worker's: a batch's prompts are prefilled "
         "in steps of this many tokens (one 8k-token step runs at ~70%% of the speed of 2k ones)",
+    )
+    ap.add_argument(
+        "--compare-tiled-prefill",
+        action="store_true",
+        help="also time each prefill row with the older tiled C attention kernel (same run, alternating; "
+        "with --dtype bfloat16, which it refuses, that is torch's path: what ran before the flash kernel)",
     )
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--dtype", default="float32")
@@ -136,22 +160,33 @@ def main(argv: list[str] | None = None) -> int:
         bench_decode(engine, max_b, args.context, 2)
     rows = []
     for b in batches:
-        t_pre = min(bench_prefill(engine, b, args.prompt_len) for _ in range(args.repeats))
+        t_pre = t_tiled = float("inf")
+        for _ in range(args.repeats):  # alternating, so both see the same host
+            t_pre = min(t_pre, bench_prefill(engine, b, args.prompt_len))
+            if args.compare_tiled_prefill:
+                with tiled_prefill_attention():
+                    t_tiled = min(t_tiled, bench_prefill(engine, b, args.prompt_len))
         t_dec = min(bench_decode(engine, b, args.context, args.decode_steps) for _ in range(args.repeats))
-        rows.append(
-            {
-                "batch": b,
-                "prefill_tokens_per_s": b * args.prompt_len / t_pre,
-                "decode_tokens_per_s": b / t_dec,
-                "decode_step_ms": t_dec * 1e3,
-            }
-        )
+        row = {
+            "batch": b,
+            "prefill_tokens_per_s": b * args.prompt_len / t_pre,
+            "decode_tokens_per_s": b / t_dec,
+            "decode_step_ms": t_dec * 1e3,
+        }
+        if args.compare_tiled_prefill:
+            row["prefill_tokens_per_s_tiled"] = b * args.prompt_len / t_tiled
+        rows.append(row)
         engine.pool.assert_all_free()
     if engine.device.type != "cuda":
         flops, memcpy, read = map(max, zip((flops, memcpy, read), _cpu_ceilings()))
+    attn_per_token = attention_flops_per_prompt(mc, args.prompt_len) / args.prompt_len
+    flops_per_token = 2 * params + attn_per_token  # what a prompt token costs, attention included
     for r in rows:  # against the ceilings as finally taken
         step_bytes = weight_bytes + r["batch"] * (args.context + args.decode_steps // 2) * kv_bytes_per_token
         r["prefill_mfu"] = 2 * params * r["prefill_tokens_per_s"] / flops
+        r["prefill_mfu_with_attention"] = flops_per_token * r["prefill_tokens_per_s"] / flops
+        if "prefill_tokens_per_s_tiled" in r:
+            r["prefill_mfu_with_attention_tiled"] = flops_per_token * r["prefill_tokens_per_s_tiled"] / flops
         r["decode_bw_util"] = step_bytes / (r["decode_step_ms"] / 1e3) / read
     result = {
         "model": mc.path,
@@ -161,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         "memcpy_gbps": memcpy / 1e9,
         "read_gbps": read / 1e9,
         "prompt_len": args.prompt_len,
+        "prefill_attention_flop_share": attn_per_token / flops_per_token,
         "decode_context": args.context,
         "rows": rows,
     }
@@ -172,10 +208,24 @@ def main(argv: list[str] | None = None) -> int:
         f"{engine.device}: matmul {flops / 1e9:.1f} GFLOP/s {engine.dtype}, read {read / 1e9:.2f} GB/s "
         f"(BW util against it), memcpy {memcpy / 1e9:.2f} GB/s (same run)"
     )
-    print(f"{'batch':>5} {'prefill tok/s':>14} {'MFU':>6} {'decode tok/s':>13} {'step ms':>8} {'BW util':>8}")
+    print(
+        f"prompts of {args.prompt_len} tokens: attention {attn_per_token / flops_per_token:.1%} of their FLOPs"
+        + (" (tiled: the same rows with the older tiled C prefill attention)" if args.compare_tiled_prefill else "")
+    )
+    tiled_head = f" {'tiled tok/s':>12} {'MFU+attn':>8}" if args.compare_tiled_prefill else ""
+    print(
+        f"{'batch':>5} {'prefill tok/s':>14} {'MFU':>6} {'MFU+attn':>8}{tiled_head} "
+        f"{'decode tok/s':>13} {'step ms':>8} {'BW util':>8}"
+    )
     for r in rows:
+        tiled = (
+            f" {r['prefill_tokens_per_s_tiled']:>12.0f} {r['prefill_mfu_with_attention_tiled']:>8.1%}"
+            if args.compare_tiled_prefill
+            else ""
+        )
         print(
             f"{r['batch']:>5} {r['prefill_tokens_per_s']:>14.0f} {r['prefill_mfu']:>6.1%} "
+            f"{r['prefill_mfu_with_attention']:>8.1%}{tiled} "
             f"{r['decode_tokens_per_s']:>13.1f} {r['decode_step_ms']:>8.2f} {r['decode_bw_util']:>8.1%}"
         )
     return 0

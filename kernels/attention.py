@@ -2,6 +2,13 @@
 sequences and prefill chunks go to their C kernels (kernels/cpu_native.py: both read KV in
 place) when they built, and to pure torch when they did not.
 
+CPU prefill chunks take the first of `CPU_PREFILL_KERNELS` that takes their shapes: the flash
+kernel (full vector width: head_dim a multiple of 16 with AVX-512, of 8 with AVX2), then the
+older tiled one (head_dim a multiple of 8), then torch. Measured per case by
+`python -m pdserve.bench.prefill_attention` (docs/benchmarks/prefill_attention.md): the flash
+kernel was the fastest of the three and of torch's flash SDPA on every case, so no case goes to
+SDPA by choice.
+
 `PDSERVE_ATTENTION=torch|triton` overrides (`auto` or unset: the default; `torch`: pure torch
 everywhere, the reference). Triton on CPU tensors needs TRITON_INTERPRET=1 set before triton is
 first imported.
@@ -26,6 +33,10 @@ def triton_available() -> bool:
     except Exception:  # not installed, or broken (no driver, ...): fall back to torch
         return False
     return True
+
+
+# In order of preference: the first that takes a batch's shapes runs its prefill chunks.
+CPU_PREFILL_KERNELS = (cpu_native.FLASH_SOURCE, cpu_native.PREFILL_SOURCE)
 
 
 def _choice() -> str:
@@ -62,11 +73,22 @@ def _native_prefill(
     already in the pool: the model stores a layer's KV before attending)."""
     if meta.num_decode_seqs == meta.num_seqs:
         return True
-    if choice not in ("", "auto") or not cpu_native.can_run_prefill(query, kv_layer):
+    if choice not in ("", "auto"):
         return False
-    return cpu_native.paged_prefill_attention(
-        query, kv_layer, meta.block_tables, meta.cu_seqlens_q, meta.context_lens, meta.num_decode_seqs, scale, out
-    )
+    for source in CPU_PREFILL_KERNELS:
+        if cpu_native.can_run_prefill(query, kv_layer, source) and cpu_native.paged_prefill_attention(
+            query,
+            kv_layer,
+            meta.block_tables,
+            meta.cu_seqlens_q,
+            meta.context_lens,
+            meta.num_decode_seqs,
+            scale,
+            out,
+            source,
+        ):
+            return True
+    return False
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -6,10 +6,11 @@ ctypes:
   in place. At batch 32 x ~270 tokens of the bench model the gather alone was 8.5 of the 19 ms
   of attention in a step (torch profiler, one thread); the kernel does the whole attention in
   ~12 ms (docs/benchmarks/engine.md).
-- kernels/cpu_prefill_attention.c, prefill attention (prompt chunks, causal, any earlier
-  context) read in place from the pool, FlashAttention-style. torch's CPU flash SDPA ran a
-  512-token prompt of the bench model at 5x its FLOP time, and a chunk with earlier context had
-  its KV gathered first (docs/benchmarks/engine.md).
+- kernels/cpu_prefill_flash.c, prefill attention (prompt chunks, causal, any earlier context)
+  read in place from the pool, FlashAttention-style at the machine's full vector width (AVX-512
+  where the compiler targets it): ~1.9x kernels/cpu_prefill_attention.c, its predecessor, which
+  stays for head sizes the flash kernel's vectors do not divide, and faster than torch's CPU
+  flash SDPA on contiguous tensors in every case measured (docs/benchmarks/prefill_attention.md).
 - kernels/cpu_gemv.c, the one-row linear on an `[in, out]` weight (TransposedLinear: torch
   without oneDNN, or the panel copy switched off): MKL's GEMV does not go faster with a second
   thread on this machine; this one splits the output columns between threads
@@ -45,6 +46,7 @@ _Lib = TypeVar("_Lib")
 
 ATTENTION_SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
 PREFILL_SOURCE = Path(__file__).with_name("cpu_prefill_attention.c")
+FLASH_SOURCE = Path(__file__).with_name("cpu_prefill_flash.c")
 GEMV_SOURCE = Path(__file__).with_name("cpu_gemv.c")
 # -ffast-math for the compile step only (vectorised expf and dot-product reductions); linking
 # without it keeps crtfastmath.o (which would flush denormals process-wide) out of the library.
@@ -159,11 +161,21 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
+# (prefill kernel, dtype of queries, pool and output) -> its C entry point; others are refused
+_PREFILL_ENTRIES = {
+    (PREFILL_SOURCE, torch.float32): "paged_prefill_attention_f32",
+    (FLASH_SOURCE, torch.float32): "prefill_flash_f32",
+    (FLASH_SOURCE, torch.bfloat16): "prefill_flash_bf16",
+}
+
+
 @functools.lru_cache(maxsize=None)
-def _prefill_library() -> ctypes.CDLL | None:
-    lib = load_kernel(PREFILL_SOURCE)
-    if lib is not None:
-        fn = lib.paged_prefill_attention_f32
+def _prefill_library(source: Path = PREFILL_SOURCE) -> ctypes.CDLL | None:
+    lib = load_kernel(source)
+    for (src, _), name in _PREFILL_ENTRIES.items():
+        if lib is None or src != source:
+            continue
+        fn = getattr(lib, name)
         fn.restype = ctypes.c_int
         fn.argtypes = [
             ctypes.c_void_p,
@@ -220,7 +232,7 @@ def available() -> bool:
 
 
 def _takes(query: torch.Tensor, kv_layer: torch.Tensor) -> bool:
-    """What both attention kernels take: fp32 CPU tensors, the pool contiguous (query rows may lie
+    """What the decode kernel takes: fp32 CPU tensors, the pool contiguous (query rows may lie
     apart, as in the model's fused qkv; heads and head_dim must be dense, else they are copied)."""
     return (
         query.device.type == "cpu"
@@ -235,9 +247,16 @@ def can_run(query: torch.Tensor, kv_layer: torch.Tensor) -> bool:
     return _takes(query, kv_layer) and available()
 
 
-def can_run_prefill(query: torch.Tensor, kv_layer: torch.Tensor) -> bool:
-    """Whether the prefill kernel is built and takes these tensors."""
-    return _takes(query, kv_layer) and prefill_available()
+def can_run_prefill(query: torch.Tensor, kv_layer: torch.Tensor, source: Path = PREFILL_SOURCE) -> bool:
+    """Whether the prefill kernel `source` is built and takes these tensors: CPU, the pool
+    contiguous, queries and pool of one dtype it has an entry point for (fp32; bf16 for flash)."""
+    return (
+        query.device.type == "cpu"
+        and query.dtype == kv_layer.dtype
+        and (source, query.dtype) in _PREFILL_ENTRIES
+        and kv_layer.is_contiguous()
+        and prefill_available(source)
+    )
 
 
 def paged_decode_attention(
@@ -277,9 +296,9 @@ def paged_decode_attention(
     return rc == 0
 
 
-def prefill_available() -> bool:
+def prefill_available(source: Path = PREFILL_SOURCE) -> bool:
     """Whether the prefill attention kernel is built and loaded (tried once per process)."""
-    return _prefill_library() is not None
+    return _prefill_library(source) is not None
 
 
 def paged_prefill_attention(
@@ -291,11 +310,13 @@ def paged_prefill_attention(
     first: int,
     scale: float,
     out: torch.Tensor,
+    source: Path = PREFILL_SOURCE,
 ) -> bool:
     """The chunks of sequences `first..` of a ragged batch: query [T, Hq, D] (all the batch's
     rows), their K/V already stored in kv_layer [2, N, bs, Hkv, D]; block_tables [B, W],
-    cu_seqlens_q [B+1], context_lens [B] int32 -> out [T, Hq, D] at those sequences' rows.
-    False when the kernel refuses the shapes; the caller then takes the torch path."""
+    cu_seqlens_q [B+1], context_lens [B] int32 -> out [T, Hq, D] at those sequences' rows, by
+    the kernel in `source` (PREFILL_SOURCE, the tiled one, or FLASH_SOURCE). False when the kernel
+    refuses the shapes; the caller then takes another kernel or the torch path."""
     _, hq, d = query.shape
     if query.stride(2) != 1 or query.stride(1) != d:  # rows may be apart (the model's fused qkv view)
         query = query.contiguous()
@@ -303,10 +324,10 @@ def paged_prefill_attention(
     n = context_lens.shape[0] - first
     for x in (block_tables, cu_seqlens_q, context_lens):
         assert x.dtype == torch.int32 and x.is_contiguous()
-    assert out.is_contiguous() and out.shape == query.shape
+    assert out.is_contiguous() and out.shape == query.shape and out.dtype == query.dtype == kv_layer.dtype
     if n <= 0:
         return True
-    rc = built(_prefill_library()).paged_prefill_attention_f32(
+    rc = getattr(built(_prefill_library(source)), _PREFILL_ENTRIES[(source, query.dtype)])(
         query.data_ptr(),
         query.stride(0),
         kv_layer.data_ptr(),

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from pdserve.bench.engine_throughput import main
 
 
@@ -39,3 +41,32 @@ def test_engine_bench_reports_against_the_read_ceiling(tiny_llama, capsys):
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     kv_per_token = cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head_dim * 4
     assert abs((read[1] - read[0]) - (16 + 1) * kv_per_token) < 1e-6 * read[1]
+
+
+def test_engine_bench_counts_attention_and_compares_the_tiled_kernel(tiny_llama, capsys):
+    """MFU+attn adds the causal attention FLOPs to the linears'; --compare-tiled-prefill times the
+    same prompts on the older tiled C kernel in the same run."""
+    argv = ["--model", str(tiny_llama), "--batches", "1", "--prompt-len", "32", "--context", "16"]
+    assert main([*argv, "--decode-steps", "2", "--repeats", "1", "--compare-tiled-prefill", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    cfg = json.loads((tiny_llama / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    attn = 4 * cfg["num_hidden_layers"] * cfg["num_attention_heads"] * head_dim * 32 * 33 // 2 / 32  # per token
+    linear = 2 * res["params_decoder_layers"]
+    assert res["prefill_attention_flop_share"] == pytest.approx(attn / (attn + linear))
+    (r,) = res["rows"]
+    assert r["prefill_mfu_with_attention"] == pytest.approx(r["prefill_mfu"] * (attn + linear) / linear)
+    assert r["prefill_tokens_per_s_tiled"] > 0
+    assert r["prefill_mfu_with_attention_tiled"] == pytest.approx(
+        r["prefill_mfu_with_attention"] * r["prefill_tokens_per_s_tiled"] / r["prefill_tokens_per_s"]
+    )
+
+
+def test_tiled_prefill_attention_puts_the_engine_on_the_tiled_kernel():
+    from pdserve.bench.engine_throughput import tiled_prefill_attention
+    from pdserve.kernels import attention, cpu_native
+
+    before = attention.CPU_PREFILL_KERNELS
+    with tiled_prefill_attention():
+        assert attention.CPU_PREFILL_KERNELS == (cpu_native.PREFILL_SOURCE,)
+    assert attention.CPU_PREFILL_KERNELS == before
