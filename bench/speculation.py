@@ -8,6 +8,10 @@ at several batch sizes, on two workloads:
                 rarely match and drafts mostly miss (the cost of proposing and verifying where
                 it does not pay, and what adaptivity saves)
 
+`--draft-model DIR` (or `--cut-draft N`: a draft made of the target's first N layers, its
+embedding, final norm and head) speculates with that draft model instead of n-gram lookup; the
+model given as its own draft is the upper bound of acceptance.
+
 Each row: prompts prefilled first (untimed), then the decode of `--max-tokens` tokens per
 sequence timed; best of `--repeats` interleaved runs. Greedy rows also check that both runs
 emit the same tokens.
@@ -17,13 +21,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
+import shutil
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.spec.config import SpeculativeConfig
+from pdserve.engine.spec.draft_model import DraftRunner
 from pdserve.engine.spec.speculator import Speculator
 from pdserve.protocol.sampling import SamplingParams
 
@@ -53,8 +62,31 @@ def timed_decode(engine: LLMEngine, prompts: list[list[int]], sp: SamplingParams
     return time.perf_counter() - t0, list(outs.values())
 
 
+def cut_layers(model: str, out: Path, num_layers: int) -> Path:
+    """A draft folder holding `model`'s first `num_layers` decoder layers (and its embedding,
+    final norm and head): same tokenizer, same first layers."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model, out)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["num_hidden_layers"] = num_layers
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    for f in out.glob("*.safetensors"):
+        kept = {}
+        for name, t in load_file(f).items():
+            m = re.search(r"\.layers\.(\d+)\.", name)
+            if m is None or int(m.group(1)) < num_layers:
+                kept[name] = t
+        save_file(kept, f, metadata={"format": "pt"})
+    for index in out.glob("*.safetensors.index.json"):
+        index.unlink()  # (the bench models are single-file; a sharded index would name dropped tensors)
+    return out
+
+
 def run(args: argparse.Namespace) -> list[dict]:
     spec = SpeculativeConfig(
+        method="draft_model" if args.draft_model else "ngram",
+        model=args.draft_model,
         num_speculative_tokens=args.k,
         prompt_lookup_max=4,
         prompt_lookup_min=1,
@@ -69,6 +101,17 @@ def run(args: argparse.Namespace) -> list[dict]:
         ),
         show_progress=False,
     )
+    draft = None
+    if args.draft_model:
+        draft = DraftRunner(
+            engine.model_config.__class__.from_folder(args.draft_model),
+            engine.dtype,
+            engine.device,
+            engine.max_model_len,
+            engine.block_size,
+            args.num_blocks,
+            show_progress=False,
+        )
     vocab = engine.model_config.vocab_size
     rows = []
     for workload in args.workloads:
@@ -80,7 +123,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             stats = None
             for r in range(args.repeats + 1):  # the first round warms up, untimed
                 for mode in ("off", "on"):
-                    engine.speculator = Speculator(spec, engine.max_model_len) if mode == "on" else None
+                    engine.speculator = Speculator(spec, engine.max_model_len, draft) if mode == "on" else None
                     sp = SamplingParams(
                         max_tokens=args.max_tokens,
                         temperature=0.0 if greedy else args.temperature,
@@ -94,9 +137,12 @@ def run(args: argparse.Namespace) -> list[dict]:
                     if mode == "on" and engine.speculator is not None:
                         stats = engine.speculator.stats
             engine.pool.assert_all_free()
+            if draft is not None:
+                draft.pool.assert_all_free()
             tokens = batch * args.max_tokens
             assert stats is not None
             row = {
+                "draft": args.draft_label,
                 "workload": workload,
                 "batch": batch,
                 "tok_s_off": round(tokens / times["off"], 1),
@@ -126,14 +172,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--num-blocks", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=None)
+    drafts = ap.add_mutually_exclusive_group()
+    drafts.add_argument("--draft-model", default=None, help="speculate with this draft model (not n-gram)")
+    drafts.add_argument("--cut-draft", type=int, default=None, help="draft: the model's first N layers")
     args = ap.parse_args(argv)
     args.model = args.model or str(default_model_path())
+    args.draft_label = "ngram"
+    if args.draft_model:
+        args.draft_label = (
+            "itself" if Path(args.draft_model).resolve() == Path(args.model).resolve() else args.draft_model
+        )
     if args.threads:
         torch.set_num_threads(args.threads)
     from pdserve.bench.machine import measure_read_gbps
 
     before = measure_read_gbps()  # the machine's read ceiling, before and after (a shared host drifts)
-    run(args)
+    with tempfile.TemporaryDirectory(prefix="pdserve-cut-draft-") as tmp:
+        if args.cut_draft is not None:
+            args.draft_model = str(cut_layers(args.model, Path(tmp) / "draft", args.cut_draft))
+            args.draft_label = f"first {args.cut_draft} layers"
+        run(args)
     print(json.dumps({"read_gbps_before": round(before, 1), "read_gbps_after": round(measure_read_gbps(), 1)}))
     return 0
 

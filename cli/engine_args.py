@@ -92,7 +92,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         type=speculative_config,
         default=None,
         help='decode-side speculation (vLLM\'s JSON): \'{"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_max": 4, "prompt_lookup_min": 1}\' (+ "disable_by_batch_size": no speculation in '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 1}\', or a draft model of the same tokenizer: '
+        '\'{"model": DIR, "num_speculative_tokens": 4}\' (+ "disable_by_batch_size": no speculation in '
         "steps with more decoding sequences); decode and colocated workers (engine/spec/)",
     )
 
@@ -130,11 +131,27 @@ def refuse_tensor_parallel(args: argparse.Namespace, role: str) -> None:
         raise SystemExit(f"pdserve {role}: {e}") from None
 
 
+def refuse_unfit_draft(args: argparse.Namespace, role: str, draft: str) -> None:
+    """A draft model that does not speak the target's tokens: a clear exit at start."""
+    from pdserve.engine.config import ModelConfig
+    from pdserve.engine.spec.draft_fit import check_draft_fits
+
+    try:
+        check_draft_fits(
+            ModelConfig.from_folder(resolve_model(args.model), args.model_impl), ModelConfig.from_folder(draft)
+        )
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"pdserve {role}: --speculative-config: {e}") from None
+
+
 def engine_config(args: argparse.Namespace, role: str, budget: int | None = None) -> EngineConfig:
     """The engine flags as a `role` worker's config (its step budget planned by cli/topology.py;
     `budget` given wins)."""
     if args.tensor_parallel_size != 1:
         refuse_tensor_parallel(args, role)
+    spec: SpeculativeConfig | None = getattr(args, "speculative_config", None) if role != "prefill" else None
+    if spec is not None and spec.model is not None:
+        refuse_unfit_draft(args, role, spec.model)
     return EngineConfig(
         model=resolve_model(args.model),
         dtype=args.dtype,
@@ -142,7 +159,7 @@ def engine_config(args: argparse.Namespace, role: str, budget: int | None = None
         quantization=args.quantization,
         model_impl=args.model_impl,
         seed=args.seed,
-        speculative=getattr(args, "speculative_config", None) if role != "prefill" else None,
+        speculative=spec,
         tensor_parallel_size=args.tensor_parallel_size,
         cache=CacheConfig(
             block_size=args.block_size,

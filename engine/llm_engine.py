@@ -29,6 +29,8 @@ from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.engine.sequence import SeqStatus, Sequence
 from pdserve.engine.sequence_group import SequenceGroup, member_sampling
+from pdserve.engine.spec.draft_fit import check_draft_fits
+from pdserve.engine.spec.draft_model import DraftRunner
 from pdserve.engine.spec.speculator import Speculator
 from pdserve.engine.spec.verify import num_accepted
 from pdserve.engine.structured.matcher import GrammarCache, constrain
@@ -124,7 +126,26 @@ class LLMEngine:
         self.num_steps = 0
         self.grammars = GrammarCache(config.model, mc.vocab_size, mc.eos_token_ids)
         spec = config.speculative
-        self.speculator = Speculator(spec, self.max_model_len) if spec is not None else None
+        self.speculator = (
+            Speculator(spec, self.max_model_len, self._draft_runner(num_blocks, show_progress))
+            if spec is not None
+            else None
+        )
+
+    def _draft_runner(self, num_blocks: int, show_progress: bool) -> DraftRunner | None:
+        """The draft model beside the target (--speculative-config '{"model": DIR, ...}'), with
+        a KV pool of its own holding as many tokens as the target's."""
+        spec = self.config.speculative
+        if spec is None or spec.model is None:
+            return None
+        draft_cfg = ModelConfig.from_folder(spec.model, "auto")
+        check_draft_fits(self.model_config, draft_cfg)
+        t0 = time.perf_counter()
+        runner = DraftRunner(
+            draft_cfg, self.dtype, self.device, self.max_model_len, self.block_size, num_blocks, show_progress
+        )
+        log.info("draft model %s loaded in %.1fs", spec.model, time.perf_counter() - t0)
+        return runner
 
     @property
     def kv_cache(self) -> torch.Tensor:
@@ -285,6 +306,8 @@ class LLMEngine:
             return self.scheduler.schedule()
         self.speculator.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
+        for seq in sched.preempted:
+            self.speculator.release(seq)
         verifying = {id(c.seq) for c in sched.speculative}
         for seq in self.scheduler.running:  # drafts of a sequence left out of this step go
             if seq.num_draft_tokens and id(seq) not in verifying:
@@ -550,6 +573,8 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
+        if self.speculator is not None:
+            self.speculator.release(seq)
         self.seqs.pop(seq.request_id, None)
 
     # --- conveniences (tests, offline use) ------------------------------------------------

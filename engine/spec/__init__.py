@@ -1,8 +1,10 @@
-"""Speculative decoding in the decode pool (n-gram / prompt lookup).
+"""Speculative decoding in the decode pool (n-gram / prompt lookup, or a draft model).
 
 config.py     `--speculative-config` JSON -> SpeculativeConfig (torch-free)
 ngram.py      proposals: the tokens that followed the latest earlier match of the sequence's tail
 adaptive.py   per-sequence draft length from its acceptance history (on only where it pays)
 speculator.py proposes for a step's decode-ready sequences; counts drafts and acceptances
 verify.py     how many drafts a verification step's target tokens accept
+draft_model.py proposals by a small draft model beside the target, with its own paged KV pool
+draft_fit.py  whether a draft model shares the target's tokens (vocabulary size, EOS)
 """

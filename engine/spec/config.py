@@ -1,5 +1,7 @@
 """`--speculative-config` as vLLM names it: `{"method": "ngram", "num_speculative_tokens": k,
-"prompt_lookup_max": 4, "prompt_lookup_min": 1}`, plus vLLM's `disable_by_batch_size`."""
+"prompt_lookup_max": 4, "prompt_lookup_min": 1}`, or a draft model `{"model": DIR,
+"num_speculative_tokens": k}` (`"method": "draft_model"` optional), plus vLLM's
+`disable_by_batch_size`."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-SPECULATION_METHODS = ("ngram",)
+SPECULATION_METHODS = ("ngram", "draft_model")
 # Measured (docs/benchmarks/speculation.md, a 30-layer 115M model, one CPU thread): with drafts
 # nearly all accepted the gain falls from 3.1x at one sequence to 1.6x at 16 and 1.3x at 32, where
 # a step no longer fits the fused decode (1-16 rows) and every miss costs more rows: off beyond 16.
@@ -17,6 +19,7 @@ DEFAULT_DISABLE_BY_BATCH_SIZE = 16
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: str = "ngram"
+    model: str | None = None  # the draft model's folder (method "draft_model"; same tokenizer as the target)
     num_speculative_tokens: int = 4  # k: most drafts a sequence proposes per step
     prompt_lookup_max: int = 4  # longest tail n-gram looked up
     prompt_lookup_min: int = 1  # shortest
@@ -26,6 +29,8 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method not in SPECULATION_METHODS:
             raise ValueError(f"speculative method must be one of {SPECULATION_METHODS}, got {self.method!r}")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError('a draft model needs "model": DIR, and "model" needs method "draft_model"')
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError("num_speculative_tokens must be in [1, 16]")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
@@ -43,14 +48,23 @@ class SpeculativeConfig:
         if not isinstance(raw, dict):
             raise ValueError("--speculative-config must be a JSON object")
         if "model" in raw:
-            raise ValueError('draft-model speculation is not implemented; use {"method": "ngram", ...}')
-        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"}
+            if not isinstance(raw["model"], str) or not raw["model"]:
+                raise ValueError('--speculative-config: "model" must be a draft model\'s folder')
+            raw.setdefault("method", "draft_model")
+        known = {
+            "method",
+            "model",
+            "num_speculative_tokens",
+            "prompt_lookup_max",
+            "prompt_lookup_min",
+            "disable_by_batch_size",
+        }
         unknown = sorted(set(raw) - known)
         if unknown:
             raise ValueError(f"--speculative-config: unknown keys {unknown}; known: {sorted(known)}")
         if "num_speculative_tokens" not in raw:
             raise ValueError("--speculative-config needs num_speculative_tokens")
-        for key in known - {"method"}:
+        for key in known - {"method", "model"}:
             if key in raw and (not isinstance(raw[key], int) or isinstance(raw[key], bool)):
                 raise ValueError(f"--speculative-config: {key} must be an integer")
         return cls(**raw)

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdserve.engine.sequence import SeqStatus, Sequence
 from pdserve.engine.spec.adaptive import DraftLength
 from pdserve.engine.spec.config import SpeculativeConfig
 from pdserve.engine.spec.ngram import propose_ngram
+
+if TYPE_CHECKING:
+    from pdserve.engine.spec.draft_model import DraftRunner
 
 # A step with drafts runs its decodes as chunks (no one-call fused decode for any of them): it
 # speculates only with at least this many drafts per decoding sequence, else drops them all.
@@ -41,8 +44,11 @@ class SpecStats:
 
 
 class Speculator:
-    def __init__(self, cfg: SpeculativeConfig, max_model_len: int) -> None:
+    def __init__(self, cfg: SpeculativeConfig, max_model_len: int, draft: DraftRunner | None = None) -> None:
+        """`draft`: the draft model's runner (method "draft_model"), else n-gram lookup."""
+        assert (draft is not None) == (cfg.method == "draft_model")
         self.cfg = cfg
+        self.draft = draft
         self.max_model_len = max_model_len
         self.stats = SpecStats(accepted_per_pos=[0] * cfg.num_speculative_tokens)
 
@@ -61,11 +67,14 @@ class Speculator:
     def propose(self, running: Iterable[Sequence]) -> None:
         """Append drafts to the eligible sequences, unless the step has too many decodes
         (`disable_by_batch_size`) or too few drafts to pay for itself (`MIN_DRAFTS_PER_SEQ`)."""
+        running = list(running)
+        if self.draft is not None:
+            self.draft.release_all_but(running)  # (ended or preempted sequences' draft KV)
         ready = [s for s in running if self.eligible(s)]
         if not ready or len(ready) > self.cfg.disable_by_batch_size:
             return
         cfg = self.cfg
-        proposed: list[Sequence] = []
+        wants: list[tuple[Sequence, int]] = []
         for seq in ready:
             if seq.draft_length is None:
                 seq.draft_length = DraftLength(cfg.num_speculative_tokens)
@@ -74,9 +83,14 @@ class Speculator:
             if room < 1:
                 continue
             k = min(seq.draft_length.wanted(), room)
-            if k < 1:
-                continue
-            drafts = propose_ngram(seq.token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+            if k >= 1:
+                wants.append((seq, k))
+        if self.draft is not None:
+            guesses = self.draft.propose(wants)
+        else:
+            guesses = [propose_ngram(s.token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max) for s, k in wants]
+        proposed: list[Sequence] = []
+        for (seq, _), drafts in zip(wants, guesses, strict=True):
             if drafts and seq.grammar is not None:
                 drafts = drafts[: seq.grammar.valid_prefix(drafts)]  # only tokens the grammar allows
             if drafts:
@@ -85,6 +99,11 @@ class Speculator:
         if sum(s.num_draft_tokens for s in proposed) < MIN_DRAFTS_PER_SEQ * len(ready):
             for seq in proposed:
                 seq.drop_drafts()
+
+    def release(self, seq: Sequence) -> None:
+        """`seq` finished or was preempted: its draft KV (if any) goes back."""
+        if self.draft is not None:
+            self.draft.release(seq)
 
     def observe(self, seq: Sequence, proposed: int, accepted: int) -> None:
         """One verification of `seq`: `accepted` of its `proposed` drafts confirmed."""

@@ -39,3 +39,12 @@ def test_a_bad_config_is_a_usage_error(tmp_path, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["decode", "--model", str(tmp_path), "--speculative-config", '{"k": 2}'])
     assert "unknown keys ['k']" in capsys.readouterr().err
+
+
+def test_a_draft_model_reaches_decode_workers(tiny_llama):
+    flag = ["--speculative-config", f'{{"model": "{tiny_llama}", "num_speculative_tokens": 3}}']
+    args = build_parser().parse_args(["serve", "--model", str(tiny_llama), *flag])
+    children = {c.name: c for c in serve.plan_children(args, str(tiny_llama))}
+    want = SpeculativeConfig(method="draft_model", model=str(tiny_llama), num_speculative_tokens=3)
+    assert read_settings(children["decode-0"].argv[-1], DecodeSettings).engine.speculative == want
+    assert read_settings(children["prefill-0"].argv[-1], PrefillSettings).engine.speculative is None

@@ -77,7 +77,7 @@ def test_config_from_vllm_json():
         ("[1]", "JSON object"),
         ('{"method": "ngram"}', "needs num_speculative_tokens"),
         ('{"method": "eagle", "num_speculative_tokens": 2}', "method must be one of"),
-        ('{"model": "/m", "num_speculative_tokens": 2}', "draft-model speculation is not implemented"),
+        ('{"method": "ngram", "model": "/m", "num_speculative_tokens": 2}', 'needs method "draft_model"'),
         ('{"num_speculative_tokens": 2, "lookahead": 1}', "unknown keys"),
         ('{"num_speculative_tokens": 0}', "num_speculative_tokens must be"),
         ('{"num_speculative_tokens": "2"}', "must be an integer"),
