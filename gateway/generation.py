@@ -1,9 +1,10 @@
-"""One generation run: an HTTP request's backend streams merged into one ordered sequence of
-events (detokenized, stop strings applied, bounded per client), written out as SSE or one JSON
-body. gateway/app.py owns the HTTP side; gateway/formats.py the endpoint's response shapes.
+"""One generation run: an HTTP request's backend stream (gateway/output_stream.py, its outputs in
+token order) read into one sequence of events (detokenized, stop strings applied, bounded per
+client), written out as SSE or one JSON body. gateway/app.py owns the HTTP side;
+gateway/formats.py the endpoint's response shapes.
 
-n = 1 is one backend stream. n > 1, best_of and beam search are one backend stream too (one
-prefill, the KV shared by the choices on the worker) whose outputs carry their choice's index.
+Every request is one backend stream: n > 1, best_of and beam search too (one prefill, the KV
+shared by the choices on the worker), whose outputs carry their choice's index.
 A stop string that ends one choice of a group ends it here and asks the worker to stop that
 member alone (Backend.stop_choice); the whole request is aborted upstream once every choice has
 ended."""
@@ -11,11 +12,11 @@ ended."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -26,15 +27,18 @@ from pdserve.gateway.backend import BackendUnavailable
 from pdserve.gateway.detokenizer import IncrementalDetokenizer
 from pdserve.gateway.errors import error_response
 from pdserve.gateway.formats import FORMATS
+from pdserve.gateway.output_stream import OutputStream
 from pdserve.gateway.schemas import ParsedRequest
 from pdserve.gateway.stop_strings import StopMatcher
 from pdserve.gateway.tools.stream import ToolCallStream, message_calls
 from pdserve.protocol.messages import TokenLogprob, TokenOutput
-from pdserve.protocol.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from pdserve.gateway.app import GatewayApp
     from pdserve.gateway.rate_limits import Admission
+
+
+_TAKEN = object()  # GenerationRun._pending once the output `start` took is handed on
 
 
 @dataclass
@@ -59,12 +63,11 @@ class Choice:
         return "tool_calls" if called and self.finish_reason == "stop" else self.finish_reason
 
 
-class StreamCut(Exception):
-    """A stream ended by the gateway because its client read too slowly."""
+Event = tuple[Choice, str, list, str | None]  # (choice, text delta, logprob entries, finish_reason)
 
 
 class GenerationRun:
-    """One HTTP request: n backend streams merged into one sequence of events."""
+    """One HTTP request: its backend stream read into one sequence of events."""
 
     def __init__(
         self,
@@ -86,133 +89,115 @@ class GenerationRun:
             traceparent,
             attributes={"pdserve.request_id": base_id, "pdserve.prompt_tokens": len(prompt), "pdserve.n": req.n},
         )
-        token = tracing.current_traceparent.set(self.span.traceparent if self.span else None)
-        priority_token = request_priority.set(priority)
         self.created = int(time.time())
+        self._chunk_head: str | None = None  # an SSE chunk's text before its choices (`_chunk`)
         self.fmt = FORMATS[req.kind](app._token_text)  # the endpoint's response shapes
-        self.queue: asyncio.Queue = asyncio.Queue()
         self.choices = [
-            Choice(
-                i,
-                f"{base_id}-{i}" if req.n > 1 and not req.is_group else base_id,
-                IncrementalDetokenizer(app.tokenizer),
-                StopMatcher(req.stop),
-            )
-            for i in range(req.n)
+            Choice(i, base_id, IncrementalDetokenizer(app.text_decoder), StopMatcher(req.stop)) for i in range(req.n)
         ]
         if req.tools is not None and req.tools.parsed and app.tool_parser is not None:
             for c in self.choices:
                 c.tools = ToolCallStream(app.tool_parser)
-        if req.is_group:  # one backend stream for all the choices
-            self.tasks = [asyncio.create_task(self._pump(self.choices, app._sampling(req, max_tokens, 0)))]
-        else:
-            self.tasks = [
-                asyncio.create_task(self._pump([c], app._sampling(req, max_tokens, c.index))) for c in self.choices
-            ]
-        tracing.current_traceparent.reset(token)  # (the tasks took a copy of the context)
-        request_priority.reset(priority_token)
-        self.open = req.n
-
-    async def _pump(self, choices: list[Choice], sampling: SamplingParams) -> None:
-        """One backend stream's outputs onto the queue, each with its choice (by `seq_index`)."""
+        self.unfinished = req.n  # choices without a finish_reason yet
+        self._pending: object = _TAKEN  # the output `start` took, until the events read it
+        # one backend stream for every choice (n > 1 is a group: its outputs carry their choice)
+        self.stream = OutputStream(app.limits.max_stream_buffer, on_cut=lambda: app.stream_cut("buffer_full"))
+        token = tracing.current_traceparent.set(self.span.traceparent if self.span else None)
+        priority_token = request_priority.set(priority)
         try:
-            gen = self.app.backend.generate(choices[0].request_id, self.prompt, sampling)
-            async with contextlib.aclosing(gen):
-                async for out in gen:  # the backend ends its stream after the request's end
-                    if self.queue.qsize() >= self.app.limits.max_stream_buffer:
-                        # the client reads slower than tokens come: abort upstream (closing gen)
-                        self.app.stream_cut("buffer_full")
-                        cut = StreamCut(
-                            f"stream cut: the client read too slowly ({self.queue.qsize()} outputs waiting)"
-                        )
-                        for c in choices:
-                            self.queue.put_nowait((c, cut))
-                        break
-                    if out.error is not None or out.finish_reason == "abort":  # the whole request
-                        for c in choices:
-                            self.queue.put_nowait((c, out))
-                    elif 0 <= out.seq_index < len(choices):
-                        self.queue.put_nowait((choices[out.seq_index], out))
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # BackendUnavailable or a backend failure: becomes an event
-            for c in choices:
-                self.queue.put_nowait((c, e))
+            app.backend.open(base_id, prompt, app._sampling(req, max_tokens, 0), self.stream)
         finally:
-            for c in choices:
-                self.queue.put_nowait((c, None))
+            tracing.current_traceparent.reset(token)  # (the backend's tasks took a copy of the context)
+            request_priority.reset(priority_token)
 
-    async def start(self):
-        """Wait for the first event so capacity errors can still be a 503 status."""
-        choice, item = await self.queue.get()
-        if isinstance(item, BackendUnavailable):  # refused before any token: a status code
+    async def start(self) -> Response | TokenOutput | Exception | None:
+        """Wait for the first output so capacity errors can still be a 503 status."""
+        try:
+            return await self.stream.get()
+        except BackendUnavailable as e:  # refused before any token: a status code
             await self.cancel()
-            self.app.metrics.http_errors.labels(status=str(item.status)).inc()
-            if item.status == 400:  # it can never fit: the client's to change, not to retry
-                return error_response(400, str(item), code=item.code)
+            self.app.metrics.http_errors.labels(status=str(e.status)).inc()
+            if e.status == 400:  # it can never fit: the client's to change, not to retry
+                return error_response(400, str(e), code=e.code)
             return error_response(
-                item.status,
-                str(item),
+                e.status,
+                str(e),
                 type_="server_error",
-                code=item.code,
-                headers={"Retry-After": str(max(1, round(item.retry_after_s)))},
+                code=e.code,
+                headers={"Retry-After": str(max(1, round(e.retry_after_s)))},
             )
-        return choice, item
+        except Exception as e:  # a backend failure: an error event
+            return e
 
     def _remaining(self) -> float | None:
         timeout = self.app.limits.request_timeout_s
         return None if timeout is None else max(0.0, self.arrival + timeout - time.monotonic())
 
     async def cancel(self) -> None:
-        for t in self.tasks:
-            t.cancel()
+        self.stream.close()  # aborts the request upstream unless it has ended
         if self.span is not None:  # the run is over: its trace's root span ends
             self.span.set("pdserve.output_tokens", sum(c.num_tokens for c in self.choices))
             self.span.set("pdserve.finish_reasons", ",".join(str(c.finish_reason) for c in self.choices))
             self.span.end()
             self.span = None
-        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await self.stream.aclose()  # the backend has stopped: its aborts are sent
 
-    async def events(self, first):
+    async def events(self, first: TokenOutput | Exception | None) -> AsyncIterator[Event]:
         """Yields (choice, text delta, logprob entries, finish_reason) until all choices end."""
-        pending = first
-        while self.open:
-            if pending is None:
-                try:
-                    pending = await asyncio.wait_for(self.queue.get(), self._remaining())
-                except asyncio.TimeoutError:  # --request-timeout: abort upstream, end every choice
-                    await self.cancel()
-                    for c in self.choices:
-                        if c.finish_reason is None:
-                            c.finish_reason, c.error = "error", "request timed out (--request-timeout)"
-                            c.timed_out = True
-                            yield c, "", [], "error"
-                    return
-            choice, item = pending
-            pending = None
-            if item is None:
-                self.open -= 1
-                if choice.finish_reason is None:  # stream ended without a finish
-                    choice.finish_reason, choice.error = "error", choice.error or "backend stream ended"
-                    yield choice, "", [], "error"
-                continue
-            if choice.finish_reason is not None:
-                continue
-            if isinstance(item, Exception):
-                choice.finish_reason, choice.error = "error", str(item) or type(item).__name__
-                yield choice, "", [], "error"
-                continue
+        self._pending = first
+        while (batch := await self._next_events()) is not None:
+            for event in batch:
+                yield event
+
+    async def _next_events(self) -> list[Event] | None:
+        """The events of the stream's next output (maybe none); None once every choice has ended."""
+        if not self.unfinished:
+            return None
+        item: TokenOutput | Exception | None
+        if self._pending is not _TAKEN:  # the output `start` took
+            item, self._pending = cast("TokenOutput | Exception | None", self._pending), _TAKEN
+        else:
+            try:
+                item = await self.stream.get(self._remaining())
+            except TimeoutError:  # --request-timeout: abort upstream, end every choice
+                await self.cancel()
+                for c in self.choices:
+                    c.timed_out = c.finish_reason is None
+                return self._end_all("request timed out (--request-timeout)")
+            except Exception as e:  # a cut, or a backend failure: ends every choice
+                item = e
+        if item is None:
+            return self._end_all("backend stream ended")
+        if isinstance(item, Exception):
+            return self._end_all(str(item) or type(item).__name__)
+        if item.error is not None or item.finish_reason == "abort":  # the whole request
+            targets = [c for c in self.choices if c.finish_reason is None]
+        elif 0 <= item.seq_index < len(self.choices) and self.choices[item.seq_index].finish_reason is None:
+            targets = [self.choices[item.seq_index]]
+        else:
+            return []
+        events = []
+        for choice in targets:
             delta, lps, reason = self._apply(choice, item)
             if reason == "stop" and choice.stop.stops and item.finish_reason is None:
                 # stop string: abort the rest upstream (a group's once every choice has ended)
-                if not self.req.is_group:
-                    self.tasks[choice.index].cancel()
-                elif all(c.finish_reason is not None for c in self.choices):
-                    self.tasks[0].cancel()
+                if not self.unfinished:
+                    self.stream.close()
                 else:  # the worker stops this member alone
-                    self.app.backend.stop_choice(self.choices[0].request_id, choice.index)
+                    self.app.backend.stop_choice(self.base_id, choice.index)
             if delta or lps or reason:
-                yield choice, delta, lps, reason
+                events.append((choice, delta, lps, reason))
+        return events
+
+    def _end_all(self, error: str) -> list[Event]:
+        """Every choice still open ends with `error`."""
+        events: list[Event] = []
+        for c in self.choices:
+            if c.finish_reason is None:
+                c.finish_reason, c.error = "error", error
+                events.append((c, "", [], "error"))
+        self.unfinished = 0
+        return events
 
     def _apply(self, choice: Choice, out: TokenOutput):
         now = time.monotonic()
@@ -221,6 +206,7 @@ class GenerationRun:
         choice.cached_tokens = max(choice.cached_tokens, out.cached_tokens)
         if out.error is not None:
             choice.finish_reason, choice.error = "error", out.error
+            self.unfinished -= 1
             return "", [], "error"
         pieces, lps = [], []
         hit = False
@@ -250,6 +236,7 @@ class GenerationRun:
 
     def _finish(self, choice: Choice, reason: str, now: float) -> None:
         choice.finish_reason = reason
+        self.unfinished -= 1
         m = self.app.metrics
         m.finished.labels(finish_reason=reason).inc()
         m.e2e.observe(now - self.arrival)
@@ -282,9 +269,12 @@ class GenerationRun:
             "created": self.created,
             "model": self.app.model_name,
             "choices": choices,
-            **extra,
         }
-        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+        if extra:
+            return f"data: {json.dumps(obj | extra, ensure_ascii=False)}\n\n"
+        if self._chunk_head is None:  # the same for every chunk: encoded once
+            self._chunk_head = "data: " + json.dumps(obj | {"choices": None}, ensure_ascii=False)[: -len("null}")]
+        return f"{self._chunk_head}{json.dumps(choices, ensure_ascii=False)}}}\n\n"
 
     async def sse(self, first):
         want_lp = self.req.logprobs is not None
@@ -293,38 +283,50 @@ class GenerationRun:
             opening = self.fmt.opening_chunks([c.index for c in self.choices])
             if opening:
                 yield self._chunk(opening)
-            async for choice, delta, lps, reason in self.events(first):
-                if reason == "error":
-                    err = {
-                        "message": choice.error or "generation failed",
-                        "type": "server_error",
-                        "param": None,
-                        "code": "generation_failed",
-                    }
-                    yield f"data: {json.dumps({'error': err})}\n\n"
-                    continue
-                lp = self.fmt.logprobs(lps, text_pos[choice.index]) if want_lp else None
-                text_pos[choice.index] += len(delta)
-                calls = []
-                if choice.tools is not None:  # markup withheld, calls sent as tool-call deltas
-                    delta, calls = choice.tools.feed(delta, final=reason is not None)
-                    reason = choice.answer_reason(choice.tools.has_calls) if reason is not None else None
-                    if not (delta or calls or lps or reason):
-                        continue
-                # OpenAI's shape: the content (and logprobs) first, then one chunk per tool-call entry
-                items = [(delta, lp, ())] if (delta or lp is not None or not calls) else []
-                items += [("", None, (entry,)) for entry in calls]
-                last = reason is not None and all(c.finish_reason is not None for c in self.choices)
-                for k, (text, item_lp, entries) in enumerate(items):
-                    final_item = k == len(items) - 1
-                    item = self.fmt.stream_item(choice.index, text, item_lp, reason if final_item else None, entries)
-                    timed = final_item and last and not self.req.include_usage
-                    yield self._chunk([item], **({"pdserve_timings": self._timings()} if timed else {}))
+            self._pending = first
+            while (batch := await self._next_events()) is not None:
+                for choice, delta, lps, reason in batch:
+                    for chunk in self._sse_chunks(choice, delta, lps, reason, want_lp, text_pos):
+                        yield chunk
             if self.req.include_usage:
                 yield self._chunk([], usage=self._usage(), pdserve_timings=self._timings())
             yield "data: [DONE]\n\n"
         finally:
             await self.close()
+
+    def _sse_chunks(
+        self, choice: Choice, delta: str, lps: list, reason: str | None, want_lp: bool, text_pos: list[int]
+    ) -> list[str]:
+        """One event's SSE chunks."""
+        if reason == "error":
+            err = {
+                "message": choice.error or "generation failed",
+                "type": "server_error",
+                "param": None,
+                "code": "generation_failed",
+            }
+            return [f"data: {json.dumps({'error': err})}\n\n"]
+        lp = self.fmt.logprobs(lps, text_pos[choice.index]) if want_lp else None
+        text_pos[choice.index] += len(delta)
+        calls: list[dict] = []
+        if choice.tools is not None:  # markup withheld, calls sent as tool-call deltas
+            delta, calls = choice.tools.feed(delta, final=reason is not None)
+            reason = choice.answer_reason(choice.tools.has_calls) if reason is not None else None
+            if not (delta or calls or lps or reason):
+                return []
+        # OpenAI's shape: the content (and logprobs) first, then one chunk per tool-call entry
+        items: list[tuple[str, dict | None, tuple]] = (
+            [(delta, lp, ())] if (delta or lp is not None or not calls) else []
+        )
+        items += [("", None, (entry,)) for entry in calls]
+        last = reason is not None and not self.unfinished
+        chunks = []
+        for k, (text, item_lp, entries) in enumerate(items):
+            final_item = k == len(items) - 1
+            item = self.fmt.stream_item(choice.index, text, item_lp, reason if final_item else None, entries)
+            timed = final_item and last and not self.req.include_usage
+            chunks.append(self._chunk([item], **({"pdserve_timings": self._timings()} if timed else {})))
+        return chunks
 
     async def close(self) -> None:
         """The end of a streamed run, however it came (idempotent): client gone or done."""

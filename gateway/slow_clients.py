@@ -4,7 +4,7 @@ and blocks no one (asyncio: every connection is its own set of callbacks).
 - Reading too slowly: at most `GatewayLimits.max_stream_buffer` outputs wait in the gateway for
   a stream's client (the HTTP writer blocks on TCP flow control and stops draining them); past it
   the request is aborted upstream, so its KV blocks come back at once, and the client gets an
-  error event if it ever reads again (gateway/generation.py `GenerationRun._pump`).
+  error event if it ever reads again (gateway/output_stream.py `OutputStream.push`).
 - Not reading at all: a connection whose writes stay paused on flow control (or whose last
   bytes stay unsent) for `stream_write_timeout_s` is aborted (`SlowClientProtocol`). The request
   then ends as for any client gone: the stream's cleanup closes its backend streams, which
