@@ -41,6 +41,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_group(proc: subprocess.Popen, term_timeout_s: float = 20) -> None:
+    """Stop a process started with start_new_session=True and everything in its group: SIGTERM
+    (a graceful stop) and up to `term_timeout_s` for it, then SIGCONT and SIGKILL to the group
+    (a stopped process dies of nothing else)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=term_timeout_s)
+    for sig in (signal.SIGCONT, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, sig)
+    proc.wait(timeout=10)
+
+
 @contextlib.contextmanager
 def running_server(
     model: Path, *extra: str, timeout_s: float = 180.0, env: dict[str, str] | None = None
@@ -77,12 +91,4 @@ def running_server(
             time.sleep(0.25)
         yield base
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                pass
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # anything left in the group
-        proc.wait(timeout=10)
+        stop_group(proc)

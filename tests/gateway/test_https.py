@@ -4,9 +4,7 @@ plain HTTP on that port, and a half-given or broken pair fails at start."""
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
 import ssl
 import subprocess
 import sys
@@ -16,7 +14,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from tests.e2e.cluster import free_port
+from tests.e2e.cluster import free_port, stop_group
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
 
@@ -36,20 +34,6 @@ def _serve(model, port: int, *tls: str) -> subprocess.Popen:
     argv = [sys.executable, "-m", "pdserve.cli", "serve", "--model", str(model), "--port", str(port)]
     argv += ["--colocated", "--dtype", "float32", "--num-blocks", "64", "--max-model-len", "256", *tls]
     return subprocess.Popen(argv, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(timeout=10)
 
 
 def test_serve_speaks_https_with_the_given_certificate(tiny_llama, tmp_path):
@@ -82,7 +66,7 @@ def test_serve_speaks_https_with_the_given_certificate(tiny_llama, tmp_path):
         with pytest.raises(httpx.ConnectError):  # and a client that cannot verify the certificate stops
             httpx.get(f"{base}/health", timeout=5)
     finally:
-        _stop(proc)
+        stop_group(proc)
 
 
 def test_a_half_given_or_broken_pair_fails_at_start(tiny_llama, tmp_path):
@@ -94,5 +78,5 @@ def test_a_half_given_or_broken_pair_fails_at_start(tiny_llama, tmp_path):
         try:
             out, _ = proc.communicate(timeout=60)
         finally:
-            _stop(proc)
+            stop_group(proc)
         assert proc.returncode != 0 and b"--ssl-certfile" in out

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.e2e.cluster import all_workers_joined, free_port
+from tests.e2e.cluster import all_workers_joined, free_port, stop_group
 from tests.reliability.ledger import node_gauges
 
 
@@ -60,18 +60,7 @@ def served(model: Path, *extra: str, timeout_s: float = 180.0, env: dict[str, st
             time.sleep(0.25)
         yield Served(proc, base)
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                pass
-        # SIGCONT first: a stopped worker cannot die of anything but SIGKILL, but be thorough
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGCONT)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
+        stop_group(proc)
 
 
 def health_status(base: str) -> int | None:
