@@ -370,7 +370,7 @@ class LLMEngine:
                 [s.sampling for s in drawn],
                 [s.prompt_token_ids for s in drawn],
                 [s.output_token_ids for s in drawn],
-                mask=partial(constrain, grammars=grammars) if any(grammars) else None,
+                mask=partial(constrain, grammars=grammars, stats=self.grammars.mask_stats) if any(grammars) else None,
             )
             results += self._accept(list(zip(drawn, out.token_ids, out.logprobs, strict=True)))
         for group_rows in beams.values():
@@ -406,7 +406,11 @@ class LLMEngine:
             if targets is not None:
                 token, logprob = targets[j], None
             else:
-                mask = None if seq.grammar is None else partial(constrain, grammars=[seq.grammar])
+                mask = (
+                    None
+                    if seq.grammar is None
+                    else partial(constrain, grammars=[seq.grammar], stats=self.grammars.mask_stats)
+                )
                 out = self.runner.sampler(rows[j : j + 1], [sp], [seq.prompt_token_ids], [seq.output_token_ids], mask)
                 token, logprob = out.token_ids[0], out.logprobs[0]
             reason = self._append_token(seq, token, logprob)
@@ -445,7 +449,11 @@ class LLMEngine:
             k = group.sampling.num_seqs
             params = [member_sampling(group.sampling, i) for i in range(k)]
             # every member's first token obeys the root's constraint
-            mask = None if root.grammar is None else partial(constrain, grammars=[root.grammar] * k)
+            mask = (
+                None
+                if root.grammar is None
+                else partial(constrain, grammars=[root.grammar] * k, stats=self.grammars.mask_stats)
+            )
             out = self.runner.sampler(row.expand(k, -1), params, [root.prompt_token_ids] * k, [[]] * k, mask)
             fork = [lp or TokenLogprob(t, 0.0, [], []) for t, lp in zip(out.token_ids, out.logprobs, strict=True)]
         self._finish(root, PREFILLED)

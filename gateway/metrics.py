@@ -67,6 +67,15 @@ class _WorkerCollector:
             "prefix_hit_tokens": CounterMetricFamily(
                 "pdserve_prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed)", labels=["node"]
             ),
+            # constrained decoding (engine/structured/): the workers' masking cost
+            "structured_mask_rows": CounterMetricFamily(
+                "pdserve_structured_mask_rows", "Logit rows masked by their grammar", labels=["node"]
+            ),
+            "structured_mask_seconds": CounterMetricFamily(
+                "pdserve_structured_mask_seconds",
+                "Seconds spent filling and applying grammar masks (divide by rows: the cost of one)",
+                labels=["node"],
+            ),
             # speculative decoding (engine/spec/), vLLM's counter names
             "spec_num_drafts": CounterMetricFamily(
                 "pdserve_spec_decode_num_drafts", "Verification steps of speculating sequences", labels=["node"]

@@ -83,6 +83,9 @@ class WorkerStats(msgspec.Struct, frozen=True):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = msgspec.field(default_factory=list)
+    # constrained decoding (engine/structured/, totals): rows masked, seconds filling + applying masks
+    structured_mask_rows: int = 0
+    structured_mask_seconds: float = 0.0
 
 
 class WorkerInfo(msgspec.Struct, frozen=True):

@@ -8,8 +8,10 @@ synchronously at add_request (no compile thread); the cache keeps one pristine m
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import llguidance
@@ -61,6 +63,7 @@ class GrammarCache:
         self.max_entries = max_entries
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._cache: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
+        self.mask_stats = MaskStats()  # the engine's masking cost (constrain(..., stats=))
 
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:
         if self._tokenizer is None:
@@ -88,11 +91,28 @@ class GrammarCache:
         return Grammar(start.deep_copy())
 
 
-def constrain(logits: torch.Tensor, grammars: Sequence[Grammar | None]) -> None:
+@dataclass
+class MaskStats:
+    """What masking cost this engine (totals): rows masked, and the seconds spent filling and
+    applying their bitmasks; shipped in heartbeats (`WorkerStats.structured_mask_*`)."""
+
+    rows: int = 0
+    seconds: float = 0.0
+
+
+def constrain(logits: torch.Tensor, grammars: Sequence[Grammar | None], stats: MaskStats | None = None) -> None:
     """logits [R, V] in place: each constrained row keeps only the tokens its grammar allows."""
     rows = [i for i, g in enumerate(grammars) if g is not None]
     if not rows:
         return
+    t0 = time.perf_counter()
+    _mask_rows(logits, grammars, rows)
+    if stats is not None:
+        stats.rows += len(rows)
+        stats.seconds += time.perf_counter() - t0
+
+
+def _mask_rows(logits: torch.Tensor, grammars: Sequence[Grammar | None], rows: list[int]) -> None:
     mask = allocate_bitmask(len(rows), logits.shape[1])  # [C, ceil(V / 32)]
     for r, i in enumerate(rows):
         grammar = grammars[i]

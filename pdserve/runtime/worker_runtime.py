@@ -120,6 +120,8 @@ def engine_stats(
         seq_limit=sch.max_num_seqs,
         last_step_age_s=time.monotonic() - last_progress if engine.has_work() else 0.0,
         dropped_frames=dropped_frames,
+        structured_mask_rows=engine.grammars.mask_stats.rows,
+        structured_mask_seconds=engine.grammars.mask_stats.seconds,
         **lease_stats,
     )
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
+import httpx
 import jsonschema
 import pytest
 from openai import BadRequestError, OpenAI
@@ -58,3 +60,18 @@ def test_json_schema_outputs_validate(tiny_llama, mode):
         assert r3.choices[0].text in ("yes", "no")
         with pytest.raises(BadRequestError, match="guided_regex"):
             client.completions.create(model=model, prompt="x", extra_body={"guided_regex": "[a-"})
+        # what the masks cost, per worker, in the gateway's /metrics (from heartbeats: polled)
+        deadline = time.monotonic() + 5
+        while True:
+            text = httpx.get(f"{base}/metrics", timeout=5).text
+            rows = sum(_samples(text, "pdserve_structured_mask_rows_total"))
+            if rows > 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert rows >= 3 * 2 * 3 and sum(_samples(text, "pdserve_structured_mask_seconds_total")) > 0
+        assert sum(_samples(text, 'pdserve_structured_requests_total{kind="json_schema"}')) == 6
+
+
+def _samples(metrics: str, prefix: str) -> list[float]:
+    """The values of a metric's samples whose line starts with `prefix`."""
+    return [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith(prefix)]
