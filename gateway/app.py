@@ -42,7 +42,7 @@ from pdserve.gateway.openapi import openapi_endpoint
 from pdserve.gateway.rate_limits import Admission, RateLimited, RequestOverLimit, TenantGate
 from pdserve.gateway.schemas import ParsedRequest, RequestKind, parse_request
 from pdserve.gateway.tenants import TenantDirectory
-from pdserve.gateway.text_decoder import text_decoder
+from pdserve.gateway.text_decoder import special_markers, text_decoder
 from pdserve.gateway.tools.parser import ToolParser
 from pdserve.gateway.tools.registry import tool_parser
 from pdserve.protocol.join import JOIN_PATH, JoinRefused
@@ -108,6 +108,7 @@ class GatewayApp:
     ) -> None:
         self.backend = backend
         self.tool_parser = tool_parser  # --tool-call-parser's (gateway/tools/)
+        self.tool_markers = special_markers(tokenizer, tool_parser.markers if tool_parser else ())
         self.tenants = tenants
         self.tokenizer = tokenizer
         self.text_decoder = text_decoder(tokenizer)  # the detokenizers' decode (gateway/text_decoder.py)

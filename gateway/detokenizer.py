@@ -11,15 +11,30 @@ _REPLACEMENT = "\ufffd"
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, skip_special_tokens: bool = True) -> None:
+    """`keep`: special token ids to keep as their text though special tokens are skipped (a
+    tool-call format's markers, e.g. Mistral's `[TOOL_CALLS]`: gateway/tools/)."""
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True, keep: dict[int, str] | None = None) -> None:
         self.tokenizer = tokenizer
         self.skip_special = skip_special_tokens
+        self.keep = keep or {}
         self.ids: list[int] = []
         self.prefix_offset = 0  # window start
         self.read_offset = 0  # tokens before this are already emitted
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
+        if not self.keep or not any(i in self.keep for i in ids):
+            return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
+        out: list[str] = []  # the runs between kept markers decoded as usual, the markers as their text
+        run: list[int] = []
+        for i in ids:
+            if i in self.keep:
+                out += [self.tokenizer.decode(run, skip_special_tokens=self.skip_special), self.keep[i]]
+                run = []
+            else:
+                run.append(i)
+        out.append(self.tokenizer.decode(run, skip_special_tokens=self.skip_special))
+        return "".join(out)
 
     def add(self, token_id: int) -> str:
         self.ids.append(token_id)

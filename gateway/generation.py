@@ -92,10 +92,14 @@ class GenerationRun:
         self.created = int(time.time())
         self._chunk_head: str | None = None  # an SSE chunk's text before its choices (`_chunk`)
         self.fmt = FORMATS[req.kind](app._token_text)  # the endpoint's response shapes
+        reads_calls = req.tools is not None and req.tools.parsed and app.tool_parser is not None
+        keep = app.tool_markers if reads_calls else None  # a format's special-token markers stay text
         self.choices = [
-            Choice(i, base_id, IncrementalDetokenizer(app.text_decoder), StopMatcher(req.stop)) for i in range(req.n)
+            Choice(i, base_id, IncrementalDetokenizer(app.text_decoder, keep=keep), StopMatcher(req.stop))
+            for i in range(req.n)
         ]
-        if req.tools is not None and req.tools.parsed and app.tool_parser is not None:
+        if reads_calls:
+            assert app.tool_parser is not None
             for c in self.choices:
                 c.tools = ToolCallStream(app.tool_parser)
         self.unfinished = req.n  # choices without a finish_reason yet

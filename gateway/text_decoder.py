@@ -28,3 +28,18 @@ def text_decoder(tokenizer: Any) -> Any:
     if getattr(tokenizer, "clean_up_tokenization_spaces", True):  # transformers may clean the text up
         return tokenizer
     return _BackendDecode(backend)
+
+
+def special_markers(tokenizer: Any, markers: tuple[str, ...]) -> dict[int, str]:
+    """id -> text of each of `markers` the tokenizer holds as one special token (which decoding
+    with skip_special_tokens would drop); markers it spells as ordinary text need nothing."""
+    special = set(getattr(tokenizer, "all_special_ids", ()))
+    added = {t.content: i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special}
+    out = {}
+    for m in markers:
+        i = added.get(m)
+        if i is None and m in getattr(tokenizer, "all_special_tokens", ()):
+            i = tokenizer.convert_tokens_to_ids(m)
+        if i is not None and (i in special or m in added):
+            out[i] = m
+    return out

@@ -13,6 +13,7 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 class HermesParser(ToolParser):
     name = "hermes"
+    markers = (OPEN, CLOSE)
 
     def find_start(self, text: str, pos: int) -> int | None:
         i = text.find(OPEN, pos)

@@ -14,6 +14,7 @@ ARGS_KEYS = ("parameters", "arguments")
 
 class Llama3JsonParser(ToolParser):
     name = "llama3_json"
+    markers = (PYTHON_TAG,)
 
     def find_start(self, text: str, pos: int) -> int | None:
         i = text.find(PYTHON_TAG, pos)

@@ -13,6 +13,7 @@ MARKER = "[TOOL_CALLS]"
 
 class MistralParser(ToolParser):
     name = "mistral"
+    markers = (MARKER,)
 
     def find_start(self, text: str, pos: int) -> int | None:
         i = text.find(MARKER, pos)

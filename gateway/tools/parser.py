@@ -41,6 +41,9 @@ class Region:
 
 class ToolParser(ABC):
     name: ClassVar[str]  # --tool-call-parser's value (vLLM's names)
+    # the format's markers: where a tokenizer holds one as a special token, the detokenizer keeps
+    # it in the text of a request with tools (gateway/detokenizer.py), so `auto` can see it
+    markers: ClassVar[tuple[str, ...]] = ()
 
     @abstractmethod
     def find_start(self, text: str, pos: int) -> int | None:

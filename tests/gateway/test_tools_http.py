@@ -234,3 +234,26 @@ def test_constrained_requests_are_counted_by_kind(tokenizer):
     assert 'pdserve_structured_requests_total{kind="tool_call"} 1.0' in text
     assert 'pdserve_structured_requests_total{kind="json_object"} 1.0' in text
     assert "pdserve_structured_compile_seconds_count 2.0" in text
+
+
+def test_a_marker_the_tokenizer_holds_as_a_special_token_is_seen_by_auto(tokenizer):
+    """Mistral's `[TOOL_CALLS]` is one special token in its tokenizer: decoding skips special
+    tokens, so the detokenizer keeps the parser's markers (and only them) for requests with tools."""
+    import copy
+
+    from pdserve.gateway.text_decoder import special_markers
+
+    tok = copy.deepcopy(tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]", "[OTHER]"]})
+    script = 'Sure.[OTHER][TOOL_CALLS][{"name": "get_time", "arguments": {}}]'
+    (marker,) = special_markers(tok, ("[TOOL_CALLS]",))
+    assert marker in tok.encode(script, add_special_tokens=False)  # one special token in the output
+    c, _ = client(tok, script=script, parser="mistral")
+    r = c.chat.completions.create(model="m", messages=ASK, tools=TOOLS)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Sure."  # [OTHER] skipped
+    assert [t.function.name for t in choice.message.tool_calls or []] == ["get_time"]
+    content, calls, finish, _ = streamed(c, messages=ASK, tools=TOOLS)
+    assert (content, [t["name"] for t in calls], finish) == ("Sure.", ["get_time"], "tool_calls")
+    plain = c.chat.completions.create(model="m", messages=ASK)  # no tools: special tokens skipped as ever
+    assert plain.choices[0].message.content == 'Sure.[{"name": "get_time", "arguments": {}}]'
