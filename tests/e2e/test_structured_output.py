@@ -75,3 +75,31 @@ def test_json_schema_outputs_validate(tiny_llama, mode):
 def _samples(metrics: str, prefix: str) -> list[float]:
     """The values of a metric's samples whose line starts with `prefix`."""
     return [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith(prefix)]
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_a_hundred_and_fifty_sampled_requests_all_validate(tiny_llama, mode):
+    """A random-weight model, so the grammar alone must guarantee it: 150 sampled json_schema
+    requests at once (nested objects, an array, an enum, bounds, additionalProperties false), each
+    through the server, every answer parses and validates."""
+    import concurrent.futures as cf
+
+    with running_server(tiny_llama, *MODES[mode]) as base:
+        body = {"model": "m", "messages": [{"role": "user", "content": "a stage"}], "response_format": FORMAT}
+        model = httpx.get(f"{base}/v1/models", timeout=5).json()["data"][0]["id"]
+
+        def one(seed: int) -> dict:
+            r = httpx.post(
+                f"{base}/v1/chat/completions",
+                json={**body, "model": model, "seed": seed, "temperature": 1.0, "max_tokens": 200},
+                timeout=300,
+            )
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]
+
+        with cf.ThreadPoolExecutor(16) as pool:
+            choices = list(pool.map(one, range(150)))
+        for c in choices:
+            assert c["finish_reason"] == "stop"
+            jsonschema.validate(json.loads(c["message"]["content"]), SCHEMA)
+        assert len({c["message"]["content"] for c in choices}) > 50  # sampled: they differ
