@@ -12,6 +12,7 @@ import torch
 
 from pdserve.engine.quantize import KEPT_GGUF_TYPES, from_gguf_blocks
 from pdserve.kernels import quant_gemm
+from tests.conftest import hf_greedy
 
 FP16_FIELDS = {  # byte offsets of a block's fp16 fields (d, dmin / m)
     "Q8_0": [0],
@@ -81,7 +82,8 @@ def k_quant_source(tmp_path_factory):
 def test_a_k_quant_file_is_served_from_its_blocks_as_its_dequantized_floats_are(k_quant_source, tmp_path, qtype):
     """--quantization auto (the default) keeps every linear's blocks (q4_k_m: Q4_K q/k with a
     Q6_K v, so the fused qkv runs as two formats) and generates what the file's dequantized float
-    weights generate (--quantization none; those equal HF on the same values: test_gguf.py)."""
+    weights generate (--quantization none), and what HF transformers generates on those very
+    values (the source folder with every weight replaced by the file's, dequantized): 0 tokens differ."""
     from pdserve.engine.gguf_writer import write_gguf
     from pdserve.engine.models.quantized_linear import QuantizedLinear
     from tests.engine.test_quantization import GREEDY, prompts_for, quant_engine
@@ -97,8 +99,33 @@ def test_a_k_quant_file_is_served_from_its_blocks_as_its_dequantized_floats_are(
     dense = sum(m.in_features * m.out_features * 4 for m in linears)
     assert sum(p.nbytes() for m in linears for p in m.parts) < dense / 2.5  # kept small in memory
     prompts = prompts_for(kept.model_config.vocab_size)
-    assert kept.generate(prompts, GREEDY) == quant_engine(file, "none").generate(prompts, GREEDY)
+    got = kept.generate(prompts, GREEDY)
+    assert got == quant_engine(file, "none").generate(prompts, GREEDY)
+    reference = _dequantized_hf_folder(k_quant_source, file, tmp_path / "hf")
+    want = [hf_greedy(str(reference), tuple(p), GREEDY.max_tokens) for p in prompts]
+    differing = sum(a != b for g, w in zip(got, want) for a, b in zip(g, w)) + sum(
+        abs(len(g) - len(w)) for g, w in zip(got, want)
+    )
+    assert differing == 0, f"{differing} of {sum(map(len, want))} tokens differ from HF"
     kept.pool.assert_all_free()
+
+
+def _dequantized_hf_folder(source, file, out):
+    """`source` (an HF folder) with every weight replaced by `file`'s, dequantized to fp32."""
+    from transformers import AutoModelForCausalLM
+
+    from pdserve.engine.config import ModelConfig
+    from pdserve.engine.gguf_weights import gguf_tensors
+
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    state = model.state_dict()
+    with torch.no_grad():
+        for name, tensor in gguf_tensors(file, ModelConfig.from_folder(file)):
+            state[name].copy_(tensor.dequantize())
+    model.save_pretrained(out)
+    for extra in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        (out / extra).write_bytes((source / extra).read_bytes())
+    return out
 
 
 def test_kept_linears_are_never_dequantized_at_load(k_quant_source, tmp_path, monkeypatch):
