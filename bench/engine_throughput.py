@@ -78,6 +78,26 @@ def attention_flops_per_prompt(mc, prompt_len: int) -> int:
     return 4 * mc.num_layers * mc.num_heads * mc.head_dim * prompt_len * (prompt_len + 1) // 2
 
 
+def sized_engine(model: str, max_batch: int, prompt_len: int, context: int, **config) -> LLMEngine:
+    """An engine with room for `max_batch` sequences of `prompt_len` / `context` tokens, no
+    prefix cache (each run computes every token); `config`: other EngineConfig fields."""
+    return LLMEngine(
+        EngineConfig(
+            model=model,
+            cache=CacheConfig(
+                num_blocks=max_batch * (max(prompt_len, context) + 96) // 16 + 64, enable_prefix_caching=False
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_batch,
+                max_num_batched_tokens=max(prompt_len, max_batch * context),
+                max_model_len=max(prompt_len, context) + 64,
+            ),
+            **config,
+        ),
+        show_progress=False,
+    )
+
+
 def _cpu_ceilings() -> tuple[float, float, float]:
     """This machine's matmul FLOP/s, memcpy B/s and read B/s, measured now."""
     return measure_matmul_gflops() * 1e9, measure_memcpy_gbps() * 1e9, measure_read_gbps() * 1e9

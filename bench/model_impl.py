@@ -12,31 +12,15 @@ from pathlib import Path
 
 import torch
 
-from pdserve.bench.engine_throughput import bench_decode, bench_prefill
+from pdserve.bench.engine_throughput import bench_decode, bench_prefill, sized_engine
 from pdserve.cli.engine_args import resolve_model
-from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.llm_engine import LLMEngine
 
 IMPLS = ("native", "transformers")
 
 
 def make_engine(model: str, impl: str, dtype: str, max_batch: int, prompt_len: int, context: int) -> LLMEngine:
-    return LLMEngine(
-        EngineConfig(
-            model=model,
-            dtype=dtype,
-            model_impl=impl,
-            cache=CacheConfig(
-                num_blocks=max_batch * (max(prompt_len, context) + 96) // 16 + 64, enable_prefix_caching=False
-            ),
-            scheduler=SchedulerConfig(
-                max_num_seqs=max_batch,
-                max_num_batched_tokens=max(prompt_len, max_batch * context),
-                max_model_len=max(prompt_len, context) + 64,
-            ),
-        ),
-        show_progress=False,
-    )
+    return sized_engine(model, max_batch, prompt_len, context, dtype=dtype, model_impl=impl)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,10 +23,9 @@ from pathlib import Path
 
 import torch
 
-from pdserve.bench.engine_throughput import bench_decode, bench_prefill
+from pdserve.bench.engine_throughput import bench_decode, bench_prefill, sized_engine
 from pdserve.bench.model_impl import _cpu_name
 from pdserve.cli.engine_args import resolve_model
-from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.parallel.group import TensorParallelGroup, host_store, join_store
 from pdserve.engine.parallel.shard import TensorParallelShard
@@ -35,22 +34,7 @@ ALLREDUCE_ITERS = 2000
 
 
 def make_engine(model: str, tp: int, max_batch: int, prompt_len: int, context: int) -> LLMEngine:
-    return LLMEngine(
-        EngineConfig(
-            model=model,
-            dtype="float32",
-            tensor_parallel_size=tp,
-            cache=CacheConfig(
-                num_blocks=max_batch * (max(prompt_len, context) + 96) // 16 + 64, enable_prefix_caching=False
-            ),
-            scheduler=SchedulerConfig(
-                max_num_seqs=max_batch,
-                max_num_batched_tokens=max(prompt_len, max_batch * context),
-                max_model_len=max(prompt_len, context) + 64,
-            ),
-        ),
-        show_progress=False,
-    )
+    return sized_engine(model, max_batch, prompt_len, context, dtype="float32", tensor_parallel_size=tp)
 
 
 def real_shape_model(folder: Path) -> str:
