@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.models.llama import LlamaForCausalLM
 from pdserve.engine.parallel.shard import TensorParallelShard
@@ -167,3 +167,31 @@ def test_cli_flag_reaches_colocated_and_is_refused_on_the_pools(tiny_llama):
     for role in ("prefill", "decode"):
         with pytest.raises(SystemExit, match="colocated workers only"):
             engine_config(args, role)
+
+
+def test_tp2_with_ngram_speculation_equals_hf(tiny_llama):
+    """Verification rows (several logits rows per sequence) through the TP runner's gathered LM
+    head: greedy output still HF's, with drafts both proposed and accepted."""
+    from pdserve.engine.spec.config import SpeculativeConfig
+
+    spec = SpeculativeConfig.from_json('{"method": "ngram", "num_speculative_tokens": 4}')
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(tiny_llama),
+            dtype="float32",
+            tensor_parallel_size=2,
+            speculative=spec,
+            cache=CacheConfig(num_blocks=128),
+            scheduler=SchedulerConfig(max_model_len=256),
+        ),
+        show_progress=False,
+    )
+    try:
+        prompts = random_prompts(engine.model_config.vocab_size, [9, 17, 30], seed=5)
+        got = engine.generate(prompts, SamplingParams(max_tokens=40, temperature=0.0))
+        assert got == [hf_greedy(str(tiny_llama), tuple(p), 40) for p in prompts]
+        stats = engine.speculator.stats if engine.speculator else None
+        assert stats is not None and stats.num_accepted_tokens > 0
+        engine.pool.assert_all_free()
+    finally:
+        engine.close()
