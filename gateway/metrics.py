@@ -21,7 +21,7 @@ class _WorkerCollector:
         self._stats, self._routed = stats, routed
 
     def collect(self):
-        fams = {
+        fams: dict[str, CounterMetricFamily | GaugeMetricFamily] = {
             "kv_blocks_free": GaugeMetricFamily("pdserve_kv_blocks_free", "Free KV blocks", labels=["node"]),
             "kv_blocks_total": GaugeMetricFamily("pdserve_kv_blocks_total", "KV blocks", labels=["node"]),
             "num_running": GaugeMetricFamily("pdserve_num_requests_running", "Running sequences", labels=["node"]),
