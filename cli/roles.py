@@ -1,6 +1,6 @@
 """`pdserve prefill|decode|colocated|gateway`: one role per process (pools scale separately).
 
-A worker starts from one settings struct (pdserve/runtime/worker_settings.py): built here from
+A worker starts from one settings struct (runtime/worker_settings.py): built here from
 its flags, with the machine-dependent defaults planned by cli/topology.py as for a worker alone
 on its machine, or read from `--settings FILE` (what `pdserve serve` writes for its children).
 """

@@ -1,7 +1,7 @@
 """Where each worker's machine-dependent defaults are decided, once: step budgets, idle lanes,
 thread lending, decode step pacing. `pdserve serve` knows every worker it starts on this
 machine; a worker started alone (`pdserve prefill|decode|colocated`) plans as the only worker
-on its machine. Both then build the same settings struct (pdserve/runtime/worker_settings.py).
+on its machine. Both then build the same settings struct (runtime/worker_settings.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """pdserve: disaggregated prefill/decode LLM serving.
 
-One import name. The subpackages live in the repository's top-level folders, mapped here by
-pyproject.toml's `package-dir` (an editable install and a wheel both see the same names):
+One import name, and one layout rule: `pdserve.X.Y` is the file `pdserve/X/Y.py`. Each
+subpackage lives in the repository's top-level folder of its name, and `pdserve/X` is a link to
+it (`../X`), so installs, type checkers and editors follow plain paths:
 
     pdserve.gateway       gateway/        HTTP front: OpenAI API, admission queue, SSE streams
     pdserve.prefill_node  prefill_node/   prefill worker process
@@ -12,7 +13,8 @@ pyproject.toml's `package-dir` (an editable install and a wheel both see the sam
     pdserve.protocol      protocol/       every cross-process message, authentication
     pdserve.bench         bench/          load generator, SLO sweeps, engine and KV benchmarks
     pdserve.cli           cli/            the `pdserve` command
-    pdserve.runtime       pdserve/runtime membership and messaging every worker process shares
+    pdserve.runtime       runtime/        membership and messaging every worker process shares
+    pdserve.planner       planner/        `pdserve plan`: cluster sizing from measured step costs
 """
 
 __version__ = "0.1.0"

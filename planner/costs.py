@@ -1,5 +1,5 @@
 """Cost models of one worker's engine steps, fitted by least squares to steps timed on the
-target machine (pdserve/planner/profile.py), one set per thread count:
+target machine (planner/profile.py), one set per thread count:
 
     prefill step   t = a + b * tokens + c * attention pairs     (pairs: sum over its chunks of
                                                                 chunk tokens x context attended)
