@@ -5,13 +5,15 @@ Every step, under a token budget:
   2. running sequences mid-prompt (chunked prefill) -- next chunk;
   3. waiting sequences, in policy order, while seats (`max_num_seqs`), budget and blocks last:
      FCFS, or shortest-first (fewest prompt tokens left, minus `aging_tokens_per_s` per second
-     waited, so a long prompt is not starved); preempted sequences always go first. A sequence
+     waited, so a long prompt is not starved); preempted sequences always go first. Both orders
+     are within a priority (`SamplingParams.priority`, lower first): a more urgent sequence waits
+     ahead of every less urgent one, preempted or not. A sequence
      admitted takes the longest run of its leading full blocks found in the prefix cache and
      computes only the rest (at least its last block, so a step samples its next token).
-When a running sequence needs a block and none is free, the latest-arriving running sequence
-not yet in this step's batch is preempted (recompute: blocks freed, requeued at the front with
-its tokens so far, so it later resumes with identical output); if there is none, the sequence
-preempts itself.
+When a running sequence needs a block and none is free, the least urgent (then latest-arriving)
+running sequence not yet in this step's batch, and not more urgent than the one in need, is
+preempted (recompute: blocks freed, requeued at the front of its priority with its tokens so
+far, so it later resumes with identical output); if there is none, the sequence preempts itself.
 
 Sequence groups (engine/sequence_group.py): a group's root takes a seat for each sequence it
 will fork into. A member about to write into a block another member still holds gets a copy
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdserve.engine.block_pool import BlockPool
@@ -83,8 +86,20 @@ class Scheduler:
 
     # --- intake -------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
+        """Queue `seq` behind every waiting sequence as urgent as it (FCFS within a priority)."""
         seq.status = SeqStatus.WAITING
-        self.waiting.append(seq)
+        self._enqueue(seq, lambda w: w.sampling.priority > seq.sampling.priority)
+
+    def _enqueue(self, seq: Sequence, goes_before: Callable[[Sequence], bool]) -> None:
+        """Insert `seq` before the first waiting sequence `goes_before` holds for (else last).
+        With one priority (the common case) this is an append, or a push to the front."""
+        if not self.waiting or not goes_before(self.waiting[-1]):
+            self.waiting.append(seq)
+            return
+        for i, w in enumerate(self.waiting):
+            if goes_before(w):
+                self.waiting.insert(i, seq)
+                return
 
     def add_running(self, seq: Sequence) -> None:
         """Admit a sequence whose KV already sits in its blocks (decode worker after transfer)."""
@@ -188,7 +203,7 @@ class Scheduler:
             return 0
         need = sum(self._blocks_needed(b, 1) + self._needs_copy(b) for b in beams)
         protect = {id(b) for b in beams}
-        if not self._make_room(need, protect, in_batch, in_flight, out):
+        if not self._make_room(need, protect, in_batch, in_flight, out, seq.sampling.priority):
             for b in beams:  # the group does not fit now: all of it waits
                 self.preempt(b)
                 out.preempted.append(b)
@@ -225,8 +240,12 @@ class Scheduler:
         now = time.monotonic()
         aging = self.cfg.aging_tokens_per_s
 
-        def key(seq: Sequence) -> tuple[int, float]:
-            return (0 if seq.num_preemptions else 1, seq.num_uncomputed - aging * (now - seq.arrival_time))
+        def key(seq: Sequence) -> tuple[int, int, float]:
+            return (
+                seq.sampling.priority,
+                0 if seq.num_preemptions else 1,
+                seq.num_uncomputed - aging * (now - seq.arrival_time),
+            )
 
         self.waiting = deque(sorted(self.waiting, key=key))
 
@@ -243,7 +262,8 @@ class Scheduler:
         self, seq: Sequence, n: int, in_batch: set[int], in_flight: frozenset[int], out: SchedulerOutput
     ) -> bool:
         need = self._blocks_needed(seq, n) + self._needs_copy(seq)
-        if not self._make_room(need, {id(s) for s in self._unit(seq)} | {id(seq)}, in_batch, in_flight, out):
+        protect = {id(s) for s in self._unit(seq)} | {id(seq)}
+        if not self._make_room(need, protect, in_batch, in_flight, out, seq.sampling.priority):
             if id(seq) in in_flight:
                 return False  # its blocks are being written: it waits for blocks instead
             for s in self._unit(seq):
@@ -254,21 +274,29 @@ class Scheduler:
         return True
 
     def _make_room(
-        self, need: int, protect: set[int], in_batch: set[int], in_flight: frozenset[int], out: SchedulerOutput
+        self,
+        need: int,
+        protect: set[int],
+        in_batch: set[int],
+        in_flight: frozenset[int],
+        out: SchedulerOutput,
+        priority: int,
     ) -> bool:
-        """Preempt the latest-arriving running sequences (a beam with all its group) not in this
-        step's batch, not in flight and not in `protect`, until `need` blocks are free."""
+        """Preempt the least urgent, then latest-arriving, running sequences (a beam with all its
+        group) not in this step's batch, not in flight, not in `protect` and not more urgent than
+        `priority` (the sequence in need), until `need` blocks are free."""
         while not self.pool.can_allocate(need):
-            victim = next(
-                (
-                    s
-                    for s in reversed(self.running)
-                    if id(s) not in in_batch and id(s) not in in_flight and not {id(u) for u in self._unit(s)} & protect
-                ),
-                None,
-            )
-            if victim is None:
+            candidates = [
+                (s.sampling.priority, i, s)
+                for i, s in enumerate(self.running)
+                if s.sampling.priority >= priority
+                and id(s) not in in_batch
+                and id(s) not in in_flight
+                and not {id(u) for u in self._unit(s)} & protect
+            ]
+            if not candidates:
                 return False
+            victim = max(candidates, key=lambda c: c[:2])[2]
             for s in self._unit(victim):
                 if id(s) in in_batch or id(s) in in_flight:
                     continue  # (a beam group is scheduled whole: never only part of it)
@@ -308,7 +336,8 @@ class Scheduler:
 
     # --- outcomes -------------------------------------------------------------------------
     def preempt(self, seq: Sequence) -> None:
-        """Recompute preemption: drop the KV, keep the tokens (not drafts), go to the front of the queue."""
+        """Recompute preemption: drop the KV, keep the tokens (not drafts), go to the front of the
+        queue (of its priority: behind the more urgent)."""
         seq.drop_drafts()
         self._release(seq)
         seq.num_computed_tokens = 0
@@ -317,7 +346,7 @@ class Scheduler:
         self.num_preemptions += 1
         seq.status = SeqStatus.WAITING
         self.running.remove(seq)
-        self.waiting.appendleft(seq)
+        self._enqueue(seq, lambda w: w.sampling.priority >= seq.sampling.priority)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.drop_drafts()

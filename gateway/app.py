@@ -167,10 +167,11 @@ class GatewayApp:
             return self.tokenizer.encode(text, add_special_tokens=False)
         return self.tokenizer.encode(req.prompt_text)
 
-    def _sampling(self, req: ParsedRequest, max_tokens: int, i: int) -> SamplingParams:
+    def _sampling(self, req: ParsedRequest, max_tokens: int, i: int, priority: int = 0) -> SamplingParams:
         """Choice i's parameters (n independent requests), or, for a group (i = 0), the whole
         request's: its members draw with seed + member index (engine/sequence_group.py). A
-        sampled group without a seed gets one here, so a migrated group replays exactly."""
+        sampled group without a seed gets one here, so a migrated group replays exactly.
+        `priority` (the request's, else its key's) travels with it: the pools order by it too."""
         seed = None if req.seed is None else (req.seed + i) % 2**63
         group: dict = {}
         if req.is_group:
@@ -200,6 +201,7 @@ class GatewayApp:
             logprobs=req.logprobs,
             logit_bias=tuple(req.logit_bias),
             structured=req.structured,
+            priority=priority,
         )
 
     def _token_text(self, token_id: int) -> str:

@@ -109,7 +109,7 @@ class GenerationRun:
         token = tracing.current_traceparent.set(self.span.traceparent if self.span else None)
         priority_token = request_priority.set(priority)
         try:
-            app.backend.open(base_id, prompt, app._sampling(req, max_tokens, 0), self.stream)
+            app.backend.open(base_id, prompt, app._sampling(req, max_tokens, 0, priority), self.stream)
         finally:
             tracing.current_traceparent.reset(token)  # (the backend's tasks took a copy of the context)
             request_priority.reset(priority_token)

@@ -50,6 +50,9 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     length_penalty: float = 1.0  # beam score = sum logprob / generated_len ** length_penalty (HF)
     early_stopping: Union[bool, Literal["never"]] = False  # HF's beam stopping rule
     structured: StructuredOutput | None = None  # constrained decoding (response_format, guided_*)
+    # vLLM's `priority` (lower first), resolved by the gateway from the request or its API key: it
+    # orders every pool's waiting queue and picks who is preempted (engine/scheduler.py)
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
