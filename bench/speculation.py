@@ -108,8 +108,8 @@ def run(args: argparse.Namespace) -> list[dict]:
             engine.dtype,
             engine.device,
             engine.max_model_len,
+            engine.pool,  # its KV in the engine's blocks (same ids)
             engine.block_size,
-            args.num_blocks,
             show_progress=False,
         )
     vocab = engine.model_config.vocab_size

@@ -94,7 +94,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help='decode-side speculation (vLLM\'s JSON): \'{"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 4, "prompt_lookup_min": 1}\', or a draft model of the same tokenizer: '
         '\'{"model": DIR, "num_speculative_tokens": 4}\' (+ "disable_by_batch_size": no speculation in '
-        "steps with more decoding sequences); decode and colocated workers (engine/spec/)",
+        "steps with more decoding sequences); decode and colocated workers (engine/spec/); prefill "
+        "workers given a draft model compute its KV and ship it with the target's",
     )
 
 
@@ -149,7 +150,9 @@ def engine_config(args: argparse.Namespace, role: str, budget: int | None = None
     `budget` given wins)."""
     if args.tensor_parallel_size != 1:
         refuse_tensor_parallel(args, role)
-    spec: SpeculativeConfig | None = getattr(args, "speculative_config", None) if role != "prefill" else None
+    spec: SpeculativeConfig | None = getattr(args, "speculative_config", None)
+    if role == "prefill" and spec is not None and spec.model is None:
+        spec = None  # n-gram: nothing to do on the prefill side (a draft model's KV is built there)
     if spec is not None and spec.model is not None:
         refuse_unfit_draft(args, role, spec.model)
     return EngineConfig(

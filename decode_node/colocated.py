@@ -101,7 +101,7 @@ class ColocatedWorker(WorkerBase):
             self.engine,
             self._last_progress,
             sum(self.rt.inbox.dropped.values()),
-            **(spec.stats.as_worker_stats() if spec is not None else {}),
+            **(spec.worker_stats() if spec is not None else {}),
         )
 
     def has_work(self) -> bool:

@@ -61,7 +61,10 @@ class DecodeWorker(WorkerBase):
             return self._shm.tensor
 
         self.engine = LLMEngine(settings.engine, kv_allocator=shm_allocator if settings.shared_memory else None)
-        self.leases = LeaseTable(self.engine.model_config.num_layers)  # every block not in a sequence
+        draft = self.engine.draft  # its layers may come with the target's (KvLayout.draft_fingerprint)
+        self.leases = LeaseTable(  # every block not in a sequence
+            self.engine.model_config.num_layers, draft_layers=draft.kv_cache.shape[0] if draft else 0
+        )
         self.lease_ttl_s = settings.lease_ttl_s
         self.receiver = KvReceiver(
             self.ctx,
@@ -72,6 +75,7 @@ class DecodeWorker(WorkerBase):
             payload_mac=payload_mac_enabled(
                 settings.kv_payload_mac, settings.kv_bind, settings.kv_advertise, encryption=auth.encryption
             ),
+            draft_kv_cache=draft.kv_cache if draft else None,
         )
         self.kv_advertised = settings.kv_advertise or self.receiver.addr
         self.describe(
@@ -225,6 +229,8 @@ class DecodeWorker(WorkerBase):
                 done.sampling,
                 blocks,
                 fork=done.fork or None,
+                # the draft's layers came too: its KV for the leased blocks (the others: cached here)
+                draft_kv_blocks=len(lease.block_ids) if done.num_layers > self.leases.num_layers else 0,
             )
         except ValueError as e:  # e.g. a prompt that does not fit: give the blocks back, report
             self.engine.pool.free(blocks)
@@ -388,7 +394,7 @@ class DecodeWorker(WorkerBase):
             lease_renewals=self.leases.num_renewals,
             kv_blocks_skipped=self.blocks_skipped,
             local_prefills=self.local_prefills,
-            **(self.engine.speculator.stats.as_worker_stats() if self.engine.speculator is not None else {}),
+            **(self.engine.speculator.worker_stats() if self.engine.speculator is not None else {}),
         )
 
     def describe_start(self) -> str:

@@ -40,6 +40,7 @@ class BlockPool:
         self._free_map = bytearray([_FREE]) * num_blocks  # 1 = free (cached blocks are 0: not placeable)
         self._num_empty = num_blocks  # free and holding nothing
         self._ref_counts = [0] * num_blocks
+        self.fills = [0] * num_blocks  # allocations of each block so far: its content's generation
         self.block_hash: list[bytes | None] = [None] * num_blocks  # content hash of a registered block
         self._by_hash: dict[bytes, int] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks, least recently freed first
@@ -81,6 +82,7 @@ class BlockPool:
                 self._evict(b)
             self._free_map[b] = _USED
             self._ref_counts[b] = 1
+            self.fills[b] += 1
         self._num_empty -= n
         return out
 

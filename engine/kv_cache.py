@@ -44,19 +44,22 @@ class KVCacheSpec:
         return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
 
-def plan_num_blocks(spec: KVCacheSpec, cache: CacheConfig, max_model_len: int) -> int:
-    """Blocks to allocate; refuses when one max-length sequence would not fit."""
+def plan_num_blocks(spec: KVCacheSpec, cache: CacheConfig, max_model_len: int, draft: KVCacheSpec | None = None) -> int:
+    """Blocks to allocate; refuses when one max-length sequence would not fit. With a draft
+    model (engine/spec/draft_model.py) a block holds the draft's layers too, at the same block
+    id in the draft's pool: the memory budget pays for both, so it means the same memory."""
+    block_bytes = spec.bytes_per_block + (draft.bytes_per_block if draft is not None else 0)
     if cache.num_blocks is not None:
         num_blocks = cache.num_blocks
         source = f"--num-blocks {num_blocks}"
     else:
-        num_blocks = cache.memory_bytes // spec.bytes_per_block
+        num_blocks = cache.memory_bytes // block_bytes
         source = f"--kv-cache-memory {cache.memory_bytes / 2**20:.1f} MiB"
     needed = -(-max_model_len // spec.block_size)
     if num_blocks < needed:
         raise ValueError(
             f"KV cache too small: {source} gives {num_blocks} blocks of {spec.block_size} tokens "
-            f"({spec.bytes_per_block / 2**10:.1f} KiB each), but one sequence of max_model_len="
+            f"({block_bytes / 2**10:.1f} KiB each{', draft layers included' if draft else ''}), but one sequence of max_model_len="
             f"{max_model_len} needs {needed}. Raise the KV budget or lower --max-model-len."
         )
     return num_blocks

@@ -91,7 +91,11 @@ class LLMEngine:
         self.max_model_len = min(config.scheduler.max_model_len or mc.max_context, mc.max_context)
         self.block_size = config.cache.block_size
         self.kv_spec = KVCacheSpec.for_model(mc, self.block_size, self.dtype)
-        num_blocks = plan_num_blocks(self.kv_spec, config.cache, self.max_model_len)
+        self.draft_config = self._draft_config()
+        draft_spec = (
+            KVCacheSpec.for_model(self.draft_config, self.block_size, self.dtype) if self.draft_config else None
+        )
+        num_blocks = plan_num_blocks(self.kv_spec, config.cache, self.max_model_len, draft_spec)
         t0 = time.perf_counter()
         sampler = Sampler(mc.eos_token_ids, seed=config.seed)
         if config.tensor_parallel_size > 1:  # rank 0 of N processes (engine/parallel/runner.py)
@@ -108,13 +112,16 @@ class LLMEngine:
             kv_cache = allocate_kv_cache(self.kv_spec, num_blocks, self.device, kv_allocator)
             runner = ModelRunner(model, kv_cache, self.block_size, sampler)
         log.info(
-            "model %s loaded in %.1fs: dtype %s, %d KV blocks x %d tokens (%.1f MiB)",
+            "model %s loaded in %.1fs: dtype %s, %d KV blocks x %d tokens (%.1f MiB%s)",
             mc.path,
             time.perf_counter() - t0,
             self.dtype,
             num_blocks,
             self.block_size,
-            num_blocks * self.kv_spec.bytes_per_block / 2**20,
+            num_blocks * (self.kv_spec.bytes_per_block + (draft_spec.bytes_per_block if draft_spec else 0)) / 2**20,
+            f", of it {num_blocks * draft_spec.bytes_per_block / 2**20:.1f} MiB the draft model's layers"
+            if draft_spec
+            else "",
         )
         caching = config.cache.enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_caching=caching)
@@ -127,25 +134,33 @@ class LLMEngine:
         self.grammars = GrammarCache(config.model, mc.vocab_size, mc.eos_token_ids)
         spec = config.speculative
         self.speculator = (
-            Speculator(spec, self.max_model_len, self._draft_runner(num_blocks, show_progress))
-            if spec is not None
-            else None
+            Speculator(spec, self.max_model_len, self._draft_runner(show_progress)) if spec is not None else None
         )
 
-    def _draft_runner(self, num_blocks: int, show_progress: bool) -> DraftRunner | None:
-        """The draft model beside the target (--speculative-config '{"model": DIR, ...}'), with
-        a KV pool of its own holding as many tokens as the target's."""
+    def _draft_config(self) -> ModelConfig | None:
+        """The draft model's config (--speculative-config '{"model": DIR, ...}'), checked to
+        speak the target's tokens; None without one."""
         spec = self.config.speculative
         if spec is None or spec.model is None:
             return None
         draft_cfg = ModelConfig.from_folder(spec.model, "auto")
         check_draft_fits(self.model_config, draft_cfg)
+        return draft_cfg
+
+    def _draft_runner(self, show_progress: bool) -> DraftRunner | None:
+        """The draft model beside the target, its KV in the target's blocks (same ids)."""
+        if self.draft_config is None:
+            return None
         t0 = time.perf_counter()
         runner = DraftRunner(
-            draft_cfg, self.dtype, self.device, self.max_model_len, self.block_size, num_blocks, show_progress
+            self.draft_config, self.dtype, self.device, self.max_model_len, self.pool, self.block_size, show_progress
         )
-        log.info("draft model %s loaded in %.1fs", spec.model, time.perf_counter() - t0)
+        log.info("draft model %s loaded in %.1fs", self.draft_config.path, time.perf_counter() - t0)
         return runner
+
+    @property
+    def draft(self) -> DraftRunner | None:
+        return self.speculator.draft if self.speculator is not None else None
 
     @property
     def kv_cache(self) -> torch.Tensor:
@@ -229,8 +244,11 @@ class LLMEngine:
         sampling: SamplingParams,
         block_ids: list[int],
         fork: list[TokenLogprob] | None = None,
+        draft_kv_blocks: int = 0,
     ) -> list[StepOutput]:
         """Admit a sequence whose prompt KV sits in `block_ids` (owned from now on by the engine).
+        `draft_kv_blocks`: the last that many of them hold the draft model's KV too (shipped by
+        the prefill worker); without it the draft rebuilds its KV at the first proposal.
 
         The first token was sampled by the prefill worker (it told the gateway); returns a
         finished output when that token already ends the request (the blocks are freed). A group
@@ -243,6 +261,8 @@ class LLMEngine:
         seq.num_computed_tokens = len(prompt_token_ids)
         self._publish(seq, seq.num_computed_tokens)
         self.scheduler.add_running(seq)
+        if self.draft is not None and seq.group is None:
+            self.draft.admit(seq, draft_kv_blocks)
         group = seq.group
         if group is not None:
             assert fork is not None
@@ -325,6 +345,9 @@ class LLMEngine:
     def launch(self, sched: SchedulerOutput, on_layer_stored: Callable[[int], None] | None = None) -> ForwardPass:
         """Start a step: its batch is built and its chunks count as computed from now on, so the
         next schedule() already plans the chunks after them (the caller runs the layers)."""
+        if self.draft is not None:  # a prefill worker: the draft's KV too, into the same blocks
+            draft_layer = None if on_layer_stored is None else self._draft_layer_hook(on_layer_stored)
+            self.draft.prefill([c for c in sched.prefills if c.seq.stop_after_first_token], draft_layer)
         fp = self.runner.begin(sched, on_layer_stored)
         for chunk in sched.chunks:
             chunk.seq.num_computed_tokens += chunk.num_tokens
@@ -332,6 +355,11 @@ class LLMEngine:
             fp.computed_upto.append((chunk.seq, chunk.seq.num_computed_tokens - chunk.seq.num_draft_tokens))
         self.num_steps += 1
         return fp
+
+    def _draft_layer_hook(self, on_layer_stored: Callable[[int], None]) -> Callable[[int], None]:
+        """The draft's layer j reported as layer L + j (L: the target's layers), as it ships."""
+        num_layers = self.model_config.num_layers
+        return lambda layer: on_layer_stored(num_layers + layer)
 
     def finish_step(self, fp: ForwardPass, logits: torch.Tensor | None) -> list[StepOutput]:
         """Sample from a launched step's logits (`ModelRunner.logits`) and account the tokens."""

@@ -92,11 +92,19 @@ class _WorkerCollector:
             "Drafts accepted at each position of a speculation (0: the first draft)",
             labels=["node", "position"],
         )
+        draft_kv = CounterMetricFamily(
+            "pdserve_spec_draft_prefill_tokens",
+            "Prompt tokens of speculating sequences whose draft-model KV a decode worker got shipped "
+            "by the prefill worker, found cached in its blocks, or rebuilt by running the draft",
+            labels=["node", "source"],
+        )
         for node, st in self._stats().items():
             for attr, fam in fams.items():
                 fam.add_metric([node], getattr(st, attr))
             for pos, count in enumerate(st.spec_accepted_per_pos):
                 per_pos.add_metric([node, str(pos)], count)
+            for source in ("shipped", "cached", "rebuilt"):
+                draft_kv.add_metric([node, source], getattr(st, f"spec_draft_kv_{source}_tokens"))
         routed = GaugeMetricFamily(
             "pdserve_worker_requests_routed",
             "Requests this gateway has routed to the worker and not seen end",
@@ -106,6 +114,7 @@ class _WorkerCollector:
             routed.add_metric([node], count)
         yield from fams.values()
         yield per_pos
+        yield draft_kv
         yield routed
 
 

@@ -61,11 +61,20 @@ class _Active:
 
 class LeaseTable:
     def __init__(
-        self, num_layers: int, *, grace_s: float = QUARANTINE_GRACE_S, clock: Callable[[], float] = time.time
+        self,
+        num_layers: int,
+        *,
+        grace_s: float = QUARANTINE_GRACE_S,
+        clock: Callable[[], float] = time.time,
+        draft_layers: int = 0,
     ) -> None:
-        if num_layers <= 0:
-            raise ValueError("num_layers must be positive")
+        """`draft_layers`: a draft model's layers a transfer may carry after the `num_layers`
+        (layers num_layers .. num_layers + draft_layers - 1); a transfer is complete with all of
+        the target's layers, or all of both when its KvDone counts them."""
+        if num_layers <= 0 or draft_layers < 0:
+            raise ValueError("num_layers must be positive (draft_layers >= 0)")
         self.num_layers = num_layers
+        self.draft_layers = draft_layers
         self.grace_s = grace_s
         self._clock = clock
         self._next_epoch = secrets.randbits(62)
@@ -147,7 +156,7 @@ class LeaseTable:
         entry, reason = self._entry(header.request_id, header.lease_epoch, self._now(now))
         if entry is None:
             return reason
-        if not 0 <= header.layer < self.num_layers:
+        if not 0 <= header.layer < self.num_layers + self.draft_layers:
             return "bad_layer"
         blocks = header.block_ids
         if not blocks or len(set(blocks)) != len(blocks) or not entry.block_set.issuperset(blocks):
@@ -187,10 +196,12 @@ class LeaseTable:
         entry, reason = self._entry(request_id, epoch, self._now(now))
         if entry is None:
             return reason
-        if num_layers != self.num_layers:
+        if num_layers != self.num_layers and (
+            not self.draft_layers or num_layers != self.num_layers + self.draft_layers
+        ):
             return "layer_count"
-        if len(entry.covered) != self.num_layers or any(
-            len(entry.covered.get(layer, ())) != len(entry.block_set) for layer in range(self.num_layers)
+        if len(entry.covered) != num_layers or any(
+            len(entry.covered.get(layer, ())) != len(entry.block_set) for layer in range(num_layers)
         ):
             return "incomplete"
         return None

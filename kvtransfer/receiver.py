@@ -7,7 +7,8 @@ LeaseTable.check_frame), its dtype, head range, shape and byte count match this 
 payload, and (with `payload_mac=True`) the payload's HMAC tag in the header matches its bytes.
 The received ZMQ frame is the staging buffer: private to this process, verified in full, then
 copied once into `kv_cache[layer][:, blocks]`; a frame failing any check never touches a block.
-In-place (shared-memory) headers only mark the layer: P already wrote it. A KvDone is returned
+In-place (shared-memory) headers only mark the layer: P already wrote it. Layers past the
+target's (L ..) are a draft model's (`draft_kv_cache`, same block ids). A KvDone is returned
 by `poll` only when LeaseTable.check_done passes (all layers of all leased blocks, same epoch).
 Everything else is dropped and counted in `dropped[reason]`; the receiver never raises on input.
 A KvDone refused for a lease that is still active (a frame went missing: "incomplete",
@@ -52,21 +53,24 @@ class KvReceiver:
         kv_head_start: int = 0,
         allow_in_place: bool = True,
         payload_mac: bool = False,
+        draft_kv_cache: torch.Tensor | None = None,
     ) -> None:
+        """`draft_kv_cache`: a draft model's pool [Ld, 2, N, bs, Hkv', D'] (same block ids);
+        frames for layers L .. L + Ld - 1 land there (always as payloads, never in place)."""
         if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
             raise ValueError(f"kv_cache must be [L, 2, N, bs, Hkv, D], got {list(kv_cache.shape)}")
-        if kv_cache.shape[0] != lease_table.num_layers:
+        draft_layers = draft_kv_cache.shape[0] if draft_kv_cache is not None else 0
+        if (kv_cache.shape[0], draft_layers) != (lease_table.num_layers, lease_table.draft_layers):
             raise ValueError("kv_cache and lease table disagree on the number of layers")
         self.inbox = Inbox(ctx, auth, bind_addr, allow_wildcard, decoder=decode_kv)
         self.kv_cache = kv_cache  # [L, 2, N, bs, Hkv, D]
+        self.draft_kv_cache = draft_kv_cache  # [Ld, 2, N, bs, Hkv', D'] or None
         self.leases = lease_table
         self.kv_head_start = kv_head_start
         self.allow_in_place = allow_in_place
         self.payload_mac = payload_mac  # require and check each payload's HMAC tag
         self._auth = auth
         self._dtype = dtype_name(kv_cache.dtype)
-        self._block_shape = list(kv_cache.shape[3:])  # [bs, Hkv, D]
-        self._block_bytes = 2 * math.prod(kv_cache.shape[3:]) * kv_cache.element_size()  # K+V of one block
         self.bytes_received = 0
         self.released: list[int] = []  # blocks of leases P released early; the owner frees them
         self.failed_done: list[tuple[KvDone, str]] = []  # refused KvDone of active leases; the owner drains it
@@ -130,14 +134,17 @@ class KvReceiver:
         reason = self.leases.check_frame(h)
         if reason is not None:
             return reason
-        heads = self._block_shape[1]
-        if h.dtype != self._dtype or (h.kv_head_start, h.kv_head_end) != (
-            self.kv_head_start,
-            self.kv_head_start + heads,
-        ):
+        pool, layer, start = self.kv_cache, h.layer, self.kv_head_start  # [L, 2, N, bs, Hkv, D]
+        if layer >= self.leases.num_layers:  # a draft model's layer (lease table checked the range)
+            assert self.draft_kv_cache is not None
+            pool, layer, start = self.draft_kv_cache, layer - self.leases.num_layers, 0
+            if h.in_place:
+                return "in_place_not_allowed"
+        block_shape = list(pool.shape[3:])  # [bs, Hkv, D]
+        if h.dtype != self._dtype or (h.kv_head_start, h.kv_head_end) != (start, start + block_shape[1]):
             return "layout_mismatch"
         n = len(h.block_ids)
-        if h.shape != [2, n, *self._block_shape] or h.nbytes != n * self._block_bytes:
+        if h.shape != [2, n, *block_shape] or h.nbytes != n * 2 * math.prod(block_shape) * pool.element_size():
             return "size_mismatch"
         if h.in_place:
             if not self.allow_in_place:
@@ -154,8 +161,8 @@ class KvReceiver:
             with warnings.catch_warnings():  # read-only ZMQ buffer: we only read from it
                 warnings.simplefilter("ignore", UserWarning)
                 data = torch.frombuffer(payloads[0], dtype=torch.uint8)
-            data = data.view(self.kv_cache.dtype).view(h.shape)
-            copy_blocks(self.kv_cache[h.layer], h.block_ids, data, list(range(n)))
+            data = data.view(pool.dtype).view(h.shape)
+            copy_blocks(pool[layer], h.block_ids, data, list(range(n)))
         self.leases.mark_frame(h)
         self.bytes_received += h.nbytes
         self.frames_received += 1

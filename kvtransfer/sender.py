@@ -9,7 +9,8 @@
                  tag travels in the header (kvtransfer/wire.py), so D can authenticate the bytes.
     ShmKvSender  map D's shared KV pool [L, 2, N, bs, Hkv, D] once, write the blocks in place
                  (one copy, straight into D's leased blocks), then send only the header
-                 (`in_place=True`) so D can account for the layer.
+                 (`in_place=True`) so D can account for the layer. A draft model's layers
+                 (numbered L ..; D's draft pool is not shared) go as payload frames.
 Both then send `KvDone` on the same stream; ZMQ keeps one sender's messages in order.
 
 Refusals raise `KvTransferError` subclasses; the caller (prefill worker) should catch them,
@@ -353,6 +354,9 @@ class ShmKvSender(KvSender):
             raise KvSendError("sender is closed")
         self._check_args(src_kv_layer, src_block_ids, dst_block_ids, leased)
         pool = self._pool.tensor  # [L, 2, N, bs, Hkv, D]
+        if layer >= pool.shape[0]:  # a draft model's layer: D's draft pool is not shared, send it
+            self._check_deadline(deadline)
+            return self._send_payload(request_id, epoch, layer, src_kv_layer, src_block_ids, dst_block_ids)
         if not 0 <= layer < pool.shape[0]:
             raise ValueError(f"layer {layer} outside the destination pool's {pool.shape[0]} layers")
         if src_kv_layer.shape[2:] != pool.shape[3:] or src_kv_layer.dtype != pool.dtype:
@@ -381,6 +385,25 @@ class ShmKvSender(KvSender):
         )
         self._send(header, [])
         return nbytes
+
+    def _send_payload(self, request_id, epoch, layer, src_kv_layer, src_ids, dst_ids) -> int:
+        """One frame carrying the blocks' bytes (a layer D's shared pool does not hold)."""
+        ids = torch.as_tensor(src_ids, dtype=torch.long, device=src_kv_layer.device)
+        data = src_kv_layer.index_select(1, ids).contiguous()  # [2, n, bs, H, D]
+        header = KvFrameHeader(
+            request_id=request_id,
+            lease_epoch=epoch,
+            layer=layer,
+            block_ids=list(dst_ids),
+            kv_head_start=0,
+            kv_head_end=data.shape[3],
+            dtype=dtype_name(data.dtype),
+            shape=list(data.shape),
+            nbytes=data.nbytes,
+            seq=self._next_seq(request_id, epoch),
+        )
+        self._send(header, [data.cpu().reshape(-1).view(torch.uint8).numpy()])
+        return header.nbytes
 
     def close(self) -> None:
         if not self._closed:

@@ -12,6 +12,9 @@ A request's first chunk also sends the blocks its prompt found in this worker's 
 (engine/prefix_cache.py): computed by an earlier request, but the decode worker lacks them.
 Blocks the decode worker holds already (`lease.prefix_block_ids`, found by the prompt's block
 hashes in its own cache) are never sent: the lease's `block_ids` start after them.
+With a draft model (engine/spec/draft_model.py) the draft's layers of the same blocks follow as
+layers L .. L + Ld - 1 (L: the target's), for requests whose decode worker runs the same draft
+(`PrefillRecord.ships_draft`); the others get the target's layers only.
 Each layer's send reads the request's lease from the worker's request record at that moment, so a
 renewal that arrives while the step computes counts for its remaining layers.
 """
@@ -38,6 +41,7 @@ class _Job:
     dst_blocks: list[int]
     sender: KvSender
     stats: TransferStats = field(default_factory=TransferStats)
+    ships_draft: bool = False
 
 
 class StepTransfers:
@@ -49,8 +53,10 @@ class StepTransfers:
         jobs: list[_Job],
         lock: threading.Lock,
         records: dict[str, PrefillRecord],
+        draft_kv_cache: torch.Tensor | None = None,
     ) -> None:
         self.kv_cache = kv_cache  # [L, 2, N, bs, Hkv, D]
+        self.draft_kv_cache = draft_kv_cache  # [Ld, 2, N, bs, Hkv', D'] (same block ids) or None
         self.jobs = jobs
         self.lock = lock
         self.records = records  # the worker's: its loop renews their leases
@@ -63,9 +69,15 @@ class StepTransfers:
         return job.lease
 
     def __call__(self, layer: int) -> None:
-        kv_layer = self.kv_cache[layer]  # [2, N, bs, Hkv, D]
+        num_layers = self.kv_cache.shape[0]
+        draft = layer >= num_layers
+        if draft:
+            assert self.draft_kv_cache is not None
+            kv_layer = self.draft_kv_cache[layer - num_layers]  # [2, N, bs, Hkv', D']
+        else:
+            kv_layer = self.kv_cache[layer]  # [2, N, bs, Hkv, D]
         for job in self.jobs:
-            if job.stats.error is not None:
+            if job.stats.error is not None or (draft and not job.ships_draft):
                 continue
             t0 = time.perf_counter()
             try:
@@ -79,8 +91,15 @@ class StepTransfers:
 
 
 class KvStreamer:
-    def __init__(self, kv_cache: torch.Tensor, block_size: int, lock: threading.Lock | None = None) -> None:
+    def __init__(
+        self,
+        kv_cache: torch.Tensor,
+        block_size: int,
+        lock: threading.Lock | None = None,
+        draft_kv_cache: torch.Tensor | None = None,
+    ) -> None:
         self.kv_cache = kv_cache  # [L, 2, N, bs, Hkv, D]
+        self.draft_kv_cache = draft_kv_cache  # [Ld, 2, N, bs, Hkv', D'] or None
         self.block_size = block_size
         self.lock = lock or threading.Lock()  # held around every send to a decode worker
 
@@ -110,6 +129,7 @@ class KvStreamer:
                     dest.lease.block_ids[b0 - held : b1 - held],
                     r.sender,
                     r.transfer,
+                    r.ships_draft,
                 )
             )
-        return StepTransfers(self.kv_cache, jobs, self.lock, records)
+        return StepTransfers(self.kv_cache, jobs, self.lock, records, self.draft_kv_cache)

@@ -24,6 +24,7 @@ class PrefillRecord:
     first_scheduled: float | None = None
     renew_sent: float = 0.0  # time.time() of the last KvRenew for its lease
     transfer: TransferStats = field(default_factory=TransferStats)
+    ships_draft: bool = False  # the draft model's layers go too (D runs the same draft)
     dest: KvDestination = field(init=False)  # the lease as last renewed (same epoch, later deadline)
 
     def __post_init__(self) -> None:

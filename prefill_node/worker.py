@@ -65,7 +65,14 @@ class PrefillWorker(WorkerBase):
         self.requests: dict[str, PrefillRecord] = {}  # by request id, until KvDone or release
         self.senders = KvSenderCache(self.ctx, auth, settings.kv_payload_mac)  # one per decode worker
         self._send_lock = threading.Lock()  # senders are shared by this loop and the lanes
-        self.streamer = KvStreamer(self.engine.kv_cache, self.engine.block_size, self._send_lock)
+        draft = self.engine.draft
+        self.streamer = KvStreamer(
+            self.engine.kv_cache, self.engine.block_size, self._send_lock, draft.kv_cache if draft else None
+        )
+        # the draft's fingerprint a decode worker's layout must name to get the draft's KV too
+        self.draft_fingerprint = (
+            self.engine.draft_config.fingerprint(self.engine.dtype) if self.engine.draft_config else None
+        )
         self.lanes = PrefillLanes(self.engine.runner, settings.lanes, settings.idle_lanes)
         self._abort_after: set[str] = set()  # aborted while a lane computes its chunk
         self._renew_checked = 0.0
@@ -87,7 +94,10 @@ class PrefillWorker(WorkerBase):
             with self._send_lock:
                 self.senders.get(req.dest).send_release(req.request_id, req.dest.lease.epoch)
             return
-        self.requests[req.request_id] = PrefillRecord(req, self.senders.get(req.dest), time.monotonic())
+        ships_draft = self.draft_fingerprint is not None and req.dest.layout.draft_fingerprint == self.draft_fingerprint
+        self.requests[req.request_id] = PrefillRecord(
+            req, self.senders.get(req.dest), time.monotonic(), ships_draft=ships_draft
+        )
 
     # --- lease renewal ----------------------------------------------------------------------
     def _renew_leases(self) -> None:
@@ -192,7 +202,10 @@ class PrefillWorker(WorkerBase):
                 "kv_bytes": float(ts.bytes),
             }
             self._trace(r, done_at, out.seq.num_cached_tokens)
-            num_layers = self.engine.model_config.num_layers
+            num_layers = self.engine.model_config.num_layers  # (+ the draft's when they went too)
+            if r.ships_draft:
+                assert self.engine.draft_config is not None
+                num_layers += self.engine.draft_config.num_layers
             if ts.error is not None:  # the decode side never got its KV: fail the request
                 self.rt.to_gateway(
                     req.gateway_id,

@@ -56,6 +56,10 @@ class KvLayout(msgspec.Struct, frozen=True):
     head_dim: int
     dtype: str  # torch dtype name, e.g. "float32"
     kv_head_start: int = 0  # range of KV heads held (tensor parallelism re-slicing later)
+    # A decode worker with a draft model (engine/spec/draft_model.py): the draft's fingerprint
+    # (ModelConfig.fingerprint). A prefill worker with the same draft ships the draft's layers
+    # in the same transfer, numbered after these `num_layers` (kvtransfer/wire.py); "" = none.
+    draft_fingerprint: str = ""
 
 
 class WorkerStats(msgspec.Struct, frozen=True):
@@ -83,6 +87,11 @@ class WorkerStats(msgspec.Struct, frozen=True):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = msgspec.field(default_factory=list)
+    # a draft model's prompt KV, in prompt tokens (engine/spec/draft_model.py DraftKvCounts):
+    # shipped by the prefill worker, found in this worker's blocks, or rebuilt here by the draft
+    spec_draft_kv_shipped_tokens: int = 0
+    spec_draft_kv_cached_tokens: int = 0
+    spec_draft_kv_rebuilt_tokens: int = 0
     # constrained decoding (engine/structured/, totals): rows masked, seconds filling + applying masks
     structured_mask_rows: int = 0
     structured_mask_seconds: float = 0.0

@@ -87,6 +87,7 @@ def describe_worker(engine, role: Role, control_addr: str, host: str, **extra) -
         spec.num_kv_heads,
         spec.head_dim,
         str(spec.dtype).removeprefix("torch."),
+        draft_fingerprint=engine.draft_config.fingerprint(engine.dtype) if engine.draft_config is not None else "",
     )
     return WorkerInfo(
         worker_id=new_worker_id(role),

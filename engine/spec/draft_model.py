@@ -1,9 +1,14 @@
 """Draft-model proposals: a small model of the same tokenizer guesses k tokens per sequence.
 
-The draft runs beside the target in the same engine with its own paged KV pool and block
-tables. Each speculating sequence has a shadow `Sequence` here whose `token_ids` are the draft's
-view (the real tokens, then the drafts it fed itself) and whose `num_computed_tokens` counts the
-tokens with draft KV. A proposal of k drafts for a sequence of n real tokens:
+The draft runs beside the target in the same engine. Its paged KV pool has the target's block
+count and is indexed by the same block ids: block b holds the target's layers in the target's
+pool and the draft's layers in this one, so one block pool, one block table per sequence and one
+prefix cache cover both (the memory budget pays for both: engine/kv_cache.py plan_num_blocks).
+
+Each speculating sequence has a shadow `Sequence` here whose `token_ids` are the draft's view
+(the real tokens, then the drafts it fed itself), whose `block_table` is the sequence's own and
+whose `num_computed_tokens` counts the tokens with draft KV. A proposal of k drafts for a
+sequence of n real tokens:
 
     real:    t0 t1 ... t(c-1) | tc ... t(n-1)      c = tokens whose draft KV still matches
     step 0:  one chunk of tc .. t(n-1) (the prompt, lazily, at the first proposal) -> d1
@@ -11,16 +16,20 @@ tokens with draft KV. A proposal of k drafts for a sequence of n real tokens:
     after:   draft KV for n + k - 1 tokens (t0 .. t(n-1), d1 .. d(k-1))
 
 At the next proposal the KV of drafts the target rejected is rolled back (c = the longest prefix
-the shadow shares with the real tokens; blocks past it freed), so the draft's KV always follows
-the sequence's accepted tokens. A sequence that decoded without speculation just has a longer
-catch-up chunk; a decode worker that got the target's KV from a prefill worker builds the
-draft's the same way. Who frees: `release` (the engine calls it when a sequence finishes or is
-preempted; `propose` also drops any sequence no longer running).
+the shadow shares with the real tokens), so the draft's KV always follows the sequence's
+accepted tokens. Blocks the drafts need past the sequence's own end are taken from the pool into
+its block table (the verification step writes the target's KV there next; the engine frees what
+the rejected drafts leave). Where a sequence starts from KV it did not compute, c starts at what
+is known good: `admit` takes the prompt's draft KV shipped by a prefill worker (prefill_node/,
+the draft's layers in the same transfer); otherwise the leading full blocks whose draft KV was
+computed since the block was last allocated (a prefix-cache hit: `BlockPool.fills` tells), and
+the first proposal rebuilds the rest (`DraftKvCounts`: shipped, cached, rebuilt prompt tokens).
+Who frees: the engine (the blocks are the sequence's); `release` drops a sequence's state.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -35,15 +44,25 @@ from pdserve.engine.sequence import SeqStatus, Sequence
 
 
 @dataclass
+class DraftKvCounts:
+    """Where speculating sequences' prompt draft KV came from (prompt tokens, totals)."""
+
+    shipped: int = 0  # computed by the prefill worker, arrived with the target's KV
+    cached: int = 0  # found in blocks whose draft KV was already computed here (prefix cache)
+    rebuilt: int = 0  # computed here by the draft (catch-up over the prompt)
+
+
+@dataclass
 class _DraftState:
     seq: Sequence  # the target's sequence
-    shadow: Sequence  # the draft's view: token_ids, block_table (draft pool), num_computed_tokens
+    shadow: Sequence  # the draft's view: token_ids, block_table (the sequence's), num_computed_tokens
     num_real: int  # shadow.token_ids[:num_real] are the sequence's real tokens (checked)
 
 
 class DraftRunner:
-    """Owns the draft model, its KV pool and block pool, and each speculating sequence's shadow.
-    Called by `Speculator.propose` / `Speculator.release` (engine thread only)."""
+    """Owns the draft model, its KV pool (the engine's block ids) and each speculating
+    sequence's shadow. Called by the engine thread only: `Speculator.propose` / `release`,
+    `LLMEngine.launch` (`prefill`, a prefill worker) and `add_prefilled` (`admit`)."""
 
     def __init__(
         self,
@@ -51,17 +70,50 @@ class DraftRunner:
         dtype: torch.dtype,
         device: torch.device,
         max_model_len: int,
+        pool: BlockPool,
         block_size: int,
-        num_blocks: int,
         show_progress: bool = True,
     ) -> None:
         self.model_config = cfg
         model = load_model(cfg, dtype, device, max_model_len, show_progress, "none")
-        kv_cache = allocate_kv_cache(KVCacheSpec.for_model(cfg, block_size, dtype), num_blocks, device)
+        self.kv_spec = KVCacheSpec.for_model(cfg, block_size, dtype)
+        kv_cache = allocate_kv_cache(self.kv_spec, pool.num_blocks, device)  # [Ld, 2, N, bs, Hkv, D]
         self.runner = ModelRunner(model, kv_cache, block_size, Sampler(cfg.eos_token_ids))
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks, enable_caching=False)
+        self.pool = pool  # the engine's: a block id names the target's and the draft's KV
         self.states: dict[int, _DraftState] = {}  # id(seq) -> its draft state
+        self.valid_fill = [-1] * pool.num_blocks  # pool.fills[b] when b's draft KV was last complete
+        self.counts = DraftKvCounts()
+
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        """[Ld, 2, N, bs, Hkv, D]: the draft's layers of every block."""
+        return self.runner.kv_cache
+
+    def prefill(self, chunks: list[ScheduledChunk], on_layer_stored: Callable[[int], None] | None) -> None:
+        """A prefill worker's step: the draft's KV for the same prompt chunks as the target's,
+        into the same blocks (each chunk's `num_computed_tokens` not yet advanced)."""
+        if not chunks:
+            return
+        fp = self.runner.begin(SchedulerOutput(prefills=list(chunks)), on_layer_stored)
+        self.runner.run_layers(fp)
+        for c in chunks:
+            self._mark_valid(c.seq.block_table[: (c.seq.num_computed_tokens + c.num_tokens) // self.block_size])
+
+    def admit(self, seq: Sequence, shipped_blocks: int) -> None:
+        """A decode worker admits `seq` (its prompt's target KV in its blocks). `shipped_blocks` > 0:
+        its last that many blocks also arrived with the draft's KV (the leading others were this
+        worker's cached prefix): the draft starts from there instead of rebuilding the prompt."""
+        n = seq.num_tokens
+        held = len(seq.block_table) - shipped_blocks
+        if shipped_blocks <= 0 or self._valid_leading(seq.block_table[:held]) < held:
+            return  # the first proposal finds what is good (_sync) and rebuilds the rest
+        self._mark_valid(seq.block_table[: n // self.block_size])
+        state = self._new_state(seq)
+        state.shadow.token_ids.extend(seq.token_ids)
+        state.shadow.num_computed_tokens = state.num_real = n
+        self.counts.cached += held * self.block_size
+        self.counts.shipped += n - held * self.block_size
 
     def propose(self, wants: list[tuple[Sequence, int]]) -> list[list[int]]:
         """Greedy drafts for each (sequence, k); [] for a sequence the draft pool has no room for.
@@ -73,6 +125,7 @@ class DraftRunner:
             state = self._sync(seq)
             if self._reserve(state.shadow, seq.num_tokens + k - 1):
                 active.append((i, state, k))
+                self.counts.rebuilt += max(0, seq.num_prompt_tokens - state.shadow.num_computed_tokens)
         chunks = [ScheduledChunk(st.shadow, st.shadow.num_uncomputed) for _, st, _ in active]
         while active:
             tokens = self._greedy_step(chunks)
@@ -88,11 +141,9 @@ class DraftRunner:
         return drafts
 
     def release(self, seq: Sequence) -> None:
-        """Free `seq`'s draft KV (it finished, or was preempted: it catches up when it returns)."""
-        state = self.states.pop(id(seq), None)
-        if state is not None and state.shadow.block_table:
-            self.pool.free(state.shadow.block_table[::-1])
-            state.shadow.block_table = []
+        """Forget `seq` (it finished, or was preempted: it catches up when it returns). Its
+        blocks are its own: the engine frees them."""
+        self.states.pop(id(seq), None)
 
     def release_all_but(self, running: Iterable[Sequence]) -> None:
         """Drop the draft KV of every sequence not in `running` (or no longer running)."""
@@ -101,13 +152,23 @@ class DraftRunner:
             self.release(state.seq)
 
     # --- internals ------------------------------------------------------------------------
+    def _new_state(self, seq: Sequence) -> _DraftState:
+        shadow = Sequence(seq.request_id, [], seq.num_prompt_tokens, seq.sampling, status=SeqStatus.RUNNING)
+        state = self.states[id(seq)] = _DraftState(seq, shadow, 0)
+        return state
+
     def _sync(self, seq: Sequence) -> _DraftState:
         """`seq`'s state with the draft KV rolled back to what still matches its real tokens."""
         state = self.states.get(id(seq))
-        if state is None:
-            shadow = Sequence(seq.request_id, [], seq.num_prompt_tokens, seq.sampling, status=SeqStatus.RUNNING)
-            state = self.states[id(seq)] = _DraftState(seq, shadow, 0)
-        shadow, real = state.shadow, seq.token_ids
+        real = seq.token_ids
+        if state is None:  # start from the leading blocks whose draft KV is good (cache hits)
+            state = self._new_state(seq)
+            good = min(self._valid_leading(seq.block_table) * self.block_size, len(real) - 1)
+            state.shadow.token_ids.extend(real[:good])
+            state.shadow.num_computed_tokens = state.num_real = good
+            self.counts.cached += min(good, seq.num_prompt_tokens)
+        shadow = state.shadow
+        shadow.block_table = seq.block_table  # the same blocks (and list) as the target's
         keep = state.num_real  # shadow tokens before it are real; past it, its drafts may differ
         while keep < min(shadow.num_computed_tokens, len(real)) and shadow.token_ids[keep] == real[keep]:
             keep += 1
@@ -116,14 +177,12 @@ class DraftRunner:
         del shadow.token_ids[keep:]
         shadow.token_ids.extend(real[keep:])
         state.num_real = len(real)
-        blocks = -(-keep // self.block_size)
-        if len(shadow.block_table) > blocks:
-            self.pool.free(shadow.block_table[: blocks - 1 : -1])  # tail first
-            del shadow.block_table[blocks:]
+        self._mark_valid(seq.block_table[: keep // self.block_size])
         return state
 
     def _reserve(self, shadow: Sequence, num_tokens: int) -> bool:
-        """Draft blocks for `num_tokens` tokens of KV; False (nothing taken) when the pool is short."""
+        """Blocks for `num_tokens` tokens of KV in the sequence's table; False (nothing taken)
+        when the pool is short."""
         need = -(-num_tokens // self.block_size) - len(shadow.block_table)
         if need <= 0:
             return True
@@ -133,6 +192,19 @@ class DraftRunner:
             self.pool.allocate(need, after=shadow.block_table[-1] if shadow.block_table else None)
         )
         return True
+
+    def _mark_valid(self, blocks: list[int]) -> None:
+        """These full blocks hold the draft's KV of their tokens (until reallocated)."""
+        fills = self.pool.fills
+        for b in blocks:
+            self.valid_fill[b] = fills[b]
+
+    def _valid_leading(self, blocks: list[int]) -> int:
+        """How many of `blocks`, from the first, hold their draft KV."""
+        fills, n = self.pool.fills, 0
+        while n < len(blocks) and self.valid_fill[blocks[n]] == fills[blocks[n]]:
+            n += 1
+        return n
 
     def _greedy_step(self, chunks: list[ScheduledChunk]) -> list[int]:
         """One draft forward over `chunks` (each completes its shadow); the argmax token of each."""

@@ -100,6 +100,18 @@ class Speculator:
             for seq in proposed:
                 seq.drop_drafts()
 
+    def worker_stats(self) -> dict[str, Any]:
+        """`stats` and, with a draft model, where its prompt KV came from, as `WorkerStats` fields."""
+        out = self.stats.as_worker_stats()
+        if self.draft is not None:
+            c = self.draft.counts
+            out.update(
+                spec_draft_kv_shipped_tokens=c.shipped,
+                spec_draft_kv_cached_tokens=c.cached,
+                spec_draft_kv_rebuilt_tokens=c.rebuilt,
+            )
+        return out
+
     def release(self, seq: Sequence) -> None:
         """`seq` finished or was preempted: its draft KV (if any) goes back."""
         if self.draft is not None:

@@ -1,5 +1,5 @@
-"""`--speculative-config '{"model": DIR, ...}'` over HTTP, colocated and 1P1D (the decode
-worker builds the draft's KV itself by prefilling the draft on the prompt): greedy texts equal
+"""`--speculative-config '{"model": DIR, ...}'` over HTTP, colocated and 1P1D (the prefill
+worker ships the draft's KV: tests/e2e/test_draft_kv_shipped.py): greedy texts equal
 HF generate's, concurrently and ending mid-verification (max_tokens, a stop string), the drafts are accepted
 (vLLM's counters in /metrics) and every KV block comes back. A draft with another tokenizer is
 refused at start."""
