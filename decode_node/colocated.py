@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import time
 
+from pdserve.decode_node.request_record import DecodeRecord
 from pdserve.decode_node.settings import ColocatedSettings
 from pdserve.engine.llm_engine import LLMEngine, StepOutput, wire_finish_reason
 from pdserve.protocol.auth import FrameAuth
@@ -28,8 +29,7 @@ class ColocatedWorker(WorkerBase):
         if self.engine.hasher is not None:
             self.kv_report = PrefixCacheReport(self.engine.pool)
         self.handlers.update({GenerateRequest: self._on_generate, Abort: self._on_abort})
-        self.gateway_of: dict[str, str] = {}
-        self.received: dict[str, float] = {}
+        self.requests: dict[str, DecodeRecord] = {}  # every request taken and not yet ended
 
     def _on_generate(self, req: GenerateRequest) -> None:
         try:
@@ -40,9 +40,9 @@ class ColocatedWorker(WorkerBase):
                 TokenOutput(request_id=req.request_id, worker_id=self.worker_id, finish_reason="error", error=str(e)),
             )
             return
-        self.gateway_of[req.request_id] = req.gateway_id
-        self.received[req.request_id] = time.monotonic()
-        self.trace_start(req.request_id, req.traceparent, self.received[req.request_id])
+        arrived = time.monotonic()
+        self.requests[req.request_id] = DecodeRecord(req.gateway_id, waiting_since=arrived)
+        self.trace_start(req.request_id, req.traceparent, arrived)
 
     def _on_abort(self, msg: Abort) -> None:
         if msg.seq_index is not None:  # one member of a group: the others run on
@@ -52,19 +52,23 @@ class ColocatedWorker(WorkerBase):
                 self.rt.flush_outputs()
             return
         self.engine.abort(msg.request_id)
-        self.gateway_of.pop(msg.request_id, None)
-        self.received.pop(msg.request_id, None)
-        self.trace_end(msg.request_id, "colocated.generate", "aborted")
+        self._forget(msg.request_id, "aborted")
+
+    def _forget(self, request_id: str, reason: str, tokens: int | None = None) -> None:
+        """The one place a request's record goes (its blocks are its engine sequence's)."""
+        self.trace_end(request_id, "colocated.generate", reason, tokens)
+        self.requests.pop(request_id, None)
 
     def step(self) -> None:
         self.rt.mark_step()
         sched = self.engine.schedule()
         now = time.monotonic()
-        first_seen = {
-            c.seq.request_id: now - self.received.pop(c.seq.request_id)
-            for c in sched.prefills
-            if c.seq.request_id in self.received
-        }
+        first_seen = {}  # request id -> seconds it queued before its prompt's first chunk
+        for c in sched.prefills:
+            rec = self.requests.get(c.seq.request_id)
+            waited = rec.take_wait(now) if rec is not None else None
+            if waited is not None:
+                first_seen[c.seq.request_id] = waited
         for out in self.engine.execute(sched):
             timings = {}
             if out.seq.num_output_tokens == 1 and out.request_id in first_seen:
@@ -74,11 +78,11 @@ class ColocatedWorker(WorkerBase):
         self._last_progress = time.monotonic()
 
     def _emit(self, out: StepOutput, timings: dict[str, float] | None = None) -> None:
-        gateway = self.gateway_of.get(out.request_id)
-        if gateway is None:
+        rec = self.requests.get(out.request_id)
+        if rec is None:
             return
         self.rt.hold_output(
-            gateway,
+            rec.gateway_id,
             TokenOutput(
                 request_id=out.request_id,
                 worker_id=self.worker_id,
@@ -92,8 +96,7 @@ class ColocatedWorker(WorkerBase):
             ),
         )
         if out.request_done:
-            self.gateway_of.pop(out.request_id, None)
-            self.trace_end(out.request_id, "colocated.generate", out.finish_reason or "done", out.seq.num_output_tokens)
+            self._forget(out.request_id, out.finish_reason or "done", out.seq.num_output_tokens)
 
     def stats(self) -> WorkerStats:
         spec = self.engine.speculator
@@ -105,7 +108,7 @@ class ColocatedWorker(WorkerBase):
         )
 
     def has_work(self) -> bool:
-        return self.engine.has_work() or bool(self.gateway_of)
+        return self.engine.has_work() or bool(self.requests)
 
     def run_once(self) -> None:
         for msg in self.rt.drain(0 if self.engine.has_work() else 20):

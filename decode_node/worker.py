@@ -25,6 +25,7 @@ import zmq
 
 from pdserve import tracing
 from pdserve.decode_node.aimd import AimdLimit, AimdSettings
+from pdserve.decode_node.request_record import DecodeRecord
 from pdserve.decode_node.settings import DecodeSettings
 from pdserve.decode_node.step_pacing import StepPacer
 from pdserve.decode_node.thread_lending import ThreadLending
@@ -91,10 +92,9 @@ class DecodeWorker(WorkerBase):
         self.handlers.update({ReserveRequest: self._on_reserve, Abort: self._on_abort})
         if self.engine.hasher is not None:
             self.kv_report = PrefixCacheReport(self.engine.pool)
-        self.gateway_of: dict[str, str] = {}  # request id -> gateway id
+        self.requests: dict[str, DecodeRecord] = {}  # every request taken and not yet ended
         self.blocks_skipped = 0  # prompt blocks found held at reservation: never transferred
         self.local_prefills = 0  # requests taken whole: the short rest of the prompt prefilled here
-        self.admitted_at: dict[str, float] = {}
         busy = torch.get_num_threads()
         self.threads = ThreadLending(busy, max(busy, settings.idle_threads or busy))
         self.pacer = StepPacer(settings.step_interval_ms)
@@ -132,7 +132,7 @@ class DecodeWorker(WorkerBase):
         seats = sch.max_num_seqs - sch.num_seats - self.leases.num_active
         wanted = min(req.num_seqs, sch.max_num_seqs)  # a wider group runs alone
         reason, full = "", False  # full: refused for lack of room now, worth retrying later
-        if req.request_id in self.gateway_of or self.leases.get(req.request_id) is not None:
+        if req.request_id in self.requests or self.leases.get(req.request_id) is not None:
             reason = "duplicate request id"
         elif self.draining:  # (asked before the gateway heard): another worker, or later
             reason, full = "draining", True
@@ -155,7 +155,7 @@ class DecodeWorker(WorkerBase):
         blocks = eng.pool.allocate(need, after=held[-1] if held else None)
         lease = self.leases.grant(req.request_id, blocks, self.lease_ttl_s, prefix_block_ids=held)
         self.blocks_skipped += len(held)
-        self.gateway_of[req.request_id] = req.gateway_id
+        self.requests[req.request_id] = DecodeRecord(req.gateway_id)
         self.rt.to_gateway(
             req.gateway_id, ReserveReply(request_id=req.request_id, worker_id=self.worker_id, lease=lease)
         )
@@ -185,7 +185,7 @@ class DecodeWorker(WorkerBase):
                 req.gateway_id, ReserveReply(request_id=req.request_id, worker_id=self.worker_id, reason=str(e))
             )
             return False
-        self.gateway_of[req.request_id] = req.gateway_id
+        self.requests[req.request_id] = DecodeRecord(req.gateway_id)
         self.local_prefills += 1
         self.rt.to_gateway(
             req.gateway_id, ReserveReply(request_id=req.request_id, worker_id=self.worker_id, local=True)
@@ -211,12 +211,12 @@ class DecodeWorker(WorkerBase):
 
     def _on_kv_done(self, done: KvDone) -> None:
         lease = self.leases.get(done.request_id)
-        gateway = self.gateway_of.get(done.request_id)
-        if lease is None or gateway is None:
+        rec = self.requests.get(done.request_id)
+        if lease is None or rec is None:
             return
         self.leases.release(done.request_id)  # blocks now belong to the sequence
-        self.admitted_at[done.request_id] = time.monotonic()
-        self.trace_start(done.request_id, done.traceparent, self.admitted_at[done.request_id])
+        rec.waiting_since = time.monotonic()
+        self.trace_start(done.request_id, done.traceparent, rec.waiting_since)
         blocks = lease.prefix_block_ids + lease.block_ids
         try:
             if not self._prefix_matches(lease.prefix_block_ids, done.prompt_token_ids):
@@ -267,18 +267,21 @@ class DecodeWorker(WorkerBase):
             return
         if not self.engine.abort(msg.request_id):
             self.engine.pool.free(self.leases.abort(msg.request_id, writer_gone=msg.lease_unused))
-        self.gateway_of.pop(msg.request_id, None)
-        self.admitted_at.pop(msg.request_id, None)
-        self.trace_end(msg.request_id, "decode", "aborted")
+        self._forget(msg.request_id, "aborted")
+
+    def _forget(self, request_id: str, reason: str, tokens: int | None = None) -> DecodeRecord | None:
+        """The one place a request's record goes (its blocks are the engine's or the lease table's)."""
+        self.trace_end(request_id, "decode", reason, tokens)
+        return self.requests.pop(request_id, None)
 
     def _report_renewals(self) -> None:
         """Leases a prefill worker renewed (it still holds their requests): tell it, through the
         request's gateway, the deadline it may now write by."""
         for request_id, lease in self.receiver.renewed:
-            gateway = self.gateway_of.get(request_id)
-            if gateway is not None:
+            rec = self.requests.get(request_id)
+            if rec is not None:
                 self.rt.to_gateway(
-                    gateway,
+                    rec.gateway_id,
                     LeaseRenewed(
                         request_id=request_id,
                         worker_id=self.worker_id,
@@ -291,10 +294,10 @@ class DecodeWorker(WorkerBase):
     def _reclaim(self) -> None:
         now = time.time()
         for request_id in self.leases.expire(now):
-            gateway = self.gateway_of.pop(request_id, None)
-            if gateway is not None:
+            rec = self._forget(request_id, "error")
+            if rec is not None:
                 self.rt.to_gateway(
-                    gateway,
+                    rec.gateway_id,
                     TokenOutput(
                         request_id=request_id,
                         worker_id=self.worker_id,
@@ -308,9 +311,10 @@ class DecodeWorker(WorkerBase):
 
     # --- outputs (held, then sent one frame a gateway by rt.flush_outputs) --------------------
     def _emit_step(self, out: StepOutput, timings: dict[str, float] | None = None) -> None:
-        admitted = self.admitted_at.pop(out.request_id, None)
-        if admitted is not None:
-            timings = {**(timings or {}), "decode_admission_s": time.monotonic() - admitted}
+        rec = self.requests.get(out.request_id)
+        waited = rec.take_wait(time.monotonic()) if rec is not None else None
+        if waited is not None:
+            timings = {**(timings or {}), "decode_admission_s": waited}
         self._emit(
             out.request_id,
             out.new_token_ids,
@@ -336,11 +340,11 @@ class DecodeWorker(WorkerBase):
         seq_index=0,
         done=None,
     ) -> None:
-        gateway = self.gateway_of.get(request_id)
-        if gateway is None:
+        rec = self.requests.get(request_id)
+        if rec is None:
             return
         self.rt.hold_output(
-            gateway,
+            rec.gateway_id,
             TokenOutput(
                 request_id=request_id,
                 worker_id=self.worker_id,
@@ -355,9 +359,7 @@ class DecodeWorker(WorkerBase):
             ),
         )
         if done or (done is None and reason is not None):
-            self.gateway_of.pop(request_id, None)
-            self.admitted_at.pop(request_id, None)
-            self.trace_end(request_id, "decode", reason or "done", index + len(tokens))
+            self._forget(request_id, reason or "done", index + len(tokens))
 
     def step(self) -> None:
         self.rt.mark_step()
@@ -410,7 +412,7 @@ class DecodeWorker(WorkerBase):
         )
 
     def has_work(self) -> bool:
-        return self.engine.has_work() or self.leases.num_active > 0 or bool(self.gateway_of)
+        return self.engine.has_work() or self.leases.num_active > 0 or bool(self.requests)
 
     def run_once(self) -> None:
         if self._wait_ms:  # sleep on both inboxes: no work, or (paced) the next step is not due
