@@ -19,14 +19,20 @@ log = logging.getLogger(__name__)
 # Architecture name in config.json -> what differs from plain Llama (the table of differences).
 # qkv_bias None: read `attention_bias` from config (which biases o_proj too); qk_norm: per-head
 # RMSNorm on q and k before RoPE. Phi-3's fused qkv_proj/gate_up_proj already are our layout, and
-# its `partial_rotary_factor` and longrope scaling are read for every architecture.
+# its `partial_rotary_factor` and longrope scaling are read for every architecture. family
+# `gemma` (models/gemma.py): scaled embedding, (1 + w) norms around both sublayers, GeLU-tanh,
+# query_pre_attn_scalar, soft-capping where configured, local rope for sliding layers (Gemma 3).
+# Sliding windows are per layer for every family (`layer_types`, Qwen2's max_window_layers).
 SUPPORTED_ARCHITECTURES: dict[str, dict[str, Any]] = {
     "LlamaForCausalLM": {"qkv_bias": None, "qk_norm": False},
     "MistralForCausalLM": {"qkv_bias": False, "qk_norm": False},
     "Qwen2ForCausalLM": {"qkv_bias": True, "qk_norm": False},
     "Qwen3ForCausalLM": {"qkv_bias": None, "qk_norm": True},
     "Phi3ForCausalLM": {"qkv_bias": False, "qk_norm": False},
+    "Gemma2ForCausalLM": {"qkv_bias": None, "qk_norm": False, "family": "gemma"},
+    "Gemma3ForCausalLM": {"qkv_bias": None, "qk_norm": True, "family": "gemma"},
 }
+GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")  # GeLU, tanh approximation
 ROPE_KINDS = ("default", "linear", "llama3", "longrope")
 MODEL_IMPLS = ("auto", "native", "transformers")  # --model-impl (vLLM's name)
 
@@ -66,7 +72,14 @@ class ModelConfig:
     tie_word_embeddings: bool
     qkv_bias: bool
     eos_token_ids: tuple[int, ...]
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # transformers impl only: caps max_context (not served)
+    # native: each layer's sliding window (0: full attention); () when no layer has one
+    layer_windows: tuple[int, ...] = ()
+    attn_softcap: float | None = None  # Gemma 2: scores -> tanh(s / cap) * cap
+    final_softcap: float | None = None  # Gemma 2: the same on the logits
+    attn_scale: float | None = None  # None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
+    local_rope: RopeConfig | None = None  # Gemma 3: the sliding layers' rope (None: `rope` for all)
+    family: str = "llama"  # llama (models/llama.py) | gemma (models/gemma.py)
     o_bias: bool = False  # o_proj bias (Llama, Qwen3: `attention_bias`)
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k, before RoPE
     rotary_dim: int | None = None  # None: all of head_dim; else its first rotary_dim dims (Phi-4-mini)
@@ -81,6 +94,18 @@ class ModelConfig:
             raise ValueError(f"rotary dims {rot} (partial_rotary_factor) must be even and in (0, {self.head_dim}]")
         if self.rope.kind == "longrope" and len(self.rope.short_factor) != rot // 2:
             raise ValueError(f"longrope short_factor has {len(self.rope.short_factor)} entries, expected {rot // 2}")
+        if self.layer_windows and (len(self.layer_windows) != self.num_layers or min(self.layer_windows) < 0):
+            raise ValueError(f"layer_windows needs one window >= 0 per layer ({self.num_layers}): {self.layer_windows}")
+
+    def window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window (a query at position p sees keys > p - window); None: full."""
+        return (self.layer_windows[layer] or None) if self.layer_windows else None
+
+    @property
+    def every_layer_windowed(self) -> bool:
+        """Whether every layer has a sliding window (Mistral): then KV before the widest window is
+        never read again."""
+        return bool(self.layer_windows) and min(self.layer_windows) > 0
 
     @property
     def rotary_dims(self) -> int:
@@ -89,8 +114,8 @@ class ModelConfig:
 
     @property
     def max_context(self) -> int:
-        """Longest sequence this engine serves exactly. A sliding window caps it (no SWA here), and
-        so does longrope's original_max_position_embeddings: past it HF recomputes a sequence's
+        """Longest sequence this engine serves exactly. A sliding window caps it on the transformers
+        path (the native one serves windows: `layer_windows`), and so does longrope's original_max_position_embeddings: past it HF recomputes a sequence's
         whole KV with `long_factor` frequencies, which KV shared between sequences and workers
         (prefix cache, P -> D transfer) cannot follow; below it HF uses `short_factor`, as we do."""
         limit = self.max_position_embeddings
@@ -116,6 +141,7 @@ class ModelConfig:
             f"/D{self.head_dim}/V{self.vocab_size}/{str(dtype).removeprefix('torch.')}"
             + (f"/{self.weights_tag}" if self.weights_tag else "")
             + ("/transformers" if self.impl == "transformers" else "")  # its KV rounds differently
+            + (f"/SW{'-'.join(map(str, sorted(set(self.layer_windows))))}" if self.layer_windows else "")
         )
 
     @classmethod
@@ -169,10 +195,19 @@ class ModelConfig:
             qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
         if cfg.get("mlp_bias"):
             raise ValueError("mlp_bias=True is not supported")
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
-        sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
-        rope = _rope_from_hf(cfg)
+        family = traits.get("family", "llama")
+        act = (
+            cfg.get("hidden_activation")
+            or cfg.get("hidden_act")
+            or ("gelu_pytorch_tanh" if family == "gemma" else "silu")
+        )
+        if act not in (GEMMA_ACTIVATIONS if family == "gemma" else ("silu",)):
+            raise ValueError(f"hidden activation {act!r} is not supported for {arch}")
+        if cfg.get("use_bidirectional_attention"):
+            raise ValueError("use_bidirectional_attention=True (not a causal LM) is not supported")
+        rope, local_rope = _rope_from_hf(cfg), None
+        if family == "gemma":
+            rope, local_rope = _gemma_ropes(cfg, arch)
         partial = float(_rope_params(cfg).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
         if rope.kind == "longrope":
             log.warning(
@@ -197,11 +232,55 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             eos_token_ids=eos_token_ids(path, cfg),
-            sliding_window=sliding,
+            layer_windows=_layer_windows(cfg, arch),
+            attn_softcap=cfg.get("attn_logit_softcapping") if family == "gemma" else None,
+            final_softcap=cfg.get("final_logit_softcapping") if family == "gemma" else None,
+            attn_scale=float(cfg.get("query_pre_attn_scalar", head_dim)) ** -0.5 if family == "gemma" else None,
+            local_rope=local_rope,
+            family=family,
             o_bias=o_bias,
             qk_norm=traits["qk_norm"],
             rotary_dim=None if partial == 1.0 else int(head_dim * partial),  # HF: int(head_dim * factor)
         )
+
+
+def _layer_windows(cfg: dict[str, Any], arch: str) -> tuple[int, ...]:
+    """Each layer's sliding window as HF builds it (0: full attention); () when none has one.
+    `layer_types` where the config lists them (Gemma 2/3, Qwen2/3 in transformers 5), else
+    Gemma's pattern (every `sliding_window_pattern`-th layer full: 2 for Gemma 2, default 6 for
+    Gemma 3), else Qwen2's rule (windowed from layer max_window_layers on, when
+    use_sliding_window), else Mistral's (every layer, when sliding_window is set)."""
+    window, n = cfg.get("sliding_window"), cfg["num_hidden_layers"]
+    if not window or not cfg.get("use_sliding_window", True):
+        return ()
+    types = cfg.get("layer_types")
+    if types is not None:
+        unknown = set(types) - {"sliding_attention", "full_attention"}
+        if unknown or len(types) != n:
+            raise ValueError(f"layer_types {sorted(set(types))} (need {n} of sliding/full_attention)")
+        windows = tuple(window if t == "sliding_attention" else 0 for t in types)
+    elif arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+        default = 2 if arch == "Gemma2ForCausalLM" else 6
+        pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or default)
+        windows = tuple(window if (i + 1) % pattern else 0 for i in range(n))
+    elif "max_window_layers" in cfg:
+        windows = tuple(window if i >= cfg["max_window_layers"] else 0 for i in range(n))
+    else:
+        windows = (window,) * n
+    return windows if any(windows) else ()
+
+
+def _gemma_ropes(cfg: dict[str, Any], arch: str) -> tuple[RopeConfig, RopeConfig | None]:
+    """(full layers' rope, sliding layers' rope or None): Gemma 3 keeps one per layer type
+    (transformers 5: rope_parameters[type]; 4.x: rope_theta/rope_scaling and rope_local_base_freq)."""
+    params = cfg.get("rope_parameters") or {}
+    if "full_attention" in params:
+        glob = _rope_from_hf({"rope_parameters": params["full_attention"]})
+        local = _rope_from_hf({"rope_parameters": params.get("sliding_attention") or {"rope_theta": 10000.0}})
+        return glob, local
+    if arch == "Gemma3ForCausalLM":
+        return _rope_from_hf(cfg), RopeConfig(theta=float(cfg.get("rope_local_base_freq", 10000.0)))
+    return _rope_from_hf(cfg), None
 
 
 def _rope_params(cfg: dict) -> dict:

@@ -1,4 +1,5 @@
-"""Random-initialised Hugging Face model folders (Llama / Qwen2 / Qwen3 / Phi-3), made offline and
+"""Random-initialised Hugging Face model folders (Llama / Qwen2 / Qwen3 / Phi-3 / Gemma 2 / Gemma 3,
+and the transformers-backend families of engine/make_model_families.py), made offline and
 deterministically, through transformers' own config and model classes.
 
 `pdserve serve` with no --model uses `default_model_path()`: the ~30M-parameter `default`
@@ -22,7 +23,14 @@ from typing import Any
 
 import torch
 
-from pdserve.engine.make_model_families import TRANSFORMERS_ARCHS, transformers_family_config
+from pdserve.engine.make_model_families import (
+    GEMMA_ARCHS,
+    GEMMA_TINY_WINDOW,
+    TRANSFORMERS_ARCHS,
+    gemma_family_config,
+    gemma_rescale_weights,
+    transformers_family_config,
+)
 from pdserve.engine.tokenizer_builder import EOS, build_tokenizer
 from pdserve.env import settings
 
@@ -53,17 +61,27 @@ PRESETS = {
 PRESETS["default"] = PRESETS["bench"]
 
 
-ARCHS = ("llama", "qwen2", "qwen3", "phi3", *TRANSFORMERS_ARCHS)  # the latter: engine/make_model_families.py
+ARCHS = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "phi3",
+    *GEMMA_ARCHS,
+    *TRANSFORMERS_ARCHS,
+)  # the latter: engine/make_model_families.py
 
 
 def _hf_config(
     arch: str, p: ModelPreset, vocab: int, eos_id: int, rope_scaling: dict | None, extra: dict[str, Any] | None = None
 ):
     """`extra`: more HF config fields (e.g. phi3's partial_rotary_factor, original_max_position_embeddings)."""
-    from transformers import LlamaConfig, Phi3Config, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 
     if arch in TRANSFORMERS_ARCHS:
         return transformers_family_config(arch, p, vocab, eos_id, {"rope_type": "default", "rope_theta": p.rope_theta})
+    if arch in GEMMA_ARCHS:
+        return gemma_family_config(arch, p, vocab, eos_id, extra or {})
     common: dict[str, Any] = dict(
         vocab_size=vocab,
         hidden_size=p.hidden_size,
@@ -82,11 +100,15 @@ def _hf_config(
     )
     head_dim = p.head_dim or p.hidden_size // p.num_heads
     rope = {"rope_type": "default", "rope_theta": p.rope_theta, **(rope_scaling or {})}
-    cfg: LlamaConfig | Qwen2Config | Qwen3Config | Phi3Config
+    cfg: LlamaConfig | MistralConfig | Qwen2Config | Qwen3Config | Phi3Config
     if arch == "llama":
         cfg = LlamaConfig(**common, attention_bias=False, mlp_bias=False, head_dim=head_dim)
     elif arch == "qwen2":
-        cfg = Qwen2Config(**common, use_sliding_window=False)
+        common.setdefault("use_sliding_window", False)
+        cfg = Qwen2Config(**common)
+    elif arch == "mistral":  # every layer windowed: prompts of tests cross the window
+        common.setdefault("sliding_window", GEMMA_TINY_WINDOW)
+        cfg = MistralConfig(**common, head_dim=head_dim)
     elif arch == "qwen3":
         common.setdefault("attention_bias", False)
         common.setdefault("use_sliding_window", False)
@@ -148,6 +170,8 @@ def make_model(
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
         _init_weights(model, seed)
+        if arch in GEMMA_ARCHS:
+            gemma_rescale_weights(model)
         kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
         model.save_pretrained(tmp, **kwargs)
         GenerationConfig(

@@ -13,11 +13,72 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PretrainedConfig
 
     from pdserve.engine.make_model import ModelPreset
 
 TRANSFORMERS_ARCHS = ("olmo2", "granite", "gpt_neox", "stablelm", "qwen2_moe")
+GEMMA_ARCHS = ("gemma2", "gemma3")  # served natively (engine/models/gemma.py)
+# Small enough that test prompts cross it (with 16-token blocks: blocks fall out of the window).
+GEMMA_TINY_WINDOW = 32
+
+
+def gemma_family_config(arch: str, p: ModelPreset, vocab: int, eos_id: int, extra: dict[str, Any]) -> PretrainedConfig:
+    """Gemma 2 / Gemma 3 text at preset `p`'s shape, with what sets them apart made to matter:
+    layers alternating sliding (window GEMMA_TINY_WINDOW) and full, query_pre_attn_scalar other
+    than head_dim, soft-capping tight enough to bite (Gemma 2), a local rope base for sliding
+    layers and a global base with linear scaling for full ones (Gemma 3). `extra` overrides."""
+    from transformers import Gemma2Config, Gemma3TextConfig
+
+    head_dim = p.head_dim or p.hidden_size // p.num_heads
+    fields: dict[str, Any] = dict(
+        vocab_size=vocab,
+        hidden_size=p.hidden_size,
+        intermediate_size=p.intermediate_size,
+        num_hidden_layers=p.num_layers,
+        num_attention_heads=p.num_heads,
+        num_key_value_heads=p.num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=p.max_position_embeddings,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=p.tie_word_embeddings,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,
+        query_pre_attn_scalar=2 * head_dim,
+        sliding_window=GEMMA_TINY_WINDOW,
+        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(p.num_layers)],
+        hidden_activation="gelu_pytorch_tanh",
+    )
+    if arch == "gemma2":
+        fields.update(attn_logit_softcapping=3.0, final_logit_softcapping=8.0)
+        fields["rope_parameters"] = {"rope_type": "default", "rope_theta": p.rope_theta}
+        fields.update(extra)
+        return Gemma2Config(**fields)
+    if arch == "gemma3":
+        fields["rope_parameters"] = {
+            "sliding_attention": {"rope_type": "default", "rope_theta": p.rope_theta},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100 * p.rope_theta},
+        }
+        fields.update(extra)
+        return Gemma3TextConfig(**fields)
+    raise ValueError(f"unknown Gemma arch {arch!r}; choose {', '.join(GEMMA_ARCHS)}")
+
+
+def gemma_rescale_weights(model: torch.nn.Module) -> None:
+    """After make_model's generic init: Gemma's norms scale by (1 + weight), so their weights go
+    to ~0 (scales ~1), and its embedding is multiplied by sqrt(hidden), so the table shrinks by as
+    much; else the (tied) embedding of the last token swamps the residual and greedy output
+    repeats it, which would hide a wrong layer."""
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.sub_(1.0)
+            elif name.endswith("embed_tokens.weight"):
+                param.mul_(param.shape[1] ** -0.5)
 
 
 def transformers_family_config(

@@ -11,6 +11,7 @@ import torch
 from pdserve.engine.batch import ForwardBatch, build_batch
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.gguf_file import is_gguf
+from pdserve.engine.models.gemma import GemmaForCausalLM
 from pdserve.engine.models.interface import CausalLM, LayerInputs
 from pdserve.engine.models.llama import ForwardContext, LlamaForCausalLM
 from pdserve.engine.models.quantized_linear import keep_gguf_blocks, quantize_model
@@ -40,11 +41,12 @@ def load_model(
             raise ValueError("--quantization is served on the native model path only, not through transformers")
         return load_transformers_model(cfg, dtype, device)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, max_positions, tp)
+        model = (GemmaForCausalLM if cfg.family == "gemma" else LlamaForCausalLM)(cfg, max_positions, tp)
     if quantization != "none" and is_gguf(cfg.path) and device.type == "cpu":
         keep_gguf_blocks(model, quantization, cfg.path)  # read as stored, never dequantized
     model.materialize(device, dtype)
     load_weights(model, cfg.path, show_progress=show_progress)
+    model.loaded()
     if quantization in ("int8", "int4"):
         quantize_model(model, quantization)  # the linears still float; before the relayout, which skips them
     if device.type == "cpu":

@@ -9,6 +9,10 @@ older tiled one (head_dim a multiple of 8), then torch. Measured per case by
 kernel was the fastest of the three and of torch's flash SDPA on every case, so no case goes to
 SDPA by choice.
 
+Per-layer options (`paged_attention(window=, softcap=)`): a sliding window (HF semantics: the
+query at position p sees keys at positions > p - window) and tanh soft-capping of the scores
+(Gemma 2). Every path takes both (the C and Triton kernels skip the blocks before a window).
+
 `PDSERVE_ATTENTION=torch|triton` overrides (`auto` or unset: the default; `torch`: pure torch
 everywhere, the reference). Triton on CPU tensors needs TRITON_INTERPRET=1 set before triton is
 first imported.
@@ -55,19 +59,33 @@ def use_triton(t: torch.Tensor, choice: str | None = None) -> bool:
 
 
 def _native_decode(
-    query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor, choice: str
+    query: torch.Tensor,
+    kv_layer: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor,
+    choice: str,
+    window: int | None,
+    softcap: float | None,
 ) -> bool:
     """Decode sequences through the C kernel when allowed and it can take them."""
     nd = meta.num_decode_seqs
     if not nd or choice not in ("", "auto") or not cpu_native.can_run(query, kv_layer):
         return False
     return cpu_native.paged_decode_attention(
-        query[:nd], kv_layer, meta.block_tables, meta.context_lens, scale, out[:nd]
+        query[:nd], kv_layer, meta.block_tables, meta.context_lens, scale, out[:nd], window, softcap
     )
 
 
 def _native_prefill(
-    query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor, choice: str
+    query: torch.Tensor,
+    kv_layer: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor,
+    choice: str,
+    window: int | None,
+    softcap: float | None,
 ) -> bool:
     """Prefill chunks through the C kernel when allowed and it can take them (their K/V is
     already in the pool: the model stores a layer's KV before attending)."""
@@ -86,6 +104,8 @@ def _native_prefill(
             scale,
             out,
             source,
+            window=window,
+            softcap=softcap,
         ):
             return True
     return False
@@ -107,16 +127,21 @@ def paged_attention(
     kv_layer: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """query [T, Hq, D], this step's key/value [T, Hkv, D] (already stored) -> out [T, Hq, D]."""
+    """query [T, Hq, D], this step's key/value [T, Hkv, D] (already stored) -> out [T, Hq, D].
+    `window`: this layer's sliding window (None: full attention); `softcap`: score soft-capping."""
     choice = _choice()  # read once per call
     if use_triton(query, choice):
         from pdserve.kernels import triton_attention
 
-        return triton_attention.paged_attention(query, key, value, kv_layer, meta, scale)
+        return triton_attention.paged_attention(
+            query, key, value, kv_layer, meta, scale, window=window, softcap=softcap
+        )
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # [T, Hq, D]
-    if not _native_decode(query, kv_layer, meta, scale, out, choice):
-        torch_attention.attend_decodes(query, kv_layer, meta, scale, out)
-    if not _native_prefill(query, kv_layer, meta, scale, out, choice):
-        torch_attention.attend_prefills(query, key, value, kv_layer, meta, scale, out)
+    if not _native_decode(query, kv_layer, meta, scale, out, choice, window, softcap):
+        torch_attention.attend_decodes(query, kv_layer, meta, scale, out, window, softcap)
+    if not _native_prefill(query, kv_layer, meta, scale, out, choice, window, softcap):
+        torch_attention.attend_prefills(query, key, value, kv_layer, meta, scale, out, window, softcap)
     return out

@@ -33,6 +33,11 @@
  * into L1 it gained little, the prefetches of a whole block at once none). Walking a block
  * head by head (eight tokens' scores summed at once, accumulators in registers) instead of
  * token by token was slower at every batch: rows 1 KB apart defeat the streams.
+ *
+ * Sliding window (`window` > 0, HF semantics): the query at position ctx - 1 sees keys at
+ * positions > ctx - 1 - window. A sequence's spans start at the block holding its first visible
+ * key (blocks before it are never read); the keys of that block before it are masked. Soft-capping
+ * (`softcap` > 0, Gemma 2): each scaled score s becomes softcap * tanh(s / softcap).
  */
 #include <math.h>
 #include <stdint.h>
@@ -64,11 +69,14 @@ typedef struct {
     const float *v;            /* [N*bs, Hkv, D] token rows */
     const int32_t *tables;     /* [n, table_stride] block ids */
     const int32_t *ctx_lens;   /* [n] tokens to attend, this step's included */
+    const int *starts;         /* [n] the first key each sequence sees (0 without a window) */
     float *out;                /* [n, Hq, D] */
     int64_t q_stride, table_stride;
     int hq, hkv, d, bs;
-    float scale;
+    float scale, softcap;      /* softcap 0: none */
 } Job;
+
+#define MASKED (-1e30f) /* a masked score; finite (-ffast-math assumes no infinities) */
 
 /* One work item: sequence i, tokens [t_lo, t_hi) of its context (t_lo on a block edge), KV heads
  * [h0, h0 + nh) and their G query heads each. Leaves the unnormalised output [H, D] in part and
@@ -117,6 +125,13 @@ static inline __attribute__((always_inline)) void attend(const Job *j, int i, in
                 }
             }
         }
+        if (j->softcap > 0.0f)
+            for (int g = 0; g < H; g++)
+                for (int t = 0; t < nt; t++) s[g * bs + t] = j->softcap * tanhf(s[g * bs + t] / j->softcap);
+        const int hidden = j->starts[i] - t0; /* keys before the window in this block (first block only) */
+        if (hidden > 0)
+            for (int g = 0; g < H; g++)
+                for (int t = 0; t < hidden && t < nt; t++) s[g * bs + t] = MASKED;
         for (int g = 0; g < H; g++) { /* online softmax: p = exp(s - max), rescale what came before */
             float *sg = s + g * bs;
             float mx = m[g];
@@ -180,16 +195,16 @@ static void merge(const Job *j, int i, int h0, int H, const float *part, int64_t
 }
 
 /* The batch's spans: sequence i's are first[i] .. first[i + 1] - 1, each `len` tokens but its
- * last; seq[sp] is span sp's sequence. */
+ * last, from begin[i] (its first visible key's block edge); seq[sp] is span sp's sequence. */
 typedef struct {
-    const int *first, *seq;
+    const int *first, *seq, *begin;
     int64_t len;
 } Spans;
 
 /* Span sp: its sequence *i and tokens [*lo, *hi) of that sequence's context. */
 static inline void span_range(const Job *j, const Spans *spans, int64_t sp, int *i, int *lo, int *hi) {
     *i = spans->seq[sp];
-    *lo = (int)((sp - spans->first[*i]) * spans->len);
+    *lo = spans->begin[*i] + (int)((sp - spans->first[*i]) * spans->len);
     *hi = *lo + spans->len < j->ctx_lens[*i] ? *lo + (int)spans->len : j->ctx_lens[*i];
 }
 
@@ -216,8 +231,8 @@ static inline void prefetch_first_block(const Job *j, const Spans *spans, int64_
  * memory is short. */
 int paged_decode_attention_f32(const float *q, int64_t q_stride, const float *kv, int64_t num_tokens_in_pool,
                                const int32_t *tables, int64_t table_stride, const int32_t *ctx_lens,
-                               float *out, int n, int hq, int hkv, int d, int bs, float scale,
-                               int nthreads) {
+                               float *out, int n, int hq, int hkv, int d, int bs, float scale, int window,
+                               float softcap, int nthreads) {
     if (hkv <= 0 || hq % hkv != 0 || hq / hkv > MAX_H || d > MAX_D || d % 8 || bs > MAX_BS || bs <= 0) return -1;
     if (n <= 0) return 0;
     int per = hkv; /* KV heads per item: all of them, unless their query heads are over MAX_H */
@@ -226,17 +241,26 @@ int paged_decode_attention_f32(const float *q, int64_t q_stride, const float *kv
     /* the span: the batch's context over SPAN_ITEMS, at least SPAN_MIN, in whole blocks. A batch
      * of long sequences keeps one item per sequence (one long stream each for the prefetcher;
      * cutting them was 30% slower at 32 x 370 tokens), a small batch is cut to feed the threads. */
+    int *starts = malloc(sizeof(int) * (size_t)(2 * n + 1)), *begin = starts + n; /* first key seen, its block edge */
+    if (!starts) return -1;
     int64_t total = 0;
-    for (int i = 0; i < n; i++) total += ctx_lens[i];
+    for (int i = 0; i < n; i++) {
+        starts[i] = window > 0 && ctx_lens[i] > window ? ctx_lens[i] - window : 0;
+        begin[i] = starts[i] / bs * bs;
+        total += ctx_lens[i] - begin[i];
+    }
     int64_t span = (total + SPAN_ITEMS - 1) / SPAN_ITEMS;
     if (span < SPAN_MIN) span = SPAN_MIN;
     span = (span + bs - 1) / bs * bs;
     if (span > (1 << 30)) span = 1 << 30;
     /* work items: sequence i's spans first_span[i] .. first_span[i + 1] - 1, each for every head group */
     int *first_span = malloc(sizeof(int) * (size_t)(n + 1));
-    if (!first_span) return -1;
+    if (!first_span) {
+        free(starts);
+        return -1;
+    }
     first_span[0] = 0;
-    for (int i = 0; i < n; i++) first_span[i + 1] = first_span[i] + (int)((ctx_lens[i] + span - 1) / span);
+    for (int i = 0; i < n; i++) first_span[i + 1] = first_span[i] + (int)((ctx_lens[i] - begin[i] + span - 1) / span);
     const int64_t spans = first_span[n], items = spans * groups;
     const int64_t part_step = (int64_t)H * d, ml_step = 2 * (int64_t)H; /* floats per item */
     float *part = malloc(sizeof(float) * (size_t)(items * (part_step + ml_step) + 1));
@@ -245,13 +269,14 @@ int paged_decode_attention_f32(const float *q, int64_t q_stride, const float *kv
         free(first_span);
         free(part);
         free(span_seq);
+        free(starts);
         return -1;
     }
     float *ml = part + items * part_step;
     for (int i = 0; i < n; i++)
         for (int sp = first_span[i]; sp < first_span[i + 1]; sp++) span_seq[sp] = i;
-    const Job job = {q, kv, kv + num_tokens_in_pool * hkv * d, tables, ctx_lens, out, q_stride, table_stride,
-                     hq, hkv, d, bs, scale};
+    const Job job = {q,      kv,        kv + num_tokens_in_pool * hkv * d, tables, ctx_lens, starts, out, q_stride,
+                     table_stride, hq, hkv, d, bs, scale, softcap};
     void (*fn)(const Job *, int, int, int, int, int, float *, float *) =
         d == 64 ? attend_64 : d == 128 ? attend_128 : attend_any;
     if (nthreads > items) nthreads = (int)items;
@@ -266,7 +291,7 @@ int paged_decode_attention_f32(const float *q, int64_t q_stride, const float *kv
         tid = omp_get_thread_num();
         team = omp_get_num_threads();
 #endif
-        const Spans spans = {first_span, span_seq, span};
+        const Spans spans = {first_span, span_seq, begin, span};
         const int64_t total_tokens = total * groups;
         int64_t it = 0, seen = 0, end;
         for (; it < items && seen * team < total_tokens * tid; it++) seen += span_tokens(&job, &spans, it / groups);
@@ -291,5 +316,6 @@ int paged_decode_attention_f32(const float *q, int64_t q_stride, const float *kv
     free(first_span);
     free(part);
     free(span_seq);
+    free(starts);
     return 0;
 }

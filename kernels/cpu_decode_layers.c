@@ -24,7 +24,8 @@ typedef int (*rope_store_fn)(const float *qkv, int64_t ldq, const float *cos, co
                              int hkv, int d, int nthreads);
 typedef int (*attention_fn)(const float *q, int64_t q_stride, const float *kv, int64_t num_tokens_in_pool,
                             const int32_t *tables, int64_t table_stride, const int32_t *ctx_lens, float *out,
-                            int n, int hq, int hkv, int d, int bs, float scale, int nthreads);
+                            int n, int hq, int hkv, int d, int bs, float scale, int window, float softcap,
+                            int nthreads);
 typedef int (*gemm_fn)(const float *x, int64_t ldx, const float *panels, const float *bias, float *y, int64_t m,
                        int64_t in, int64_t out, int nthreads);
 
@@ -81,7 +82,7 @@ int decode_layers_f32(const kernel_table *k, const layer_weights *layers, int nu
         if (k->rope_store(qkv, qkv_w, cos, sin, q, kr, w->kv, slots, slot, m, s->hq, s->hkv, s->d, nthreads))
             return SLOT_PAST_POOL;
         if (k->attention(q, q_w, w->kv, slots, tables, table_stride, ctx_lens, attn, (int)m, s->hq, s->hkv, s->d,
-                         s->block_size, s->scale, nthreads))
+                         s->block_size, s->scale, 0, 0.0f, nthreads)) /* full attention: no window, no softcap */
             return ATTENTION_REFUSED;
         k->gemm(attn, q_w, w->o, NULL, o, m, q_w, H, nthreads);
         k->add_rmsnorm(x, o, H, w->post_attention_norm, sum, h, m, H, s->eps, nthreads);  /* sum = x + o */

@@ -156,6 +156,8 @@ def _library() -> ctypes.CDLL | None:
             ctypes.c_int,
             ctypes.c_int,
             ctypes.c_float,
+            ctypes.c_int,  # window (0: none)
+            ctypes.c_float,  # softcap (0: none)
             ctypes.c_int,
         ]
     return lib
@@ -189,6 +191,8 @@ def _prefill_library(source: Path = PREFILL_SOURCE) -> ctypes.CDLL | None:
             ctypes.c_void_p,
             *[ctypes.c_int] * 6,
             ctypes.c_float,
+            ctypes.c_int,  # window (0: none)
+            ctypes.c_float,  # softcap (0: none)
             ctypes.c_int,
         ]
     return lib
@@ -266,10 +270,14 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> bool:
     """query [n, Hq, D], kv_layer [2, N, bs, Hkv, D], block_tables [>=n, W] int32,
-    context_lens [>=n] int32 -> out [n, Hq, D]. False when the kernel refuses the shapes
-    (over its limits); the caller then takes the torch path. Runs without the GIL."""
+    context_lens [>=n] int32 -> out [n, Hq, D]; `window`: each query sees its last `window` keys
+    only (the blocks before them are not read), `softcap`: tanh soft-capping of the scores.
+    False when the kernel refuses the shapes (over its limits); the caller then takes the torch
+    path. Runs without the GIL."""
     n, hq, d = query.shape
     if query.stride(2) != 1 or query.stride(1) != d:  # rows may be apart (the model's fused qkv view)
         query = query.contiguous()
@@ -291,6 +299,8 @@ def paged_decode_attention(
         d,
         bs,
         scale,
+        window or 0,
+        softcap or 0.0,
         torch.get_num_threads(),
     )
     return rc == 0
@@ -311,11 +321,14 @@ def paged_prefill_attention(
     scale: float,
     out: torch.Tensor,
     source: Path = PREFILL_SOURCE,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> bool:
     """The chunks of sequences `first..` of a ragged batch: query [T, Hq, D] (all the batch's
     rows), their K/V already stored in kv_layer [2, N, bs, Hkv, D]; block_tables [B, W],
     cu_seqlens_q [B+1], context_lens [B] int32 -> out [T, Hq, D] at those sequences' rows, by
-    the kernel in `source` (PREFILL_SOURCE, the tiled one, or FLASH_SOURCE). False when the kernel
+    the kernel in `source` (PREFILL_SOURCE, the tiled one, or FLASH_SOURCE); `window` and `softcap`
+    as for paged_decode_attention (keys before a tile's window are not read). False when the kernel
     refuses the shapes; the caller then takes another kernel or the torch path."""
     _, hq, d = query.shape
     if query.stride(2) != 1 or query.stride(1) != d:  # rows may be apart (the model's fused qkv view)
@@ -344,6 +357,8 @@ def paged_prefill_attention(
         d,
         bs,
         scale,
+        window or 0,
+        softcap or 0.0,
         torch.get_num_threads(),
     )
     return rc == 0

@@ -22,6 +22,10 @@
  * Scores over rows beat scores over keys (a transposed K tile per item and tile, then a softmax
  * across lanes), and 8 x 16 tiles beat 4 x 16 (docs/benchmarks/engine.md).
  * Heavy items (tiles late in long prompts) go first, so the threads finish together.
+ *
+ * Sliding window (`window` > 0, per layer): row at position p sees keys (p - window, p]; an item's
+ * key tiles start at its first row's window (keys before it are never read), rows mask [lo, lim).
+ * Soft-capping (`softcap` > 0): scores s -> softcap * tanh(s / softcap), before the mask.
  */
 #include <math.h>
 #include <stdint.h>
@@ -87,6 +91,8 @@ typedef struct {
     int64_t q_stride, table_stride;
     int hq, hkv, d, bs, bq;
     float scale;
+    int window;    /* > 0: a row at position p sees keys > p - window (sliding window) */
+    float softcap; /* > 0: scores s become softcap * tanh(s / softcap) */
 } Job;
 
 typedef struct { int seq, head, tile; int64_t cost; } Item;
@@ -98,7 +104,9 @@ static inline __attribute__((always_inline)) void attend(const Job *j, const Ite
     const int i0 = it->tile * j->bq, nq = q_len - i0 < j->bq ? q_len - i0 : j->bq;
     const int R = nq * G, RP = (R + 15) & ~15; /* rows, padded to whole pairs of vectors */
     const int past = ctx - q_len;             /* query i sees keys 0 .. past + i */
-    const int kend = past + i0 + nq;          /* keys this item reads */
+    const int kend = past + i0 + nq;
+    /* keys [kstart, kend): with a window, none before the first row's */
+    const int kstart = j->window > 0 && past + i0 + 1 > j->window ? past + i0 + 1 - j->window : 0;          /* keys this item reads */
     const int64_t row = (int64_t)j->hkv * D;  /* floats between a pool token's rows */
     const int32_t *table = j->tables + (int64_t)b * j->table_stride;
 
@@ -107,7 +115,8 @@ static inline __attribute__((always_inline)) void attend(const Job *j, const Ite
     float st[KT * MAX_ROWS] __attribute__((aligned(32))); /* [KT, RP]: scores, then p */
     float m[MAX_ROWS] __attribute__((aligned(32))), l[MAX_ROWS] __attribute__((aligned(32)));
     float corr[MAX_ROWS] __attribute__((aligned(32)));
-    int32_t lim[MAX_ROWS] __attribute__((aligned(32))); /* keys [0, lim) of the sequence visible to the row */
+    int32_t lim[MAX_ROWS] __attribute__((aligned(32))); /* keys [lo, lim) of the sequence visible to the row */
+    int32_t lo[MAX_ROWS] __attribute__((aligned(32)));
     const float *krow[KT], *vrow[KT];
     static const float zeros[MAX_D] __attribute__((aligned(32))) = {0};
 
@@ -117,16 +126,18 @@ static inline __attribute__((always_inline)) void attend(const Job *j, const Ite
             const float *src = j->q + (int64_t)(q0 + i0 + i) * j->q_stride + (int64_t)(h * G + g) * D;
             for (int c = 0; c < D; c++) qt[c * RP + r] = src[c] * j->scale;
             lim[r] = past + i0 + i + 1;
+            lo[r] = j->window > 0 && lim[r] > j->window ? lim[r] - j->window : 0;
         } else { /* padding rows: see key 0 only, so they stay finite; never written out */
             for (int c = 0; c < D; c++) qt[c * RP + r] = 0.0f;
-            lim[r] = 1;
+            lim[r] = kstart + 1; /* key kstart only */
+            lo[r] = kstart;
         }
         m[r] = MASKED;
         l[r] = 0.0f;
     }
     for (int x = 0; x < R * D; x++) acc[x] = 0.0f;
 
-    for (int t0 = 0; t0 < kend; t0 += KT) {
+    for (int t0 = kstart; t0 < kend; t0 += KT) {
         const int nt = kend - t0 < KT ? kend - t0 : KT;
         for (int t = 0; t < KT; t++) {
             if (t < nt) {
@@ -154,13 +165,17 @@ static inline __attribute__((always_inline)) void attend(const Job *j, const Ite
                     store8(st + (t + u) * RP + r + 8, a[u][1]);
                 }
             }
-        /* online softmax, 8 rows a vector: mask past each row's limit, p = exp(s - max) */
+        if (j->softcap > 0.0f)
+            for (int t = 0; t < nt; t++)
+                for (int r = 0; r < RP; r++) st[t * RP + r] = j->softcap * tanhf(st[t * RP + r] / j->softcap);
+        /* online softmax, 8 rows a vector: mask outside each row's [lo, lim), p = exp(s - max) */
         for (int r = 0; r < RP; r += 8) {
             v8 mxv = load8(m + r), sumv = {0};
-            v8i limv;
+            v8i limv, lov;
             __builtin_memcpy(&limv, lim + r, sizeof limv);
+            __builtin_memcpy(&lov, lo + r, sizeof lov);
             for (int t = 0; t < KT; t++) {
-                const v8i seen = (t0 + t < limv) & (t < nt ? -1 : 0);
+                const v8i seen = (t0 + t < limv) & (t0 + t >= lov) & (t < nt ? -1 : 0);
                 const v8 x = sel(seen, load8(st + t * RP + r), splat8(MASKED));
                 store8(st + t * RP + r, x);
                 mxv = sel(x > mxv, x, mxv);
@@ -223,7 +238,7 @@ static int heavier_first(const void *a, const void *b) {
 int paged_prefill_attention_f32(const float *q, int64_t q_stride, const float *kv, int64_t num_tokens_in_pool,
                                 const int32_t *tables, int64_t table_stride, const int32_t *cu_q,
                                 const int32_t *ctx_lens, float *out, int first, int n, int hq, int hkv, int d,
-                                int bs, float scale, int nthreads) {
+                                int bs, float scale, int window, float softcap, int nthreads) {
     if (hkv <= 0 || hq % hkv != 0 || hq / hkv > MAX_G || d > MAX_D || d % 8 || bs <= 0) return -1;
     int bq = BQ; /* rows (bq x G, padded to 16) must fit the item's buffers */
     while (bq > 1 && ((((bq * (hq / hkv) + 15) & ~15) * d > ROW_FLOATS) || ((bq * (hq / hkv) + 15) & ~15) > MAX_ROWS))
@@ -242,7 +257,7 @@ int paged_prefill_attention_f32(const float *q, int64_t q_stride, const float *k
     }
     qsort(list, items, sizeof(Item), heavier_first);
     const Job job = {q, kv, kv + num_tokens_in_pool * hkv * d, tables, cu_q, ctx_lens, out, q_stride,
-                     table_stride, hq, hkv, d, bs, bq, scale};
+                     table_stride, hq, hkv, d, bs, bq, scale, window, softcap};
     void (*fn)(const Job *, const Item *) = d == 64 ? attend_64 : d == 128 ? attend_128 : attend_any;
     if (nthreads > items) nthreads = (int)items;
     if (nthreads < 1) nthreads = 1;

@@ -26,6 +26,10 @@
  * item and tile, into kbuf/vbuf, and all arithmetic is fp32; outputs rounded to nearest even);
  * head_dim a multiple of VW up to MAX_D; OpenMP threads from torch's own runtime
  * (kernels/cpu_native.py builds and loads it). Heavy items (late tiles of long prompts) go first.
+ *
+ * Sliding window (`window` > 0, per layer): row at position p sees keys (p - window, p]; an item's
+ * key tiles start at its first row's window (keys before it are never read), rows mask [lo, lim).
+ * Soft-capping (`softcap` > 0): scores s -> softcap * tanh(s / softcap), before the mask.
  */
 #include <math.h>
 #include <stdint.h>
@@ -119,6 +123,8 @@ typedef struct {
     int64_t q_stride, table_stride;
     int hq, hkv, d, bs, bq;
     float scale;
+    int window;    /* > 0: a row at position p sees keys > p - window (sliding window) */
+    float softcap; /* > 0: scores s become softcap * tanh(s / softcap) */
 } Job;
 
 typedef struct { int seq, head, tile; int64_t cost; } Item;
@@ -146,17 +152,19 @@ static inline __attribute__((always_inline)) void scores(const float *qt, const 
 }
 
 /* Online softmax of one tile, VW rows a vector: st becomes p = exp(s - m_new); corr the factor the
- * accumulators are rescaled by. `masked`: a diagonal tile (keys at or past a row's limit, or past
- * nt, are masked); else every key of the tile is visible to every row. */
+ * accumulators are rescaled by. `masked`: a diagonal tile or one before a row's window (keys
+ * outside a row's [lo, lim), or past nt, are masked); else every key of the tile is visible to every row. */
 static inline __attribute__((always_inline)) void softmax_tile(float *st, int RP, int t0, int nt, int masked,
-                                                               const int32_t *lim, float *m, float *l, float *corr) {
+                                                               const int32_t *lim, const int32_t *lo, float *m, float *l,
+                                                               float *corr) {
     for (int r = 0; r < RP; r += VW) {
         vf mx = loadv(m + r), sum = splat(0.0f);
         if (masked) {
-            vi limv;
+            vi limv, lov;
             __builtin_memcpy(&limv, lim + r, sizeof limv);
+            __builtin_memcpy(&lov, lo + r, sizeof lov);
             for (int t = 0; t < KT; t++) {
-                const vi seen = (splati(t0 + t) < limv) & splati(t < nt ? -1 : 0);
+                const vi seen = (splati(t0 + t) < limv) & (splati(t0 + t) >= lov) & splati(t < nt ? -1 : 0);
                 const vf x = sel(seen, loadv(st + t * RP + r), splat(MASKED));
                 storev(st + t * RP + r, x);
                 mx = sel(x > mx, x, mx);
@@ -211,7 +219,9 @@ static inline __attribute__((always_inline)) void attend(const Job *j, const Ite
     const int i0 = it->tile * j->bq, nq = q_len - i0 < j->bq ? q_len - i0 : j->bq;
     const int R = nq * G, RP = (R + RB - 1) / RB * RB, R4 = (R + PV_ROWS - 1) / PV_ROWS * PV_ROWS;
     const int past = ctx - q_len;       /* query i sees keys 0 .. past + i */
-    const int kend = past + i0 + nq;    /* keys this item reads */
+    const int kend = past + i0 + nq;
+    /* keys [kstart, kend): with a window, none before the first row's */
+    const int kstart = j->window > 0 && past + i0 + 1 > j->window ? past + i0 + 1 - j->window : 0;    /* keys this item reads */
     const int kfull = past + i0 + 1;    /* keys [0, kfull) are seen by every row */
     const int64_t row = (int64_t)j->hkv * D; /* elements between a pool token's rows */
     const int32_t *table = j->tables + (int64_t)b * j->table_stride;
@@ -221,7 +231,9 @@ static inline __attribute__((always_inline)) void attend(const Job *j, const Ite
     float st[KT * MAX_ROWS] __attribute__((aligned(64))); /* [KT, RP]: scores, then p */
     float m[MAX_ROWS] __attribute__((aligned(64))), l[MAX_ROWS] __attribute__((aligned(64)));
     float corr[MAX_ROWS] __attribute__((aligned(64)));
-    int32_t lim[MAX_ROWS] __attribute__((aligned(64))); /* keys [0, lim) of the sequence visible to the row */
+    int32_t lim[MAX_ROWS] __attribute__((aligned(64))); /* keys [lo, lim) of the sequence visible to the row */
+    int32_t lo[MAX_ROWS] __attribute__((aligned(64)));
+    const int kwin = j->window > 0 ? kend - j->window : 0; /* keys before it are hidden from some row */
     const float *krow[KT], *vrow[KT];
     float kbuf[bf16 ? KT * MAX_D : 1] __attribute__((aligned(64))); /* [KT, D]: a bf16 tile widened */
     float vbuf[bf16 ? KT * MAX_D : 1] __attribute__((aligned(64)));
@@ -232,16 +244,18 @@ static inline __attribute__((always_inline)) void attend(const Job *j, const Ite
             const int64_t src = (int64_t)(q0 + i0 + i) * j->q_stride + (int64_t)(h * G + g) * D;
             for (int c = 0; c < D; c++) qt[c * RP + r] = elt(j->q, src + c, bf16) * j->scale;
             lim[r] = past + i0 + i + 1;
+            lo[r] = j->window > 0 && lim[r] > j->window ? lim[r] - j->window : 0;
         } else { /* padding rows: zero queries that see key 0 only, so they stay finite; never written out */
             for (int c = 0; c < D; c++) qt[c * RP + r] = 0.0f;
-            lim[r] = 1;
+            lim[r] = kstart + 1; /* key kstart only */
+            lo[r] = kstart;
         }
         m[r] = MASKED;
         l[r] = 0.0f;
     }
     for (int x = 0; x < RP * D; x++) acc[x] = 0.0f;
 
-    for (int t0 = 0; t0 < kend; t0 += KT) {
+    for (int t0 = kstart; t0 < kend; t0 += KT) {
         const int nt = kend - t0 < KT ? kend - t0 : KT;
         for (int t = 0; t < nt; t++) {
             const int64_t at = ((int64_t)table[(t0 + t) / bs] * bs + (t0 + t) % bs) * row + (int64_t)h * D;
@@ -257,7 +271,10 @@ static inline __attribute__((always_inline)) void attend(const Job *j, const Ite
         }
         for (int t = nt; t < (nt + KU - 1) / KU * KU; t++) krow[t] = krow[0]; /* finite filler, masked */
         scores(qt, krow, nt, RP, st, D);
-        softmax_tile(st, RP, t0, nt, t0 + KT > kfull, lim, m, l, corr);
+        if (j->softcap > 0.0f)
+            for (int t = 0; t < nt; t++)
+                for (int r = 0; r < RP; r++) st[t * RP + r] = j->softcap * tanhf(st[t * RP + r] / j->softcap);
+        softmax_tile(st, RP, t0, nt, t0 + KT > kfull || t0 < kwin, lim, lo, m, l, corr);
         accumulate(acc, st, corr, vrow, nt, RP, R4, D);
     }
     for (int r = 0; r < R; r++) {
@@ -289,8 +306,8 @@ static int padded_rows(int bq, int g) { return (bq * g + RB - 1) / RB * RB; }
  * 0, or -1 when a shape is over this kernel's limits or memory runs out (the caller falls back). */
 static int prefill_flash(const void *q, int64_t q_stride, const void *kv, int64_t num_tokens_in_pool,
                          const int32_t *tables, int64_t table_stride, const int32_t *cu_q, const int32_t *ctx_lens,
-                         void *out, int first, int n, int hq, int hkv, int d, int bs, float scale, int nthreads,
-                         int elt_bytes) {
+                         void *out, int first, int n, int hq, int hkv, int d, int bs, float scale, int window,
+                         float softcap, int nthreads, int elt_bytes) {
     if (hkv <= 0 || hq % hkv != 0 || hq / hkv > MAX_G || d <= 0 || d > MAX_D || d % VW || bs <= 0) return -1;
     const int g = hq / hkv;
     int bq = BQ; /* rows (bq x G, padded) must fit the item's buffers */
@@ -308,7 +325,7 @@ static int prefill_flash(const void *q, int64_t q_stride, const void *kv, int64_
     }
     qsort(list, items, sizeof(Item), heavier_first);
     const Job job = {q,    kv,           (const char *)kv + num_tokens_in_pool * hkv * d * elt_bytes,
-                     tables, cu_q, ctx_lens, out, q_stride, table_stride, hq, hkv, d, bs, bq, scale};
+                     tables, cu_q, ctx_lens, out, q_stride, table_stride, hq, hkv, d, bs, bq, scale, window, softcap};
     void (*fn)(const Job *, const Item *) =
         elt_bytes == 2 ? (d == 64 ? attend_64_bf16 : d == 128 ? attend_128_bf16 : attend_any_bf16)
                        : (d == 64 ? attend_64 : d == 128 ? attend_128 : attend_any);
@@ -322,14 +339,16 @@ static int prefill_flash(const void *q, int64_t q_stride, const void *kv, int64_
 
 int prefill_flash_f32(const float *q, int64_t q_stride, const float *kv, int64_t num_tokens_in_pool,
                       const int32_t *tables, int64_t table_stride, const int32_t *cu_q, const int32_t *ctx_lens,
-                      float *out, int first, int n, int hq, int hkv, int d, int bs, float scale, int nthreads) {
+                      float *out, int first, int n, int hq, int hkv, int d, int bs, float scale, int window,
+                      float softcap, int nthreads) {
     return prefill_flash(q, q_stride, kv, num_tokens_in_pool, tables, table_stride, cu_q, ctx_lens, out, first, n,
-                         hq, hkv, d, bs, scale, nthreads, 4);
+                         hq, hkv, d, bs, scale, window, softcap, nthreads, 4);
 }
 
 int prefill_flash_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *kv, int64_t num_tokens_in_pool,
                        const int32_t *tables, int64_t table_stride, const int32_t *cu_q, const int32_t *ctx_lens,
-                       uint16_t *out, int first, int n, int hq, int hkv, int d, int bs, float scale, int nthreads) {
+                       uint16_t *out, int first, int n, int hq, int hkv, int d, int bs, float scale, int window,
+                       float softcap, int nthreads) {
     return prefill_flash(q, q_stride, kv, num_tokens_in_pool, tables, table_stride, cu_q, ctx_lens, out, first, n,
-                         hq, hkv, d, bs, scale, nthreads, 2);
+                         hq, hkv, d, bs, scale, window, softcap, nthreads, 2);
 }

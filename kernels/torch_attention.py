@@ -19,6 +19,11 @@ sequence's blocks so when it can), else gathers it from the pool and needs a bot
     i=0    x x x . .
     i=1    x x x x .
     i=2    x x x x x
+
+A sliding window (per layer) also hides keys at or before p - window from the query at position
+p, and the keys before the first query's window are not read at all. Soft-capping (Gemma 2:
+tanh(s / cap) * cap on the scaled scores) is not something SDPA does: those layers take the
+plain math path (`_attend_math`).
 """
 
 from __future__ import annotations
@@ -65,8 +70,26 @@ def flat_pool(kv_layer: torch.Tensor) -> torch.Tensor | None:
     return kv_layer.flatten(1, 2)
 
 
+def _attend_math(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor, softcap: float | None
+) -> torch.Tensor:
+    """Attention written out, for what SDPA lacks (soft-capping): q [..., Hkv, G, q, D] and k/v
+    [..., Hkv, 1, S, D] (GQA by broadcast), mask broadcastable to the scores [..., Hkv, G, q, S]."""
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale  # [..., Hkv, G, q, S]
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    s = s.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(s, dim=-1), v)  # [..., Hkv, G, q, D]
+
+
 def _decode(
-    query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor
+    query: torch.Tensor,
+    kv_layer: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
     """query [nd, Hq, D] (one token per decode sequence) -> out [nd, Hq, D].
 
@@ -83,16 +106,32 @@ def _decode(
     for i in range(0, nd, step):
         j = min(nd, i + step)
         c = ctx[i:j]
-        s = -(-max(c) // bs) * bs  # S: gathered tokens per sequence
-        kv = gather_kv(kv_layer, meta.block_tables[i:j, : s // bs])  # [2, n, S, Hkv, D]
+        # a window: each sequence's gather starts at the block of its first visible key
+        first = [max(0, x - window) // bs if window else 0 for x in c]  # block index per sequence
+        nb = max(-(-x // bs) - f for x, f in zip(c, first))  # blocks gathered per sequence
+        s = nb * bs  # S: gathered tokens per sequence
+        tables = meta.block_tables[i:j]  # [n, W]
+        if any(first):
+            cols = torch.tensor(first, device=query.device)[:, None] + torch.arange(nb, device=query.device)  # [n, nb]
+            tables = tables.gather(1, cols.clamp(max=tables.shape[1] - 1))  # past a table's end: masked below
+        kv = gather_kv(kv_layer, tables[:, :nb])  # [2, n, S, Hkv, D]
         k = kv[0].transpose(1, 2)  # [n, Hkv, S, D]
         v = kv[1].transpose(1, 2)  # [n, Hkv, S, D]
         q = query[i:j].view(j - i, hkv, groups, d)  # [n, Hkv, G, D]: G heads = G queries
         mask = None
-        if any(x != s for x in c):
-            pos = torch.arange(s, device=query.device)  # [S]
-            mask = (pos < meta.context_lens[i:j, None])[:, None, None, :]  # [n, 1, 1, S]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [n, Hkv, G, D]
+        if window or softcap is not None or any(x != s for x in c):
+            start = torch.tensor(first, device=query.device)[:, None] * bs  # [n, 1]
+            pos = start + torch.arange(s, device=query.device)  # [n, S]: absolute key positions
+            lens = meta.context_lens[i:j, None]  # [n, 1]
+            seen = pos < lens
+            if window:
+                seen &= pos >= lens - window  # the query (position len - 1) sees keys > len - 1 - window
+            mask = seen[:, None, None, :]  # [n, 1, 1, S]
+        if softcap is not None:
+            assert mask is not None
+            o = _attend_math(q[:, :, :, None], k[:, :, None], v[:, :, None], scale, mask[..., None, :], softcap)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [n, Hkv, G, D]
         out[i:j] = o.reshape(j - i, hq, d)
 
 
@@ -119,12 +158,18 @@ def paged_attention(
 
 
 def attend_decodes(
-    query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor
+    query: torch.Tensor,
+    kv_layer: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
     """The decode sequences (the first num_decode_seqs) of paged_attention, into out [T, Hq, D]."""
     nd = meta.num_decode_seqs
     if nd:
-        _decode(query[:nd], kv_layer, meta, scale, out[:nd])
+        _decode(query[:nd], kv_layer, meta, scale, out[:nd], window, softcap)
 
 
 def attend_prefills(
@@ -135,6 +180,8 @@ def attend_prefills(
     meta: AttentionMetadata,
     scale: float,
     out: torch.Tensor,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
     """The prefill chunks (sequences after the decodes) of paged_attention, into out [T, Hq, D]."""
     nd = meta.num_decode_seqs
@@ -145,6 +192,9 @@ def attend_prefills(
         s, e, c = cu[b], cu[b + 1], ctx[b]
         q_len = e - s
         q = query[s:e].transpose(0, 1)  # [Hq, q, D]
+        if window or softcap is not None:
+            out[s:e] = _prefill_windowed(q, key[s:e], value[s:e], kv_layer, meta, b, scale, window, softcap)
+            continue
         if c == q_len:  # whole prompt in this chunk: its own K/V, plain causal, no gather
             k = key[s:e].transpose(0, 1)  # [Hkv, q, D]
             v = value[s:e].transpose(0, 1)  # [Hkv, q, D]
@@ -164,3 +214,46 @@ def attend_prefills(
             mask = j <= i + (c - q_len)  # [q, c] bottom-right causal
             o = _sdpa4d(q, k, v, scale, gqa, attn_mask=mask)
         out[s:e] = o.transpose(0, 1)  # [q, Hq, D]
+
+
+def _prefill_windowed(
+    q: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_layer: torch.Tensor,
+    meta: AttentionMetadata,
+    b: int,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Sequence b's chunk q [Hq, q, D] (its key/value [q, Hkv, D] this step's) with a sliding window
+    and/or soft-capping -> [q, Hq, D]. Only keys from the first query's window on are read:
+
+        context c = 6, q_len = 2, window 3: query at position p sees keys p-2 .. p
+        j: 0 1 2 3 4 5
+    p=4    . . x x x .      keys read: lo = c - q_len - window + 1 = 2 .. c - 1
+    p=5    . . . x x x
+    """
+    c, q_len, bs = meta.context_lens_cpu[b], q.shape[1], kv_layer.shape[2]
+    lo = max(0, c - q_len - window + 1) if window else 0  # the first key any query here sees
+    if lo >= c - q_len:  # every key read is this step's: no gather
+        k, v = key[lo - (c - q_len) :], value[lo - (c - q_len) :]  # [c - lo, Hkv, D]
+    else:
+        first = lo // bs
+        kv = gather_kv(kv_layer, meta.block_tables[b : b + 1, first : -(-c // bs)])  # [2, 1, nb*bs, Hkv, D]
+        k, v = kv[0, 0, lo - first * bs : c - first * bs], kv[1, 0, lo - first * bs : c - first * bs]
+    pos = torch.arange(c - q_len, c, device=q.device)[:, None]  # [q, 1] query positions
+    j = torch.arange(lo, c, device=q.device)[None, :]  # [1, c - lo] key positions
+    mask = j <= pos  # [q, c - lo]
+    if window:
+        mask &= j > pos - window
+    hq, hkv = q.shape[0], k.shape[1]
+    k, v = k.transpose(0, 1), v.transpose(0, 1)  # [Hkv, c - lo, D]
+    if softcap is None:
+        o = _sdpa4d(q, k, v, scale, hq != hkv, attn_mask=mask)  # [Hq, q, D]
+    else:
+        g = hq // hkv
+        o = _attend_math(q.view(hkv, g, q_len, -1), k[:, None], v[:, None], scale, mask, softcap)
+        o = o.reshape(hq, q_len, -1)  # [Hq, q, D]
+    return o.transpose(0, 1)  # [q, Hq, D]

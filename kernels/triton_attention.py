@@ -41,6 +41,19 @@ def _dot(a, b, FP32: tl.constexpr):
 
 
 @triton.jit
+def _scaled(s, qk_scale, softcap, SOFTCAP: tl.constexpr):
+    """Raw scores q.k -> the log2-domain scores the softmax takes: s * scale * log2(e), or with
+    SOFTCAP softcap * tanh(s * scale / softcap) * log2(e) (tanh through exp: the interpreter has
+    none); qk_scale is scale * log2(e)."""
+    if SOFTCAP:
+        x = s * (qk_scale * 0.6931471805599453) / softcap  # s * scale / softcap
+        e = tl.exp(-2.0 * tl.abs(x))  # in (0, 1]: no overflow
+        t = (1.0 - e) / (1.0 + e)
+        return softcap * tl.where(x < 0, -t, t) * 1.4426950408889634
+    return s * qk_scale
+
+
+@triton.jit
 def _store_kv_kernel(
     key_ptr,
     value_ptr,
@@ -91,6 +104,8 @@ def _decode_kernel(
     chunk,
     part_ptr,
     lse_ptr,
+    window,
+    softcap,
     sq_t,
     sq_h,
     sq_d,
@@ -111,10 +126,14 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,
     FP32: tl.constexpr,
     SPLIT: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """One (decode sequence, KV head, KV split). SPLIT: this program covers KV positions
     [split * chunk, (split + 1) * chunk) and writes its normalised partial output to
-    part [nd, Hq, S, D] and its log2-sum-exp to lse [nd, Hq, S] (combined by `_combine_splits`)."""
+    part [nd, Hq, S, D] and its log2-sum-exp to lse [nd, Hq, S] (combined by `_combine_splits`).
+    WINDOW: only the last `window` positions are read (splits before them are empty); SOFTCAP:
+    scores soft-capped (`_scaled`)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -122,6 +141,8 @@ def _decode_kernel(
     ctx = tl.load(ctx_ptr + b)
     kv_lo = split * chunk
     kv_hi = tl.minimum(ctx, kv_lo + chunk)
+    if WINDOW:
+        kv_lo = tl.maximum(kv_lo, ctx - window)  # the query (position ctx - 1) sees keys > ctx - 1 - window
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
@@ -147,7 +168,7 @@ def _decode_kernel(
         k = tl.load(kv_ptr + kv_off, mask=kv_mask, other=0.0)
         v = tl.load(kv_ptr + skv_kv + kv_off, mask=kv_mask, other=0.0)
         s = _dot(q, tl.trans(k), FP32)
-        s = tl.where(n_mask[None, :], s * qk_scale, float("-inf"))  # [BLOCK_G, BLOCK_N]
+        s = tl.where(n_mask[None, :], _scaled(s, qk_scale, softcap, SOFTCAP), float("-inf"))  # [BLOCK_G, BLOCK_N]
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -205,6 +226,8 @@ def _prefill_kernel(
     bt_ptr,
     qk_scale,
     first_seq,
+    window,
+    softcap,
     sq_t,
     sq_h,
     sq_d,
@@ -224,7 +247,11 @@ def _prefill_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     FP32: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
+    """WINDOW: the query at position p sees keys > p - window, and keys before the tile's first
+    query's window are not read; SOFTCAP as in `_decode_kernel`."""
     b = first_seq + tl.program_id(0)
     m0 = tl.program_id(1) * BLOCK_M
     h = tl.program_id(2)
@@ -250,7 +277,10 @@ def _prefill_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         bt_row = bt_ptr + b.to(tl.int64) * sbt_b
         kv_end = tl.minimum(ctx, ctx - q_len + m0 + BLOCK_M)  # causal limit of this tile
-        for start in range(0, kv_end, BLOCK_N):
+        kv_start = 0
+        if WINDOW:
+            kv_start = tl.maximum(0, ctx - q_len + m0 - window + 1)  # the tile's first query's window
+        for start in range(kv_start, kv_end, BLOCK_N):
             n = start + offs_n  # [BLOCK_N]
             n_mask = n < kv_end
             blk = tl.load(bt_row + n // BS, mask=n_mask, other=0).to(tl.int64)
@@ -261,11 +291,15 @@ def _prefill_kernel(
             v = tl.load(kv_ptr + skv_kv + kv_off, mask=kv_mask, other=0.0)
             s = _dot(q, tl.trans(k), FP32)
             keep = n_mask[None, :] & (n[None, :] <= pos[:, None])  # [BLOCK_M, BLOCK_N]
-            s = tl.where(keep, s * qk_scale, float("-inf"))
-            # KV 0 is visible to every row (pos >= 0), so m_new is finite after the first tile.
+            if WINDOW:
+                keep = keep & (n[None, :] > pos[:, None] - window)
+            s = tl.where(keep, _scaled(s, qk_scale, softcap, SOFTCAP), float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
+            # Without a window KV 0 is visible to every row, so m_new is finite after the first
+            # tile; with one a row may see nothing in a tile yet: keep its sums at 0, not NaN.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, FP32)
             m_i = m_new
@@ -353,8 +387,11 @@ def paged_attention(
     scale: float,
     decode_splits: int | None = None,
     prefill_tiles: tuple[int, int, int, int] | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """query [T, Hq, D]; key/value [T, Hkv, D] (already stored, unused here) -> out [T, Hq, D].
+    `window`: a sliding window (keys before it are not read); `softcap`: scores soft-capped.
     `decode_splits`: KV splits per decode sequence (None: chosen from the GPU's size);
     `prefill_tiles`: (BLOCK_M, BLOCK_N, num_warps, num_stages) instead of the defaults."""
     t, hq, d = query.shape
@@ -367,6 +404,8 @@ def paged_attention(
     # fp32 dots for fp32 inputs, and always under the interpreter (its bf16 dot is wrong).
     fp32_dot = query.dtype == torch.float32 or _interpreting()
     qk_scale = scale * _LOG2E
+    options = dict(WINDOW=bool(window), SOFTCAP=softcap is not None)
+    extra = (window or 0, softcap or 1.0)  # window, softcap (runtime values; unused where off)
     strides = (
         *query.stride(),
         *out.stride(),
@@ -398,6 +437,7 @@ def paged_attention(
             chunk,
             part,
             lse,
+            *extra,
             *strides,
             G=groups,
             D=d,
@@ -407,6 +447,7 @@ def paged_attention(
             BLOCK_N=block_n,
             FP32=fp32_dot,
             SPLIT=splits > 1,
+            **options,
         )
         if splits > 1:  # decodes are the first nd rows of `out`
             _combine_splits_kernel[(nd, hq)](
@@ -425,6 +466,7 @@ def paged_attention(
             meta.block_tables,
             qk_scale,
             nd,
+            *extra,
             *strides,
             G=groups,
             D=d,
@@ -435,5 +477,6 @@ def paged_attention(
             FP32=fp32_dot,
             num_warps=warps,
             num_stages=stages,
+            **options,
         )
     return out

@@ -1,6 +1,7 @@
 """Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3) over a paged KV cache and ragged
 batches. What the families change is in the config: qkv/o biases, Qwen3's q/k norm
-(models/qk_norm.py), partial rotary and RoPE scaling (models/rotary.py).
+(models/qk_norm.py), partial rotary and RoPE scaling (models/rotary.py), per-layer sliding
+windows (Mistral, Qwen2). Gemma 2/3 (models/gemma.py) subclass this with their own layers.
 
 Input is a flat ragged batch of T tokens (no padding); attention reads/writes the paged pool
 through `kernels`. Linear layers are fused (qkv, gate_up) -- `engine.weights` maps HF names.
@@ -73,7 +74,8 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim**-0.5
+        self.window, self.softcap = cfg.window(layer), cfg.attn_softcap  # None: full attention, no capping
         self.eps = cfg.rms_norm_eps
         self.full_rotary = cfg.rotary_dims == cfg.head_dim
         self.q_norm: RMSNorm | None = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -100,7 +102,7 @@ class Attention(nn.Module):
             kernels.store_kv(k, v, kv_layer, ctx.slot_mapping)
         if ctx.on_layer_stored is not None:
             ctx.on_layer_stored(self.layer)
-        out = kernels.paged_attention(q, k, v, kv_layer, ctx.attn, self.scale)  # [T, Hq, D]
+        out = kernels.paged_attention(q, k, v, kv_layer, ctx.attn, self.scale, self.window, self.softcap)  # [T, Hq, D]
         y = self.o_proj(out.reshape(T, self.q_size))  # [T, H]: this rank's heads' share
         return y if self.tp is None else self.tp.all_reduce(y)
 
@@ -141,6 +143,8 @@ def _few_row_panels(layer: DecoderLayer) -> list[torch.Tensor] | None:
 
 
 class LlamaForCausalLM(nn.Module):
+    decoder_layer: type[DecoderLayer] = DecoderLayer  # a family with other layers (models/gemma.py) sets its own
+
     def __init__(self, cfg: ModelConfig, max_positions: int, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         self.cfg = cfg
@@ -150,7 +154,7 @@ class LlamaForCausalLM(nn.Module):
         self.vocab_start, vocab_end = self.shard.vocab(cfg)  # this rank's rows of the vocabulary
         self.rotary = RotaryEmbedding(cfg.rope, cfg.rotary_dims, max_positions)
         self.embed_tokens = nn.Embedding(vocab_end - self.vocab_start, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.decoder_layer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, vocab_end - self.vocab_start, bias=False)
         if cfg.tie_word_embeddings:
@@ -174,6 +178,9 @@ class LlamaForCausalLM(nn.Module):
         if self.cfg.tie_word_embeddings and isinstance(self.lm_head, nn.Linear):  # tie the new parameters
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary.build_tables(device)  # kept in fp32 whatever the model dtype
+
+    def loaded(self) -> None:
+        """Called once the weights are loaded, before any relayout (Gemma folds its norm offsets)."""
 
     def use_cpu_weight_layout(self) -> str:
         """CPU layout (after loading): linear weights prepacked for oneDNN, or stored [in, out]
@@ -199,13 +206,14 @@ class LlamaForCausalLM(nn.Module):
         decode driver (kernels/decode_layers.py); None when it cannot run them: not the fp32 CPU
         path, a layer the driver does not know (q/k norm, partial rotary, o_proj bias), a linear
         without few-row panels (a quantized one among them: models/quantized_linear.py), or the
-        driver not built, or tensor parallelism (the driver has no all-reduce between layers)."""
+        driver not built, or tensor parallelism (the driver has no all-reduce between layers), or
+        a sliding window or soft-capping (the driver attends over the whole context)."""
         if self.tp is not None:
             return None
         if not (kv_cache.device.type == "cpu" and kv_cache.dtype == torch.float32 and kv_cache.is_contiguous()):
             return None
         c = self.cfg
-        if c.qk_norm or c.rotary_dims != c.head_dim or c.o_bias:
+        if c.qk_norm or c.rotary_dims != c.head_dim or c.o_bias or c.layer_windows or c.attn_softcap:
             return None
         layers = self.decoder_layers
         panels = [p for p in map(_few_row_panels, layers) if p is not None]

@@ -110,8 +110,9 @@ BASE = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_he
     ],
 )
 def test_what_cannot_work_is_refused_naming_why(tmp_path, cfg, why):
+    """Through transformers (Gemma 2/3 are native under auto: models/gemma.py)."""
     with pytest.raises(ValueError, match=why):
-        ModelConfig.from_folder(_folder(tmp_path, {**BASE, **cfg}))
+        ModelConfig.from_folder(_folder(tmp_path, {**BASE, **cfg}), "transformers")
 
 
 def test_a_model_type_transformers_cannot_build_is_refused_at_load(tmp_path):

@@ -56,11 +56,15 @@ def test_attention_bias_biases_qkv_and_o(models_dir):
     family_checks.check_chunked_prefill(folder)
 
 
-@pytest.mark.parametrize(("use", "expected"), [(True, 48), (False, 1024)])
-def test_sliding_window_caps_context_as_for_qwen2(tmp_path, tiny_qwen3, use, expected):
+@pytest.mark.parametrize(("use", "windows"), [(True, (0, 48)), (False, ())])
+def test_sliding_window_is_served_per_layer_as_for_qwen2(tmp_path, tiny_qwen3, use, windows):
+    """Windowed from layer max_window_layers on (no more capping of the context: the attention
+    kernels take each layer's window; tests/engine/test_sliding_window_models.py checks outputs)."""
     folder = tmp_path / "swa"
     shutil.copytree(tiny_qwen3, folder)
     cfg = json.loads((folder / "config.json").read_text())
-    cfg.update(use_sliding_window=use, sliding_window=48)
+    cfg.update(use_sliding_window=use, sliding_window=48, max_window_layers=1)
+    cfg.pop("layer_types", None)
     (folder / "config.json").write_text(json.dumps(cfg))
-    assert ModelConfig.from_folder(folder).max_context == expected
+    mc = ModelConfig.from_folder(folder)
+    assert (mc.layer_windows, mc.max_context) == (windows, 1024)

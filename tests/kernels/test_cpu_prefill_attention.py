@@ -98,7 +98,7 @@ def test_dispatch_sends_decodes_and_prefills_to_their_kernels(monkeypatch):
     calls = []
     for name in ("paged_decode_attention", "paged_prefill_attention"):
         real = getattr(cpu_native, name)
-        monkeypatch.setattr(cpu_native, name, lambda *a, _n=name, _r=real: calls.append(_n) or _r(*a))
+        monkeypatch.setattr(cpu_native, name, lambda *a, _n=name, _r=real, **kw: calls.append(_n) or _r(*a, **kw))
     case = make_case(MIXED, 3, 8, 2, 64, 16, seed=34)
     out = kernels.paged_attention(case.query, case.key, case.value, case.kv_layer, case.meta, case.scale)
     assert calls == ["paged_decode_attention", "paged_prefill_attention"]

@@ -106,7 +106,7 @@ def test_dispatch_sends_prefills_to_the_flash_kernel(monkeypatch):
     reload_env()
     used = []
     real = cpu_native.paged_prefill_attention
-    monkeypatch.setattr(cpu_native, "paged_prefill_attention", lambda *a: used.append(a[-1]) or real(*a))
+    monkeypatch.setattr(cpu_native, "paged_prefill_attention", lambda *a, **kw: used.append(a[-1]) or real(*a, **kw))
     case = make_case(MIXED, 3, 9, 3, 64, 16, seed=34)
     out = kernels.paged_attention(case.query, case.key, case.value, case.kv_layer, case.meta, case.scale)
     assert used == [FLASH]
@@ -126,7 +126,7 @@ def test_head_dim_off_the_vector_width_goes_to_the_next_kernel(monkeypatch):
     )  # fmt: skip
     used = []
     real = cpu_native.paged_prefill_attention
-    monkeypatch.setattr(cpu_native, "paged_prefill_attention", lambda *a: used.append(a[-1]) or real(*a))
+    monkeypatch.setattr(cpu_native, "paged_prefill_attention", lambda *a, **kw: used.append(a[-1]) or real(*a, **kw))
     out = kernels.paged_attention(case.query, case.key, case.value, case.kv_layer, case.meta, case.scale)
     assert used == ([FLASH] if takes else list(attention.CPU_PREFILL_KERNELS))
     torch.testing.assert_close(out.double(), reference(case), atol=1e-5, rtol=1e-5)
@@ -150,7 +150,7 @@ def test_dispatch_sends_bf16_prefills_to_the_flash_kernel(monkeypatch):
     reload_env()
     used = []
     real = cpu_native.paged_prefill_attention
-    monkeypatch.setattr(cpu_native, "paged_prefill_attention", lambda *a: used.append(a[-1]) or real(*a))
+    monkeypatch.setattr(cpu_native, "paged_prefill_attention", lambda *a, **kw: used.append(a[-1]) or real(*a, **kw))
     case = make_case(MIXED, 3, 8, 2, 64, 16, dtype=torch.bfloat16, seed=36)
     out = kernels.paged_attention(case.query, case.key, case.value, case.kv_layer, case.meta, case.scale)
     assert used == [FLASH]
@@ -162,7 +162,9 @@ def _entry(lib: ctypes.CDLL, name: str):
     fn = getattr(lib, name)
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
-    fn.argtypes += [ctypes.c_void_p] * 3 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
+    fn.argtypes += (
+        [ctypes.c_void_p] * 3 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_float, ctypes.c_int]
+    )
     return fn
 
 
@@ -187,7 +189,7 @@ def test_the_avx2_build_matches_the_reference(tmp_path):
             rc = _entry(lib, name)(
                 case.query.data_ptr(), case.query.stride(0), case.kv_layer.data_ptr(), nb * bs,
                 m.block_tables.data_ptr(), m.block_tables.stride(0), m.cu_seqlens_q.data_ptr(),
-                m.context_lens.data_ptr(), out.data_ptr(), 0, len(case.q_lens), hq, hkv, d, bs, case.scale, 1,
+                m.context_lens.data_ptr(), out.data_ptr(), 0, len(case.q_lens), hq, hkv, d, bs, case.scale, 0, 0.0, 1,
             )  # fmt: skip
             assert rc == 0
             torch.testing.assert_close(out.double(), reference(case), atol=1e-5, rtol=rtol)

@@ -1,0 +1,51 @@
+"""Native Gemma 2, Gemma 3 and windowed Mistral served as real processes, 1P1D (KV over shared
+memory) and colocated, chunked prefill (16-token steps), prefix cache on: concurrent completions
+through HTTP == HF generate (fp32), prompts longer than the 32-token window and generation crossing
+it; prompts sharing a 50-token prefix reuse its 3 full blocks (one wholly before the window)."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+
+import pytest
+from openai import OpenAI
+from transformers import AutoTokenizer
+
+from tests.conftest import hf_greedy, random_prompts
+from tests.e2e.cluster import running_server
+from tests.e2e.test_transformers_backend_serving import MODES
+
+pytestmark = pytest.mark.slow
+
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module", params=["gemma2", "gemma3", "mistral"])
+def windowed_family(request, models_dir):
+    from pdserve.engine.make_model import make_model
+
+    return make_model(
+        models_dir / f"serve-swa-{request.param}", arch=request.param, seed=4, quiet=True, tie_word_embeddings=False
+    )
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_served_natively_matches_hf_past_the_window(windowed_family, mode):
+    tok = AutoTokenizer.from_pretrained(windowed_family)
+    shared = random_prompts(tok.vocab_size, [50], seed=13)[0]  # 3 full 16-token blocks + 2
+    first, *concurrent = [shared + t for t in random_prompts(tok.vocab_size, [7, 30, 3], seed=14)]
+    prompts = [first, *concurrent, *random_prompts(tok.vocab_size, [20, 90], seed=15)]
+    want = [tok.decode(hf_greedy(str(windowed_family), tuple(p), MAX_NEW), skip_special_tokens=True) for p in prompts]
+    with running_server(windowed_family, *MODES[mode], "--max-num-batched-tokens", "16") as base:
+        client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        model = client.models.list().data[0].id
+
+        def complete(p: list[int]):
+            return client.completions.create(model=model, prompt=p, max_tokens=MAX_NEW, temperature=0)
+
+        warm = complete(first)
+        assert warm.choices[0].text == want[0] and warm.usage.prompt_tokens_details.cached_tokens == 0
+        with cf.ThreadPoolExecutor(len(prompts) - 1) as pool:  # concurrent: decoded as one batch
+            rest = list(pool.map(complete, prompts[1:]))
+    assert any(want) and [r.choices[0].text for r in rest] == want[1:]
+    assert [r.usage.prompt_tokens_details.cached_tokens for r in rest[:2]] == [48, 48]
