@@ -9,6 +9,9 @@ The received ZMQ frame is the staging buffer: private to this process, verified 
 copied once into `kv_cache[layer][:, blocks]`; a frame failing any check never touches a block.
 In-place (shared-memory) headers only mark the layer: P already wrote it. A KvDone is returned
 by `poll` only when LeaseTable.check_done passes (all layers of all leased blocks, same epoch).
+A frame may carry some of the KV heads only (`kv_head_start/end`: a tensor-parallel prefill
+worker sends one per rank); its heads are written into every rank pool holding them, and the
+lease's byte count (KvDone's `kv_bytes`) tells a missing head range.
 Everything else is dropped and counted in `dropped[reason]`; the receiver never raises on input.
 A KvDone refused for a lease that is still active (a frame went missing: "incomplete",
 "bytes_mismatch", "layer_count", "expired") is also put in `failed_done` for the owner: it is
@@ -20,12 +23,12 @@ from __future__ import annotations
 
 import collections
 import logging
-import math
 import warnings
 
 import torch
 import zmq
 
+from pdserve.kvtransfer.head_ranges import HeadShard, head_span, overlaps
 from pdserve.kvtransfer.lease import LeaseTable
 from pdserve.kvtransfer.sender import copy_blocks
 from pdserve.kvtransfer.wire import KvFrameHeader, decode_kv, dtype_name
@@ -52,21 +55,27 @@ class KvReceiver:
         kv_head_start: int = 0,
         allow_in_place: bool = True,
         payload_mac: bool = False,
+        rank_pools: list[HeadShard] | None = None,
     ) -> None:
+        """`rank_pools`: a tensor-parallel worker's pools, one per rank with its KV heads (rank 0's
+        is `kv_cache`); each frame's head range is written into every pool holding those heads."""
         if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
             raise ValueError(f"kv_cache must be [L, 2, N, bs, Hkv, D], got {list(kv_cache.shape)}")
         if kv_cache.shape[0] != lease_table.num_layers:
             raise ValueError("kv_cache and lease table disagree on the number of layers")
+        self.shards = rank_pools or [HeadShard(kv_head_start, kv_head_start + kv_cache.shape[4], kv_cache)]
+        if any(s.pool.shape[:4] != kv_cache.shape[:4] or s.pool.shape[5:] != kv_cache.shape[5:] for s in self.shards):
+            raise ValueError("rank pools disagree with kv_cache on layers, blocks or head size")
+        self.heads = head_span(self.shards)  # [first, last) KV head a frame may carry
         self.inbox = Inbox(ctx, auth, bind_addr, allow_wildcard, decoder=decode_kv)
         self.kv_cache = kv_cache  # [L, 2, N, bs, Hkv, D]
         self.leases = lease_table
-        self.kv_head_start = kv_head_start
         self.allow_in_place = allow_in_place
         self.payload_mac = payload_mac  # require and check each payload's HMAC tag
         self._auth = auth
         self._dtype = dtype_name(kv_cache.dtype)
-        self._block_shape = list(kv_cache.shape[3:])  # [bs, Hkv, D]
-        self._block_bytes = 2 * math.prod(kv_cache.shape[3:]) * kv_cache.element_size()  # K+V of one block
+        self._block_size, self._head_dim = kv_cache.shape[3], kv_cache.shape[5]
+        self._head_bytes = 2 * self._block_size * self._head_dim * kv_cache.element_size()  # K+V, one block, one head
         self.bytes_received = 0
         self.released: list[int] = []  # blocks of leases P released early; the owner frees them
         self.failed_done: list[tuple[KvDone, str]] = []  # refused KvDone of active leases; the owner drains it
@@ -130,16 +139,15 @@ class KvReceiver:
         reason = self.leases.check_frame(h)
         if reason is not None:
             return reason
-        heads = self._block_shape[1]
-        if h.dtype != self._dtype or (h.kv_head_start, h.kv_head_end) != (
-            self.kv_head_start,
-            self.kv_head_start + heads,
-        ):
+        lo, hi = self.heads
+        if h.dtype != self._dtype or not lo <= h.kv_head_start < h.kv_head_end <= hi:
             return "layout_mismatch"
-        n = len(h.block_ids)
-        if h.shape != [2, n, *self._block_shape] or h.nbytes != n * self._block_bytes:
+        n, heads = len(h.block_ids), h.kv_head_end - h.kv_head_start
+        if h.shape != [2, n, self._block_size, heads, self._head_dim] or h.nbytes != n * heads * self._head_bytes:
             return "size_mismatch"
         if h.in_place:
+            if len(self.shards) > 1:
+                return "layout_mismatch"  # P wrote one pool in place; rank pools are not advertised
             if not self.allow_in_place:
                 return "in_place_not_allowed"
             if payloads:
@@ -154,8 +162,10 @@ class KvReceiver:
             with warnings.catch_warnings():  # read-only ZMQ buffer: we only read from it
                 warnings.simplefilter("ignore", UserWarning)
                 data = torch.frombuffer(payloads[0], dtype=torch.uint8)
-            data = data.view(self.kv_cache.dtype).view(h.shape)
-            copy_blocks(self.kv_cache[h.layer], h.block_ids, data, list(range(n)))
+            data = data.view(self.kv_cache.dtype).view(h.shape)  # [2, n, bs, heads, D]
+            for o in overlaps(h.kv_head_start, h.kv_head_end, self.shards):
+                dst = o.shard.pool[h.layer][:, :, :, o.dst : o.dst + o.count]  # [2, N, bs, count, D]
+                copy_blocks(dst, h.block_ids, data[:, :, :, o.src : o.src + o.count], list(range(n)))
         self.leases.mark_frame(h)
         self.bytes_received += h.nbytes
         self.frames_received += 1

@@ -14,6 +14,8 @@ Blocks the decode worker holds already (`lease.prefix_block_ids`, found by the p
 hashes in its own cache) are never sent: the lease's `block_ids` start after them.
 Each layer's send reads the request's lease from the worker's request record at that moment, so a
 renewal that arrives while the step computes counts for its remaining layers.
+Under tensor parallelism each layer goes as one send per distinct rank pool (`shards`: rank 0
+maps them all), each naming its KV heads; the decode worker re-slices them onto its own ranks.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.kvtransfer.head_ranges import HeadShard, distinct_shards
 from pdserve.kvtransfer.sender import KvSender, KvTransferError
 from pdserve.prefill_node.request_record import PrefillRecord, TransferStats
 from pdserve.protocol.messages import Lease
@@ -45,12 +48,12 @@ class StepTransfers:
 
     def __init__(
         self,
-        kv_cache: torch.Tensor,
+        shards: list[HeadShard],
         jobs: list[_Job],
         lock: threading.Lock,
         records: dict[str, PrefillRecord],
     ) -> None:
-        self.kv_cache = kv_cache  # [L, 2, N, bs, Hkv, D]
+        self.shards = shards  # each a pool [L, 2, N, bs, Hkv_rank, D] and its heads
         self.jobs = jobs
         self.lock = lock
         self.records = records  # the worker's: its loop renews their leases
@@ -63,24 +66,38 @@ class StepTransfers:
         return job.lease
 
     def __call__(self, layer: int) -> None:
-        kv_layer = self.kv_cache[layer]  # [2, N, bs, Hkv, D]
         for job in self.jobs:
             if job.stats.error is not None:
                 continue
             t0 = time.perf_counter()
             try:
                 with self.lock:  # senders are shared by the worker's lanes and its loop
-                    job.stats.bytes += job.sender.send_layer(
-                        job.request_id, self._lease(job), layer, kv_layer, job.src_blocks, job.dst_blocks
-                    )
+                    for shard in self.shards:
+                        job.stats.bytes += job.sender.send_layer(
+                            job.request_id,
+                            self._lease(job),
+                            layer,
+                            shard.pool[layer],  # [2, N, bs, Hkv_rank, D]
+                            job.src_blocks,
+                            job.dst_blocks,
+                            kv_head_start=shard.start,
+                        )
             except KvTransferError as e:  # lease expired, decode worker gone: fail this request only
                 job.stats.error = f"KV transfer failed: {e}"
             job.stats.seconds += time.perf_counter() - t0
 
 
 class KvStreamer:
-    def __init__(self, kv_cache: torch.Tensor, block_size: int, lock: threading.Lock | None = None) -> None:
+    def __init__(
+        self,
+        kv_cache: torch.Tensor,
+        block_size: int,
+        lock: threading.Lock | None = None,
+        shards: list[HeadShard] | None = None,
+    ) -> None:
+        """`shards`: a tensor-parallel engine's rank pools (`ModelRunner.kv_head_shards`)."""
         self.kv_cache = kv_cache  # [L, 2, N, bs, Hkv, D]
+        self.shards = distinct_shards(shards or [HeadShard(0, kv_cache.shape[4], kv_cache)])
         self.block_size = block_size
         self.lock = lock or threading.Lock()  # held around every send to a decode worker
 
@@ -112,4 +129,4 @@ class KvStreamer:
                     r.transfer,
                 )
             )
-        return StepTransfers(self.kv_cache, jobs, self.lock, records)
+        return StepTransfers(self.shards, jobs, self.lock, records)

@@ -65,7 +65,8 @@ class PrefillWorker(WorkerBase):
         self.requests: dict[str, PrefillRecord] = {}  # by request id, until KvDone or release
         self.senders = KvSenderCache(self.ctx, auth, settings.kv_payload_mac)  # one per decode worker
         self._send_lock = threading.Lock()  # senders are shared by this loop and the lanes
-        self.streamer = KvStreamer(self.engine.kv_cache, self.engine.block_size, self._send_lock)
+        shards = self.engine.runner.kv_head_shards
+        self.streamer = KvStreamer(self.engine.kv_cache, self.engine.block_size, self._send_lock, shards)
         self.lanes = PrefillLanes(self.engine.runner, settings.lanes, settings.idle_lanes)
         self._abort_after: set[str] = set()  # aborted while a lane computes its chunk
         self._renew_checked = 0.0
