@@ -83,8 +83,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--tensor-parallel-size",
         type=int,
         default=1,
-        help="split the model over N processes on this machine (Megatron-style, gloo on the CPU; "
-        "colocated workers only so far): this worker's threads are shared out, threads/N per rank",
+        help="split the model over N processes on this machine (Megatron-style, gloo on the CPU): "
+        "this worker's threads are shared out, threads/N per rank; `serve`: every pool's degree "
+        "(--prefill-/--decode-tensor-parallel-size set one pool's)",
     )
     g.add_argument("--seed", type=int, default=None)
     g.add_argument(
@@ -114,10 +115,10 @@ def refuse_tensor_parallel(args: argparse.Namespace, role: str) -> None:
     from pdserve.engine.parallel.shard import check_tensor_parallel
 
     n = args.tensor_parallel_size
-    if role in ("prefill", "decode"):
+    if role == "prefill" and (getattr(args, "lanes", 1) > 1 or (getattr(args, "idle_lanes", None) or 0) > 0):
         raise SystemExit(
-            f"pdserve {role}: --tensor-parallel-size > 1 is built for colocated workers only so far "
-            "(pdserve colocated, pdserve serve --colocated)"
+            "pdserve prefill: --tensor-parallel-size > 1 runs one lane (its ranks step in lockstep): "
+            "drop --lanes / --idle-lanes"
         )
     try:
         EngineConfig(

@@ -113,6 +113,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="torch threads per decode worker (default: --threads, else cores / workers)",
     )
+    for pool in ("prefill", "decode"):
+        s.add_argument(
+            f"--{pool}-tensor-parallel-size",
+            type=int,
+            default=None,
+            help=f"tensor-parallel degree of each {pool} worker (default: --tensor-parallel-size); "
+            "the pools' degrees may differ: KV heads are re-sliced on the way (kvtransfer/head_ranges.py)",
+        )
     s.add_argument(
         "--decode-idle-threads",
         type=int,

@@ -114,7 +114,7 @@ def prefill_settings(args: argparse.Namespace):
         otlp_traces_endpoint=args.otlp_traces_endpoint,
         kv_payload_mac=args.kv_payload_mac,
         lanes=args.lanes,
-        idle_lanes=prefill_idle_lanes(topo, args.idle_lanes),
+        idle_lanes=0 if args.tensor_parallel_size > 1 else prefill_idle_lanes(topo, args.idle_lanes),
     )
 
 

@@ -87,6 +87,12 @@ def topology(args: argparse.Namespace) -> Topology:
     )
 
 
+def pool_args(args: argparse.Namespace, pool: str) -> argparse.Namespace:
+    """The flags as one pool's workers take them: its own tensor-parallel degree, if given."""
+    degree = getattr(args, f"{pool}_tensor_parallel_size", None)
+    return argparse.Namespace(**{**vars(args), "tensor_parallel_size": degree or args.tensor_parallel_size})
+
+
 def plan_children(args: argparse.Namespace, run_dir: str) -> list[Child]:
     """Every process's settings, planned for this machine (cli/topology.py), each started as
     `python -m pdserve.cli ROLE --settings RUN_DIR/NAME.json`."""
@@ -123,6 +129,11 @@ def plan_children(args: argparse.Namespace, run_dir: str) -> list[Child]:
         }
 
     if args.colocated:
+        if args.prefill_tensor_parallel_size or args.decode_tensor_parallel_size:
+            raise SystemExit(
+                "pdserve serve: --prefill-/--decode-tensor-parallel-size set the 1P1D pools' degrees; "
+                "a colocated worker takes --tensor-parallel-size"
+            )
         name = "colocated-0"
         children.append(
             child(
@@ -136,7 +147,12 @@ def plan_children(args: argparse.Namespace, run_dir: str) -> list[Child]:
             )
         )
         return children
+    prefill_args, decode_args = pool_args(args, "prefill"), pool_args(args, "decode")
     idle_lanes = prefill_idle_lanes(topo, args.prefill_idle_lanes)
+    if prefill_args.tensor_parallel_size > 1:
+        if args.prefill_idle_lanes:
+            raise SystemExit("pdserve serve: a tensor-parallel prefill worker runs one lane: drop --prefill-idle-lanes")
+        idle_lanes = 0  # its ranks step in lockstep: one step at a time
     for i in range(args.prefill_workers):
         name = f"prefill-{i}"
         children.append(
@@ -144,7 +160,7 @@ def plan_children(args: argparse.Namespace, run_dir: str) -> list[Child]:
                 name,
                 "prefill",
                 PrefillSettings(
-                    engine=engine_config(args, "prefill", args.prefill_max_num_batched_tokens),
+                    engine=engine_config(prefill_args, "prefill", args.prefill_max_num_batched_tokens),
                     threads=topo.prefill_share,
                     kv_payload_mac=args.kv_payload_mac,
                     idle_lanes=idle_lanes,
@@ -161,7 +177,7 @@ def plan_children(args: argparse.Namespace, run_dir: str) -> list[Child]:
                 name,
                 "decode",
                 DecodeSettings(
-                    engine=engine_config(args, "decode"),
+                    engine=engine_config(decode_args, "decode"),
                     threads=topo.decode_share,
                     kv_bind=kv_bind,
                     shared_memory=args.kv_transport not in ("zmq-ipc", "zmq-tcp"),

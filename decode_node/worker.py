@@ -61,7 +61,15 @@ class DecodeWorker(WorkerBase):
             self._shm = SharedTensor.create(shape, dtype)
             return self._shm.tensor
 
-        self.engine = LLMEngine(settings.engine, kv_allocator=shm_allocator if settings.shared_memory else None)
+        tp = settings.engine.tensor_parallel_size
+        shared = settings.shared_memory and tp == 1
+        if settings.shared_memory and not shared:
+            log.info(
+                "shared-memory KV transport off: a prefill worker would write rank 0's pool only, and "
+                "this worker's KV heads are split over %d ranks; KV arrives over ZeroMQ, re-sliced by rank",
+                tp,
+            )
+        self.engine = LLMEngine(settings.engine, kv_allocator=shm_allocator if shared else None)
         draft = self.engine.draft  # its layers may come with the target's (KvLayout.draft_fingerprint)
         self.leases = LeaseTable(  # every block not in a sequence
             self.engine.model_config.num_layers, draft_layers=draft.kv_cache.shape[0] if draft else 0
@@ -76,6 +84,7 @@ class DecodeWorker(WorkerBase):
             payload_mac=payload_mac_enabled(
                 settings.kv_payload_mac, settings.kv_bind, settings.kv_advertise, encryption=auth.encryption
             ),
+            rank_pools=self.engine.runner.kv_head_shards,  # every rank's heads (one pool without TP)
             draft_kv_cache=draft.kv_cache if draft else None,
         )
         self.kv_advertised = settings.kv_advertise or self.receiver.addr

@@ -20,6 +20,7 @@ from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.weights import load_weights
+from pdserve.kvtransfer.head_ranges import HeadShard
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,8 @@ class ForwardPass:
     next_layer: int = 0
     # (sequence, its tokens with KV once this pass is done): the engine publishes full blocks then
     computed_upto: list[tuple[Sequence, int]] = field(default_factory=list)
+    # tensor parallelism: `on_layer_stored` runs once a whole layer is done (every rank's KV stored)
+    after_layer: Callable[[int], None] | None = None
 
 
 class ModelRunner:
@@ -116,6 +119,12 @@ class ModelRunner:
 
     def close(self) -> None:
         """Release what the runner started (a tensor-parallel runner: its rank processes)."""
+
+    @property
+    def kv_head_shards(self) -> list[HeadShard]:
+        """Every KV pool of this engine with the heads it holds: one here; one per rank under
+        tensor parallelism (rank 0 maps them all), what KV transfers read and write."""
+        return [HeadShard(0, self.kv_cache.shape[4], self.kv_cache)]
 
     @torch.inference_mode()
     def logits(self, fp: ForwardPass) -> torch.Tensor | None:

@@ -10,6 +10,9 @@ copied once into `kv_cache[layer][:, blocks]`; a frame failing any check never t
 In-place (shared-memory) headers only mark the layer: P already wrote it. Layers past the
 target's (L ..) are a draft model's (`draft_kv_cache`, same block ids). A KvDone is returned
 by `poll` only when LeaseTable.check_done passes (all layers of all leased blocks, same epoch).
+A frame may carry some of the KV heads only (`kv_head_start/end`: a tensor-parallel prefill
+worker sends one per rank); its heads are written into every rank pool holding them, and the
+lease's byte count (KvDone's `kv_bytes`) tells a missing head range.
 Everything else is dropped and counted in `dropped[reason]`; the receiver never raises on input.
 A KvDone refused for a lease that is still active (a frame went missing: "incomplete",
 "bytes_mismatch", "layer_count", "expired") is also put in `failed_done` for the owner: it is
@@ -21,12 +24,12 @@ from __future__ import annotations
 
 import collections
 import logging
-import math
 import warnings
 
 import torch
 import zmq
 
+from pdserve.kvtransfer.head_ranges import HeadShard, head_span, overlaps
 from pdserve.kvtransfer.lease import LeaseTable
 from pdserve.kvtransfer.sender import copy_blocks
 from pdserve.kvtransfer.wire import KvFrameHeader, decode_kv, dtype_name
@@ -53,20 +56,28 @@ class KvReceiver:
         kv_head_start: int = 0,
         allow_in_place: bool = True,
         payload_mac: bool = False,
+        rank_pools: list[HeadShard] | None = None,
         draft_kv_cache: torch.Tensor | None = None,
     ) -> None:
-        """`draft_kv_cache`: a draft model's pool [Ld, 2, N, bs, Hkv', D'] (same block ids);
-        frames for layers L .. L + Ld - 1 land there (always as payloads, never in place)."""
+        """`rank_pools`: a tensor-parallel worker's pools, one per rank with its KV heads (rank 0's
+        is `kv_cache`); each frame's head range is written into every pool holding those heads.
+        `draft_kv_cache`: a draft model's pool [Ld, 2, N, bs, Hkv', D'] (same block ids); frames
+        for layers L .. L + Ld - 1 land there (always as payloads, never in place)."""
         if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
             raise ValueError(f"kv_cache must be [L, 2, N, bs, Hkv, D], got {list(kv_cache.shape)}")
         draft_layers = draft_kv_cache.shape[0] if draft_kv_cache is not None else 0
         if (kv_cache.shape[0], draft_layers) != (lease_table.num_layers, lease_table.draft_layers):
             raise ValueError("kv_cache and lease table disagree on the number of layers")
+        self.shards = rank_pools or [HeadShard(kv_head_start, kv_head_start + kv_cache.shape[4], kv_cache)]
+        if any(s.pool.shape[:4] != kv_cache.shape[:4] or s.pool.shape[5:] != kv_cache.shape[5:] for s in self.shards):
+            raise ValueError("rank pools disagree with kv_cache on layers, blocks or head size")
+        self.heads = head_span(self.shards)  # [first, last) KV head a frame may carry
         self.inbox = Inbox(ctx, auth, bind_addr, allow_wildcard, decoder=decode_kv)
         self.kv_cache = kv_cache  # [L, 2, N, bs, Hkv, D]
-        self.draft_kv_cache = draft_kv_cache  # [Ld, 2, N, bs, Hkv', D'] or None
+        self.draft_shards = (  # the draft's pool, all its heads (a draft is never tensor-parallel)
+            [HeadShard(0, draft_kv_cache.shape[4], draft_kv_cache)] if draft_kv_cache is not None else []
+        )
         self.leases = lease_table
-        self.kv_head_start = kv_head_start
         self.allow_in_place = allow_in_place
         self.payload_mac = payload_mac  # require and check each payload's HMAC tag
         self._auth = auth
@@ -134,19 +145,22 @@ class KvReceiver:
         reason = self.leases.check_frame(h)
         if reason is not None:
             return reason
-        pool, layer, start = self.kv_cache, h.layer, self.kv_head_start  # [L, 2, N, bs, Hkv, D]
-        if layer >= self.leases.num_layers:  # a draft model's layer (lease table checked the range)
-            assert self.draft_kv_cache is not None
-            pool, layer, start = self.draft_kv_cache, layer - self.leases.num_layers, 0
+        shards, layer, (lo, hi) = self.shards, h.layer, self.heads
+        if layer >= self.leases.num_layers:  # a draft model's layer (the lease table checked the range)
+            shards, layer = self.draft_shards, layer - self.leases.num_layers
+            lo, hi = 0, shards[0].end
             if h.in_place:
                 return "in_place_not_allowed"
-        block_shape = list(pool.shape[3:])  # [bs, Hkv, D]
-        if h.dtype != self._dtype or (h.kv_head_start, h.kv_head_end) != (start, start + block_shape[1]):
+        if h.dtype != self._dtype or not lo <= h.kv_head_start < h.kv_head_end <= hi:
             return "layout_mismatch"
-        n = len(h.block_ids)
-        if h.shape != [2, n, *block_shape] or h.nbytes != n * 2 * math.prod(block_shape) * pool.element_size():
+        pool = shards[0].pool  # [L, 2, N, bs, h, D]
+        n, heads = len(h.block_ids), h.kv_head_end - h.kv_head_start
+        head_bytes = 2 * pool.shape[3] * pool.shape[5] * pool.element_size()  # K+V, one block, one head
+        if h.shape != [2, n, pool.shape[3], heads, pool.shape[5]] or h.nbytes != n * heads * head_bytes:
             return "size_mismatch"
         if h.in_place:
+            if len(shards) > 1:
+                return "layout_mismatch"  # P wrote one pool in place; rank pools are not advertised
             if not self.allow_in_place:
                 return "in_place_not_allowed"
             if payloads:
@@ -161,8 +175,10 @@ class KvReceiver:
             with warnings.catch_warnings():  # read-only ZMQ buffer: we only read from it
                 warnings.simplefilter("ignore", UserWarning)
                 data = torch.frombuffer(payloads[0], dtype=torch.uint8)
-            data = data.view(pool.dtype).view(h.shape)
-            copy_blocks(pool[layer], h.block_ids, data, list(range(n)))
+            data = data.view(pool.dtype).view(h.shape)  # [2, n, bs, heads, D]
+            for o in overlaps(h.kv_head_start, h.kv_head_end, shards):
+                dst = o.shard.pool[layer][:, :, :, o.dst : o.dst + o.count]  # [2, N, bs, count, D]
+                copy_blocks(dst, h.block_ids, data[:, :, :, o.src : o.src + o.count], list(range(n)))
         self.leases.mark_frame(h)
         self.bytes_received += h.nbytes
         self.frames_received += 1

@@ -12,6 +12,9 @@
                  (`in_place=True`) so D can account for the layer. A draft model's layers
                  (numbered L ..; D's draft pool is not shared) go as payload frames.
 Both then send `KvDone` on the same stream; ZMQ keeps one sender's messages in order.
+A tensor-parallel prefill worker calls `send_layer` once per distinct rank pool, each with its
+`kv_head_start`; frames name their head range, and D writes it into the rank pools that hold
+those heads (kvtransfer/head_ranges.py).
 
 Refusals raise `KvTransferError` subclasses; the caller (prefill worker) should catch them,
 stop transferring for that request and report it:
@@ -150,10 +153,13 @@ class KvSender(ABC):
         dst_block_ids: list[int],
         *,
         deadline: float | None = None,
+        kv_head_start: int = 0,
     ) -> int:
         """Ship `src_kv_layer[:, src_block_ids]` ([2, N, bs, Hkv, D]) into D's `dst_block_ids`
         of `layer`; returns the bytes moved. `lease`: the Lease (preferred: its deadline and block
-        ids are checked here too) or just its epoch, with `deadline=` when known."""
+        ids are checked here too) or just its epoch, with `deadline=` when known.
+        `kv_head_start`: the model's first KV head in `src_kv_layer` (a tensor-parallel rank's
+        pool holds heads [kv_head_start, kv_head_start + Hkv); kvtransfer/head_ranges.py)."""
 
     def send_done(self, done: KvDone) -> bool:
         """Queue the request's KvDone (after its last layer); False when D's queue stayed full."""
@@ -253,7 +259,9 @@ class ZmqKvSender(KvSender):
         self._next_slot = 0
         super().__init__(Outbox(ctx, auth, kv_addr, sndhwm=sndhwm), send_timeout_ms=send_timeout_ms)
 
-    def send_layer(self, request_id, lease, layer, src_kv_layer, src_block_ids, dst_block_ids, *, deadline=None) -> int:
+    def send_layer(
+        self, request_id, lease, layer, src_kv_layer, src_block_ids, dst_block_ids, *, deadline=None, kv_head_start=0
+    ) -> int:
         epoch, deadline, leased = self._lease_terms(lease, deadline)
         self._check_args(src_kv_layer, src_block_ids, dst_block_ids, leased)
         self._check_deadline(deadline)
@@ -268,6 +276,7 @@ class ZmqKvSender(KvSender):
                 src_kv_layer,
                 list(src_block_ids[i : i + per_frame]),
                 list(dst_block_ids[i : i + per_frame]),
+                kv_head_start,
             )
         return sent
 
@@ -289,7 +298,7 @@ class ZmqKvSender(KvSender):
         self._ring[slot] = (buf, None)
         return buf[:nbytes].view(dtype).view(shape), slot
 
-    def _send_blocks(self, request_id, epoch, layer, src_kv_layer, src_ids, dst_ids) -> int:
+    def _send_blocks(self, request_id, epoch, layer, src_kv_layer, src_ids, dst_ids, head_start) -> int:
         n = len(src_ids)
         data, slot = self._staging(src_kv_layer.dtype, (2, n, *src_kv_layer.shape[2:]))
         if src_kv_layer.device.type == "cpu" and not _few(_runs(src_ids, list(range(n))), n):
@@ -302,8 +311,8 @@ class ZmqKvSender(KvSender):
             lease_epoch=epoch,
             layer=layer,
             block_ids=dst_ids,
-            kv_head_start=0,
-            kv_head_end=data.shape[3],
+            kv_head_start=head_start,
+            kv_head_end=head_start + data.shape[3],
             dtype=dtype_name(data.dtype),
             shape=list(data.shape),
             nbytes=data.nbytes,
@@ -346,19 +355,26 @@ class ShmKvSender(KvSender):
             self._pool.close()
             raise
 
-    def send_layer(self, request_id, lease, layer, src_kv_layer, src_block_ids, dst_block_ids, *, deadline=None) -> int:
+    def send_layer(
+        self, request_id, lease, layer, src_kv_layer, src_block_ids, dst_block_ids, *, deadline=None, kv_head_start=0
+    ) -> int:
         epoch, deadline, leased = self._lease_terms(lease, deadline)
         if deadline is None:
             raise ValueError("shared-memory writes need the lease deadline: pass the Lease (or deadline=)")
         if self._pool.tensor is None:
             raise KvSendError("sender is closed")
         self._check_args(src_kv_layer, src_block_ids, dst_block_ids, leased)
-        pool = self._pool.tensor  # [L, 2, N, bs, Hkv, D]
-        if layer >= pool.shape[0]:  # a draft model's layer: D's draft pool is not shared, send it
+        whole = self._pool.tensor  # [L, 2, N, bs, Hkv, D]
+        if layer >= whole.shape[0]:  # a draft model's layer: D's draft pool is not shared, send it
             self._check_deadline(deadline)
             return self._send_payload(request_id, epoch, layer, src_kv_layer, src_block_ids, dst_block_ids)
-        if not 0 <= layer < pool.shape[0]:
-            raise ValueError(f"layer {layer} outside the destination pool's {pool.shape[0]} layers")
+        if not 0 <= layer < whole.shape[0]:
+            raise ValueError(f"layer {layer} outside the destination pool's {whole.shape[0]} layers")
+        h0 = kv_head_start - self.layout.kv_head_start  # the source's heads in the destination pool
+        h1 = h0 + src_kv_layer.shape[3]
+        if not 0 <= h0 < h1 <= whole.shape[4]:
+            raise ValueError(f"KV heads [{kv_head_start}, ...) outside the destination pool's")
+        pool = whole[:, :, :, :, h0:h1]  # [L, 2, N, bs, h, D]
         if src_kv_layer.shape[2:] != pool.shape[3:] or src_kv_layer.dtype != pool.dtype:
             raise ValueError(
                 f"source layer {list(src_kv_layer.shape[2:])} {src_kv_layer.dtype} does not match "
@@ -375,8 +391,8 @@ class ShmKvSender(KvSender):
             lease_epoch=epoch,
             layer=layer,
             block_ids=list(dst_block_ids),
-            kv_head_start=self.layout.kv_head_start,
-            kv_head_end=self.layout.kv_head_start + pool.shape[4],
+            kv_head_start=kv_head_start,
+            kv_head_end=kv_head_start + pool.shape[4],
             dtype=dtype_name(pool.dtype),
             shape=shape,
             nbytes=nbytes,

@@ -17,6 +17,8 @@ layers L .. L + Ld - 1 (L: the target's), for requests whose decode worker runs 
 (`PrefillRecord.ships_draft`); the others get the target's layers only.
 Each layer's send reads the request's lease from the worker's request record at that moment, so a
 renewal that arrives while the step computes counts for its remaining layers.
+Under tensor parallelism each layer goes as one send per distinct rank pool (`shards`: rank 0
+maps them all), each naming its KV heads; the decode worker re-slices them onto its own ranks.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.kvtransfer.head_ranges import HeadShard, distinct_shards
 from pdserve.kvtransfer.sender import KvSender, KvTransferError
 from pdserve.prefill_node.request_record import PrefillRecord, TransferStats
 from pdserve.protocol.messages import Lease
@@ -49,13 +52,13 @@ class StepTransfers:
 
     def __init__(
         self,
-        kv_cache: torch.Tensor,
+        shards: list[HeadShard],
         jobs: list[_Job],
         lock: threading.Lock,
         records: dict[str, PrefillRecord],
         draft_kv_cache: torch.Tensor | None = None,
     ) -> None:
-        self.kv_cache = kv_cache  # [L, 2, N, bs, Hkv, D]
+        self.shards = shards  # each a pool [L, 2, N, bs, Hkv_rank, D] and its heads
         self.draft_kv_cache = draft_kv_cache  # [Ld, 2, N, bs, Hkv', D'] (same block ids) or None
         self.jobs = jobs
         self.lock = lock
@@ -69,22 +72,29 @@ class StepTransfers:
         return job.lease
 
     def __call__(self, layer: int) -> None:
-        num_layers = self.kv_cache.shape[0]
-        draft = layer >= num_layers
+        num_layers = self.shards[0].pool.shape[0]
+        draft = layer >= num_layers  # a draft model's layer, numbered after the target's
         if draft:
             assert self.draft_kv_cache is not None
-            kv_layer = self.draft_kv_cache[layer - num_layers]  # [2, N, bs, Hkv', D']
+            sources = [(0, self.draft_kv_cache[layer - num_layers])]  # [2, N, bs, Hkv', D']
         else:
-            kv_layer = self.kv_cache[layer]  # [2, N, bs, Hkv, D]
+            sources = [(s.start, s.pool[layer]) for s in self.shards]  # [2, N, bs, Hkv_rank, D] each
         for job in self.jobs:
             if job.stats.error is not None or (draft and not job.ships_draft):
                 continue
             t0 = time.perf_counter()
             try:
                 with self.lock:  # senders are shared by the worker's lanes and its loop
-                    job.stats.bytes += job.sender.send_layer(
-                        job.request_id, self._lease(job), layer, kv_layer, job.src_blocks, job.dst_blocks
-                    )
+                    for head_start, kv_layer in sources:
+                        job.stats.bytes += job.sender.send_layer(
+                            job.request_id,
+                            self._lease(job),
+                            layer,
+                            kv_layer,
+                            job.src_blocks,
+                            job.dst_blocks,
+                            kv_head_start=head_start,
+                        )
             except KvTransferError as e:  # lease expired, decode worker gone: fail this request only
                 job.stats.error = f"KV transfer failed: {e}"
             job.stats.seconds += time.perf_counter() - t0
@@ -96,9 +106,13 @@ class KvStreamer:
         kv_cache: torch.Tensor,
         block_size: int,
         lock: threading.Lock | None = None,
+        shards: list[HeadShard] | None = None,
         draft_kv_cache: torch.Tensor | None = None,
     ) -> None:
+        """`shards`: a tensor-parallel engine's rank pools (`ModelRunner.kv_head_shards`);
+        `draft_kv_cache`: a draft model's pool (its layers shipped after the target's)."""
         self.kv_cache = kv_cache  # [L, 2, N, bs, Hkv, D]
+        self.shards = distinct_shards(shards or [HeadShard(0, kv_cache.shape[4], kv_cache)])
         self.draft_kv_cache = draft_kv_cache  # [Ld, 2, N, bs, Hkv', D'] or None
         self.block_size = block_size
         self.lock = lock or threading.Lock()  # held around every send to a decode worker
@@ -132,4 +146,4 @@ class KvStreamer:
                     r.ships_draft,
                 )
             )
-        return StepTransfers(self.kv_cache, jobs, self.lock, records, self.draft_kv_cache)
+        return StepTransfers(self.shards, jobs, self.lock, records, self.draft_kv_cache)

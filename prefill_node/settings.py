@@ -21,3 +21,5 @@ class PrefillSettings(WorkerSettings, frozen=True, kw_only=True, forbid_unknown_
         super().__post_init__()
         if self.lanes < 1 or self.idle_lanes < 0:
             raise ValueError(f"lanes must be >= 1 and idle_lanes >= 0, got {self.lanes}, {self.idle_lanes}")
+        if self.engine.tensor_parallel_size > 1 and (self.lanes, self.idle_lanes) != (1, 0):
+            raise ValueError("a tensor-parallel prefill worker runs one lane (its ranks step in lockstep)")

@@ -67,7 +67,11 @@ class PrefillWorker(WorkerBase):
         self._send_lock = threading.Lock()  # senders are shared by this loop and the lanes
         draft = self.engine.draft
         self.streamer = KvStreamer(
-            self.engine.kv_cache, self.engine.block_size, self._send_lock, draft.kv_cache if draft else None
+            self.engine.kv_cache,
+            self.engine.block_size,
+            self._send_lock,
+            self.engine.runner.kv_head_shards,
+            draft.kv_cache if draft else None,
         )
         # the draft's fingerprint a decode worker's layout must name to get the draft's KV too
         self.draft_fingerprint = (

@@ -19,3 +19,4 @@ class RankConfig(msgspec.Struct, frozen=True):
     store_port: int  # rank 0's rendezvous TCPStore on 127.0.0.1
     timeout_s: float
     threads: int  # torch threads of this rank
+    kv_pool_shm: str  # the shared-memory segment rank 0 made for this rank's KV pool (it maps it too)

@@ -5,6 +5,12 @@ their forward needs before running its own shard of the same layers; it alone sa
       begin:      ring ranks -> broadcast step (batch + block copies) -> embed (all-reduce)
       run_layers: per layer: attention (all-reduce), MLP (all-reduce)      } same order on
       logits:     LM head slice -> gather on rank 0                       } every rank
+
+Every rank's KV pool lives in shared memory rank 0 creates (a segment per rank, named in its
+RankConfig, unlinked when rank 0 closes), so rank 0 reads and writes every rank's KV heads
+(`kv_head_shards`: a prefill worker ships them, a decode worker lands them) with no collective.
+A prefill worker's per-layer hook runs once the layer is done on rank 0: its all-reduces have
+then heard from every rank, so every rank has stored that layer's KV.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from pdserve.engine.parallel.shard import TensorParallelShard, check_tensor_para
 from pdserve.engine.parallel.step_inputs import send_step
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.kvtransfer.head_ranges import HeadShard
+from pdserve.kvtransfer.shm import SharedTensor
 
 log = logging.getLogger(__name__)
 
@@ -43,14 +51,20 @@ class TensorParallelRunner(ModelRunner):
         sampler: Sampler,
         group: TensorParallelGroup,
         ranks: RankProcesses,
+        shards: list[HeadShard],
+        pools: list[SharedTensor],
     ) -> None:
         super().__init__(model, kv_cache, block_size, sampler)
         self.group, self.ranks = group, ranks
+        self._shards = shards  # rank order, rank 0's (kv_cache) first
+        self._pools = pools  # ranks 1..N-1's shared memory, unlinked at close
+
+    @property
+    def kv_head_shards(self) -> list[HeadShard]:
+        return self._shards
 
     @torch.inference_mode()
     def begin(self, sched: SchedulerOutput, on_layer_stored: Callable[[int], None] | None = None) -> ForwardPass:
-        if on_layer_stored is not None:
-            raise ValueError("streaming KV layer by layer (a prefill worker) is not built for tensor parallelism yet")
         batch = build_batch(sched.chunks, len(sched.decodes), self.block_size, self.device)
         try:
             self.ranks.ring()
@@ -62,11 +76,15 @@ class TensorParallelRunner(ModelRunner):
             x, rope = self.model.embed(batch.input_ids, batch.positions)  # [T, H]
         except TensorParallelError as e:
             raise self._failed(e) from e
-        return ForwardPass(batch, ctx, x, rope)
+        return ForwardPass(batch, ctx, x, rope, after_layer=on_layer_stored)
 
     def run_layers(self, fp: ForwardPass, count: int | None = None) -> None:
+        stop = self.num_layers if count is None else min(self.num_layers, fp.next_layer + count)
         try:
-            super().run_layers(fp, count)
+            while fp.next_layer < stop:
+                super().run_layers(fp, 1)
+                if fp.after_layer is not None:
+                    fp.after_layer(fp.next_layer - 1)
         except TensorParallelError as e:
             raise self._failed(e) from e
 
@@ -82,6 +100,8 @@ class TensorParallelRunner(ModelRunner):
 
     def close(self) -> None:
         self.ranks.close()
+        for pool in self._pools:
+            pool.close()
 
 
 def start_tensor_parallel(
@@ -101,26 +121,36 @@ def start_tensor_parallel(
     check_tensor_parallel(mc, n)
     threads = max(1, torch.get_num_threads() // n)
     torch.set_num_threads(threads)
-    store = host_store(n, timeout)
-    ranks = RankProcesses(
-        [
-            RankConfig(
-                model=mc.path,
-                model_impl=config.model_impl,
-                dtype=str(dtype).removeprefix("torch."),
-                device=config.device,
-                max_positions=max_positions,
-                block_size=kv_spec.block_size,
-                num_blocks=num_blocks,
-                rank=rank,
-                size=n,
-                store_port=store.port,
-                timeout_s=timeout,
-                threads=threads,
-            )
-            for rank in range(1, n)
-        ]
-    )
+    heads = [TensorParallelShard(rank, n).kv_heads(mc) for rank in range(n)]
+    pools: list[SharedTensor] = []  # ranks 1..N-1's KV pools: rank 0 maps them too
+    try:
+        for k0, k1 in heads[1:]:
+            pools.append(SharedTensor.create(kv_spec.for_kv_heads(k1 - k0).shape(num_blocks), dtype))
+        store = host_store(n, timeout)
+        ranks = RankProcesses(
+            [
+                RankConfig(
+                    model=mc.path,
+                    model_impl=config.model_impl,
+                    dtype=str(dtype).removeprefix("torch."),
+                    device=config.device,
+                    max_positions=max_positions,
+                    block_size=kv_spec.block_size,
+                    num_blocks=num_blocks,
+                    rank=rank,
+                    size=n,
+                    store_port=store.port,
+                    timeout_s=timeout,
+                    threads=threads,
+                    kv_pool_shm=pools[rank - 1].name,
+                )
+                for rank in range(1, n)
+            ]
+        )
+    except BaseException:
+        for pool in pools:
+            pool.close()
+        raise
     try:
         try:
             group = TensorParallelGroup(shard, store, timeout)
@@ -128,11 +158,15 @@ def start_tensor_parallel(
             raise TensorParallelError(f"tensor-parallel rendezvous failed: {e} -- {ranks.describe()}") from e
         device = torch.device(config.device)
         model = load_model(mc, dtype, device, max_positions, show_progress, tp=group)
-        k0, k1 = shard.kv_heads(mc)
+        k0, k1 = heads[0]
         kv_cache = allocate_kv_cache(kv_spec.for_kv_heads(k1 - k0), num_blocks, device)
         ranks.wait_ready(LOAD_TIMEOUT_S)
     except BaseException:
         ranks.close()
+        for pool in pools:
+            pool.close()
         raise
     log.info("tensor parallel: %d ranks (pids %s), %d torch threads each", n, ranks.pids, threads)
-    return TensorParallelRunner(model, kv_cache, kv_spec.block_size, sampler, group, ranks)
+    tensors = [kv_cache] + [p.tensor for p in pools if p.tensor is not None]
+    shards = [HeadShard(k0, k1, t) for (k0, k1), t in zip(heads, tensors, strict=True)]
+    return TensorParallelRunner(model, kv_cache, kv_spec.block_size, sampler, group, ranks, shards, pools)

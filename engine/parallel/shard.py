@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.engine.config import ModelConfig
+from pdserve.kvtransfer.head_ranges import rank_kv_heads
 
 
 def check_tensor_parallel(cfg: ModelConfig, size: int) -> None:
@@ -59,11 +60,7 @@ class TensorParallelShard:
 
     def kv_heads(self, cfg: ModelConfig) -> tuple[int, int]:
         """This rank's KV heads [start, end): a share of them, or one replicated head."""
-        if cfg.num_kv_heads >= self.size:
-            per = cfg.num_kv_heads // self.size
-            return self.rank * per, (self.rank + 1) * per
-        head = self.rank // (self.size // cfg.num_kv_heads)
-        return head, head + 1
+        return rank_kv_heads(cfg.num_kv_heads, self.rank, self.size)
 
     def intermediate(self, cfg: ModelConfig) -> tuple[int, int]:
         per = cfg.intermediate_size // self.size

@@ -19,7 +19,7 @@ import msgspec
 import torch
 
 from pdserve.engine.config import ModelConfig, resolve_dtype
-from pdserve.engine.kv_cache import KVCacheSpec, allocate_kv_cache
+from pdserve.engine.kv_cache import KVCacheSpec
 from pdserve.engine.model_runner import load_model
 from pdserve.engine.models.llama import ForwardContext, LlamaForCausalLM
 from pdserve.engine.parallel.group import TensorParallelError, TensorParallelGroup, join_store
@@ -28,12 +28,14 @@ from pdserve.engine.parallel.ranks import STEP
 from pdserve.engine.parallel.shard import TensorParallelShard
 from pdserve.engine.parallel.step_inputs import StepInputs, receive_step
 from pdserve.env import settings
+from pdserve.kvtransfer.shm import SharedTensor
 
 log = logging.getLogger("pdserve.tensor_parallel")
 
 
-def load_rank(cfg: RankConfig, group: TensorParallelGroup) -> tuple[LlamaForCausalLM, torch.Tensor]:
-    """This rank's model shard and KV pool [L, 2, N, bs, Hkv/N, D] (same blocks as rank 0's)."""
+def load_rank(cfg: RankConfig, group: TensorParallelGroup) -> tuple[LlamaForCausalLM, SharedTensor]:
+    """This rank's model shard and KV pool [L, 2, N, bs, Hkv/N, D] (same blocks as rank 0's), in
+    the shared memory rank 0 made for it (rank 0 reads and writes its KV there: transfers)."""
     device = torch.device(cfg.device)
     mc = ModelConfig.from_folder(cfg.model, cfg.model_impl)
     dtype = resolve_dtype(cfg.dtype, device)
@@ -41,7 +43,7 @@ def load_rank(cfg: RankConfig, group: TensorParallelGroup) -> tuple[LlamaForCaus
     assert isinstance(model, LlamaForCausalLM)
     k0, k1 = group.shard.kv_heads(mc)
     spec = KVCacheSpec.for_model(mc, cfg.block_size, dtype).for_kv_heads(k1 - k0)
-    return model, allocate_kv_cache(spec, cfg.num_blocks, device)
+    return model, SharedTensor.attach(cfg.kv_pool_shm, spec.shape(cfg.num_blocks), dtype)
 
 
 @torch.inference_mode()
@@ -62,7 +64,9 @@ def serve_rank(cfg: RankConfig, commands: BinaryIO, answers: BinaryIO) -> int:
     shard = TensorParallelShard(cfg.rank, cfg.size)
     try:
         group = TensorParallelGroup(shard, join_store(cfg.store_port, cfg.size, cfg.timeout_s), cfg.timeout_s)
-        model, kv_cache = load_rank(cfg, group)
+        model, pool = load_rank(cfg, group)
+        assert pool.tensor is not None
+        kv_cache = pool.tensor
     except Exception as e:  # rank 0 reports it
         answers.write(f"error: {type(e).__name__}: {e}\n".encode())
         answers.flush()

@@ -1,5 +1,6 @@
 """`pdserve serve --colocated --tensor-parallel-size 2`: real processes on loopback, the official
-`openai` client, greedy output == HF generate (fp32); the pools refuse the flag at start."""
+`openai` client, greedy output == HF generate (fp32); what it cannot split is refused at start.
+(1P1D pools of their own degrees: tests/e2e/test_tensor_parallel_pools.py.)"""
 
 from __future__ import annotations
 
@@ -55,7 +56,6 @@ def test_colocated_tp2_through_http_matches_hf(model):
 @pytest.mark.parametrize(
     "flags,message",
     [
-        (["--tensor-parallel-size", "2"], "colocated workers only"),  # the 1P1D pools
         (["--colocated", "--tensor-parallel-size", "3"], "does not divide the model's 4 attention heads"),
         (["--colocated", "--tensor-parallel-size", "2", "--quantization", "int8"], "quantization"),
     ],

@@ -155,7 +155,7 @@ def test_refuses_what_is_not_built(tiny_llama):
         tp_engine(tiny_llama, 8)  # 4 heads: refused before any rank starts
 
 
-def test_cli_flag_reaches_colocated_and_is_refused_on_the_pools(tiny_llama):
+def test_cli_flag_reaches_every_role_and_a_tp_prefill_worker_runs_one_lane(tiny_llama):
     import argparse
 
     from pdserve.cli.engine_args import add_engine_args, engine_config
@@ -163,10 +163,11 @@ def test_cli_flag_reaches_colocated_and_is_refused_on_the_pools(tiny_llama):
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     args = parser.parse_args(["--model", str(tiny_llama), "--tensor-parallel-size", "2"])
-    assert engine_config(args, "colocated").tensor_parallel_size == 2
-    for role in ("prefill", "decode"):
-        with pytest.raises(SystemExit, match="colocated workers only"):
-            engine_config(args, role)
+    for role in ("colocated", "prefill", "decode"):
+        assert engine_config(args, role).tensor_parallel_size == 2
+    args.lanes = 2  # (`pdserve prefill --lanes 2`)
+    with pytest.raises(SystemExit, match="runs one lane"):
+        engine_config(args, "prefill")
 
 
 def test_tp2_with_ngram_speculation_equals_hf(tiny_llama):

@@ -1,0 +1,159 @@
+"""KV transfer bandwidth between tensor-parallel degrees: prefill TP=P -> decode TP=D, same run.
+
+    python -m pdserve.kvtransfer.bench_heads --pairs 1:1,2:1,1:2,2:2
+
+One request's KV (all layers, `--tokens` tokens) moves from P rank pools (each its KV heads, as a
+TP prefill worker's rank 0 maps them) to D rank pools through the real classes: ZmqKvSender
+(one send per distinct prefill rank pool and layer, `kv_head_start`) -> KvReceiver with
+`rank_pools` (each frame's heads written into every decode rank pool holding them), polled in its
+own thread; and, for D = 1, ShmKvSender writing each rank's heads in place. Time = first send
+until the receiver accepted the KvDone; every repeat's decode pools are checked to hold exactly
+their heads of the source blocks. Rounds alternate memcpy and every pair (noise hits all alike).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+
+import torch
+import zmq
+
+from pdserve.kvtransfer.bench import _Memcpy, _ReceiverThread
+from pdserve.kvtransfer.head_ranges import HeadShard, distinct_shards, rank_kv_heads
+from pdserve.kvtransfer.lease import LeaseTable
+from pdserve.kvtransfer.malloc_tuning import keep_large_allocations_in_heap
+from pdserve.kvtransfer.receiver import KvReceiver
+from pdserve.kvtransfer.sender import KvSender, ShmKvSender, ZmqKvSender
+from pdserve.kvtransfer.shm import SharedTensor
+from pdserve.protocol.auth import FrameAuth, generate_cluster_secret
+from pdserve.protocol.messages import KvDone, KvLayout
+
+
+def split(full: torch.Tensor, degree: int) -> list[HeadShard]:
+    """`degree` rank pools of `full` [L, 2, N, bs, Hkv, D], each a separate copy of its heads."""
+    heads = [rank_kv_heads(full.shape[4], r, degree) for r in range(degree)]
+    return [HeadShard(k0, k1, full[:, :, :, :, k0:k1].clone()) for k0, k1 in heads]
+
+
+class _Pair:
+    """Prefill pools at degree p, decode pools at degree d, one sender -> one receiver."""
+
+    def __init__(self, name: str, transport: str, src: list[HeadShard], dst: list[HeadShard], tmp: str) -> None:
+        self.name, self.src, self.dst = name, distinct_shards(src), dst
+        self.ctx = zmq.Context()
+        auth = FrameAuth(generate_cluster_secret(), encryption="off")
+        self.leases = LeaseTable(dst[0].pool.shape[0])
+        self.shm: SharedTensor | None = None
+        pool0 = dst[0].pool
+        if transport == "shm":  # D = 1: its one pool in shared memory
+            self.shm = SharedTensor.create(tuple(pool0.shape), pool0.dtype)
+            assert self.shm.tensor is not None
+            self.dst = dst = [HeadShard(0, pool0.shape[4], self.shm.tensor)]
+        self.receiver = KvReceiver(self.ctx, auth, f"ipc://{tmp}/{name}.sock", dst[0].pool, self.leases, rank_pools=dst)
+        self.sender: KvSender
+        if self.shm is not None:
+            L, _, n, bs, h, d = pool0.shape
+            layout = KvLayout(L, n, bs, h, d, str(pool0.dtype).removeprefix("torch."))
+            self.sender = ShmKvSender(auth, self.receiver.addr, self.shm.name, layout, ctx=self.ctx)
+        else:
+            self.sender = ZmqKvSender(self.ctx, auth, self.receiver.addr)
+        self.thread = _ReceiverThread(self.receiver)
+        self.thread.start()
+        self.times: list[float] = []
+        self.verified = True
+
+    def transfer(self, rid: str, src_ids: list[int], dst_ids: list[int]) -> int:
+        for s in self.dst:
+            s.pool.zero_()
+        L = self.leases.num_layers
+        lease = self.leases.grant(rid, dst_ids, ttl_s=120)
+        t0, sent = time.perf_counter(), 0
+        for layer in range(L):
+            for s in self.src:
+                sent += self.sender.send_layer(
+                    rid, lease, layer, s.pool[layer], src_ids, dst_ids, kv_head_start=s.start
+                )
+        self.sender.send_done(KvDone(request_id=rid, lease_epoch=lease.epoch, num_layers=L, kv_bytes=sent))
+        self.times.append(self.thread.wait(rid, timeout_s=120) - t0)
+        self.leases.release(rid)
+        full = torch.cat([s.pool for s in self.src], dim=4)[:, :, src_ids]  # [L, 2, n, bs, Hkv, D]
+        self.verified &= all(torch.equal(s.pool[:, :, dst_ids], full[:, :, :, :, s.start : s.end]) for s in self.dst)
+        return sent
+
+    def close(self) -> None:
+        self.thread.stop = True
+        self.thread.join(5)
+        self.sender.close()
+        self.receiver.close()
+        if self.shm is not None:
+            self.shm.close()
+        self.ctx.destroy(linger=0)
+
+
+def run(args: argparse.Namespace) -> dict:
+    torch.set_num_threads(args.threads)
+    keep_large_allocations_in_heap()
+    L, bs, H, D = args.layers, args.block_size, args.kv_heads, args.head_dim
+    n = -(-args.tokens // bs)
+    full = torch.randn(L, 2, 2 * n + 1, bs, H, D)  # the prefill worker's KV, every head
+    src_ids, dst_ids = list(range(1, n + 1)), list(range(n, 2 * n))
+    kv_bytes = L * 2 * n * bs * H * D * full.element_size()
+    tmp = tempfile.mkdtemp(prefix="pdkv-tp-")
+    pairs: list[_Pair] = []
+    memcpy, memcpy_times = _Memcpy(kv_bytes), []
+    try:
+        for spec in args.pairs.split(","):
+            p, d = (int(x) for x in spec.split(":"))
+            for transport in ("zmq-ipc", "shm") if d == 1 else ("zmq-ipc",):
+                dst = split(torch.zeros_like(full), d)
+                pairs.append(_Pair(f"tp{p}-to-tp{d}-{transport}", transport, split(full, p), dst, tmp))
+        for r in range(args.repeat + 1):  # round 0: warm-up, not counted
+            memcpy_times.append(memcpy.once())
+            for pair in pairs:
+                assert pair.transfer(f"{pair.name}-{r}", src_ids, dst_ids) == kv_bytes
+                if r == 0:
+                    pair.times.clear()
+    finally:
+        for pair in pairs:
+            pair.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return {
+        "kv_bytes": kv_bytes,
+        "memcpy_gbps": kv_bytes / min(memcpy_times) / 1e9,
+        "pairs": {x.name: {"gbps": kv_bytes / min(x.times) / 1e9, "verified": x.verified} for x in pairs},
+        "config": {"tokens": args.tokens, "layers": L, "kv_heads": H, "head_dim": D, "threads": args.threads},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pdserve.kvtransfer.bench_heads", description=__doc__)
+    p.add_argument("--pairs", default="1:1,2:1,1:2,2:2", help="prefill:decode degrees, comma-separated")
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    res = run(args)
+    ok = all(x["verified"] for x in res["pairs"].values())
+    if args.json:
+        print(json.dumps(res))
+        return 0 if ok else 1
+    print(f"KV of one request: {res['kv_bytes'] / 2**20:.1f} MiB {res['config']}; memcpy {res['memcpy_gbps']:.2f} GB/s")
+    for name, x in res["pairs"].items():
+        print(
+            f"{name:<22} {x['gbps']:>7.2f} GB/s  {x['gbps'] / res['memcpy_gbps']:>5.2f} x memcpy  verified={x['verified']}"
+        )
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

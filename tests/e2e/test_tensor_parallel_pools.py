@@ -1,0 +1,130 @@
+"""`pdserve serve` 1P1D with a tensor-parallel degree per pool (issue 36): real processes on
+loopback, greedy output == HF generate (fp32) token for token while the KV crosses between
+degrees (re-sliced by KV head), a prefix-cache hit on a repeated prompt, every block back after."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from openai import OpenAI
+from transformers import AutoTokenizer
+
+from tests.conftest import hf_greedy, random_prompts
+from tests.e2e.cluster import running_server
+from tests.e2e.roles import wait_for, workers
+from tests.engine.tensor_parallel_models import single_kv_head_qwen2
+from tests.reliability.test_worker_failure import busy_decode_pid
+
+MAX_NEW = 16
+LENGTHS = [7, 30, 65, 12]
+
+
+def rank_pids(pid: int) -> list[int]:
+    """The tensor-parallel rank processes (ranks 1..N-1) worker `pid` started."""
+    children = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    return [c for c in children if b"pdserve.engine.parallel.worker" in Path(f"/proc/{c}/cmdline").read_bytes()]
+
+
+def settled(base: str) -> bool:
+    """Every worker's blocks are back (cached ones count as free) and no lease is open."""
+    ws = workers(base)
+    return len(ws) == 2 and all(w["kv"]["blocks_used"] == 0 and w["load"]["leases_active"] == 0 for w in ws)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "family,p,d,budget",
+    [("tiny_llama", 2, 1, 512), ("tiny_llama", 1, 2, 512), ("tiny_llama", 2, 2, 24), ("one_kv_head", 2, 2, 512)],
+)
+def test_1p1d_with_a_degree_per_pool_matches_hf(request, models_dir, family, p, d, budget):
+    """tiny Llama: 4 q heads over 2 KV heads (GQA), one KV head per rank at degree 2. P=2 -> D=1
+    goes over shared memory (each prefill rank's heads written in place into D's pool); D=2 turns
+    shared memory off and takes ZeroMQ frames, one per distinct prefill rank pool and layer.
+    Qwen2 with one KV head: replicated on both ranks of each pool (one frame, both D ranks written).
+    `budget` 24: prompts prefilled in chunks (a partly filled block re-sent with the next chunk)."""
+    if family == "one_kv_head":
+        model = single_kv_head_qwen2(models_dir / "tiny-qwen2-1kv")
+    else:
+        model = request.getfixturevalue(family)
+    tok = AutoTokenizer.from_pretrained(model)
+    prompts = random_prompts(tok.vocab_size, LENGTHS, seed=36)
+    want = [tok.decode(hf_greedy(str(model), tuple(x), MAX_NEW), skip_special_tokens=True) for x in prompts]
+    flags = ["--prefill-tensor-parallel-size", str(p), "--decode-tensor-parallel-size", str(d)]
+    flags += ["--prefill-max-num-batched-tokens", str(budget)]
+    with running_server(model, *flags, timeout_s=300) as base:
+        degrees = {w["role"]: len(rank_pids(w["pid"])) + 1 for w in workers(base)}
+        assert degrees == {"prefill": p, "decode": d}
+        client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        name = client.models.list().data[0].id
+
+        def complete(x):
+            r = client.completions.create(model=name, prompt=x, max_tokens=MAX_NEW, temperature=0)
+            return r.choices[0].text
+
+        def stream(x):
+            chunks = client.completions.create(model=name, prompt=x, max_tokens=MAX_NEW, temperature=0, stream=True)
+            return "".join(c.choices[0].text for c in chunks if c.choices)
+
+        with cf.ThreadPoolExecutor(len(prompts)) as pool:  # concurrent: batched prefill and decode steps
+            assert list(pool.map(complete, prompts)) == want
+            assert list(pool.map(stream, prompts)) == want
+        again = client.completions.create(model=name, prompt=prompts[2], max_tokens=MAX_NEW, temperature=0)
+        assert again.choices[0].text == want[2]
+        assert again.usage.prompt_tokens_details.cached_tokens >= 48  # its 4 full blocks of 16, computed before
+        wait_for(lambda: settled(base), 15, "every KV block back on both workers")
+
+
+@pytest.mark.slow
+def test_a_decode_rank_killed_mid_stream_takes_its_worker_down_and_the_stream_migrates(tiny_llama):
+    """SIGKILL of rank 1 of the decode worker serving a stream: rank 0's next collective fails at
+    once, the worker leaves, the gateway migrates the stream to the other TP-2 decode worker
+    (whose ranks take the KV re-sliced), and the text equals HF's with no token lost or repeated."""
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    prompt = random_prompts(tok.vocab_size, [9], seed=5)[0]
+    n = 300
+    want = tok.decode(hf_greedy(str(tiny_llama), tuple(prompt), n, n), skip_special_tokens=True)
+    flags = ["--decode-workers", "2", "--decode-tensor-parallel-size", "2"]
+    with running_server(tiny_llama, *flags, timeout_s=300) as base:
+        client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        name = client.models.list().data[0].id
+        chunks = client.completions.create(
+            model=name, prompt=prompt, max_tokens=n, temperature=0, stream=True, extra_body={"min_tokens": n}
+        )
+        pieces, finish, killed = [], None, []
+        for chunk in chunks:
+            if not chunk.choices:
+                continue
+            pieces.append(chunk.choices[0].text)
+            finish = chunk.choices[0].finish_reason or finish
+            if not killed and len(pieces) >= 5:
+                pid = busy_decode_pid(base)
+                assert pid is not None, "the gateway routes no request to a decode worker"
+                (rank1,) = rank_pids(pid)
+                os.kill(rank1, signal.SIGKILL)
+                killed.append(pid)
+                killed_at = len(pieces)
+        assert killed and finish == "length"
+        assert "".join(pieces) == want
+        assert len(pieces) - killed_at > n // 2  # most of the stream came after the kill: migrated
+        wait_for(lambda: killed[0] not in [w["pid"] for w in workers(base)], 30, "the broken worker to leave")
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--prefill-tensor-parallel-size", "3"], "does not divide the model's 4 attention heads"),
+        (["--colocated", "--decode-tensor-parallel-size", "2"], "a colocated worker takes --tensor-parallel-size"),
+        (["--prefill-tensor-parallel-size", "2", "--prefill-idle-lanes", "1"], "runs one lane"),
+    ],
+)
+def test_serve_refuses_pool_degrees_it_cannot_run(tiny_llama, flags, message):
+    argv = [sys.executable, "-m", "pdserve.cli", "serve", "--model", str(tiny_llama), "--port", "0", *flags]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert message in done.stderr
