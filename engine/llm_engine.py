@@ -24,6 +24,7 @@ from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.config import EngineConfig, ModelConfig, quantized, resolve_dtype
 from pdserve.engine.kv_cache import KvAllocator, KVCacheSpec, allocate_kv_cache, plan_num_blocks
 from pdserve.engine.model_runner import ForwardPass, ModelRunner, load_model
+from pdserve.engine.models.llama import LlamaForCausalLM
 from pdserve.engine.prefix_cache import BlockHasher
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
@@ -31,6 +32,7 @@ from pdserve.engine.sequence import SeqStatus, Sequence
 from pdserve.engine.sequence_group import SequenceGroup, member_sampling
 from pdserve.engine.spec.draft_fit import check_draft_fits
 from pdserve.engine.spec.draft_model import DraftRunner
+from pdserve.engine.spec.eagle import EagleRunner
 from pdserve.engine.spec.speculator import Speculator
 from pdserve.engine.spec.verify import num_accepted
 from pdserve.engine.structured.matcher import GrammarCache, constrain
@@ -132,12 +134,15 @@ class LLMEngine:
             else None
         )
 
-    def _draft_runner(self, num_blocks: int, show_progress: bool) -> DraftRunner | None:
-        """The draft model beside the target (--speculative-config '{"model": DIR, ...}'), with
-        a KV pool of its own holding as many tokens as the target's."""
+    def _draft_runner(self, num_blocks: int, show_progress: bool) -> DraftRunner | EagleRunner | None:
+        """The draft model beside the target (--speculative-config '{"model": DIR, ...}'), or an
+        EAGLE head ('{"method": "eagle", ...}'), with a KV pool of its own holding as many tokens
+        as the target's."""
         spec = self.config.speculative
         if spec is None or spec.model is None:
             return None
+        if spec.method == "eagle":
+            return self._eagle_runner(spec.model, num_blocks)
         draft_cfg = ModelConfig.from_folder(spec.model, "auto")
         check_draft_fits(self.model_config, draft_cfg)
         t0 = time.perf_counter()
@@ -146,6 +151,16 @@ class LLMEngine:
         )
         log.info("draft model %s loaded in %.1fs", spec.model, time.perf_counter() - t0)
         return runner
+
+    def _eagle_runner(self, folder: str, num_blocks: int) -> EagleRunner:
+        target = self.runner.model
+        if not isinstance(target, LlamaForCausalLM) or target.tp is not None:
+            raise ValueError(
+                "EAGLE speculation needs the native model path (a Llama-family target) without tensor parallelism"
+            )
+        check_draft_fits(self.model_config, ModelConfig.from_folder(folder, "native"))
+        args = (folder, target, self.dtype, self.device, self.max_model_len, self.block_size, num_blocks)
+        return EagleRunner(*args)
 
     @property
     def kv_cache(self) -> torch.Tensor:
@@ -337,6 +352,8 @@ class LLMEngine:
         """Sample from a launched step's logits (`ModelRunner.logits`) and account the tokens."""
         for seq, upto in fp.computed_upto:  # their KV is written now: reusable by others
             self._publish(seq, upto)
+        if self.speculator is not None and isinstance(self.speculator.draft, EagleRunner):
+            self.speculator.draft.collect(fp)  # the head reads the target's hidden states
         if logits is None:
             return []
         rows: list[int] = []  # logits rows the sampler draws from, one per sequence in `drawn`
