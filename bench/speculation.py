@@ -10,7 +10,9 @@ at several batch sizes, on two workloads:
 
 `--draft-model DIR` (or `--cut-draft N`: a draft made of the target's first N layers, its
 embedding, final norm and head) speculates with that draft model instead of n-gram lookup; the
-model given as its own draft is the upper bound of acceptance.
+model given as its own draft is the upper bound of acceptance. `--eagle DIR` speculates with an
+EAGLE-1 head (engine/spec/eagle.py; `pdserve make-model --eagle-for MODEL --out DIR` writes a
+random one, whose drafts nearly all miss: the cost side, and what adaptivity saves).
 
 Each row: prompts prefilled first (untimed), then the decode of `--max-tokens` tokens per
 sequence timed; best of `--repeats` interleaved runs. Greedy rows also check that both runs
@@ -26,13 +28,16 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.models.llama import LlamaForCausalLM
 from pdserve.engine.spec.config import SpeculativeConfig
 from pdserve.engine.spec.draft_model import DraftRunner
+from pdserve.engine.spec.eagle import EagleRunner
 from pdserve.engine.spec.speculator import Speculator
 from pdserve.protocol.sampling import SamplingParams
 
@@ -42,8 +47,10 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return torch.randint(3, vocab, (n, length), generator=g).tolist()
 
 
-def timed_decode(engine: LLMEngine, prompts: list[list[int]], sp: SamplingParams) -> tuple[float, list[list[int]]]:
-    """Seconds to decode every prompt's output once all are prefilled, and the outputs."""
+def timed_decode(
+    engine: LLMEngine, prompts: list[list[int]], sp: SamplingParams, clock: Callable[[], float] = time.perf_counter
+) -> tuple[float, list[list[int]]]:
+    """Seconds (of `clock`) to decode every prompt's output once all are prefilled, and the outputs."""
     outs: dict[str, list[int]] = {}
     for i, p in enumerate(prompts):
         rid = f"b{time.monotonic_ns()}-{i}"
@@ -56,10 +63,10 @@ def timed_decode(engine: LLMEngine, prompts: list[list[int]], sp: SamplingParams
 
     while engine.scheduler.waiting or any(s.num_uncomputed > 1 for s in engine.scheduler.running):
         collect(engine.step())  # prefill (untimed)
-    t0 = time.perf_counter()
+    t0 = clock()
     while engine.has_work():
         collect(engine.step())
-    return time.perf_counter() - t0, list(outs.values())
+    return clock() - t0, list(outs.values())
 
 
 def cut_layers(model: str, out: Path, num_layers: int) -> Path:
@@ -85,8 +92,8 @@ def cut_layers(model: str, out: Path, num_layers: int) -> Path:
 
 def run(args: argparse.Namespace) -> list[dict]:
     spec = SpeculativeConfig(
-        method="draft_model" if args.draft_model else "ngram",
-        model=args.draft_model,
+        method="eagle" if args.eagle else "draft_model" if args.draft_model else "ngram",
+        model=args.eagle or args.draft_model,
         num_speculative_tokens=args.k,
         prompt_lookup_max=4,
         prompt_lookup_min=1,
@@ -101,8 +108,14 @@ def run(args: argparse.Namespace) -> list[dict]:
         ),
         show_progress=False,
     )
-    draft = None
-    if args.draft_model:
+    draft: DraftRunner | EagleRunner | None = None
+    if args.eagle:
+        target = engine.runner.model
+        assert isinstance(target, LlamaForCausalLM)
+        draft = EagleRunner(
+            args.eagle, target, engine.dtype, engine.device, engine.max_model_len, engine.block_size, args.num_blocks
+        )
+    elif args.draft_model:
         draft = DraftRunner(
             engine.model_config.__class__.from_folder(args.draft_model),
             engine.dtype,
@@ -130,7 +143,9 @@ def run(args: argparse.Namespace) -> list[dict]:
                         seed=None if greedy else 7,
                         ignore_eos=True,
                     )
-                    dt, outs = timed_decode(engine, prompts, sp)
+                    dt, outs = timed_decode(
+                        engine, prompts, sp, time.process_time if args.cpu_time else time.perf_counter
+                    )
                     if r:
                         times[mode] = min(times[mode], dt)
                     outputs[mode] = outs
@@ -172,12 +187,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--num-blocks", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="time with the process's CPU seconds, not wall time (with --threads 1: steadier on a shared host)",
+    )
     drafts = ap.add_mutually_exclusive_group()
     drafts.add_argument("--draft-model", default=None, help="speculate with this draft model (not n-gram)")
     drafts.add_argument("--cut-draft", type=int, default=None, help="draft: the model's first N layers")
+    drafts.add_argument("--eagle", default=None, metavar="DIR", help="speculate with this EAGLE-1 head")
     args = ap.parse_args(argv)
     args.model = args.model or str(default_model_path())
-    args.draft_label = "ngram"
+    args.draft_label = f"eagle {Path(args.eagle).name}" if args.eagle else "ngram"
     if args.draft_model:
         args.draft_label = (
             "itself" if Path(args.draft_model).resolve() == Path(args.model).resolve() else args.draft_model

@@ -94,7 +94,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help='decode-side speculation (vLLM\'s JSON): \'{"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 4, "prompt_lookup_min": 1}\', or a draft model of the same tokenizer: '
-        '\'{"model": DIR, "num_speculative_tokens": 4}\' (+ "disable_by_batch_size": no speculation in '
+        '\'{"model": DIR, "num_speculative_tokens": 4}\', or an EAGLE-1 head: \'{"method": "eagle", '
+        '"model": DIR, "num_speculative_tokens": 4}\' (+ "disable_by_batch_size": no speculation in '
         "steps with more decoding sequences); decode and colocated workers (engine/spec/); prefill "
         "workers given a draft model compute its KV and ship it with the target's",
     )

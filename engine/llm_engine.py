@@ -24,6 +24,7 @@ from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.config import EngineConfig, ModelConfig, quantized, resolve_dtype
 from pdserve.engine.kv_cache import KvAllocator, KVCacheSpec, allocate_kv_cache, plan_num_blocks
 from pdserve.engine.model_runner import ForwardPass, ModelRunner, load_model
+from pdserve.engine.models.llama import LlamaForCausalLM
 from pdserve.engine.prefix_cache import BlockHasher
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
@@ -31,6 +32,7 @@ from pdserve.engine.sequence import SeqStatus, Sequence
 from pdserve.engine.sequence_group import SequenceGroup, member_sampling
 from pdserve.engine.spec.draft_fit import check_draft_fits
 from pdserve.engine.spec.draft_model import DraftRunner
+from pdserve.engine.spec.eagle import EagleRunner
 from pdserve.engine.spec.speculator import Speculator
 from pdserve.engine.spec.verify import num_accepted
 from pdserve.engine.structured.matcher import GrammarCache, constrain
@@ -134,21 +136,27 @@ class LLMEngine:
         self.grammars = GrammarCache(config.model, mc.vocab_size, mc.eos_token_ids)
         spec = config.speculative
         self.speculator = (
-            Speculator(spec, self.max_model_len, self._draft_runner(show_progress)) if spec is not None else None
+            Speculator(spec, self.max_model_len, self._draft_runner(num_blocks, show_progress))
+            if spec is not None
+            else None
         )
 
     def _draft_config(self) -> ModelConfig | None:
         """The draft model's config (--speculative-config '{"model": DIR, ...}'), checked to
-        speak the target's tokens; None without one."""
+        speak the target's tokens; None without one (an EAGLE head is no draft model)."""
         spec = self.config.speculative
-        if spec is None or spec.model is None:
+        if spec is None or spec.model is None or spec.method == "eagle":
             return None
         draft_cfg = ModelConfig.from_folder(spec.model, "auto")
         check_draft_fits(self.model_config, draft_cfg)
         return draft_cfg
 
-    def _draft_runner(self, show_progress: bool) -> DraftRunner | None:
-        """The draft model beside the target, its KV in the target's blocks (same ids)."""
+    def _draft_runner(self, num_blocks: int, show_progress: bool) -> DraftRunner | EagleRunner | None:
+        """The draft model beside the target, its KV in the target's blocks (same ids); or an
+        EAGLE head ('{"method": "eagle", ...}') with a one-layer KV pool of its own."""
+        spec = self.config.speculative
+        if spec is not None and spec.method == "eagle" and spec.model is not None:
+            return self._eagle_runner(spec.model, num_blocks)
         if self.draft_config is None:
             return None
         t0 = time.perf_counter()
@@ -158,9 +166,21 @@ class LLMEngine:
         log.info("draft model %s loaded in %.1fs", self.draft_config.path, time.perf_counter() - t0)
         return runner
 
+    def _eagle_runner(self, folder: str, num_blocks: int) -> EagleRunner:
+        target = self.runner.model
+        if not isinstance(target, LlamaForCausalLM) or target.tp is not None:
+            raise ValueError(
+                "EAGLE speculation needs the native model path (a Llama-family target) without tensor parallelism"
+            )
+        check_draft_fits(self.model_config, ModelConfig.from_folder(folder, "native"))
+        args = (folder, target, self.dtype, self.device, self.max_model_len, self.block_size, num_blocks)
+        return EagleRunner(*args)
+
     @property
     def draft(self) -> DraftRunner | None:
-        return self.speculator.draft if self.speculator is not None else None
+        """The draft model's runner (its KV is shipped and admitted with the target's), if any."""
+        d = self.speculator.draft if self.speculator is not None else None
+        return d if isinstance(d, DraftRunner) else None
 
     @property
     def kv_cache(self) -> torch.Tensor:
@@ -365,6 +385,8 @@ class LLMEngine:
         """Sample from a launched step's logits (`ModelRunner.logits`) and account the tokens."""
         for seq, upto in fp.computed_upto:  # their KV is written now: reusable by others
             self._publish(seq, upto)
+        if self.speculator is not None and isinstance(self.speculator.draft, EagleRunner):
+            self.speculator.draft.collect(fp)  # the head reads the target's hidden states
         if logits is None:
             return []
         rows: list[int] = []  # logits rows the sampler draws from, one per sequence in `drawn`

@@ -223,10 +223,22 @@ def make_model_main(argv: list[str] | None = None) -> int:
         metavar="TYPE",
         help="also write OUT/model-TYPE.gguf (f32, f16, bf16, q8_0, q5_0, q5_1, q4_0, q4_1)",
     )
+    ap.add_argument(
+        "--eagle-for",
+        default=None,
+        metavar="TARGET_DIR",
+        help="instead, write a random-initialised EAGLE-1 head for the Llama-family model in TARGET_DIR "
+        '(vLLM\'s layout: fc + one decoder layer; --speculative-config \'{"method": "eagle", ...}\')',
+    )
     tie = ap.add_mutually_exclusive_group()
     tie.add_argument("--tie", dest="tie", action="store_true", default=None)
     tie.add_argument("--no-tie", dest="tie", action="store_false")
     args = ap.parse_args(argv)
+    if args.eagle_for is not None:
+        from pdserve.engine.make_eagle_head import make_eagle_head
+
+        print(f"wrote an EAGLE head to {make_eagle_head(args.eagle_for, args.out, args.seed)}", flush=True)
+        return 0
     overrides = {} if args.tie is None else {"tie_word_embeddings": args.tie}
     if args.gguf is not None:
         from pdserve.engine.gguf_writer import WRITE_TYPES

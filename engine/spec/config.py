@@ -1,7 +1,8 @@
 """`--speculative-config` as vLLM names it: `{"method": "ngram", "num_speculative_tokens": k,
 "prompt_lookup_max": 4, "prompt_lookup_min": 1}`, or a draft model `{"model": DIR,
 "num_speculative_tokens": k}` (`"method": "draft_model"` optional), plus vLLM's
-`disable_by_batch_size`."""
+`disable_by_batch_size`; or an EAGLE head `{"method": "eagle", "model": DIR,
+"num_speculative_tokens": k}` (engine/spec/eagle.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-SPECULATION_METHODS = ("ngram", "draft_model")
+SPECULATION_METHODS = ("ngram", "draft_model", "eagle")
 # Measured (docs/benchmarks/speculation.md, a 30-layer 115M model, one CPU thread): with drafts
 # nearly all accepted the gain falls from 3.1x at one sequence to 1.6x at 16 and 1.3x at 32, where
 # a step no longer fits the fused decode (1-16 rows) and every miss costs more rows: off beyond 16.
@@ -19,7 +20,8 @@ DEFAULT_DISABLE_BY_BATCH_SIZE = 16
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: str = "ngram"
-    model: str | None = None  # the draft model's folder (method "draft_model"; same tokenizer as the target)
+    # the draft model's folder (method "draft_model"; same tokenizer as the target) or the EAGLE head's
+    model: str | None = None
     num_speculative_tokens: int = 4  # k: most drafts a sequence proposes per step
     prompt_lookup_max: int = 4  # longest tail n-gram looked up
     prompt_lookup_min: int = 1  # shortest
@@ -29,8 +31,10 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method not in SPECULATION_METHODS:
             raise ValueError(f"speculative method must be one of {SPECULATION_METHODS}, got {self.method!r}")
-        if (self.method == "draft_model") != (self.model is not None):
-            raise ValueError('a draft model needs "model": DIR, and "model" needs method "draft_model"')
+        if (self.method in ("draft_model", "eagle")) != (self.model is not None):
+            raise ValueError(
+                'a draft model or EAGLE head needs "model": DIR, and "model" needs method "draft_model" or "eagle"'
+            )
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError("num_speculative_tokens must be in [1, 16]")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:

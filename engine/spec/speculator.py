@@ -18,6 +18,7 @@ from pdserve.engine.spec.ngram import propose_ngram
 
 if TYPE_CHECKING:
     from pdserve.engine.spec.draft_model import DraftRunner
+    from pdserve.engine.spec.eagle import EagleRunner
 
 # A step with drafts runs its decodes as chunks (no one-call fused decode for any of them): it
 # speculates only with at least this many drafts per decoding sequence, else drops them all.
@@ -44,9 +45,12 @@ class SpecStats:
 
 
 class Speculator:
-    def __init__(self, cfg: SpeculativeConfig, max_model_len: int, draft: DraftRunner | None = None) -> None:
-        """`draft`: the draft model's runner (method "draft_model"), else n-gram lookup."""
-        assert (draft is not None) == (cfg.method == "draft_model")
+    def __init__(
+        self, cfg: SpeculativeConfig, max_model_len: int, draft: DraftRunner | EagleRunner | None = None
+    ) -> None:
+        """`draft`: the draft model's or EAGLE head's runner (methods "draft_model", "eagle"), else
+        n-gram lookup."""
+        assert (draft is not None) == (cfg.method in ("draft_model", "eagle"))
         self.cfg = cfg
         self.draft = draft
         self.max_model_len = max_model_len
@@ -103,8 +107,8 @@ class Speculator:
     def worker_stats(self) -> dict[str, Any]:
         """`stats` and, with a draft model, where its prompt KV came from, as `WorkerStats` fields."""
         out = self.stats.as_worker_stats()
-        if self.draft is not None:
-            c = self.draft.counts
+        c = getattr(self.draft, "counts", None)  # a draft model's (an EAGLE head has no prompt KV to ship)
+        if c is not None:
             out.update(
                 spec_draft_kv_shipped_tokens=c.shipped,
                 spec_draft_kv_cached_tokens=c.cached,
