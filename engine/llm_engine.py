@@ -133,6 +133,7 @@ class LLMEngine:
         self.runner = runner
         self.seqs: dict[str, Sequence] = {}
         self.num_steps = 0
+        self._timed_step: tuple[int, bool, float] | None = None  # (decoding, speculated, start) of a step
         self.grammars = GrammarCache(config.model, mc.vocab_size, mc.eos_token_ids)
         spec = config.speculative
         self.speculator = (
@@ -344,8 +345,12 @@ class LLMEngine:
     def schedule(self) -> SchedulerOutput:
         if self.speculator is None:
             return self.scheduler.schedule()
+        started = time.perf_counter()
         self.speculator.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
+        decoding = len(sched.decodes) + len(sched.speculative)
+        # a pure decode step is timed (to its last token, finish_step): does speculating pay here?
+        self._timed_step = (decoding, bool(sched.speculative), started) if decoding and not sched.prefills else None
         for seq in sched.preempted:
             self.speculator.release(seq)
         verifying = {id(c.seq) for c in sched.speculative}
@@ -432,6 +437,11 @@ class LLMEngine:
             rows_of = logits[[group_rows[id(b)] for b in group.live]]  # [W, V]
             cands = group.beam.candidates(rows_of, scores, group.live[0].num_output_tokens)
             results += self._beam_step(group, list(group.live), cands)
+        if self._timed_step is not None and self.speculator is not None:
+            decoding, speculated, started = self._timed_step
+            self._timed_step = None
+            emitted = sum(len(o.new_token_ids) for o in results)
+            self.speculator.payoff.observe(decoding, speculated, time.perf_counter() - started, emitted)
         return results
 
     # --- speculation (engine/spec/) ---------------------------------------------------------

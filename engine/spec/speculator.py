@@ -15,6 +15,7 @@ from pdserve.engine.sequence import SeqStatus, Sequence
 from pdserve.engine.spec.adaptive import DraftLength
 from pdserve.engine.spec.config import SpeculativeConfig
 from pdserve.engine.spec.ngram import propose_ngram
+from pdserve.engine.spec.payoff import SpecPayoff
 
 if TYPE_CHECKING:
     from pdserve.engine.spec.draft_model import DraftRunner
@@ -53,6 +54,7 @@ class Speculator:
         assert (draft is not None) == (cfg.method in ("draft_model", "eagle"))
         self.cfg = cfg
         self.draft = draft
+        self.payoff = SpecPayoff()  # whether speculating pays at a batch size, measured (payoff.py)
         self.max_model_len = max_model_len
         self.stats = SpecStats(accepted_per_pos=[0] * cfg.num_speculative_tokens)
 
@@ -70,12 +72,13 @@ class Speculator:
 
     def propose(self, running: Iterable[Sequence]) -> None:
         """Append drafts to the eligible sequences, unless the step has too many decodes
-        (`disable_by_batch_size`) or too few drafts to pay for itself (`MIN_DRAFTS_PER_SEQ`)."""
+        (`disable_by_batch_size`), speculating does not pay at its batch size (`payoff`), or it
+        has too few drafts to pay for itself (`MIN_DRAFTS_PER_SEQ`)."""
         running = list(running)
         if self.draft is not None:
             self.draft.release_all_but(running)  # (ended or preempted sequences' draft KV)
         ready = [s for s in running if self.eligible(s)]
-        if not ready or len(ready) > self.cfg.disable_by_batch_size:
+        if not ready or len(ready) > self.cfg.disable_by_batch_size or not self.payoff.allow(len(ready)):
             return
         cfg = self.cfg
         wants: list[tuple[Sequence, int]] = []
