@@ -7,6 +7,7 @@ import sys
 
 from pdserve.cli import roles
 from pdserve.cli.engine_args import add_engine_args
+from pdserve.gateway.prefill_placement import PREFILL_PLACEMENTS
 from pdserve.gateway.router import DEFAULT_LOCAL_PREFILL_MAX_TOKENS, ROUTER_POLICIES
 
 
@@ -61,9 +62,17 @@ def _add_admission_args(p: argparse.ArgumentParser) -> None:
         "--local-prefill-max-tokens",
         type=int,
         default=DEFAULT_LOCAL_PREFILL_MAX_TOKENS,
-        help="a decode worker that holds all of a prompt but at most this many tokens (the next turn of "
-        "a conversation) prefills them itself, skipping the prefill pool (0: never; the rule: "
-        "docs/ARCHITECTURE.md, prefix cache)",
+        help="the longest uncached rest of a prompt a decode worker prefills itself under --prefill-placement "
+        "auto or remote (0: never; the rule: docs/ARCHITECTURE.md, prefill placement)",
+    )
+    p.add_argument(
+        "--prefill-placement",
+        default="remote",
+        choices=PREFILL_PLACEMENTS,
+        help="where a prompt is prefilled: remote (the prefill pool, but a prompt the decode worker holds all "
+        "but --local-prefill-max-tokens of is prefilled there), auto (kv-aware router: on the decode worker "
+        "when a cost model of queue, compute, KV transfer and the stall of its running decodes says it is "
+        "cheaper, cached or not), local (always the decode worker, when it has a seat); docs/ARCHITECTURE.md",
     )
     p.add_argument(
         "--router",

@@ -246,6 +246,7 @@ def gateway_options(args: argparse.Namespace):
         stuck_after_s=args.stuck_after,
         local_prefill_max_tokens=args.local_prefill_max_tokens,
         router=args.router,
+        prefill_placement=args.prefill_placement,
     )
 
 

@@ -103,7 +103,7 @@ class DecodeWorker(WorkerBase):
             self.kv_report = PrefixCacheReport(self.engine.pool)
         self.requests: dict[str, DecodeRecord] = {}  # every request taken and not yet ended
         self.blocks_skipped = 0  # prompt blocks found held at reservation: never transferred
-        self.local_prefills = 0  # requests taken whole: the short rest of the prompt prefilled here
+        self.local_prefills = 0  # requests taken whole: the prompt's uncached rest prefilled here
         busy = torch.get_num_threads()
         self.threads = ThreadLending(busy, max(busy, settings.idle_threads or busy))
         self.pacer = StepPacer(settings.step_interval_ms)
@@ -171,20 +171,20 @@ class DecodeWorker(WorkerBase):
         return "lease"
 
     def _prefill_here(self, req: ReserveRequest, held_blocks: int) -> bool | None:
-        """Conditional disaggregation: take the whole request when this worker holds all but a
-        short rest of the prompt (at most the gateway's `local_prefill_max_tokens`) and no other
-        prompt waits here (two would stall the decode batch twice). The engine's scheduler finds
-        the held blocks again by their hashes and prefills the rest in a mixed step. Returns None
-        when it does not apply (a lease follows), else whether it was taken (answered either way)."""
+        """Conditional disaggregation: take the whole request when the gateway offers it, the
+        prompt's rest beyond the blocks held here is at most its `local_prefill_max_tokens`, and
+        no other prompt waits here (two would stall the decode batch twice), unless the gateway
+        says `local_prefill_always`. The engine's scheduler finds the held blocks again by their
+        hashes and prefills the rest in a mixed step. Returns None when it does not apply (a
+        lease follows), else whether it was taken (answered either way)."""
         eng = self.engine
         rest = req.num_prompt_tokens - held_blocks * eng.block_size
         if (
             not req.local_prefill_max_tokens
-            or not held_blocks  # nothing of it here: the prefill pool's work
             or req.sampling is None
             or len(req.prompt_token_ids) != req.num_prompt_tokens
             or rest > req.local_prefill_max_tokens
-            or eng.scheduler.waiting
+            or (eng.scheduler.waiting and not req.local_prefill_always)
         ):
             return None
         try:

@@ -34,6 +34,7 @@ from pdserve.gateway.cluster_members import ClusterMembers
 from pdserve.gateway.colocated_flow import ColocatedFlow
 from pdserve.gateway.membership import WorkerTable
 from pdserve.gateway.output_stream import OutputStream
+from pdserve.gateway.prefill_placement import PrefillPlacement
 from pdserve.gateway.queue_stats import QueueStats
 from pdserve.gateway.request_flow import DisaggregatedFlow
 from pdserve.gateway.request_record import RequestRecord, RequestTable, WorkerLost
@@ -76,6 +77,7 @@ class ClusterBackend(Backend):
         queue_limits: QueueLimits = QueueLimits(),
         local_prefill_max_tokens: int = DEFAULT_LOCAL_PREFILL_MAX_TOKENS,
         router: RouterPolicy = "kv-aware",  # gateway/router.py
+        prefill_placement: PrefillPlacement = "remote",  # gateway/prefill_placement.py
         worker_advertise: str | None = None,
         allow_wildcard_bind: bool = False,
     ) -> None:
@@ -90,8 +92,8 @@ class ClusterBackend(Backend):
         self.table = WorkerTable(dead_after_s=dead_after_s, stuck_after_s=stuck_after_s)
         self.members = ClusterMembers(self.plane, self.gateway_id, self.table, self._notify_queues)
         self.requests = RequestTable()
-        # a decode worker holding all but this many prompt tokens prefills them itself (0: never)
-        self.router = Router(router, local_prefill_max_tokens)
+        # where each prompt is prefilled; at most local_prefill_max_tokens on a decode worker under auto
+        self.router = Router(router, local_prefill_max_tokens, prefill_placement)
         self.queue_wait = Histogram(
             "pdserve_queue_wait_seconds",
             "Time a request waited in a pool's queue",
@@ -206,6 +208,8 @@ class ClusterBackend(Backend):
     def _first_output(self, rec: RequestRecord, out: TokenOutput) -> None:
         if "prefill_queue_s" in out.timings:
             self._observe_wait("prefill", out.timings["prefill_queue_s"])
+        if rec.decode is not None and rec.decode.info.role == "decode":  # (not colocated)
+            self.disaggregated.observe_first_output(rec, out)
 
     # --- Backend API ------------------------------------------------------------------------
     def open(

@@ -30,6 +30,8 @@ from pdserve.gateway.admission import AdmissionQueue, request_priority
 from pdserve.gateway.backend import BackendUnavailable
 from pdserve.gateway.cluster_members import BlockMemo, ClusterMembers
 from pdserve.gateway.membership import WorkerEntry
+from pdserve.gateway.placement_rates import PlacementRates, kv_bytes_per_token
+from pdserve.gateway.prefill_placement import PlacementInputs
 from pdserve.gateway.request_record import RequestRecord, RequestTable, WorkerLost
 from pdserve.gateway.router import Router
 from pdserve.protocol.messages import Abort, KvDestination, PrefillRequest, ReserveReply, ReserveRequest, TokenOutput
@@ -60,6 +62,7 @@ class DisaggregatedFlow:
         self.on_decode_failure = on_decode_failure
         self.max_attempts = max_attempts
         self._on_release = on_release  # a decode seat is free
+        self.rates = PlacementRates()  # measured for the placement cost model (router.py)
 
     async def run(self, rec: RequestRecord) -> None:
         """The request from its admission to its end; its stream always ends (the reader sees
@@ -187,8 +190,9 @@ class DisaggregatedFlow:
         if got is None:
             return None
         d, reply = got
-        if reply.local:  # the decode worker prefills the short rest itself
+        if reply.local:  # the decode worker prefills the rest itself
             rec.hold(None, d)
+            rec.local_since = time.monotonic()
             return None, d, reply
         assert reply.lease is not None  # _reserve returns granted leases or local takes only
         # KV is only exchanged between workers running the same model, dtype and shapes.
@@ -214,6 +218,47 @@ class DisaggregatedFlow:
                 queued[r.prefill.worker_id] = queued.get(r.prefill.worker_id, 0) + r.attempt_prompt_tokens
         return queued
 
+    def observe_first_output(self, rec: RequestRecord, out: TokenOutput) -> None:
+        """Feed the placement rates from an attempt's first output (its timings)."""
+        now = time.monotonic()
+        tokens = rec.attempt_prompt_tokens - out.cached_tokens
+        if rec.prefill is not None:
+            self.rates.observe_remote(rec.prefill.worker_id, tokens, out.timings, now)
+        elif rec.decode is not None and rec.local_since > 0:
+            self.rates.observe_local(rec.decode.worker_id, tokens, rec.local_since, now)
+
+    def _placement_inputs(
+        self, d: WorkerEntry, held_tokens: int, prompt: list[int], memo: BlockMemo
+    ) -> PlacementInputs | None:
+        """What the cost model needs to place this prompt if `d` takes it (None: no prefill
+        worker could take it, so no choice)."""
+        prefills = [p for p in self.table.live("prefill") if p.info.model_fingerprint == d.info.model_fingerprint]
+        if not prefills:
+            return None
+        queued = self.queued_prefill_tokens()
+        held = {w.worker_id: self.members.held_blocks(w, prompt, memo) * w.info.kv_layout.block_size for w in prefills}
+        p = self.router.pick_prefill("prefill", prefills, held, queued, len(prompt))
+        # what this gateway knows before d's next heartbeat: its requests decoding there, and
+        # its local prefills there without a first token (prompts waiting for d's engine)
+        decoding = local_waiting = 0
+        for r in self.requests:
+            if r.decode is d:
+                decoding += r.state == "decoding"
+                local_waiting += r.state == "prefilling" and r.prefill is None
+        lay = d.info.kv_layout
+        return PlacementInputs(
+            local_tokens=len(prompt) - held_tokens,
+            remote_tokens=len(prompt) - held[p.worker_id],
+            transfer_tokens=len(prompt) - held_tokens,
+            decode_running=max(d.stats.num_running, decoding),
+            decode_waiting=max(d.stats.num_waiting - d.stats.leases_active, local_waiting),
+            pool_queued_tokens=queued.get(p.worker_id, 0),
+            prefill_rate=self.rates.prefill.rate,
+            local_rate=self.rates.local_rate(time.monotonic()),
+            link_rate=self.rates.link.rate,
+            kv_bytes_per_token=kv_bytes_per_token(lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.dtype),
+        )
+
     async def _reserve(
         self, rec: RequestRecord, prompt: list[int], memo: BlockMemo
     ) -> tuple[WorkerEntry, ReserveReply] | None:
@@ -226,8 +271,14 @@ class DisaggregatedFlow:
         sampling = rec.attempt_request()[1]
         held = {d.worker_id: self.members.held_blocks(d, prompt, memo) for d in decodes}
         for d in self.router.decode_order(decodes, held, len(prompt)):
-            # ask it to prefill the rest itself when its heartbeats say it holds all but a little
-            local = self.router.local_prefill_tokens(held[d.worker_id] * d.info.kv_layout.block_size, len(prompt))
+            # ask it to prefill the rest itself when that costs less (router.py, prefill placement)
+            held_tokens = held[d.worker_id] * d.info.kv_layout.block_size
+            x = self._placement_inputs(d, held_tokens, prompt, memo) if self.router.weighs_placement else None
+            local = self.router.local_prefill_offer(held_tokens, len(prompt), x)
+            if x is not None and log.isEnabledFor(logging.DEBUG):
+                log.debug(
+                    "placement of %s on %s: %s -> %s", rec.request_id, d.worker_id, x, "local" if local else "remote"
+                )
             fut: asyncio.Future[ReserveReply] = asyncio.get_running_loop().create_future()
             rec.reservation = fut
             d.reserving += 1
@@ -241,6 +292,7 @@ class DisaggregatedFlow:
                     max_tokens=sampling.max_tokens,
                     block_hashes=self.members.block_hashes(prompt, d.info, memo),
                     local_prefill_max_tokens=local,
+                    local_prefill_always=self.router.placement == "local",
                     prompt_token_ids=prompt if local else [],
                     sampling=sampling if local else None,
                     num_seqs=sampling.num_seqs,

@@ -49,6 +49,7 @@ class RequestRecord:
     prefill: WorkerEntry | None = None  # None: colocated, or a decode worker prefilling it itself
     decode: WorkerEntry | None = None  # the decode (or colocated) worker generating it
     lease_deadline: float = 0.0  # of its lease on `decode`, as last renewed
+    local_since: float = 0.0  # monotonic time `decode` took this attempt to prefill itself (0: not local)
     reservation: asyncio.Future[ReserveReply] | None = None  # a ReserveReply waited for
     group: bool = field(init=False)  # n > 1, best_of or beams: choices by `seq_index`
     order: TokenOrder = field(init=False)
@@ -99,6 +100,7 @@ class RequestRecord:
         self.worker_request_id = self.request_id if self.attempt == 1 else f"{self.request_id}.m{self.attempt}"
         self.order = TokenOrder(self.choices)
         self.ended_by = ""
+        self.local_since = 0.0
         self.outcome = asyncio.get_running_loop().create_future()
         self.attempt_prompt_tokens = len(self.prompt) + (0 if self.sampling.is_group else len(self.generated))
 

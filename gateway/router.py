@@ -9,15 +9,23 @@
   prefill (and colocated): the least expected work before this prompt's first token: the prompt
   tokens this gateway has routed there that have no first token yet, plus this prompt's tokens
   the worker does not hold; ties by fewest requests in flight.
-  local prefill (conditional disaggregation): a decode worker whose heartbeats say it holds all
-  of the prompt but at most `local_prefill_max_tokens` is asked to take the whole request; it
-  does when its own cache confirms that and no other prompt waits for its engine (so a decode
-  batch stalls for at most one short prefill at a time); else it grants a lease as usual and the
-  prompt goes through the prefill pool.
+  prefill placement (conditional disaggregation, `--prefill-placement`, for every prompt,
+  cached or not): `auto` weighs prefilling the prompt's uncached rest on the chosen decode
+  worker against the prefill pool (gateway/prefill_placement.py: remote = the pool's queued
+  tokens ahead + this prompt's compute there + its KV transfer; local = its compute on the
+  decode worker x (1 + STALL_WEIGHT x that worker's running sequences)), with rates measured by
+  the gateway (gateway/placement_rates.py). Local only when cheaper, at most
+  `local_prefill_max_tokens` (the hard cap) and when no other prompt waits for that worker's
+  engine; the decode worker checks the last two again and, if they fail there, grants a lease
+  as usual and the prompt goes through the prefill pool. `remote` (the default, the rule before
+  `auto`): the prefill pool, except a prompt the decode worker holds all but at most
+  `local_prefill_max_tokens` of (0: never). `local`: always the decode worker (no cap, even
+  behind its waiting prompts) when it has a seat.
 - `least-loaded`: what each worker holds is ignored. decode: load per seat, then most free KV;
-  prefill: queued prompt tokens plus this whole prompt, then fewest in flight. Never local.
+  prefill: queued prompt tokens plus this whole prompt, then fewest in flight. `auto` placement
+  is `remote` here (the cost model needs what workers hold); `local` and `remote` apply.
 - `round-robin`: workers in turn (by worker id, one rotation per pool), whatever they hold or
-  carry; a decode worker that refuses passes the turn to the next. Never local.
+  carry; a decode worker that refuses passes the turn to the next. Placement as least-loaded.
 Every policy is pure: candidates and the gateway's counts in, an order out (unit-tested in
 tests/gateway/test_router.py and test_kv_routing.py, no processes).
 """
@@ -28,13 +36,15 @@ import itertools
 from typing import Literal
 
 from pdserve.gateway.membership import WorkerEntry
+from pdserve.gateway.prefill_placement import PREFILL_PLACEMENTS, PlacementInputs, PrefillPlacement, prefill_locally
 
 RouterPolicy = Literal["kv-aware", "least-loaded", "round-robin"]
 ROUTER_POLICIES: tuple[RouterPolicy, ...] = ("kv-aware", "least-loaded", "round-robin")
 
 # Conditional disaggregation: the longest uncached rest of a prompt a decode worker prefills
-# itself instead of a round trip through the prefill pool (measured: docs/benchmarks/README.md).
+# itself under `auto` placement (measured: docs/benchmarks/README.md, prefill_placement.md).
 DEFAULT_LOCAL_PREFILL_MAX_TOKENS = 128
+LOCAL_ALWAYS_MAX_TOKENS = 1 << 30  # placement `local`: any prompt
 
 
 def _has_room(w: WorkerEntry, held_blocks: int, prompt_tokens: int) -> bool:
@@ -75,11 +85,19 @@ class Router:
     """One policy's choices; holds only the round-robin positions."""
 
     def __init__(
-        self, policy: RouterPolicy = "kv-aware", local_prefill_max_tokens: int = DEFAULT_LOCAL_PREFILL_MAX_TOKENS
+        self,
+        policy: RouterPolicy = "kv-aware",
+        local_prefill_max_tokens: int = DEFAULT_LOCAL_PREFILL_MAX_TOKENS,
+        placement: PrefillPlacement = "remote",
     ):
         if policy not in ROUTER_POLICIES:
             raise ValueError(f"router policy must be one of {', '.join(ROUTER_POLICIES)}, got {policy!r}")
+        if placement not in PREFILL_PLACEMENTS:
+            raise ValueError(f"prefill placement must be one of {', '.join(PREFILL_PLACEMENTS)}, got {placement!r}")
+        if local_prefill_max_tokens < 0:
+            raise ValueError(f"local_prefill_max_tokens must be >= 0, got {local_prefill_max_tokens}")
         self.policy = policy
+        self.placement = placement
         self.local_prefill_max_tokens = local_prefill_max_tokens
         self._turns: dict[str, itertools.count] = {}  # pool -> requests routed there so far
 
@@ -118,10 +136,22 @@ class Router:
             return pick_prefill(candidates, {}, queued_tokens, prompt_tokens)
         return self._rotation(pool, candidates)[0]
 
-    def local_prefill_tokens(self, held_tokens: int, prompt_tokens: int) -> int:
-        """The `local_prefill_max_tokens` to offer a decode worker holding `held_tokens` of the
-        prompt (0: the prompt goes through the prefill pool)."""
-        rest = prompt_tokens - held_tokens
-        if self.policy != "kv-aware" or held_tokens <= 0 or not 0 < rest <= self.local_prefill_max_tokens:
-            return 0  # a prompt it holds nothing of goes to the prefill pool
-        return self.local_prefill_max_tokens
+    @property
+    def weighs_placement(self) -> bool:
+        """Whether each prompt's placement is decided by the cost model (else fixed)."""
+        return self.placement == "auto" and self.policy == "kv-aware"
+
+    def local_prefill_offer(self, held_tokens: int, prompt_tokens: int, x: PlacementInputs | None) -> int:
+        """The `local_prefill_max_tokens` to offer the decode worker about to be asked for this
+        prompt, of which its heartbeats say it holds `held_tokens` (0: the prefill pool); `x`
+        (None: no prefill worker to weigh against) is read only when `weighs_placement`."""
+        if self.placement == "local":
+            return LOCAL_ALWAYS_MAX_TOKENS
+        if self.policy != "kv-aware":
+            return 0
+        if self.placement == "remote":  # only the short held rest of a prompt (the rule before auto)
+            rest = prompt_tokens - held_tokens
+            return self.local_prefill_max_tokens if held_tokens > 0 and 0 < rest <= self.local_prefill_max_tokens else 0
+        if x is None:
+            return 0
+        return self.local_prefill_max_tokens if prefill_locally(x, self.local_prefill_max_tokens) else 0

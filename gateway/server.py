@@ -18,6 +18,7 @@ from pdserve.gateway.admission import QueueLimits
 from pdserve.gateway.app import create_app
 from pdserve.gateway.cluster_backend import ClusterBackend
 from pdserve.gateway.limits import GatewayLimits
+from pdserve.gateway.prefill_placement import PrefillPlacement
 from pdserve.gateway.router import DEFAULT_LOCAL_PREFILL_MAX_TOKENS, RouterPolicy
 from pdserve.gateway.slow_clients import http_protocol
 from pdserve.gateway.tenants import KeysFileError, TenantDirectory, read_keys_file
@@ -54,6 +55,7 @@ class GatewayOptions:
     # a decode worker holding all but this many prompt tokens prefills them itself (0: never)
     local_prefill_max_tokens: int = DEFAULT_LOCAL_PREFILL_MAX_TOKENS
     router: RouterPolicy = "kv-aware"  # which worker takes a request (gateway/router.py)
+    prefill_placement: PrefillPlacement = "remote"  # where a prompt is prefilled (gateway/prefill_placement.py)
 
 
 def _chat_template(path: str | None) -> str | None:
@@ -104,6 +106,7 @@ def serve_gateway(opts: GatewayOptions, auth: FrameAuth) -> None:
         queue_limits=opts.queue_limits,
         local_prefill_max_tokens=opts.local_prefill_max_tokens,
         router=opts.router,
+        prefill_placement=opts.prefill_placement,
         worker_advertise=opts.worker_advertise,
         allow_wildcard_bind=opts.allow_wildcard_bind,
     )

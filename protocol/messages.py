@@ -178,10 +178,12 @@ class ReserveRequest(_Msg, kw_only=True, frozen=True):
     # Chained hashes of the prompt's full blocks (protocol/block_hashes.py, salted with D's
     # model fingerprint and block size): D pins the leading ones it holds instead of receiving them.
     block_hashes: list[bytes] = []
-    # Conditional disaggregation: when D holds all but at most this many of the prompt's tokens,
-    # it prefills the rest itself (no prefill worker, no transfer); 0 = never. Needs the prompt
-    # and its sampling parameters, sent only when the gateway expects D to hold the prefix.
+    # Conditional disaggregation (gateway/prefill_placement.py): when at most this many of the
+    # prompt's tokens are not in D's prefix cache, D prefills them itself (no prefill worker, no
+    # transfer) unless another prompt waits for its engine; 0 = never. Needs the prompt and its
+    # sampling parameters, sent only when the gateway offers it.
     local_prefill_max_tokens: int = 0
+    local_prefill_always: bool = False  # take it even behind prompts waiting there (placement `local`)
     prompt_token_ids: list[int] = []
     sampling: SamplingParams | None = None
     num_seqs: int = 1  # sequences the request forks into on D (n, best_of, beam width): its seats

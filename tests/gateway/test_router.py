@@ -52,15 +52,17 @@ def test_round_robin_rotates_each_pool_on_its_own():
 
 @pytest.mark.parametrize("policy", ["kv-aware", "least-loaded", "round-robin"])
 def test_only_kv_aware_prefills_a_short_held_rest_on_the_decode_worker(policy):
-    r = Router(policy)  # type: ignore[arg-type]
+    r = Router(policy)  # type: ignore[arg-type]  # (placement "remote", the default)
     limit = DEFAULT_LOCAL_PREFILL_MAX_TOKENS
-    offered = r.local_prefill_tokens(held_tokens=512, prompt_tokens=512 + limit)
+    offered = r.local_prefill_offer(held_tokens=512, prompt_tokens=512 + limit, x=None)
     assert offered == (limit if policy == "kv-aware" else 0)
-    assert r.local_prefill_tokens(held_tokens=512, prompt_tokens=512 + limit + 1) == 0  # the rest is too long
-    assert r.local_prefill_tokens(held_tokens=0, prompt_tokens=10) == 0  # nothing held: the prefill pool
-    assert r.local_prefill_tokens(held_tokens=512, prompt_tokens=512) == 0  # nothing left to prefill
+    assert r.local_prefill_offer(512, 512 + limit + 1, None) == 0  # the rest is too long
+    assert r.local_prefill_offer(0, 10, None) == 0  # nothing held: the prefill pool
+    assert r.local_prefill_offer(512, 512, None) == 0  # nothing left to prefill
 
 
-def test_an_unknown_policy_is_refused():
+def test_an_unknown_policy_or_placement_is_refused():
     with pytest.raises(ValueError, match="least-loaded"):
         Router("random")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="auto, remote, local"):
+        Router("kv-aware", placement="sometimes")  # type: ignore[arg-type]
