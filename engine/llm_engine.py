@@ -130,6 +130,8 @@ class LLMEngine:
         # a block's KV depends on the model, its dtype and the block's place in the prefix
         self.hasher = BlockHasher(mc.fingerprint(self.dtype), self.block_size) if caching else None
         self.scheduler = Scheduler(config.scheduler, self.pool, self.block_size, self.hasher)
+        if mc.every_layer_windowed and self.draft_config is None:  # (a draft reads the same blocks)
+            self.scheduler.release_window = max(mc.layer_windows)
         self.runner = runner
         self.seqs: dict[str, Sequence] = {}
         self.num_steps = 0

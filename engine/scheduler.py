@@ -83,6 +83,10 @@ class Scheduler:
         self.running: list[Sequence] = []  # arrival (admission) order
         self.max_num_seqs = cfg.max_num_seqs  # seats; a worker may adapt it (decode_node/aimd.py)
         self.num_preemptions = 0  # sequences preempted so far (counter)
+        # Every layer attends through a sliding window of at most this many tokens (Mistral): a
+        # sequence's blocks wholly before it are freed as it grows (the engine sets it; None: keep)
+        self.release_window: int | None = None
+        self.num_released_blocks = 0  # blocks given back that way (counter)
 
     # --- intake -------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -218,6 +222,7 @@ class Scheduler:
         """A decode with drafts (engine/spec/) as one chunk of its last token + drafts, trimmed to
         the budget and to the free blocks: drafts never preempt anyone. False when none is left
         (it then decodes as usual)."""
+        self._release_out_of_window(seq)
         n = min(seq.num_uncomputed, budget)
         while n > 1 and not self.pool.can_allocate(self._blocks_needed(seq, n) + self._needs_copy(seq)):
             n -= 1
@@ -261,6 +266,7 @@ class Scheduler:
     def _reserve_blocks(
         self, seq: Sequence, n: int, in_batch: set[int], in_flight: frozenset[int], out: SchedulerOutput
     ) -> bool:
+        self._release_out_of_window(seq)  # (before counting what it needs: they may make the room)
         need = self._blocks_needed(seq, n) + self._needs_copy(seq)
         protect = {id(s) for s in self._unit(seq)} | {id(seq)}
         if not self._make_room(need, protect, in_batch, in_flight, out, seq.sampling.priority):
@@ -313,9 +319,24 @@ class Scheduler:
             return [b for b in seq.group.live if b.status is status]
         return [seq]
 
+    def _release_out_of_window(self, seq: Sequence) -> None:
+        """Free `seq`'s leading blocks that no query of it reads again: its next query is at
+        position num_computed_tokens, and a query at p reads keys > p - window. Not for a group's
+        members (they share blocks and fork) nor a prefill worker's sequences (a step in flight
+        may still be shipping their blocks)."""
+        window = self.release_window
+        if window is None or seq.group is not None or seq.stop_after_first_token:
+            return
+        dead = min((seq.num_computed_tokens - window + 1) // self.block_size, len(seq.block_table))
+        if dead > seq.num_released_blocks:
+            self.pool.free(seq.block_table[seq.num_released_blocks : dead][::-1])  # (registered ones stay cached)
+            self.num_released_blocks += dead - seq.num_released_blocks
+            seq.num_released_blocks = dead
+
     def _grow(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
         """Blocks for `seq`'s next `n` tokens: a private copy of a shared block it writes into,
-        then new blocks (room was made)."""
+        then new blocks (room was made); first the blocks its window has left behind go back."""
+        self._release_out_of_window(seq)
         if self._needs_copy(seq):
             i = seq.num_computed_tokens // self.block_size
             shared = seq.block_table[i]
@@ -360,5 +381,7 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         if seq.block_table:
-            self.pool.free(seq.block_table[::-1])  # tail first: LRU-friendly for prefix reuse
+            held = seq.block_table[seq.num_released_blocks :]  # (the window's leftovers went already)
+            self.pool.free(held[::-1])  # tail first: LRU-friendly for prefix reuse
             seq.block_table = []
+            seq.num_released_blocks = 0

@@ -50,6 +50,10 @@ class Sequence:
     num_cached_tokens: int = 0
     block_hashes: list[bytes] = field(default_factory=list)
     num_registered_blocks: int = 0
+    # Leading blocks given back early: every layer's sliding window has passed them, so no query
+    # reads them again (engine/scheduler.py `release_window`). Their ids stay in `block_table` as
+    # placeholders (positions still index it); the pool may hand them to others.
+    num_released_blocks: int = 0
     # Several sequences of one request (engine/sequence_group.py): the group, this one's choice
     # index, the sum of its tokens' log-probabilities (best_of ranks by it; a beam's running
     # score), and whether the client asked for logprobs (best_of computes them regardless).

@@ -190,3 +190,28 @@ def test_the_fused_decode_driver_says_no_to_windows(models_dir):
 
     engine = make_engine(make_model(models_dir / "swa-mistral", quiet=True, **FAMILIES["mistral"]))
     assert engine.model_config.layer_windows and engine.runner.decode_layers is None
+
+
+def test_blocks_every_window_has_passed_go_back_to_the_pool(models_dir, attention_path):
+    """Mistral (every layer windowed): a sequence holds the blocks its window still reads, not its
+    whole history; the ones left behind return to the pool as it decodes (their cached contents
+    still serve a later prompt sharing them), and the output stays HF's."""
+    from pdserve.engine.make_model import make_model
+
+    model = make_model(models_dir / "swa-mistral", quiet=True, **FAMILIES["mistral"])
+    engine = make_engine(model, block_size=16, num_blocks=64, max_model_len=512)
+    prompt = random_prompts(engine.model_config.vocab_size, [40], seed=11)[0]
+    long = SamplingParams(max_tokens=160, temperature=0.0)
+    engine.add_request("r", prompt, long)
+    seq, held_most, out = engine.seqs["r"], 0, []
+    while engine.has_work():
+        for o in engine.step():
+            out += o.new_token_ids
+        if not seq.is_finished:
+            held_most = max(held_most, len(seq.block_table) - seq.num_released_blocks)
+    assert out == hf_greedy(str(model), tuple(prompt), 160)
+    # 200 tokens span 13 blocks; the window (32) spans at most 3, plus the one being written
+    assert held_most <= WINDOW // 16 + 2 and engine.scheduler.num_released_blocks >= 9
+    engine.pool.assert_all_free()
+    assert engine.generate([prompt], GREEDY) == [hf_greedy(str(model), tuple(prompt), MAX_NEW)]
+    engine.pool.assert_all_free()
