@@ -372,13 +372,17 @@ class DecodeWorker(WorkerBase):
 
     def step(self) -> None:
         self.rt.mark_step()
-        self.threads.update(prefills_in_flight=self.leases.num_active)
+        self.threads.update(self.leases.num_active, len(self.engine.scheduler.running))
         started = time.monotonic()
         self.pacer.started(started)
         sched = self.engine.schedule()
+        emitted = 0
         for out in self.engine.execute(sched):
+            emitted += len(out.new_token_ids)
             self._emit_step(out)
         decodes = len(sched.decodes) + len(sched.speculative)
+        if decodes and not sched.prefills:  # does stepping on the lent cores pay? (thread_lending.py)
+            self.threads.observe(decodes, time.monotonic() - started, emitted)
         if self.aimd is not None and decodes:
             self._adapt(time.monotonic() - started, decodes, len(sched.preempted))
         self.rt.flush_outputs()

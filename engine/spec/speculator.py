@@ -11,11 +11,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pdserve.engine.measured_choice import MeasuredChoice
 from pdserve.engine.sequence import SeqStatus, Sequence
 from pdserve.engine.spec.adaptive import DraftLength
 from pdserve.engine.spec.config import SpeculativeConfig
 from pdserve.engine.spec.ngram import propose_ngram
-from pdserve.engine.spec.payoff import SpecPayoff
 
 if TYPE_CHECKING:
     from pdserve.engine.spec.draft_model import DraftRunner
@@ -54,7 +54,7 @@ class Speculator:
         assert (draft is not None) == (cfg.method in ("draft_model", "eagle"))
         self.cfg = cfg
         self.draft = draft
-        self.payoff = SpecPayoff()  # whether speculating pays at a batch size, measured (payoff.py)
+        self.payoff = MeasuredChoice()  # whether speculating pays at a batch size, measured
         self.max_model_len = max_model_len
         self.stats = SpecStats(accepted_per_pos=[0] * cfg.num_speculative_tokens)
 

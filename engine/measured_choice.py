@@ -1,17 +1,18 @@
-"""Whether speculation pays at this batch size, measured on this worker.
+"""Two ways to run a step, chosen by what each costs here and now: seconds per unit of work (an
+emitted token), an EWMA per batch-size bucket (1, 2-3, 4-7, 8-15, 16-31, ...) for each way.
 
-Per-sequence draft lengths (adaptive.py) catch drafts that miss; they cannot see that drafts
-accepted half the time still lose in a full batch, where the verification rows and the drafter's
-passes cost more than the tokens they add (measured: an EAGLE head at 42% acceptance, 1.08x at one
-sequence, 0.66x at 16). So the engine times its pure decode steps (no prompt chunk in them):
-seconds per emitted token, an EWMA per batch-size bucket (1, 2-3, 4-7, 8-15, 16-31, ...), for steps
-that speculated and steps that did not. A step speculates while its bucket's speculating steps
-cost no more per token than its plain ones, or while either is unmeasured. Now and then a step
-takes the other choice, so both figures stay current as the load and the acceptance change: after
-`FIRST_EXPLORE` steps, then twice as many each time the exploration confirms the choice (up to
-`MAX_EXPLORE`: a losing speculative step in a full batch costs ~3 plain ones, so frequent checks
-would eat what the gate saves), back to `FIRST_EXPLORE` when the choice flips. An exploring step's
-figure counts more (`EXPLORE_ALPHA`), so two explorations that disagree with the past flip it.
+`allow(n)` says whether a step of n sequences should take the bold way A (speculate:
+engine/spec/speculator.py; step on borrowed cores: decode_node/thread_lending.py) rather than B
+(the plain step): while A's figure is no worse than B's, or while either is unmeasured (A first).
+Now and then a step takes the other way, so both figures stay current as load and acceptance
+change: after `FIRST_EXPLORE` steps, then twice as many each time the exploration confirms the
+choice (up to `MAX_EXPLORE`: a losing speculative step in a full batch costs ~3 plain ones, so
+frequent checks would eat what the choice saves), back to `FIRST_EXPLORE` when the choice flips.
+An exploring step's figure counts more (`EXPLORE_ALPHA`), so two explorations that disagree with
+the past flip it. Why it is needed: per-sequence draft lengths (spec/adaptive.py) cannot see that
+drafts accepted half the time still lose in a full batch (an EAGLE head at 42% acceptance: 1.08x
+at one sequence, 0.66x at 16); a step on two OpenMP threads stalls at every barrier once another
+job takes a core (one-at-a-time TPOT: median 9 ms, mean up to 147 ms; 15 ms steady on one).
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ MAX_EXPLORE = 256
 
 @dataclass
 class _Bucket:
-    plain_s_per_token: float = 0.0
-    spec_s_per_token: float = 0.0
+    plain_s_per_token: float = 0.0  # way B
+    spec_s_per_token: float = 0.0  # way A
     plain_steps: int = 0
     spec_steps: int = 0
     interval: int = FIRST_EXPLORE  # steps between explorations
@@ -46,12 +47,12 @@ def bucket_of(num_decoding: int) -> int:
     return max(1, num_decoding).bit_length() - 1
 
 
-class SpecPayoff:
+class MeasuredChoice:
     def __init__(self) -> None:
         self.buckets: dict[int, _Bucket] = {}
 
     def allow(self, num_decoding: int) -> bool:
-        """Whether a step of `num_decoding` decoding sequences should speculate."""
+        """Whether a step of `num_decoding` sequences should take way A."""
         b = self.buckets.setdefault(bucket_of(num_decoding), _Bucket())
         pays = b.pays()
         if b.advised is not None and pays != b.advised:  # the choice flipped: check it again soon
@@ -65,7 +66,8 @@ class SpecPayoff:
         return not pays
 
     def observe(self, num_decoding: int, speculated: bool, seconds: float, tokens: int) -> None:
-        """A pure decode step: how long it took and how many tokens its sequences emitted."""
+        """A step (of decodes only) that took way A (`speculated`) or B: how long it took and how
+        many tokens its sequences emitted."""
         if tokens <= 0 or seconds <= 0:
             return
         b = self.buckets.setdefault(bucket_of(num_decoding), _Bucket())

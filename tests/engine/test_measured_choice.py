@@ -1,10 +1,10 @@
-"""The batch-aware gate on speculation (engine/spec/payoff.py): measured seconds per emitted token
+"""The batch-aware gate on speculation (engine/measured_choice.py): measured seconds per emitted token
 of speculating and plain decode steps, per batch-size bucket, with periodic exploration."""
 
-from pdserve.engine.spec.payoff import FIRST_EXPLORE, MAX_EXPLORE, MIN_SAMPLES, SpecPayoff, bucket_of
+from pdserve.engine.measured_choice import FIRST_EXPLORE, MAX_EXPLORE, MIN_SAMPLES, MeasuredChoice, bucket_of
 
 
-def _run(payoff: SpecPayoff, batch: int, spec_cost: float, plain_cost: float, steps: int) -> list[bool]:
+def _run(payoff: MeasuredChoice, batch: int, spec_cost: float, plain_cost: float, steps: int) -> list[bool]:
     """`steps` decisions at `batch`, each fed back with its kind's seconds per token."""
     choices = []
     for _ in range(steps):
@@ -19,7 +19,7 @@ def test_buckets_are_powers_of_two():
 
 
 def test_speculation_that_loses_in_a_full_batch_is_turned_off_there_only():
-    p = SpecPayoff()
+    p = MeasuredChoice()
     full = _run(p, 16, spec_cost=1.5, plain_cost=1.0, steps=160)
     lone = _run(p, 1, spec_cost=0.4, plain_cost=1.0, steps=160)
     settled_full, settled_lone = full[2 * MIN_SAMPLES + 2 :], lone[2 * MIN_SAMPLES + 2 :]
@@ -29,7 +29,7 @@ def test_speculation_that_loses_in_a_full_batch_is_turned_off_there_only():
 
 
 def test_explorations_thin_out_while_they_confirm_the_choice():
-    p = SpecPayoff()
+    p = MeasuredChoice()
     steps = _run(p, 16, spec_cost=3.0, plain_cost=1.0, steps=2000)
     explored = [i for i, spec in enumerate(steps) if spec][MIN_SAMPLES:]
     gaps = [b - a for a, b in zip(explored, explored[1:])]
@@ -37,7 +37,7 @@ def test_explorations_thin_out_while_they_confirm_the_choice():
 
 
 def test_both_kinds_are_measured_before_the_figures_decide():
-    p = SpecPayoff()
+    p = MeasuredChoice()
     first = _run(p, 4, spec_cost=9.0, plain_cost=1.0, steps=2 * MIN_SAMPLES)
     assert first == [True] * MIN_SAMPLES + [False] * MIN_SAMPLES
 
@@ -45,7 +45,7 @@ def test_both_kinds_are_measured_before_the_figures_decide():
 def test_a_change_in_acceptance_is_followed():
     """Exploration keeps the losing side's figure current: when drafts start paying, speculation
     comes back within a few explorations."""
-    p = SpecPayoff()
+    p = MeasuredChoice()
     _run(p, 8, spec_cost=2.0, plain_cost=1.0, steps=64)
     later = _run(p, 8, spec_cost=0.5, plain_cost=1.0, steps=512)
     assert sum(later[: FIRST_EXPLORE - 1]) <= 1  # still off at first
@@ -53,7 +53,7 @@ def test_a_change_in_acceptance_is_followed():
 
 
 def test_steps_without_tokens_are_ignored():
-    p = SpecPayoff()
+    p = MeasuredChoice()
     p.observe(2, True, 0.1, 0)
     p.observe(2, False, 0.0, 3)
     assert 1 not in p.buckets
