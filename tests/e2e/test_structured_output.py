@@ -60,12 +60,13 @@ def test_json_schema_outputs_validate(tiny_llama, mode):
         assert r3.choices[0].text in ("yes", "no")
         with pytest.raises(BadRequestError, match="guided_regex"):
             client.completions.create(model=model, prompt="x", extra_body={"guided_regex": "[a-"})
-        # what the masks cost, per worker, in the gateway's /metrics (from heartbeats: polled)
-        deadline = time.monotonic() + 5
+        # what the masks cost, per worker, in the gateway's /metrics (from heartbeats: polled until
+        # every worker's has come: the prefill worker's alone counts one row per request)
+        deadline = time.monotonic() + 10
         while True:
             text = httpx.get(f"{base}/metrics", timeout=5).text
             rows = sum(_samples(text, "pdserve_structured_mask_rows_total"))
-            if rows > 0 or time.monotonic() > deadline:
+            if rows >= 3 * 2 * 3 or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
         assert rows >= 3 * 2 * 3 and sum(_samples(text, "pdserve_structured_mask_seconds_total")) > 0
