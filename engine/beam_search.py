@@ -79,7 +79,9 @@ class BeamSearch:
             banned = [t for t in self.stop_ids if 0 <= t < logprobs.shape[1]]
             logprobs[:, banned] = float("-inf")
         vocab = logprobs.shape[1]
-        total = (logprobs + torch.tensor(scores, dtype=torch.float32).unsqueeze(1)).view(-1)  # [W*V]
+        total = (logprobs + torch.tensor(scores, dtype=torch.float32, device=logprobs.device).unsqueeze(1)).view(
+            -1
+        )  # [W*V]
         top = torch.topk(total, k=min(self.num_candidates, total.numel()))
         return [
             Candidate(i // vocab, i % vocab, s) for i, s in zip(top.indices.tolist(), top.values.tolist(), strict=True)

@@ -82,7 +82,7 @@ class Sampler:
         tokens = x.argmax(dim=-1)  # [B] greedy rows keep this
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
-            rows = torch.tensor(random_rows)
+            rows = torch.tensor(random_rows, device=x.device)
             probs = self._filtered_probs(x[rows], [params[i] for i in random_rows])  # [R, V]
             for r, i in enumerate(random_rows):
                 tokens[i] = self._draw(probs[r], params[i], len(output_token_ids[i]))
@@ -94,28 +94,31 @@ class Sampler:
         """row [V] in place. Repetition (HF): over prompt + output; presence/frequency (OpenAI): output;
         then logit_bias (OpenAI) added to the named tokens."""
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(prompt) | set(out)), dtype=torch.long)
+            seen = torch.tensor(sorted(set(prompt) | set(out)), dtype=torch.long, device=row.device)
             vals = row[seen]
             row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
         if out and (p.presence_penalty or p.frequency_penalty):
-            counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=row.shape[0]).float()
+            counts = torch.bincount(
+                torch.tensor(out, dtype=torch.long, device=row.device), minlength=row.shape[0]
+            ).float()
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
         if p.logit_bias:
-            ids = torch.tensor([t for t, _ in p.logit_bias if t < row.shape[0]], dtype=torch.long)
-            row[ids] += torch.tensor([b for t, b in p.logit_bias if t < row.shape[0]])
+            ids = torch.tensor([t for t, _ in p.logit_bias if t < row.shape[0]], dtype=torch.long, device=row.device)
+            row[ids] += torch.tensor([b for t, b in p.logit_bias if t < row.shape[0]], device=row.device)
 
     @staticmethod
     def _filtered_probs(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """x [R, V] logits -> probabilities after temperature, top-k, top-p, min-p."""
-        temps = torch.tensor([p.temperature for p in params]).unsqueeze(1)  # [R, 1]
+        dev = x.device
+        temps = torch.tensor([p.temperature for p in params], device=dev).unsqueeze(1)  # [R, 1]
         x = x / temps
         vocab = x.shape[1]
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params]).clamp(max=vocab)
-        top_p = torch.tensor([p.top_p for p in params])
-        min_p = torch.tensor([p.min_p for p in params])
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev).clamp(max=vocab)
+        top_p = torch.tensor([p.top_p for p in params], device=dev)
+        min_p = torch.tensor([p.min_p for p in params], device=dev)
         if bool((top_k < vocab).any()) or bool((top_p < 1).any()):
             sorted_x, order = x.sort(dim=-1, descending=True)  # [R, V]
-            ranks = torch.arange(vocab).unsqueeze(0)  # [1, V]
+            ranks = torch.arange(vocab, device=dev).unsqueeze(0)  # [1, V]
             drop = ranks >= top_k.unsqueeze(1)  # top-k
             sorted_probs = sorted_x.masked_fill(drop, float("-inf")).softmax(dim=-1)
             before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass strictly above each token
@@ -130,12 +133,13 @@ class Sampler:
         return probs
 
     def _draw(self, probs: torch.Tensor, p: SamplingParams, step: int) -> int:
-        """Exponential race: argmax(probs / E), E ~ Exp(1) -- a categorical draw."""
+        """Exponential race: argmax(probs / E), E ~ Exp(1) -- a categorical draw. The noise comes
+        from a CPU generator whatever the device, so a seed draws the same on CPU and GPU workers."""
         if p.seed is not None:
             gen = torch.Generator().manual_seed(_mix_seed(p.seed, step))
         else:
             gen = self._generator
-        noise = torch.empty_like(probs).exponential_(generator=gen)
+        noise = torch.empty(probs.shape, dtype=probs.dtype).exponential_(generator=gen).to(probs.device)  # [V]
         return int((probs / noise).argmax())
 
     @staticmethod

@@ -59,7 +59,17 @@ def _hf_model(path: str):
     import torch
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **hf_attention(path)).eval()
+
+
+def hf_attention(path: str) -> dict:
+    """Eager attention for models that soft-cap attention scores (Gemma 2): some transformers
+    releases (5.17) run them through SDPA, which drops the cap, so the reference would be wrong."""
+    import json
+    from pathlib import Path
+
+    config = json.loads((Path(path) / "config.json").read_text())
+    return {"attn_implementation": "eager"} if config.get("attn_logit_softcapping") else {}
 
 
 @functools.lru_cache(maxsize=None)

@@ -10,7 +10,7 @@ import torch
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.protocol.sampling import SamplingParams
-from tests.conftest import random_prompts
+from tests.conftest import hf_attention, random_prompts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -43,7 +43,7 @@ def cuda_engine(model, dtype="float32", block_size=16, num_blocks=256, budget=51
 def hf_greedy_cuda(model, prompts):
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).cuda().eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32, **hf_attention(str(model))).cuda().eval()
     outs = []
     with torch.no_grad():
         for p in prompts:
@@ -81,4 +81,45 @@ def test_bf16_on_cuda_runs_and_mostly_agrees(tiny_llama):
     want = hf_greedy_cuda(tiny_llama, prompts)
     first_tokens_equal = sum(o[0] == w[0] for o, w in zip(outs, want))
     assert first_tokens_equal >= len(prompts) - 1  # bf16 rounding may flip a near tie
+    engine.pool.assert_all_free()
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "mistral", "qwen2"])
+@pytest.mark.parametrize("budget", [512, 13])
+def test_sliding_window_families_on_cuda_equal_hf(models_dir, family, budget):
+    """Per-layer windows (32 tokens) and Gemma's soft-capping through the Triton kernels: prompts
+    past the window, a warm prefix cache, chunks starting inside and past the window."""
+    from pdserve.engine.make_model import make_model
+    from tests.engine.test_sliding_window_models import FAMILIES, prompts_for
+
+    model = make_model(models_dir / f"swa-{family}", quiet=True, **FAMILIES[family])
+    engine = cuda_engine(model, budget=budget)
+    prompts = prompts_for(engine.model_config.vocab_size)
+    want = hf_greedy_cuda(model, prompts)
+    assert engine.generate(prompts, GREEDY) == want
+    if budget == 512:
+        hits = engine.scheduler.prefix_hit_tokens
+        assert engine.generate(prompts, GREEDY) == want
+        assert engine.scheduler.prefix_hit_tokens > hits
+    engine.pool.assert_all_free()
+
+
+def test_ngram_speculation_on_cuda_equals_hf(tiny_llama):
+    from pdserve.engine.spec.config import SpeculativeConfig
+    from tests.engine.test_speculation import prompts_for as spec_prompts
+
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(tiny_llama),
+            dtype="float32",
+            device="cuda",
+            cache=CacheConfig(block_size=4, num_blocks=256),
+            scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512, max_model_len=256),
+            speculative=SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=4, prompt_lookup_min=1),
+        ),
+        show_progress=False,
+    )
+    prompts = spec_prompts(engine.model_config.vocab_size)
+    assert engine.generate(prompts, GREEDY) == hf_greedy_cuda(tiny_llama, prompts)
+    assert engine.speculator is not None and engine.speculator.stats.num_drafts > 0
     engine.pool.assert_all_free()

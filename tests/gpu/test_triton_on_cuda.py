@@ -109,3 +109,33 @@ def test_cuda_tensors_dispatch_to_triton_by_default(monkeypatch):
     reload_env()
     assert dispatch.use_triton(torch.zeros(1, device="cuda"))
     assert not dispatch.use_triton(torch.zeros(1))
+
+
+# (window, softcap, decode splits): sliding windows and soft-capping compiled for the device
+WINDOW_CASES = {
+    "window": (32, None, None),
+    "window_small": (5, None, None),
+    "softcap": (None, 2.0, None),
+    "window_softcap": (16, 2.0, None),
+    "window_split_decode": (32, None, 3),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", list(WINDOW_CASES))
+def test_window_and_softcap_on_cuda_match_the_reference(name, dtype):
+    from pdserve.kernels import triton_attention
+    from tests.kernels.test_sliding_window_attention import NUM_DECODE, SEQS, reference
+    from tests.kernels.test_torch_attention import make_case
+
+    window, softcap, splits = WINDOW_CASES[name]
+    case = make_case(SEQS, NUM_DECODE, 8, 2, 64, 16, dtype=dtype, seed=11)
+    want = reference(case, window, softcap).cuda()  # [T, Hq, D] float64
+    plain = reference(case, None, None).cuda()
+    case = _on_cuda(case)
+    out = triton_attention.paged_attention(
+        case.query, case.key, case.value, case.kv_layer, case.meta, case.scale,
+        decode_splits=splits, window=window, softcap=softcap,
+    )  # fmt: skip
+    assert (out.double() - want).abs().max().item() < TOL[dtype]
+    assert (out.double() - plain).abs().max().item() > 0.05  # the option took effect
