@@ -81,10 +81,12 @@ def test_1p1d_with_a_degree_per_pool_matches_hf(request, models_dir, family, p, 
 
 
 @pytest.mark.slow
-def test_a_decode_rank_killed_mid_stream_takes_its_worker_down_and_the_stream_migrates(tiny_llama):
+def test_a_decode_rank_killed_mid_stream_migrates_the_stream_and_the_worker_restarts_whole(tiny_llama):
     """SIGKILL of rank 1 of the decode worker serving a stream: rank 0's next collective fails at
     once, the worker leaves, the gateway migrates the stream to the other TP-2 decode worker
-    (whose ranks take the KV re-sliced), and the text equals HF's with no token lost or repeated."""
+    (whose ranks take the KV re-sliced), and the text equals HF's with no token lost or repeated.
+    Then `serve`'s supervisor restarts the broken worker whole (rank 0 and its rank 1, the old
+    ones all gone) and it serves again."""
     tok = AutoTokenizer.from_pretrained(tiny_llama)
     prompt = random_prompts(tok.vocab_size, [9], seed=5)[0]
     n = 300
@@ -106,6 +108,9 @@ def test_a_decode_rank_killed_mid_stream_takes_its_worker_down_and_the_stream_mi
                 pid = busy_decode_pid(base)
                 assert pid is not None, "the gateway routes no request to a decode worker"
                 (rank1,) = rank_pids(pid)
+                survivors = [w["pid"] for w in workers(base) if w["role"] == "decode" and w["pid"] != pid]
+                survivors += [r for w in survivors for r in rank_pids(w)]
+                old_ranks = [pid, rank1]
                 os.kill(rank1, signal.SIGKILL)
                 killed.append(pid)
                 killed_at = len(pieces)
@@ -113,6 +118,37 @@ def test_a_decode_rank_killed_mid_stream_takes_its_worker_down_and_the_stream_mi
         assert "".join(pieces) == want
         assert len(pieces) - killed_at > n // 2  # most of the stream came after the kill: migrated
         wait_for(lambda: killed[0] not in [w["pid"] for w in workers(base)], 30, "the broken worker to leave")
+        # the supervisor restarts the logical worker whole: a new rank 0 with its own rank 1, and
+        # nothing of the old one left running (no orphaned rank waiting in a collective)
+        wait_for(lambda: sum(w["role"] == "decode" for w in workers(base)) == 2, 60, "the restarted worker")
+        fresh = [w["pid"] for w in workers(base) if w["role"] == "decode" and w["pid"] not in survivors]
+        assert len(fresh) == 1 and len(rank_pids(fresh[0])) == 1
+        wait_for(lambda: not any(running(p) for p in old_ranks), 30, "the old worker's ranks to end")
+        fresh_prompts = random_prompts(tok.vocab_size, [11, 23, 17, 30], seed=6)
+        fresh_want = [
+            tok.decode(hf_greedy(str(tiny_llama), tuple(x), 24), skip_special_tokens=True) for x in fresh_prompts
+        ]
+
+        def complete(x):
+            return client.completions.create(model=name, prompt=x, max_tokens=24, temperature=0).choices[0].text
+
+        with cf.ThreadPoolExecutor(len(fresh_prompts)) as pool:  # concurrent: spread over both workers
+            assert list(pool.map(complete, fresh_prompts)) == fresh_want
+        steps = {w["pid"]: w["load"]["steps"] for w in workers(base)}
+        assert steps[fresh[0]] > 0, "the restarted worker took no traffic"
+        wait_for(lambda: settled_all(base), 15, "every KV block back")
+
+
+def running(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def settled_all(base: str) -> bool:
+    return all(w["kv"]["blocks_used"] == 0 and w["load"]["leases_active"] == 0 for w in workers(base))
 
 
 @pytest.mark.parametrize(
