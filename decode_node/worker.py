@@ -105,7 +105,9 @@ class DecodeWorker(WorkerBase):
         self.blocks_skipped = 0  # prompt blocks found held at reservation: never transferred
         self.local_prefills = 0  # requests taken whole: the prompt's uncached rest prefilled here
         busy = torch.get_num_threads()
-        self.threads = ThreadLending(busy, max(busy, settings.idle_threads or busy))
+        # no lending under TP: rank 0 alone on more threads would still wait for its ranks, on its own cores
+        idle = busy if tp > 1 else max(busy, settings.idle_threads or busy)
+        self.threads = ThreadLending(busy, idle)
         self.pacer = StepPacer(settings.step_interval_ms)
         self.aimd: AimdLimit | None = None
         if settings.min_num_seqs is not None:

@@ -4,6 +4,7 @@
     PDSERVE_LAYER_OPS          auto | torch            a layer's elementwise ops in C, or torch
     PDSERVE_FUSED_DECODE       on | off                small decode steps through every layer in one C call
     PDSERVE_CPU_GEMV           auto | torch            the C few-row linears, or torch/oneDNN
+    PDSERVE_TP_CORES           auto | off              tensor-parallel ranks pinned to their own cores / NUMA node
     PDSERVE_CLUSTER_SECRET     hex                     the cluster's HMAC secret ...
     PDSERVE_CLUSTER_SECRET_FILE path                   ... or a file holding it
     PDSERVE_PLANE_ENCRYPTION   auto | on | off         CURVE on the worker/KV planes: auto = tcp:// only
@@ -42,6 +43,7 @@ class Settings:
     layer_ops: str  # auto | torch
     fused_decode: bool
     cpu_gemv: str  # auto | torch
+    tp_cores: str  # auto | off (engine/parallel/core_sets.py)
     cluster_secret: str
     cluster_secret_file: str
     plane_encryption: str  # auto | on | off (protocol/plane_encryption.py)
@@ -61,6 +63,7 @@ class Settings:
             layer_ops=_choice("PDSERVE_LAYER_OPS", "auto", ("auto", "torch")),
             fused_decode=_choice("PDSERVE_FUSED_DECODE", "on", ("on", "off")) == "on",
             cpu_gemv=_choice("PDSERVE_CPU_GEMV", "auto", ("auto", "torch")),
+            tp_cores=_choice("PDSERVE_TP_CORES", "auto", ("auto", "off")),
             cluster_secret=env.get("PDSERVE_CLUSTER_SECRET", "").strip(),
             cluster_secret_file=env.get("PDSERVE_CLUSTER_SECRET_FILE", "").strip(),
             plane_encryption=_choice("PDSERVE_PLANE_ENCRYPTION", "auto", ("auto", "on", "off")),

@@ -20,6 +20,21 @@ def fresh_env_settings():
     reload()
 
 
+@pytest.fixture(autouse=True)
+def cores_left_as_found():
+    """A tensor-parallel engine pins its rank 0, the test's own process, and must unpin it at
+    close: later tests' servers would inherit the mask. Restored either way; a leak fails the test."""
+    import os
+
+    from pdserve.engine.parallel.core_sets import pin
+
+    before = os.sched_getaffinity(0)
+    yield
+    if os.sched_getaffinity(0) != before:
+        pin(sorted(before))
+        pytest.fail(f"the test left this process pinned to other cores than {sorted(before)}")
+
+
 @pytest.fixture(scope="session")
 def models_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("models")

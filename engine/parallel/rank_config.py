@@ -20,3 +20,4 @@ class RankConfig(msgspec.Struct, frozen=True):
     timeout_s: float
     threads: int  # torch threads of this rank
     kv_pool_shm: str  # the shared-memory segment rank 0 made for this rank's KV pool (it maps it too)
+    cpus: list[int] = []  # the cores this rank runs on (engine/parallel/core_sets.py); empty: unpinned

@@ -27,6 +27,7 @@ from pdserve.engine.kv_cache import KVCacheSpec, allocate_kv_cache
 from pdserve.engine.model_runner import ForwardPass, ModelRunner, load_model
 from pdserve.engine.models.interface import CausalLM
 from pdserve.engine.models.llama import ForwardContext
+from pdserve.engine.parallel.core_sets import pin, rank_cores
 from pdserve.engine.parallel.group import TensorParallelError, TensorParallelGroup, host_store
 from pdserve.engine.parallel.rank_config import RankConfig
 from pdserve.engine.parallel.ranks import RankProcesses
@@ -53,11 +54,13 @@ class TensorParallelRunner(ModelRunner):
         ranks: RankProcesses,
         shards: list[HeadShard],
         pools: list[SharedTensor],
+        unpinned: list[int] | None = None,
     ) -> None:
         super().__init__(model, kv_cache, block_size, sampler)
         self.group, self.ranks = group, ranks
         self._shards = shards  # rank order, rank 0's (kv_cache) first
         self._pools = pools  # ranks 1..N-1's shared memory, unlinked at close
+        self._unpinned = unpinned  # this process's cores before rank 0 was pinned
 
     @property
     def kv_head_shards(self) -> list[HeadShard]:
@@ -102,6 +105,8 @@ class TensorParallelRunner(ModelRunner):
         self.ranks.close()
         for pool in self._pools:
             pool.close()
+        pin(self._unpinned)
+        self._unpinned = None
 
 
 def start_tensor_parallel(
@@ -115,11 +120,14 @@ def start_tensor_parallel(
     show_progress: bool,
 ) -> TensorParallelRunner:
     """Start ranks 1..N-1, load rank 0's shard here, and return rank 0's runner once all are ready.
-    Each rank gets this process's torch threads / N (at least one)."""
+    Each rank gets this process's torch threads / N (at least one) and, where the process may run
+    on at least N cores, cores of its own (core_sets.py): rank 0 is pinned here, the others at start."""
     n, timeout = config.tensor_parallel_size, config.tensor_parallel_timeout_s
     shard = TensorParallelShard(0, n)
     check_tensor_parallel(mc, n)
     threads = max(1, torch.get_num_threads() // n)
+    cores = rank_cores(n) if config.device == "cpu" else None
+    unpinned = pin(cores[0] if cores else None)  # this process's cores before, restored at close
     torch.set_num_threads(threads)
     heads = [TensorParallelShard(rank, n).kv_heads(mc) for rank in range(n)]
     pools: list[SharedTensor] = []  # ranks 1..N-1's KV pools: rank 0 maps them too
@@ -143,6 +151,7 @@ def start_tensor_parallel(
                     timeout_s=timeout,
                     threads=threads,
                     kv_pool_shm=pools[rank - 1].name,
+                    cpus=cores[rank] if cores else [],
                 )
                 for rank in range(1, n)
             ]
@@ -150,6 +159,7 @@ def start_tensor_parallel(
     except BaseException:
         for pool in pools:
             pool.close()
+        pin(unpinned)
         raise
     try:
         try:
@@ -165,8 +175,15 @@ def start_tensor_parallel(
         ranks.close()
         for pool in pools:
             pool.close()
+        pin(unpinned)
         raise
-    log.info("tensor parallel: %d ranks (pids %s), %d torch threads each", n, ranks.pids, threads)
+    log.info(
+        "tensor parallel: %d ranks (pids %s), %d torch threads each, cores %s",
+        n,
+        ranks.pids,
+        threads,
+        " | ".join(",".join(map(str, c)) for c in cores) if cores else "unpinned",
+    )
     tensors = [kv_cache] + [p.tensor for p in pools if p.tensor is not None]
     shards = [HeadShard(k0, k1, t) for (k0, k1), t in zip(heads, tensors, strict=True)]
-    return TensorParallelRunner(model, kv_cache, kv_spec.block_size, sampler, group, ranks, shards, pools)
+    return TensorParallelRunner(model, kv_cache, kv_spec.block_size, sampler, group, ranks, shards, pools, unpinned)

@@ -22,6 +22,7 @@ from pdserve.engine.config import ModelConfig, resolve_dtype
 from pdserve.engine.kv_cache import KVCacheSpec
 from pdserve.engine.model_runner import load_model
 from pdserve.engine.models.llama import ForwardContext, LlamaForCausalLM
+from pdserve.engine.parallel.core_sets import pin
 from pdserve.engine.parallel.group import TensorParallelError, TensorParallelGroup, join_store
 from pdserve.engine.parallel.rank_config import RankConfig
 from pdserve.engine.parallel.ranks import STEP
@@ -60,6 +61,7 @@ def run_step(model: LlamaForCausalLM, kv_cache: torch.Tensor, step: StepInputs) 
 
 
 def serve_rank(cfg: RankConfig, commands: BinaryIO, answers: BinaryIO) -> int:
+    pin(cfg.cpus)
     torch.set_num_threads(cfg.threads)
     shard = TensorParallelShard(cfg.rank, cfg.size)
     try:
