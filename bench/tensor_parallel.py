@@ -1,8 +1,9 @@
 """`python -m pdserve.bench.tensor_parallel`: tokens/s of a TP=2 engine (two processes, threads/2
-torch threads each) against TP=1 (one process, all threads; and, for reference, TP=1 on threads/2),
-on one model folder: decode at batch 1 and 16 and a 512-token prefill. Both engines live in this
-process (TP=2's second rank idles on its pipe while TP=1 runs); the runs alternate, each figure
-the best of --repeats, so background load hits all alike.
+torch threads each, each rank on cores of its own; and unpinned) against TP=1 (one process, all
+threads; and, for reference, TP=1 on threads/2), on one model folder: decode at batch 1 and 16
+and a 512-token prefill. The engines live in this process (a TP=2 engine's second rank idles on
+its pipe while another runs; this process is re-pinned to each engine's rank-0 cores before its
+run); the runs alternate, each figure the best of --repeats, so background load hits all alike.
 
 `--allreduce HIDDEN` times one all-reduce of [rows, HIDDEN] fp32 between two processes (the cost
 each of a step's 2 x layers + 1 collectives pays), instead of the engines.
@@ -15,6 +16,7 @@ shapes, split evenly over 2 ranks (9 heads are not).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -27,8 +29,10 @@ from pdserve.bench.engine_throughput import bench_decode, bench_prefill, sized_e
 from pdserve.bench.model_impl import _cpu_name
 from pdserve.cli.engine_args import resolve_model
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.parallel.core_sets import pin
 from pdserve.engine.parallel.group import TensorParallelGroup, host_store, join_store
 from pdserve.engine.parallel.shard import TensorParallelShard
+from pdserve.env import reload as reload_env
 
 ALLREDUCE_ITERS = 2000
 
@@ -89,18 +93,27 @@ def main(argv: list[str] | None = None) -> int:
     model = real_shape_model(Path(args.real_shape)) if args.real_shape else resolve_model(args.model)
     batches = [int(b) for b in args.batches.split(",")]
     half = max(1, args.threads // 2)
-    runs = [(1, args.threads), (1, half), (2, half)]  # (TP, torch threads of each rank)
-    engines: dict[int, LLMEngine] = {}
-    for tp in (1, 2):
+    # (engine, torch threads of each rank): TP=1 on all threads and on half; TP=2 with its ranks on
+    # cores of their own (core_sets.py), and unpinned (PDSERVE_TP_CORES=off) for comparison
+    runs = [("TP=1", args.threads), ("TP=1", half), ("TP=2", half), ("TP=2 unpinned", half)]
+    engines: dict[str, LLMEngine] = {}
+    cores: dict[str, list[int]] = {}  # this process's cores while running each engine (rank 0's)
+    everywhere = sorted(os.sched_getaffinity(0))
+    for name, tp, pinned in (("TP=1", 1, True), ("TP=2", 2, True), ("TP=2 unpinned", 2, False)):
+        os.environ["PDSERVE_TP_CORES"] = "auto" if pinned else "off"
+        reload_env()
         torch.set_num_threads(args.threads)  # TP=2 divides what it finds
-        engines[tp] = make_engine(model, tp, max(batches), args.prompt_len, args.context)
-    best: dict[tuple[str, tuple[int, int]], float] = {}
+        engines[name] = make_engine(model, tp, max(batches), args.prompt_len, args.context)
+        cores[name] = sorted(os.sched_getaffinity(0))
+        pin(everywhere)  # the next engine starts from every core; each run re-pins rank 0 below
+    best: dict[tuple[str, tuple[str, int]], float] = {}
     rows = [(f"decode batch {b}", b, "decode") for b in batches] + [(f"prefill {args.prompt_len}", 1, "prefill")]
     try:
         for _ in range(args.repeats):
             for name, b, kind in rows:
                 for run in runs:
                     engine = engines[run[0]]
+                    pin(cores[run[0]])
                     torch.set_num_threads(run[1])  # rank 0's; TP=2's rank 1 has its own
                     if kind == "decode":
                         tok_s = b / bench_decode(engine, b, args.context, args.decode_steps)
@@ -110,16 +123,18 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for engine in engines.values():
             engine.close()
+        pin(everywhere)
     print(
         f"# {model} (float32), torch {torch.__version__}, {args.threads} threads in all, {_cpu_name()}, "
         f"best of {args.repeats}"
     )
-    heads = " | ".join(f"TP={tp} x {t} thread{'s' if t > 1 else ''}, tok/s" for tp, t in runs)
+    print("# rank 0's cores: " + ", ".join(f"{name} {c}" for name, c in cores.items()))
+    heads = " | ".join(f"{name} x {t} thread{'s' if t > 1 else ''}, tok/s" for name, t in runs)
     print(f"| step | {heads} | TP=2 / TP=1 x {args.threads} |")
     print("|---|" + "---:|" * (len(runs) + 1))
     for name, _, _ in rows:
         figures = [best[name, run] for run in runs]
-        print(f"| {name} | " + " | ".join(f"{f:.1f}" for f in figures) + f" | {figures[-1] / figures[0]:.2f}x |")
+        print(f"| {name} | " + " | ".join(f"{f:.1f}" for f in figures) + f" | {figures[2] / figures[0]:.2f}x |")
     return 0
 
 

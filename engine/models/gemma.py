@@ -10,18 +10,17 @@
 - sliding and full layers from `layer_types` (ModelConfig.layer_windows: the attention kernels
   take each layer's window); Gemma 3 rotates its sliding layers with their own (local) rope;
 - final logits soft-capped where configured (Gemma 2).
-Not sharded for tensor parallelism, and not run by the fused C decode driver (its layers are
-Llama's).
+Sharded for tensor parallelism as Llama is (the extra norms replicated); not run by the fused C
+decode driver (its layers are Llama's).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from pdserve.engine.config import ModelConfig
-from pdserve.engine.models.llama import DecoderLayer, ForwardContext, LlamaForCausalLM, RMSNorm, Rope
+from pdserve.engine.models.llama import MLP, DecoderLayer, ForwardContext, LlamaForCausalLM, RMSNorm, Rope
 from pdserve.engine.models.rotary import RotaryEmbedding
 from pdserve.engine.parallel.group import TensorParallelGroup
 from pdserve.kernels import decode_layers
@@ -29,22 +28,19 @@ from pdserve.kernels import decode_layers
 GemmaRopes = tuple[Rope, Rope | None]  # the full layers' tables, the sliding layers' (None: the same)
 
 
-class GemmaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate, bias=False)
-        self.down_proj = nn.Linear(self.intermediate, cfg.hidden_size, bias=False)
+class GemmaMLP(MLP):
+    """Llama's MLP (its tensor-parallel shard of the intermediate too) with GeLU-tanh for SiLU."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)  # [T, H]
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each (this rank's I)
+        y = self.down_proj(F.gelu(gate, approximate="tanh") * up)  # [T, H]
+        return y if self.tp is None else self.tp.all_reduce(y)
 
 
 class GemmaDecoderLayer(DecoderLayer):
     def __init__(self, cfg: ModelConfig, layer: int, tp: TensorParallelGroup | None = None) -> None:
         super().__init__(cfg, layer, tp)
-        self.mlp = GemmaMLP(cfg)  # type: ignore[assignment]  # Llama's is SiLU
+        self.mlp = GemmaMLP(cfg, tp)
         self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.local = cfg.window(layer) is not None  # a sliding layer: the local rope where there is one
@@ -60,9 +56,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
     decoder_layer = GemmaDecoderLayer
 
     def __init__(self, cfg: ModelConfig, max_positions: int, tp: TensorParallelGroup | None = None) -> None:
-        if tp is not None:
-            raise ValueError(f"{cfg.architecture}: tensor parallelism is not built for the native Gemma path")
-        super().__init__(cfg, max_positions)
+        super().__init__(cfg, max_positions, tp)
         self.local_rotary = (
             RotaryEmbedding(cfg.local_rope, cfg.rotary_dims, max_positions) if cfg.local_rope is not None else None
         )
@@ -80,10 +74,10 @@ class GemmaForCausalLM(LlamaForCausalLM):
                 module.weight.add_(1.0)
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, GemmaRopes]:  # type: ignore[override]
-        x = self.embed_tokens(input_ids)  # [T, H]
+        x, full = super().embed(input_ids, positions)  # [T, H] (vocab-parallel under TP)
         x = x * torch.tensor(self.cfg.hidden_size**0.5, dtype=x.dtype)  # HF rounds the scale to the dtype
         local = self.local_rotary.tables(positions, x.dtype) if self.local_rotary is not None else None
-        return x, (self.rotary.tables(positions, x.dtype), local)
+        return x, (full, local)
 
     def head(self, x: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
         logits = super().head(x, logits_indices)  # [S, V] fp32

@@ -39,8 +39,6 @@ class TensorParallelShard:
         n = self.size
         if n == 1:
             return
-        if cfg.family != "llama":
-            raise ValueError(f"--tensor-parallel-size > 1: the native {cfg.architecture} path is not sharded yet")
         problems = []
         if cfg.num_heads % n:
             problems.append(f"{cfg.num_heads} attention heads")

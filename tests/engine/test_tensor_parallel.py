@@ -196,3 +196,24 @@ def test_tp2_with_ngram_speculation_equals_hf(tiny_llama):
         engine.pool.assert_all_free()
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_tp2_gemma_equals_hf(models_dir, family):
+    """Gemma's extra norms, GeLU MLP, soft-capping (2), q/k norms and local rope (3) and 32-token
+    sliding windows, sharded over two ranks: greedy output still HF's, chunked prefill too."""
+    from pdserve.engine.make_model import make_model
+    from tests.engine.test_sliding_window_models import FAMILIES
+    from tests.engine.test_sliding_window_models import prompts_for as windowed_prompts
+
+    model = make_model(models_dir / f"swa-{family}", quiet=True, **FAMILIES[family])
+    prompts = windowed_prompts(ModelConfig.from_folder(model).vocab_size)
+    want = expected(model, prompts)
+    for budget in (512, 13):
+        engine = tp_engine(model, 2, block_size=16, num_blocks=128, max_num_batched_tokens=budget)
+        try:
+            assert engine.kv_cache.shape[-2] == ModelConfig.from_folder(model).num_kv_heads // 2
+            assert engine.generate(prompts, GREEDY) == want
+            engine.pool.assert_all_free()
+        finally:
+            engine.close()
