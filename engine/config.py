@@ -80,6 +80,7 @@ class ModelConfig:
     attn_scale: float | None = None  # None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
     local_rope: RopeConfig | None = None  # Gemma 3: the sliding layers' rope (None: `rope` for all)
     family: str = "llama"  # llama (models/llama.py) | gemma (models/gemma.py)
+    norms_plus_one: bool = False  # Gemma from GGUF: norm weights stored as 1 + w (llama.cpp's converter)
     o_bias: bool = False  # o_proj bias (Llama, Qwen3: `attention_bias`)
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k, before RoPE
     rotary_dim: int | None = None  # None: all of head_dim; else its first rotary_dim dims (Phi-4-mini)

@@ -11,6 +11,10 @@ rope.freq_base, rope.scaling.{type,factor}  -> rope (none or linear)
 tensors output.weight / blk.0.attn_q.bias / blk.0.attn_output.bias / blk.0.attn_q_norm.weight
                                             -> untied lm_head, qkv_bias, o_bias, qk_norm
 tokenizer.ggml.{eos,eot,eom}_token_id      -> eos_token_ids
+Gemma 2 / 3 (family gemma): attention.sliding_window (+ sliding_window_pattern, else llama.cpp's
+2 / 6), attn_logit_softcapping, final_logit_softcapping, rope.freq_base_swa (Gemma 3's sliding
+layers; llama.cpp's default 10000), the attention scale as llama.cpp derives it (head_dim, or
+hidden / heads for the 27B shapes), norm weights stored as 1 + w by llama.cpp's converter.
 """
 
 from __future__ import annotations
@@ -33,7 +37,11 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
+GEMMA_SWA_PATTERN = {"gemma2": 2, "gemma3": 6}  # llama.cpp's defaults: every n-th layer full
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}  # llama.cpp scales q by (hidden / heads) ** -0.5 there
 _MAGIC = b"GGUF"
 
 
@@ -79,19 +87,21 @@ def gguf_model_config(path: str | Path) -> "ModelConfig":
     scaling = metadata(reader, f"{arch}.rope.scaling.type", "none")
     if scaling not in ("none", "linear"):
         raise ValueError(f"{path}: GGUF rope scaling {scaling!r} is not supported (none, linear)")
-    if metadata(reader, f"{arch}.attention.sliding_window") is not None:
-        raise ValueError(f"{path}: sliding-window attention is not served")
+    if arch not in GEMMA_SWA_PATTERN and metadata(reader, f"{arch}.attention.sliding_window") is not None:
+        raise ValueError(f"{path}: sliding-window attention is not served from a {arch} GGUF file")
     hidden, num_heads = int(key("embedding_length")), int(key("attention.head_count"))
     head_dim = int(key("attention.key_length", hidden // num_heads))
     rotary = int(key("rope.dimension_count", head_dim))
+    num_layers = int(key("block_count"))
     ends = [metadata(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    gemma = _gemma_fields(reader, arch, num_layers, hidden // num_heads, head_dim) if arch in GEMMA_SWA_PATTERN else {}
     return ModelConfig(
         path=str(path),
         architecture=ARCHITECTURES[arch],
         vocab_size=int(tensors["token_embd.weight"].shape[1]),  # GGUF shapes: innermost first
         hidden_size=hidden,
         intermediate_size=int(key("feed_forward_length")),
-        num_layers=int(key("block_count")),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=int(key("attention.head_count_kv", num_heads)),
         head_dim=head_dim,
@@ -109,6 +119,33 @@ def gguf_model_config(path: str | Path) -> "ModelConfig":
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
         rotary_dim=None if rotary == head_dim else rotary,
         weights_tag=weight_types(reader),
+        **gemma,
+    )
+
+
+def _gemma_fields(reader: "gguf.GGUFReader", arch: str, num_layers: int, per_head: int, head_dim: int) -> dict:
+    """ModelConfig's Gemma fields, as llama.cpp reads a gemma2 / gemma3 file."""
+    from pdserve.engine.config import RopeConfig
+
+    window = int(metadata(reader, f"{arch}.attention.sliding_window", 0) or 0)
+    pattern = metadata(reader, f"{arch}.attention.sliding_window_pattern", GEMMA_SWA_PATTERN[arch])
+    if isinstance(pattern, list):  # one flag per layer: sliding or not
+        sliding = [bool(x) for x in pattern][:num_layers]
+    else:  # every n-th layer full (llama.cpp's set_swa_pattern)
+        sliding = [int(pattern) == 0 or i % int(pattern) < int(pattern) - 1 for i in range(num_layers)]
+    windows = tuple(window if s else 0 for s in sliding) if window else ()
+    scalar = per_head if num_layers == GEMMA_27B_LAYERS[arch] else head_dim
+    local = None
+    if arch == "gemma3":
+        local = RopeConfig(theta=float(metadata(reader, f"{arch}.rope.freq_base_swa", 10000.0)))
+    return dict(
+        family="gemma",
+        layer_windows=windows if any(windows) else (),
+        attn_softcap=metadata(reader, f"{arch}.attn_logit_softcapping") if arch == "gemma2" else None,
+        final_softcap=metadata(reader, f"{arch}.final_logit_softcapping"),
+        attn_scale=float(scalar) ** -0.5,
+        local_rope=local,
+        norms_plus_one=True,
     )
 
 

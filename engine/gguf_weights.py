@@ -38,6 +38,12 @@ _LAYER = {  # llama.cpp's per-layer name -> HF's, below model.layers.{i}.
     "ffn_down": "mlp.down_proj",
 }
 _PHI3_FUSED_UP = "mlp.gate_up_proj"  # phi3's ffn_up holds gate | up
+_GEMMA_LAYER = {  # Gemma's norms around both sublayers (llama.cpp's ffn_norm is the pre-MLP one)
+    **_LAYER,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -74,9 +80,10 @@ def hf_name(gguf_name: str, arch: str) -> str | None:
     if base in _GLOBAL:
         return f"{_GLOBAL[base]}.{kind}"
     m = _LAYER_NAME.fullmatch(gguf_name)
-    if m is None or m.group(2) not in _LAYER:
+    names = _GEMMA_LAYER if arch in ("gemma2", "gemma3") else _LAYER
+    if m is None or m.group(2) not in names:
         return None
-    inner = _PHI3_FUSED_UP if arch == "phi3" and m.group(2) == "ffn_up" else _LAYER[m.group(2)]
+    inner = _PHI3_FUSED_UP if arch == "phi3" and m.group(2) == "ffn_up" else names[m.group(2)]
     return f"model.layers.{m.group(1)}.{inner}.{m.group(3)}"
 
 

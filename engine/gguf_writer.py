@@ -2,6 +2,8 @@
 convert_hf_to_gguf.py lays it out: llama.cpp's tensor names (gguf's own name map), q/k rows
 permuted for the llama architecture, 1-D tensors in F32, 2-D ones in the chosen type, and the
 tokenizer (byte-level BPE: tokens, types, merges, special ids) and chat template as metadata.
+Gemma 2 / 3: norm weights stored as 1 + w, windows, soft-caps and Gemma 3's local rope base as
+metadata; a model whose attention scale llama.cpp would derive differently is refused.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ GGUF_ARCH = {
     "Qwen2ForCausalLM": gguf.MODEL_ARCH.QWEN2,
     "Qwen3ForCausalLM": gguf.MODEL_ARCH.QWEN3,
     "Phi3ForCausalLM": gguf.MODEL_ARCH.PHI3,
+    "Gemma2ForCausalLM": gguf.MODEL_ARCH.GEMMA2,
+    "Gemma3ForCausalLM": gguf.MODEL_ARCH.GEMMA3,
 }
 Q = gguf.GGMLQuantizationType
 # --gguf TYPE -> the type of 2-D weights (the gguf package quantizes the legacy types; K-quants
@@ -74,12 +78,15 @@ def write_gguf(folder: str | Path, out: str | Path, qtype: str = "f32", show_pro
         raise ValueError(f"unsupported GGUF type {qtype!r}; choose {', '.join(WRITE_TYPES)}")
     folder, out = Path(folder), Path(out)
     cfg = ModelConfig.from_folder(folder, "native")  # llama.cpp's names map the native families only
-    if cfg.rope.kind != "default":  # llama3 / longrope factors travel as extra tensors: not written here
+    if cfg.rope.kind not in ("default", "linear"):  # llama3 / longrope factors travel as extra tensors
         raise ValueError(f"writing GGUF with rope scaling {cfg.rope.kind!r} is not supported")
     arch = GGUF_ARCH[cfg.architecture]
+    gemma = cfg.family == "gemma"
     wtype = WRITE_TYPES[qtype]
     writer = gguf.GGUFWriter(out, gguf.MODEL_ARCH_NAMES[arch])
     _write_config(writer, cfg, folder.name, wtype)
+    if gemma:
+        _write_gemma_config(writer, cfg)
     _write_tokenizer(writer, folder, cfg)
     names = gguf.get_tensor_name_map(arch, cfg.num_layers)
     for file in safetensors_files(folder):
@@ -89,6 +96,8 @@ def write_gguf(folder: str | Path, out: str | Path, qtype: str = "f32", show_pro
                 if name is None:
                     raise ValueError(f"{hf_name}: no GGUF name for it in llama.cpp's {arch.name} map")
                 data = f.get_tensor(hf_name).to(torch.float32).numpy()
+                if gemma and hf_name.endswith("norm.weight"):
+                    data = data + 1.0  # llama.cpp's converter: Gemma's RMSNorm scales by (1 + w)
                 if arch == gguf.MODEL_ARCH.LLAMA and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
                     data = llama_permute(data, cfg.num_heads)
                 elif arch == gguf.MODEL_ARCH.LLAMA and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
@@ -133,7 +142,34 @@ def _write_config(writer: gguf.GGUFWriter, cfg: ModelConfig, name: str, wtype: g
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_rope_freq_base(cfg.rope.theta)
     writer.add_rope_dimension_count(cfg.rotary_dims)
+    if cfg.rope.kind == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(cfg.rope.factor)
     writer.add_vocab_size(cfg.vocab_size)
+
+
+def _write_gemma_config(writer: gguf.GGUFWriter, cfg: ModelConfig) -> None:
+    """What llama.cpp reads of a gemma2 / gemma3 file beyond the common keys."""
+    from pdserve.engine.gguf_file import GEMMA_27B_LAYERS
+
+    arch = "gemma2" if cfg.architecture == "Gemma2ForCausalLM" else "gemma3"
+    scalar = cfg.hidden_size // cfg.num_heads if cfg.num_layers == GEMMA_27B_LAYERS[arch] else cfg.head_dim
+    if cfg.attn_scale is None or abs(cfg.attn_scale - scalar**-0.5) > 1e-9:
+        raise ValueError(
+            f"query_pre_attn_scalar {cfg.attn_scale and cfg.attn_scale**-2:.0f}: llama.cpp derives {scalar} "
+            "for this shape (GGUF has no key for it)"
+        )
+    if cfg.attn_softcap is not None:
+        writer.add_attn_logit_softcapping(cfg.attn_softcap)
+    if cfg.final_softcap is not None:
+        writer.add_final_logit_softcapping(cfg.final_softcap)
+    if cfg.layer_windows:
+        writer.add_sliding_window(max(cfg.layer_windows))
+        writer.add_sliding_window_pattern([w > 0 for w in cfg.layer_windows])
+    if cfg.local_rope is not None:
+        if cfg.local_rope.kind != "default":
+            raise ValueError(f"Gemma 3's sliding layers' rope scaling {cfg.local_rope.kind!r} has no GGUF key")
+        writer.add_rope_freq_base_swa(cfg.local_rope.theta)
 
 
 def _write_tokenizer(writer: gguf.GGUFWriter, folder: Path, cfg: ModelConfig) -> None:

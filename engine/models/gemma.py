@@ -68,7 +68,10 @@ class GemmaForCausalLM(LlamaForCausalLM):
 
     @torch.no_grad()
     def loaded(self) -> None:
-        """Gemma's norms scale by (1 + weight): fold the 1 in, once, after loading."""
+        """Gemma's norms scale by (1 + weight): fold the 1 in, once, after loading (a GGUF file's
+        norms hold it already)."""
+        if self.cfg.norms_plus_one:
+            return
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.weight.add_(1.0)
