@@ -1,104 +1,17 @@
-"""Engine flags shared by every worker role, and their typed config."""
+"""Engine flags shared by every worker role (made from EngineConfig's fields), and their typed config."""
 
 from __future__ import annotations
 
 import argparse
 
+from pdserve.cli.settings_flags import add_flags, from_flags
 from pdserve.cli.topology import step_budget
-from pdserve.engine.config import MODEL_IMPLS, QUANTIZATIONS, CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.config import EngineConfig
 from pdserve.engine.spec.config import SpeculativeConfig
 
 
-def parse_size(text: str) -> int:
-    """'512MiB', '2GiB', '1G', '100000' -> bytes."""
-    units = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
-    t = text.strip().lower().removesuffix("ib").removesuffix("b")
-    if t and t[-1] in units:
-        return int(float(t[:-1]) * units[t[-1]])
-    return int(t)
-
-
-def speculative_config(text: str) -> SpeculativeConfig:
-    try:
-        return SpeculativeConfig.from_json(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="HF model folder or GGUF file (default: the embedded random Llama)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument(
-        "--quantization",
-        default="auto",
-        choices=QUANTIZATIONS,
-        help="weight-only quantized linear layers (CPU). auto (default): a GGUF file's Q8_0, Q4_0, Q4_1, "
-        "Q4_K, Q5_K and Q6_K linears are kept as stored (other types dequantized), float weights stay "
-        "float; int8 / int4: every linear quantized at load in groups of 32 inputs with a scale each "
-        "(a GGUF file's Q8_0 / Q4_0 blocks kept); none: everything dequantized to --dtype",
-    )
-    g.add_argument(
-        "--model-impl",
-        default="auto",
-        choices=MODEL_IMPLS,
-        help="native: pdserve's own model code (Llama, Mistral, Qwen2, Qwen3, Phi-3); transformers: "
-        "transformers' modelling code with pdserve's paged KV cache (any decoder-only model, slower); "
-        "auto (default): native where the folder has a native path, else transformers",
-    )
-    g.add_argument("--device", default="cpu")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-blocks", type=int, default=None, help="KV blocks (overrides --kv-cache-memory)")
-    g.add_argument(
-        "--kv-cache-memory",
-        type=parse_size,
-        default=parse_size("1GiB"),
-        help="KV cache budget, e.g. 512MiB (default 1GiB)",
-    )
-    g.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="keep the KV of full prompt blocks after their request ends and reuse it for any "
-        "request with the same prefix (--no-enable-prefix-caching: compute every prompt)",
-    )
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=None,
-        help="token budget of a step (default: 512 for a prefill or colocated worker on CPU, "
-        "else 2048; cli/topology.py)",
-    )
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument(
-        "--scheduling-policy",
-        default="fcfs",
-        choices=["fcfs", "shortest-first"],
-        help="which waiting prompt is prefilled next: arrival order, or the shortest "
-        "(aged by its wait, so none starves): more requests within a TTFT SLO under load",
-    )
-    g.add_argument("--threads", type=int, default=None, help="torch threads for this worker")
-    g.add_argument(
-        "--tensor-parallel-size",
-        type=int,
-        default=1,
-        help="split the model over N processes on this machine (Megatron-style, gloo on the CPU): "
-        "this worker's threads are shared out, threads/N per rank; `serve`: every pool's degree "
-        "(--prefill-/--decode-tensor-parallel-size set one pool's)",
-    )
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument(
-        "--speculative-config",
-        type=speculative_config,
-        default=None,
-        help='decode-side speculation (vLLM\'s JSON): \'{"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_max": 4, "prompt_lookup_min": 1}\', or a draft model of the same tokenizer: '
-        '\'{"model": DIR, "num_speculative_tokens": 4}\', or an EAGLE-1 head: \'{"method": "eagle", '
-        '"model": DIR, "num_speculative_tokens": 4}\' (+ "disable_by_batch_size": no speculation in '
-        "steps with more decoding sequences); decode and colocated workers (engine/spec/); prefill "
-        "workers given a draft model compute its KV and ship it with the target's",
-    )
+    add_flags(p, EngineConfig, "engine")
 
 
 def resolve_model(model: str | None) -> str:
@@ -157,25 +70,9 @@ def engine_config(args: argparse.Namespace, role: str, budget: int | None = None
         spec = None  # n-gram: nothing to do on the prefill side (a draft model's KV is built there)
     if spec is not None and spec.model is not None:
         refuse_unfit_draft(args, role, spec.model)
-    return EngineConfig(
-        model=resolve_model(args.model),
-        dtype=args.dtype,
-        device=args.device,
-        quantization=args.quantization,
-        model_impl=args.model_impl,
-        seed=args.seed,
-        speculative=spec,
-        tensor_parallel_size=args.tensor_parallel_size,
-        cache=CacheConfig(
-            block_size=args.block_size,
-            num_blocks=args.num_blocks,
-            memory_bytes=args.kv_cache_memory,
-            enable_prefix_caching=args.enable_prefix_caching,
-        ),
-        scheduler=SchedulerConfig(
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=step_budget(role, args.device, budget or args.max_num_batched_tokens),
-            max_model_len=args.max_model_len,
-            policy=args.scheduling_policy,
-        ),
-    )
+    planned = {
+        "model": resolve_model(args.model),
+        "speculative": spec,
+        "scheduler.max_num_batched_tokens": step_budget(role, args.device, budget or args.max_num_batched_tokens),
+    }
+    return from_flags(EngineConfig, args, planned)

@@ -31,6 +31,8 @@ import msgspec
 
 from pdserve.cli import roles
 from pdserve.cli.engine_args import engine_config, resolve_model
+from pdserve.cli.serve_settings import ServeSettings
+from pdserve.cli.settings_flags import from_flags
 from pdserve.cli.topology import (
     Topology,
     cpu_count,
@@ -75,124 +77,80 @@ class Child:
         self.started_at = time.monotonic()
 
 
-def topology(args: argparse.Namespace) -> Topology:
+def topology(pools: ServeSettings) -> Topology:
     return Topology(
         cpus=cpu_count(),
-        prefill_workers=args.prefill_workers,
-        decode_workers=args.decode_workers,
-        colocated=args.colocated,
-        threads=args.threads,
-        prefill_threads=args.prefill_threads,
-        decode_threads=args.decode_threads,
+        prefill_workers=pools.prefill_workers,
+        decode_workers=pools.decode_workers,
+        colocated=pools.colocated,
+        threads=pools.threads,
+        prefill_threads=pools.prefill_threads,
+        decode_threads=pools.decode_threads,
     )
 
 
-def pool_args(args: argparse.Namespace, pool: str) -> argparse.Namespace:
+def pool_args(args: argparse.Namespace, degree: int | None) -> argparse.Namespace:
     """The flags as one pool's workers take them: its own tensor-parallel degree, if given."""
-    degree = getattr(args, f"{pool}_tensor_parallel_size", None)
     return argparse.Namespace(**{**vars(args), "tensor_parallel_size": degree or args.tensor_parallel_size})
 
 
 def plan_children(args: argparse.Namespace, run_dir: str) -> list[Child]:
     """Every process's settings, planned for this machine (cli/topology.py), each started as
-    `python -m pdserve.cli ROLE --settings RUN_DIR/NAME.json`."""
-    from pdserve.decode_node.settings import ColocatedSettings, DecodeSettings
-    from pdserve.prefill_node.settings import PrefillSettings
+    `python -m pdserve.cli ROLE --settings RUN_DIR/NAME.json`. Each struct is made from the flags
+    (cli/settings_flags.py), with what serve plans given."""
 
     def child(name: str, role: str, settings: Any, nice: int = 0) -> Child:
         path = Path(run_dir) / f"{name}.json"
         path.write_bytes(msgspec.json.format(msgspec.json.encode(settings)))
         return Child(name, [sys.executable, "-m", "pdserve.cli", role, "--settings", str(path)], settings, nice=nice)
 
-    topo = topology(args)
+    pools = from_flags(ServeSettings, args)
+    topo = topology(pools)
     gw_inbox = f"ipc://{run_dir}/gateway.sock"
-    gw_transport = {"auto": "auto", "shm": "shm", "zmq-ipc": "zmq", "zmq-tcp": "zmq"}[args.kv_transport]
-    gw_args = argparse.Namespace(
-        **{
-            **vars(args),
-            "worker_bind": gw_inbox,
-            "worker_advertise": None,
-            "allow_wildcard_bind": False,
-            "kv_transport": gw_transport,
-            "api_key": None,
-        }
-    )  # the key travels in the environment, not in a file
-    children = [child("gateway", "gateway", roles.gateway_options(gw_args))]
+    gw_transport = {"auto": "auto", "shm": "shm", "zmq-ipc": "zmq", "zmq-tcp": "zmq"}[pools.kv_transport]
+    # the key travels in the environment, not in a file
+    gw_given = {"worker_bind": gw_inbox, "kv_transport": gw_transport, "api_key": None}
+    children = [child("gateway", "gateway", roles.gateway_options(args, gw_given))]
     host = socket.gethostname()
 
-    def common(name: str) -> dict[str, Any]:
-        return {
-            "control_bind": f"ipc://{run_dir}/{name}.sock",
-            "gateways": [gw_inbox],
-            "host": host,
-            "otlp_traces_endpoint": args.otlp_traces_endpoint,
-        }
+    def worker(name: str, role: str, given: dict[str, Any]) -> Any:
+        common = {"control_bind": f"ipc://{run_dir}/{name}.sock", "gateways": [gw_inbox], "host": host}
+        return from_flags(roles.settings_type(role), args, {**common, **given})
 
-    if args.colocated:
-        if args.prefill_tensor_parallel_size or args.decode_tensor_parallel_size:
+    if pools.colocated:
+        if pools.prefill_tensor_parallel_size or pools.decode_tensor_parallel_size:
             raise SystemExit(
                 "pdserve serve: --prefill-/--decode-tensor-parallel-size set the 1P1D pools' degrees; "
                 "a colocated worker takes --tensor-parallel-size"
             )
-        name = "colocated-0"
-        children.append(
-            child(
-                name,
-                "colocated",
-                ColocatedSettings(
-                    engine=engine_config(args, "colocated", args.prefill_max_num_batched_tokens),
-                    threads=topo.share,
-                    **common(name),
-                ),
-            )
-        )
-        return children
-    prefill_args, decode_args = pool_args(args, "prefill"), pool_args(args, "decode")
-    idle_lanes = prefill_idle_lanes(topo, args.prefill_idle_lanes)
+        engine = engine_config(args, "colocated", pools.prefill_max_num_batched_tokens)
+        settings = worker("colocated-0", "colocated", {"engine": engine, "threads": topo.share})
+        return [*children, child("colocated-0", "colocated", settings)]
+    prefill_args = pool_args(args, pools.prefill_tensor_parallel_size)
+    decode_args = pool_args(args, pools.decode_tensor_parallel_size)
+    idle_lanes = prefill_idle_lanes(topo, pools.prefill_idle_lanes)
     if prefill_args.tensor_parallel_size > 1:
-        if args.prefill_idle_lanes:
+        if pools.prefill_idle_lanes:
             raise SystemExit("pdserve serve: a tensor-parallel prefill worker runs one lane: drop --prefill-idle-lanes")
         idle_lanes = 0  # its ranks step in lockstep: one step at a time
-    for i in range(args.prefill_workers):
+    for i in range(pools.prefill_workers):
         name = f"prefill-{i}"
-        children.append(
-            child(
-                name,
-                "prefill",
-                PrefillSettings(
-                    engine=engine_config(prefill_args, "prefill", args.prefill_max_num_batched_tokens),
-                    threads=topo.prefill_share,
-                    kv_payload_mac=args.kv_payload_mac,
-                    idle_lanes=idle_lanes,
-                    **common(name),
-                ),
-                nice=args.prefill_nice,
-            )
-        )
-    for i in range(args.decode_workers):
+        engine = engine_config(prefill_args, "prefill", pools.prefill_max_num_batched_tokens)
+        settings = worker(name, "prefill", {"engine": engine, "threads": topo.prefill_share, "idle_lanes": idle_lanes})
+        children.append(child(name, "prefill", settings, nice=pools.prefill_nice))
+    for i in range(pools.decode_workers):
         name = f"decode-{i}"
-        kv_bind = "tcp://127.0.0.1:0" if args.kv_transport == "zmq-tcp" else f"ipc://{run_dir}/{name}-kv.sock"
-        children.append(
-            child(
-                name,
-                "decode",
-                DecodeSettings(
-                    engine=engine_config(decode_args, "decode"),
-                    threads=topo.decode_share,
-                    kv_bind=kv_bind,
-                    shared_memory=args.kv_transport not in ("zmq-ipc", "zmq-tcp"),
-                    lease_ttl_s=args.lease_ttl,
-                    kv_payload_mac=args.kv_payload_mac,
-                    idle_threads=decode_idle_threads(topo, args.decode_idle_threads),
-                    step_interval_ms=decode_step_interval_ms(
-                        topo, idle_lanes, args.tpot_slo_ms, args.decode_step_interval_ms
-                    ),
-                    min_num_seqs=args.min_num_seqs,
-                    tpot_target_ms=args.tpot_slo_ms,
-                    **common(name),
-                ),
-            )
-        )
+        planned = {
+            "engine": engine_config(decode_args, "decode"),
+            "threads": topo.decode_share,
+            "kv_bind": "tcp://127.0.0.1:0" if pools.kv_transport == "zmq-tcp" else f"ipc://{run_dir}/{name}-kv.sock",
+            "shared_memory": pools.kv_transport not in ("zmq-ipc", "zmq-tcp"),
+            "idle_threads": decode_idle_threads(topo, pools.decode_idle_threads),
+            "step_interval_ms": decode_step_interval_ms(
+                topo, idle_lanes, args.tpot_slo_ms, pools.decode_step_interval_ms
+            ),
+        }
+        children.append(child(name, "decode", worker(name, "decode", planned)))
     return children
 
 

@@ -7,9 +7,10 @@ import logging
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from pdserve.engine.spec.config import SpeculativeConfig
+from pdserve.flag import Flag, parse_size
 
 if TYPE_CHECKING:  # the gateway reads configs without importing torch
     import torch
@@ -365,10 +366,18 @@ def cpu_has_fast_bf16() -> bool:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16
-    num_blocks: int | None = None  # explicit count wins over the memory budget
-    memory_bytes: int = 1 << 30  # --kv-cache-memory
-    enable_prefix_caching: bool = True  # reuse cached prefix blocks (engine/prefix_cache.py)
+    block_size: Annotated[int, Flag("tokens per KV block (a power of two)")] = 16
+    num_blocks: Annotated[int | None, Flag("KV blocks (overrides --kv-cache-memory)")] = None
+    memory_bytes: Annotated[
+        int, Flag("KV cache budget, e.g. 512MiB (default 1GiB)", name="--kv-cache-memory", parse=parse_size)
+    ] = 1 << 30
+    enable_prefix_caching: Annotated[
+        bool,
+        Flag(
+            "keep the KV of full prompt blocks after their request ends and reuse it for any "
+            "request with the same prefix (--no-enable-prefix-caching: compute every prompt)"
+        ),
+    ] = True  # engine/prefix_cache.py
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -381,6 +390,7 @@ SCHEDULING_POLICIES = ("fcfs", "shortest-first")
 # --quantization; auto: a GGUF file's quantized linears kept as stored (engine/quantize.py
 # KEPT_GGUF_TYPES), float weights as they are
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # --dtype
 
 
 def quantized(cfg: ModelConfig, quantization: str) -> ModelConfig:
@@ -394,12 +404,29 @@ def quantized(cfg: ModelConfig, quantization: str) -> ModelConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048  # per-step token budget (decode tokens + prefill chunks)
-    max_model_len: int | None = None  # default: the model's max context
+    max_num_seqs: Annotated[int, Flag("most sequences running at once (a step's batch)")] = 64
+    # per-step token budget (decode tokens + prefill chunks)
+    max_num_batched_tokens: Annotated[
+        int,
+        Flag(
+            "token budget of a step (default: 512 for a prefill or colocated worker on CPU, else 2048; cli/topology.py)",
+            planned=True,
+        ),
+    ] = 2048
+    max_model_len: Annotated[
+        int | None, Flag("longest sequence, prompt + output (default: the model's max context)")
+    ] = None
     # Which waiting prompt starts next: arrival order, or the fewest tokens left to prefill, where
     # each second of waiting counts as `aging_tokens_per_s` fewer tokens (nothing starves).
-    policy: str = "fcfs"
+    policy: Annotated[
+        str,
+        Flag(
+            "which waiting prompt is prefilled next: arrival order, or the shortest (aged by its wait, so none "
+            "starves): more requests within a TTFT SLO under load",
+            name="--scheduling-policy",
+            choices=SCHEDULING_POLICIES,
+        ),
+    ] = "fcfs"
     aging_tokens_per_s: float = 1000.0
 
     def __post_init__(self) -> None:
@@ -413,17 +440,56 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str
-    dtype: str = "auto"
-    device: str = "cpu"
+    model: Annotated[str, Flag("HF model folder or GGUF file (default: the embedded random Llama)")]
+    dtype: Annotated[str, Flag("auto: bf16 on CUDA or a CPU with bf16 matrix units, else float32", choices=DTYPES)] = (
+        "auto"
+    )
+    device: Annotated[str, Flag("a torch device: cpu, cuda, cuda:N")] = "cpu"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    seed: int | None = None  # sampler seed for requests without their own
-    quantization: str = "auto"  # auto | none | int8 | int4: weight-only linears (engine/models/quantized_linear.py)
-    model_impl: str = "auto"  # auto | native | transformers (ModelConfig.from_folder)
-    speculative: SpeculativeConfig | None = None  # decode-side speculation (engine/spec/); None: off
+    seed: Annotated[int | None, Flag("sampler seed for requests without their own")] = None
+    # weight-only linears (engine/models/quantized_linear.py)
+    quantization: Annotated[
+        str,
+        Flag(
+            "weight-only quantized linear layers (CPU). auto (default): a GGUF file's Q8_0, Q4_0, Q4_1, "
+            "Q4_K, Q5_K and Q6_K linears are kept as stored (other types dequantized), float weights stay "
+            "float; int8 / int4: every linear quantized at load in groups of 32 inputs with a scale each "
+            "(a GGUF file's Q8_0 / Q4_0 blocks kept); none: everything dequantized to --dtype",
+            choices=QUANTIZATIONS,
+        ),
+    ] = "auto"
+    model_impl: Annotated[  # ModelConfig.from_folder
+        str,
+        Flag(
+            "native: pdserve's own model code (Llama, Mistral, Qwen2, Qwen3, Phi-3); transformers: "
+            "transformers' modelling code with pdserve's paged KV cache (any decoder-only model, slower); "
+            "auto (default): native where the folder has a native path, else transformers",
+            choices=MODEL_IMPLS,
+        ),
+    ] = "auto"
+    speculative: Annotated[  # None: off
+        SpeculativeConfig | None,
+        Flag(
+            'decode-side speculation (vLLM\'s JSON): \'{"method": "ngram", "num_speculative_tokens": 4, '
+            '"prompt_lookup_max": 4, "prompt_lookup_min": 1}\', or a draft model of the same tokenizer: '
+            '\'{"model": DIR, "num_speculative_tokens": 4}\', or an EAGLE-1 head: \'{"method": "eagle", '
+            '"model": DIR, "num_speculative_tokens": 4}\' (+ "disable_by_batch_size": no speculation in '
+            "steps with more decoding sequences); decode and colocated workers (engine/spec/); prefill "
+            "workers given a draft model compute its KV and ship it with the target's",
+            name="--speculative-config",
+            parse=SpeculativeConfig.from_json,
+        ),
+    ] = None
     # ranks of one logical engine (engine/parallel/): this process is rank 0 and starts the others
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: Annotated[
+        int,
+        Flag(
+            "split the model over N processes on this machine (Megatron-style, gloo on the CPU): this worker's "
+            "threads are shared out, threads/N per rank; `serve`: every pool's degree "
+            "(--prefill-/--decode-tensor-parallel-size set one pool's)"
+        ),
+    ] = 1
     tensor_parallel_timeout_s: float = 60.0  # a collective waiting longer than this raises
 
     def __post_init__(self) -> None:

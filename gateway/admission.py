@@ -31,8 +31,9 @@ import time
 from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Annotated, Generic, TypeVar
 
+from pdserve.flag import Flag, positive_float
 from pdserve.gateway.backend import BackendUnavailable
 from pdserve.gateway.queue_stats import QueueStats
 
@@ -59,9 +60,25 @@ class QueueTimeout(BackendUnavailable):
 
 @dataclass(frozen=True)
 class QueueLimits:
-    max_requests: int = 1024  # waiting requests; more are refused with 429
-    max_tokens: int = 2**21  # prompt tokens of the waiting requests; more are refused with 429
-    max_wait_s: float = 300.0  # a request not started within this is refused with 503
+    max_requests: Annotated[
+        int,
+        Flag(
+            "requests waiting per pool for a worker to take them; more get 429 + Retry-After",
+            name="--max-queued-requests",
+        ),
+    ] = 1024
+    max_tokens: Annotated[
+        int, Flag("prompt tokens waiting per pool; more get 429 + Retry-After", name="--max-queued-tokens")
+    ] = 2**21
+    max_wait_s: Annotated[
+        float,
+        Flag(
+            "seconds a request may wait for a worker to take it before a 503 + Retry-After (before any token: a "
+            "started request never fails on a queue timer)",
+            name="--max-queue-wait",
+            parse=positive_float,
+        ),
+    ] = 300.0
 
     def __post_init__(self) -> None:
         if self.max_requests < 1 or self.max_tokens < 1:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Coroutine
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,48 +13,16 @@ import uvicorn
 from pdserve import tracing
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.gguf_file import load_tokenizer
-from pdserve.gateway.admission import QueueLimits
 from pdserve.gateway.app import create_app
 from pdserve.gateway.cluster_backend import ClusterBackend
 from pdserve.gateway.limits import GatewayLimits
-from pdserve.gateway.prefill_placement import PrefillPlacement
-from pdserve.gateway.router import DEFAULT_LOCAL_PREFILL_MAX_TOKENS, RouterPolicy
+from pdserve.gateway.options import GatewayOptions
 from pdserve.gateway.slow_clients import http_protocol
 from pdserve.gateway.tenants import KeysFileError, TenantDirectory, read_keys_file
 from pdserve.gateway.tls import check_tls_files
 from pdserve.protocol.auth import FrameAuth
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class GatewayOptions:
-    model: str
-    host: str = "127.0.0.1"
-    port: int = 8000
-    worker_bind: str = "tcp://127.0.0.1:7100"
-    worker_advertise: str | None = None  # the worker plane /cluster/join hands out (default: derived)
-    allow_wildcard_bind: bool = False  # let worker_bind listen on all interfaces
-    otlp_traces_endpoint: str | None = None  # OpenTelemetry traces go here (pdserve/tracing.py)
-    kv_transport: str = "auto"
-    api_key: str | None = None
-    api_keys_file: str | None = None  # named keys with limits and priorities (gateway/tenants.py)
-    ssl_certfile: str | None = None  # HTTPS: certificate chain and private key (PEM), both or neither
-    ssl_keyfile: str | None = None
-    max_model_len: int | None = None
-    served_model_name: str | None = None
-    on_decode_failure: str = "migrate"
-    request_timeout_s: float | None = None
-    stream_write_timeout_s: float = 30.0  # a streamed response left unread this long is cut
-    chat_template: str | None = None  # a Jinja file in place of the tokenizer's own template
-    tool_call_parser: str | None = None  # the model's tool-call format (gateway/tools/registry.py)
-    queue_limits: QueueLimits = QueueLimits()  # per pool: waiting requests, tokens, seconds
-    # a worker with work pending whose engine step has not completed for this long counts as dead
-    stuck_after_s: float = 30.0
-    # a decode worker holding all but this many prompt tokens prefills them itself (0: never)
-    local_prefill_max_tokens: int = DEFAULT_LOCAL_PREFILL_MAX_TOKENS
-    router: RouterPolicy = "kv-aware"  # which worker takes a request (gateway/router.py)
-    prefill_placement: PrefillPlacement = "remote"  # where a prompt is prefilled (gateway/prefill_placement.py)
 
 
 def _chat_template(path: str | None) -> str | None:

@@ -2,20 +2,28 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated
 
 from pdserve.engine.config import EngineConfig
-from pdserve.runtime.worker_settings import WorkerSettings
-
-PayloadMac = Literal["auto", "on", "off"]
+from pdserve.flag import Flag
+from pdserve.runtime.worker_settings import KvPayloadMac, WorkerSettings
 
 
 class PrefillSettings(WorkerSettings, frozen=True, kw_only=True, forbid_unknown_fields=True):
     engine: EngineConfig
     # HMAC over every KV payload sent over ZMQ: auto = on when the decode worker's KV address is tcp://
-    kv_payload_mac: PayloadMac = "auto"
-    lanes: int = 1  # threads that each run a prefill step, in parallel (prefill_node/lanes.py)
-    idle_lanes: int = 0  # more lanes at SCHED_IDLE: cycles nothing else on the machine wants
+    kv_payload_mac: KvPayloadMac = "auto"
+    lanes: Annotated[  # prefill_node/lanes.py
+        int, Flag("threads that each run a prefill step (of --threads torch threads), in parallel")
+    ] = 1
+    idle_lanes: Annotated[  # cycles nothing else on the machine wants
+        int,
+        Flag(
+            "more such lanes at SCHED_IDLE priority: they use only cycles no other process wants "
+            "(default: the machine's cores outside --threads, in lanes of --threads)",
+            planned=True,
+        ),
+    ] = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
