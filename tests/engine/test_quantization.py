@@ -90,3 +90,21 @@ def test_gguf_blocks_served_as_stored(tmp_path_factory, qtype, scheme):
     prompts = prompts_for(engine.model_config.vocab_size)
     float_run = quant_engine(file, "none").generate(prompts, GREEDY)
     assert engine.generate(prompts, GREEDY) == float_run
+
+
+@pytest.mark.parametrize(("family", "scheme"), [("gemma2", "int8"), ("gemma3", "int4")])
+def test_gemma_quantized_equals_hf_on_dequantized_weights(family, scheme, models_dir, tmp_path_factory):
+    """Gemma's linears (its GeLU MLP, soft-capped scores and logits, 32-token windows) quantized."""
+    from pdserve.engine.make_model import make_model
+    from tests.engine.test_sliding_window_models import FAMILIES
+    from tests.engine.test_sliding_window_models import prompts_for as windowed_prompts
+
+    model = make_model(models_dir / f"swa-{family}", quiet=True, **FAMILIES[family])
+    engine = quant_engine(model, scheme)
+    assert isinstance(engine.runner.model.layers[0].mlp.down_proj, QuantizedLinear)
+    reference = dequantized_reference(model, scheme, tmp_path_factory.mktemp(f"deq-{family}-{scheme}"))
+    prompts = windowed_prompts(engine.model_config.vocab_size)[:5]
+    want = expected(reference, prompts)
+    assert engine.generate(prompts, GREEDY) == want
+    assert want != expected(model, prompts)  # the reference is not the float model's output in disguise
+    engine.pool.assert_all_free()
