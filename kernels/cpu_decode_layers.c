@@ -8,6 +8,10 @@
  * the same calls, in the same order, on the same kernels, from C: it holds no arithmetic of its
  * own beyond the residual add, so its output is bit for bit the per-op path's (tests check).
  *
+ * A linear is fp32 panels (the panel GEMM) or weight-only int8/int4 row segments (the quantized
+ * GEMM, one call a segment, as models/quantized_linear.py makes them: one segment's bias added by
+ * the kernel, several segments' after they are put side by side).
+ *
  * The kernels are not linked in: the caller passes the addresses of the functions already loaded
  * from their own libraries (kernels/decode_layers.py), so there is one copy of each.
  */
@@ -28,6 +32,9 @@ typedef int (*attention_fn)(const float *q, int64_t q_stride, const float *kv, i
                             int nthreads);
 typedef int (*gemm_fn)(const float *x, int64_t ldx, const float *panels, const float *bias, float *y, int64_t m,
                        int64_t in, int64_t out, int nthreads);
+typedef int (*quant_gemm_fn)(const float *x, int64_t ldx, const uint8_t *q, const float *scales,
+                             const float *offsets, const float *bias, float *y, int64_t m, int64_t in, int64_t out,
+                             int bits, int sg, int nthreads);
 
 typedef struct {  /* the kernels, loaded by their own modules */
     rmsnorm_fn rmsnorm;
@@ -36,12 +43,26 @@ typedef struct {  /* the kernels, loaded by their own modules */
     rope_store_fn rope_store;
     attention_fn attention;
     gemm_fn gemm;
+    quant_gemm_fn quant_gemm; /* NULL when no layer has a quantized linear */
 } kernel_table;
+
+typedef struct {  /* rows [out0, out0 + out) of a quantized linear, in one format */
+    const uint8_t *q;
+    const float *scales, *offsets; /* offsets NULL: symmetric */
+    int64_t out0, out;
+    int32_t bits, sg;
+} quant_segment;
+
+typedef struct {  /* a linear: fp32 panels [P, in, 16], or quantized row segments */
+    const float *panels;            /* NULL: quantized */
+    const float *bias;              /* [out] or NULL */
+    const quant_segment *segments;  /* quantized: num_segments of them, in output order */
+    int32_t num_segments;
+} linear_desc;
 
 typedef struct {  /* one decoder layer, as laid out after loading */
     const float *input_norm, *post_attention_norm;  /* [H] */
-    const float *qkv, *qkv_bias;                    /* panels [P, H, 16]; bias [(hq + 2 hkv) d] or NULL */
-    const float *o, *gate_up, *down;                /* panels */
+    linear_desc qkv, o, gate_up, down;              /* qkv's bias [(hq + 2 hkv) d] or NULL */
     float *kv;                                      /* this layer's pool [2, slots, hkv, d] */
 } layer_weights;
 
@@ -51,19 +72,44 @@ typedef struct {  /* the model's shapes */
     float eps, scale;
 } stack_shape;
 
-enum { OK = 0, SLOT_PAST_POOL = -1, ATTENTION_REFUSED = -2 };
+enum { OK = 0, SLOT_PAST_POOL = -1, ATTENTION_REFUSED = -2, LINEAR_REFUSED = -3 };
 
-/* Floats of scratch decode_layers_f32 needs for m rows (m times that of one). */
+/* Floats of scratch decode_layers_f32 needs for m rows (m times that of one): the activations,
+ * then one linear's output for segments put side by side. */
 int64_t decode_layers_work_floats(const stack_shape *s, int64_t m) {
     const int64_t qkv = (int64_t)(s->hq + 2 * s->hkv) * s->d, q = (int64_t)s->hq * s->d;
-    return m * (3 * s->hidden + qkv + q + (int64_t)s->hkv * s->d + q + 3 * s->intermediate);
+    int64_t widest = qkv > 2 * s->intermediate ? qkv : 2 * s->intermediate;
+    if (widest < s->hidden) widest = s->hidden;
+    return m * (3 * s->hidden + qkv + q + (int64_t)s->hkv * s->d + q + 3 * s->intermediate + widest);
+}
+
+/* y [m, out] = x [m, in] (ldx apart) through linear `w`; seg_y: scratch of m * out floats */
+static int linear(const kernel_table *k, const linear_desc *w, const float *x, int64_t ldx, float *y, int64_t m,
+                  int64_t in, int64_t out, float *seg_y, int nthreads) {
+    if (w->panels) return k->gemm(x, ldx, w->panels, w->bias, y, m, in, out, nthreads);
+    if (w->num_segments == 1) {
+        const quant_segment *g = &w->segments[0];
+        return k->quant_gemm(x, ldx, g->q, g->scales, g->offsets, w->bias, y, m, in, out, g->bits, g->sg, nthreads);
+    }
+    for (int32_t i = 0; i < w->num_segments; i++) {
+        const quant_segment *g = &w->segments[i];
+        int rc = k->quant_gemm(x, ldx, g->q, g->scales, g->offsets, NULL, seg_y, m, in, g->out, g->bits, g->sg,
+                               nthreads);
+        if (rc) return rc;
+        for (int64_t r = 0; r < m; r++)
+            for (int64_t c = 0; c < g->out; c++) y[r * out + g->out0 + c] = seg_y[r * g->out + c];
+    }
+    if (w->bias)
+        for (int64_t r = 0; r < m; r++)
+            for (int64_t c = 0; c < out; c++) y[r * out + c] += w->bias[c];
+    return 0;
 }
 
 /* x_in [m, H] (the embeddings) -> x_out [m, H] after all layers; each layer's K, V stored at
  * slot [m] (int64). cos, sin [m, d]; tables [m, W] int32 (table_stride apart); ctx_lens [m]
  * int32. Returns OK, SLOT_PAST_POOL (nothing written at that layer) or ATTENTION_REFUSED (the
  * attention kernel refused the shapes; the caller runs the per-op path, which stores the same
- * K, V again). */
+ * K, V again) or LINEAR_REFUSED (a quantized GEMM refused its arguments: likewise). */
 int decode_layers_f32(const kernel_table *k, const layer_weights *layers, int num_layers, const stack_shape *s,
                       const float *x_in, float *x_out, int64_t m, const float *cos, const float *sin,
                       const int64_t *slot, int64_t slots, const int32_t *tables, int64_t table_stride,
@@ -74,21 +120,22 @@ int decode_layers_f32(const kernel_table *k, const layer_weights *layers, int nu
     float *qkv = o + m * H, *q = qkv + m * qkv_w, *kr = q + m * q_w;  /* [m, qkv_w], [m, hq d], [m, hkv d] */
     float *attn = kr + m * s->hkv * d, *gate_up = attn + m * q_w;     /* [m, hq d], [m, 2 I] */
     float *act = gate_up + m * 2 * I, *dn = o;                        /* [m, I]; down reuses o */
+    float *seg_y = act + m * I;                                       /* one linear's segments */
     const float *x = x_in;
     for (int l = 0; l < num_layers; l++) {
         const layer_weights *w = &layers[l];
         k->rmsnorm(x, H, w->input_norm, h, m, H, s->eps, nthreads);
-        k->gemm(h, H, w->qkv, w->qkv_bias, qkv, m, H, qkv_w, nthreads);
+        if (linear(k, &w->qkv, h, H, qkv, m, H, qkv_w, seg_y, nthreads)) return LINEAR_REFUSED;
         if (k->rope_store(qkv, qkv_w, cos, sin, q, kr, w->kv, slots, slot, m, s->hq, s->hkv, s->d, nthreads))
             return SLOT_PAST_POOL;
         if (k->attention(q, q_w, w->kv, slots, tables, table_stride, ctx_lens, attn, (int)m, s->hq, s->hkv, s->d,
                          s->block_size, s->scale, 0, 0.0f, nthreads)) /* full attention: no window, no softcap */
             return ATTENTION_REFUSED;
-        k->gemm(attn, q_w, w->o, NULL, o, m, q_w, H, nthreads);
+        if (linear(k, &w->o, attn, q_w, o, m, q_w, H, seg_y, nthreads)) return LINEAR_REFUSED;
         k->add_rmsnorm(x, o, H, w->post_attention_norm, sum, h, m, H, s->eps, nthreads);  /* sum = x + o */
-        k->gemm(h, H, w->gate_up, NULL, gate_up, m, H, 2 * I, nthreads);
+        if (linear(k, &w->gate_up, h, H, gate_up, m, H, 2 * I, seg_y, nthreads)) return LINEAR_REFUSED;
         k->silu_mul(gate_up, 2 * I, act, m, I, nthreads);
-        k->gemm(act, I, w->down, NULL, dn, m, I, H, nthreads);
+        if (linear(k, &w->down, act, I, dn, m, I, H, seg_y, nthreads)) return LINEAR_REFUSED;
         for (int64_t i = 0; i < m * H; i++) x_out[i] = sum[i] + dn[i];  /* the residual add */
         x = x_out;
     }

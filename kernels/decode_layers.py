@@ -18,24 +18,78 @@ from pathlib import Path
 import torch
 
 from pdserve.env import settings
-from pdserve.kernels import cpu_native, layer_ops, panel_gemm
+from pdserve.kernels import cpu_native, layer_ops, panel_gemm, quant_gemm
 from pdserve.kernels.cpu_native import built, load_kernel
+from pdserve.kernels.quant_gemm import QuantWeight
 
 SOURCE = Path(__file__).with_name("cpu_decode_layers.c")
-SLOT_PAST_POOL, ATTENTION_REFUSED = -1, -2
+SLOT_PAST_POOL, ATTENTION_REFUSED, LINEAR_REFUSED = -1, -2, -3
 
 
 class KernelTable(ctypes.Structure):
     _fields_ = [
-        (name, ctypes.c_void_p) for name in ("rmsnorm", "add_rmsnorm", "silu_mul", "rope_store", "attention", "gemm")
+        (name, ctypes.c_void_p)
+        for name in ("rmsnorm", "add_rmsnorm", "silu_mul", "rope_store", "attention", "gemm", "quant_gemm")
+    ]
+
+
+class QuantSegment(ctypes.Structure):
+    """Rows [out0, out0 + out) of a quantized linear, in one format (kernels/quant_gemm.QuantWeight)."""
+
+    _fields_ = [
+        ("q", ctypes.c_void_p),
+        ("scales", ctypes.c_void_p),
+        ("offsets", ctypes.c_void_p),
+        ("out0", ctypes.c_int64),
+        ("out", ctypes.c_int64),
+        ("bits", ctypes.c_int32),
+        ("sg", ctypes.c_int32),
+    ]
+
+
+class LinearDesc(ctypes.Structure):
+    """A linear for the driver: fp32 panels (`panels` set), or quantized row segments."""
+
+    _fields_ = [
+        ("panels", ctypes.c_void_p),
+        ("bias", ctypes.c_void_p),
+        ("segments", ctypes.POINTER(QuantSegment)),
+        ("num_segments", ctypes.c_int32),
     ]
 
 
 class LayerWeights(ctypes.Structure):
     _fields_ = [
-        (name, ctypes.c_void_p)
-        for name in ("input_norm", "post_attention_norm", "qkv", "qkv_bias", "o", "gate_up", "down", "kv")
+        ("input_norm", ctypes.c_void_p),
+        ("post_attention_norm", ctypes.c_void_p),
+        ("qkv", LinearDesc),
+        ("o", LinearDesc),
+        ("gate_up", LinearDesc),
+        ("down", LinearDesc),
+        ("kv", ctypes.c_void_p),
     ]
+
+
+def panel_linear(panels: torch.Tensor, bias: torch.Tensor | None) -> LinearDesc:
+    """An fp32 linear by its few-row panels (engine/models/cpu_linear.py PackedLinear)."""
+    return LinearDesc(panels.data_ptr(), None if bias is None else bias.data_ptr(), None, 0)
+
+
+def quant_linear(parts: list[QuantWeight], bias: torch.Tensor | None) -> tuple[LinearDesc, ctypes.Array] | None:
+    """A quantized linear by its parts (models/quantized_linear.py QuantizedLinear), with the
+    segment array it points into (keep it alive); None when a part's rows carry input padding
+    (the per-op path pads x; the driver does not)."""
+    if any(p.padded_in != p.in_features for p in parts):
+        return None
+    segments = (QuantSegment * len(parts))()
+    out0 = 0
+    for seg, p in zip(segments, parts):
+        offsets = None if p.offsets is None else p.offsets.data_ptr()
+        seg.q, seg.scales, seg.offsets = p.q.data_ptr(), p.scales.data_ptr(), offsets
+        seg.out0, seg.out, seg.bits, seg.sg = out0, p.out_features, p.bits, p.scale_group
+        out0 += p.out_features
+    desc = LinearDesc(None, None if bias is None else bias.data_ptr(), segments, len(parts))
+    return desc, segments
 
 
 class StackShape(ctypes.Structure):
@@ -61,6 +115,7 @@ def _library() -> tuple[ctypes.CDLL, KernelTable] | None:
     ops, gemm, attention = layer_ops._library(), panel_gemm._library(), cpu_native._library()
     if not (ops and gemm and attention):
         return None
+    quant = quant_gemm._library()  # optional: only quantized layers need it
     lib = load_kernel(SOURCE)
     if lib is None:
         return None
@@ -76,8 +131,15 @@ def _library() -> tuple[ctypes.CDLL, KernelTable] | None:
         _address(ops, "rope_store_f32"),
         _address(attention, "paged_decode_attention_f32"),
         _address(gemm, "panel_gemm_f32"),
+        _address(quant, "quant_gemm_f32") if quant is not None else None,
     )
     return lib, table
+
+
+def quantized_available() -> bool:
+    """Whether the driver can run quantized linears (the quantized GEMM built too)."""
+    lib = _library()
+    return lib is not None and lib[1].quant_gemm is not None
 
 
 def available() -> bool:
@@ -95,8 +157,11 @@ class DecodeLayers:
     """The decoder layers of one model over one KV pool, described once for the driver.
     Weights and pool must not move afterwards (they are laid out once, after loading)."""
 
-    def __init__(self, layers: list[LayerWeights], kv_cache: torch.Tensor, shape: StackShape) -> None:
+    def __init__(
+        self, layers: list[LayerWeights], kv_cache: torch.Tensor, shape: StackShape, keep: list | None = None
+    ) -> None:
         self.layers = (LayerWeights * len(layers))(*layers)
+        self._keep = keep or []  # ctypes arrays the layers point into (quantized segments)
         self.kv_cache = kv_cache  # [L, 2, N, bs, Hkv, D]: held, so the layers' pool pointers stay valid
         self.shape = shape
         self.slots = kv_cache.shape[2] * kv_cache.shape[3]
@@ -142,4 +207,4 @@ class DecodeLayers:
         )
         if rc == SLOT_PAST_POOL:
             raise IndexError(f"slot_mapping holds a slot past the KV pool ({self.slots} slots)")
-        return None if rc == ATTENTION_REFUSED else out
+        return None if rc in (ATTENTION_REFUSED, LINEAR_REFUSED) else out

@@ -134,12 +134,17 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(h)
 
 
-def _few_row_panels(layer: DecoderLayer) -> list[torch.Tensor] | None:
-    """The few-row GEMM panels of the layer's qkv, o, gate_up and down linears (relaid as
-    PackedLinear); None when one of them has none."""
-    linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-    panels: list[torch.Tensor] = [m.panels for m in linears if isinstance(m, PackedLinear) and m.panels is not None]
-    return panels if len(panels) == len(linears) else None
+def _driver_linear(module: nn.Module, keep: list) -> decode_layers.LinearDesc | None:
+    """One linear as the decode driver takes it: fp32 few-row panels (PackedLinear) or quantized
+    row segments (QuantizedLinear; their ctypes array appended to `keep`); None when neither."""
+    if isinstance(module, PackedLinear) and module.panels is not None:
+        return decode_layers.panel_linear(module.panels, module.bias)
+    if isinstance(module, QuantizedLinear) and decode_layers.quantized_available():
+        got = decode_layers.quant_linear(module.parts, module.bias)
+        if got is not None:
+            keep.append(got[1])
+            return got[0]
+    return None
 
 
 class LlamaForCausalLM(nn.Module):
@@ -205,9 +210,10 @@ class LlamaForCausalLM(nn.Module):
         """The layers over this KV pool [L, 2, N, bs, Hkv, D], described once for the one-call
         decode driver (kernels/decode_layers.py); None when it cannot run them: not the fp32 CPU
         path, a layer the driver does not know (q/k norm, partial rotary, o_proj bias), a linear
-        without few-row panels (a quantized one among them: models/quantized_linear.py), or the
-        driver not built, or tensor parallelism (the driver has no all-reduce between layers), or
-        a sliding window or soft-capping (the driver attends over the whole context)."""
+        it cannot take (neither few-row panels nor quantized segments without input padding:
+        models/quantized_linear.py), or the driver not built, or tensor parallelism (the driver
+        has no all-reduce between layers), or a sliding window or soft-capping (the driver
+        attends over the whole context)."""
         if self.tp is not None:
             return None
         if not (kv_cache.device.type == "cpu" and kv_cache.dtype == torch.float32 and kv_cache.is_contiguous()):
@@ -215,26 +221,19 @@ class LlamaForCausalLM(nn.Module):
         c = self.cfg
         if c.qk_norm or c.rotary_dims != c.head_dim or c.o_bias or c.layer_windows or c.attn_softcap:
             return None
-        layers = self.decoder_layers
-        panels = [p for p in map(_few_row_panels, layers) if p is not None]
-        if len(panels) < len(layers):
-            return None
         if not decode_layers.available():
             return None
-        described = []
-        for i, (layer, (qkv, o, gate_up, down)) in enumerate(zip(layers, panels)):
+        described, keep = [], []  # keep: the quantized segments' arrays, alive as long as the layers
+        for i, layer in enumerate(self.decoder_layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = [_driver_linear(m, keep) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            if any(lin is None for lin in linears):
+                return None
+            qkv, o, gate_up, down = cast(list[decode_layers.LinearDesc], linears)
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)  # fp32 with the panels
-            qkv_bias = layer.self_attn.qkv_proj.bias
             described.append(
                 decode_layers.LayerWeights(
-                    norms[0].data_ptr(),
-                    norms[1].data_ptr(),
-                    qkv.data_ptr(),
-                    None if qkv_bias is None else qkv_bias.data_ptr(),
-                    o.data_ptr(),
-                    gate_up.data_ptr(),
-                    down.data_ptr(),
-                    kv_cache[i].data_ptr(),
+                    norms[0].data_ptr(), norms[1].data_ptr(), qkv, o, gate_up, down, kv_cache[i].data_ptr()
                 )
             )
         shape = decode_layers.StackShape(
@@ -247,7 +246,7 @@ class LlamaForCausalLM(nn.Module):
             c.rms_norm_eps,
             c.head_dim**-0.5,
         )
-        return decode_layers.DecodeLayers(described, kv_cache, shape)
+        return decode_layers.DecodeLayers(described, kv_cache, shape, keep)
 
     @staticmethod
     def fused_decode(

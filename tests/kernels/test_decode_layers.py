@@ -108,3 +108,63 @@ def test_greedy_output_is_the_same_with_it_off(tiny_model, monkeypatch):
     calls.clear()
     assert make_engine(tiny_model).generate(prompts, GREEDY) == on
     assert not calls
+
+
+@pytest.fixture(scope="module")
+def k_quant_llama(tmp_path_factory):
+    """Rows of whole 256-input K-quant blocks: a Q4_K_M file keeps every linear quantized, qkv
+    in two formats (Q4_K q/k rows, Q6_K v rows: two segments the driver puts side by side)."""
+    from pdserve.engine.gguf_writer import write_gguf
+    from pdserve.engine.make_model import make_model
+
+    root = tmp_path_factory.mktemp("kq")
+    folder = make_model(
+        root / "hf", preset="tiny", arch="llama", seed=31, quiet=True, hidden_size=256, intermediate_size=512
+    )
+    return write_gguf(folder, root / "m.gguf", "q4_k_m")
+
+
+def quantized_engine_at_decode(model, quantization: str, batch: int):
+    from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from pdserve.engine.llm_engine import LLMEngine
+
+    cfg = EngineConfig(
+        model=str(model),
+        dtype="float32",
+        quantization=quantization,
+        cache=CacheConfig(block_size=16, num_blocks=256),
+        scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=512, max_model_len=256),
+    )
+    engine = LLMEngine(cfg, show_progress=False)
+    for i, p in enumerate(
+        random_prompts(engine.model_config.vocab_size, [3 + 7 * i % 50 for i in range(batch)], seed=batch)
+    ):
+        engine.add_request(f"r{i}", p, GREEDY)
+    while engine.scheduler.waiting or any(s.num_uncomputed > 1 for s in engine.scheduler.running):
+        engine.step()
+    engine.step()
+    return engine
+
+
+@pytest.mark.skipif(not decode_layers.quantized_available(), reason="the quantized GEMM did not build")
+@pytest.mark.parametrize("batch", [1, FEW_ROWS])
+@pytest.mark.parametrize("source", ["int8", "int4", "q4_k_m"])
+@torch.inference_mode()
+def test_quantized_layers_fused_equal_per_op_bit_for_bit(tiny_llama, k_quant_llama, source, batch):
+    from pdserve.engine.models.quantized_linear import QuantizedLinear
+
+    model_path, quantization = (k_quant_llama, "auto") if source == "q4_k_m" else (tiny_llama, source)
+    engine = quantized_engine_at_decode(model_path, quantization, batch)
+    model, kv = engine.runner.model, engine.runner.kv_cache
+    qkv = model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, QuantizedLinear) and isinstance(model.layers[0].mlp.down_proj, QuantizedLinear)
+    if source == "q4_k_m":
+        assert len(qkv.parts) == 2  # Q4_K q/k rows, Q6_K v rows
+    fp = engine.launch(engine.schedule())
+    kv_before = kv.clone()
+    out = fused(engine, fp)
+    assert out is not None
+    kv_fused = kv.clone()
+    kv.copy_(kv_before)
+    assert torch.equal(out, per_op_layers(model, fp))
+    assert torch.equal(kv_fused, kv) and not torch.equal(kv, kv_before)
