@@ -7,7 +7,8 @@ through the prefill pool) and local (every prompt on the decode worker). The thr
 side by side and take the load in rounds, in turn (a shared machine's other jobs fall on all of
 them alike). Per placement: mean and p90 TTFT and TPOT, the short prompts' mean TTFT, output
 tok/s (over the seconds its segments ran), and how many prompts the decode worker prefilled
-itself (from /metrics), in one table. Figures: docs/benchmarks/prefill_placement.md.
+itself (from /metrics), in one table. `--one-at-a-time`: each server alone instead, started afresh
+per round, the order rotated. Figures: docs/benchmarks/prefill_placement.md.
 """
 
 from __future__ import annotations
@@ -133,6 +134,36 @@ def measure_all(model: str, placements: list[str], args: argparse.Namespace) -> 
     return {p: summarize(results[p], sent[p], busy[p], local[p]) for p in placements}
 
 
+def measure_one_at_a_time(model: str, placements: list[str], args: argparse.Namespace) -> dict[str, dict]:
+    """Each placement's server alone on the machine (no idle server beside it), started, warmed
+    and stopped for each of `rounds` segments; the order of placements rotated per round, every
+    placement given the same new prompts in a round."""
+    per_round = max(1, args.requests // args.rounds)
+    results: dict[str, list[RequestResult]] = {p: [] for p in placements}
+    sent: dict[str, list[BenchRequest]] = {p: [] for p in placements}
+    busy = {p: 0.0 for p in placements}
+    local = {p: 0 for p in placements}
+    name = Path(model).name
+    for r in range(args.rounds):
+        segment = mixed_requests(per_round, args.vocab, args.long_share, args.output_len, args.seed + r)
+        order = placements[r % len(placements) :] + placements[: r % len(placements)]
+        for p in order:
+            spec, base = server_spec(model, p, args.local_prefill_max_tokens)
+            with running(spec, base, Path(f"/tmp/pdserve-placement-{p}.log"), mode="a"):
+                asyncio.run(run_load(base, name, mixed_requests(4, args.vocab, 0.5, 4, args.seed + 999), 4.0, 0))
+                settle(base)
+                before = local_prefills(base)
+                got, duration = asyncio.run(run_load(base, name, segment, args.rate, args.seed + r))
+                settle(base)
+                time.sleep(1.0)  # a heartbeat carries the last counters
+                local[p] += local_prefills(base) - before
+            results[p] += got
+            sent[p] += segment
+            busy[p] += duration
+            print(f"round {r} {p}: done", file=sys.stderr, flush=True)
+    return {p: summarize(results[p], sent[p], busy[p], local[p]) for p in placements}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m pdserve.bench.prefill_placement",
@@ -149,6 +180,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--placements", default=",".join(PREFILL_PLACEMENTS))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="write the figures here as JSON")
+    ap.add_argument(
+        "--one-at-a-time",
+        action="store_true",
+        help="run each placement's server alone, started afresh for each round (no server idles beside another)",
+    )
     args = ap.parse_args(argv)
     from transformers import AutoConfig
 
@@ -158,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.rate:g} req/s Poisson, {args.output_len} tokens out",
         flush=True,
     )
-    table = measure_all(args.model, args.placements.split(","), args)
+    measure = measure_one_at_a_time if args.one_at_a_time else measure_all
+    table = measure(args.model, args.placements.split(","), args)
     head = ("placement", "TTFT mean", "TTFT p90", "short TTFT", "TPOT mean", "TPOT p90", "out tok/s", "local")
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for p, m in table.items():

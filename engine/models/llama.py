@@ -223,7 +223,8 @@ class LlamaForCausalLM(nn.Module):
             return None
         if not decode_layers.available():
             return None
-        described, keep = [], []  # keep: the quantized segments' arrays, alive as long as the layers
+        described: list[decode_layers.LayerWeights] = []
+        keep: list = []  # the quantized segments' ctypes arrays, alive as long as the layers
         for i, layer in enumerate(self.decoder_layers):
             attn, mlp = layer.self_attn, layer.mlp
             linears = [_driver_linear(m, keep) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
