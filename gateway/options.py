@@ -12,6 +12,7 @@ from pdserve.gateway.admission import QueueLimits
 from pdserve.gateway.prefill_placement import PrefillPlacement
 from pdserve.gateway.router import DEFAULT_LOCAL_PREFILL_MAX_TOKENS, RouterPolicy
 from pdserve.gateway.tools.registry import PARSERS
+from pdserve.tracing import OtlpEndpoint
 
 
 @dataclass(frozen=True)
@@ -30,13 +31,7 @@ class GatewayOptions:
     allow_wildcard_bind: Annotated[
         bool, Flag("let --worker-bind listen on all interfaces (tcp://0.0.0.0:PORT); refused otherwise")
     ] = False
-    otlp_traces_endpoint: Annotated[  # pdserve/tracing.py
-        str | None,
-        Flag(
-            "export OpenTelemetry traces (OTLP/HTTP, e.g. http://collector:4318/v1/traces); needs pdserve[tracing]",
-            metavar="URL",
-        ),
-    ] = None
+    otlp_traces_endpoint: OtlpEndpoint = None
     kv_transport: Annotated[
         str,
         Flag(

@@ -18,7 +18,18 @@ from __future__ import annotations
 import contextvars
 import logging
 import time
-from typing import Any
+from typing import Annotated, Any
+
+from pdserve.flag import Flag
+
+# The settings field every process that exports traces has (workers and the gateway)
+OtlpEndpoint = Annotated[
+    str | None,
+    Flag(
+        "export OpenTelemetry traces (OTLP/HTTP, e.g. http://collector:4318/v1/traces); needs pdserve[tracing]",
+        metavar="URL",
+    ),
+]
 
 log = logging.getLogger(__name__)
 

@@ -14,6 +14,7 @@ from typing import Annotated, Literal, TypeVar
 import msgspec
 
 from pdserve.flag import Flag
+from pdserve.tracing import OtlpEndpoint
 
 # HMAC over KV payloads (kvtransfer/wire.py); prefill and decode workers take the same flag
 KvPayloadMac = Annotated[
@@ -55,13 +56,7 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     health_bind: Annotated[
         str | None, Flag("serve /health/live and /health/ready here (probes); default: none", metavar="HOST:PORT")
     ] = None
-    otlp_traces_endpoint: Annotated[  # pdserve/tracing.py
-        str | None,
-        Flag(
-            "export OpenTelemetry traces (OTLP/HTTP, e.g. http://collector:4318/v1/traces); needs pdserve[tracing]",
-            metavar="URL",
-        ),
-    ] = None
+    otlp_traces_endpoint: OtlpEndpoint = None
 
     def __post_init__(self) -> None:
         if not self.gateways:

@@ -120,6 +120,27 @@ def check_after(base: str, ledger_timeout_s: float = 5.0) -> None:
     assert_canary_served(base)
 
 
+def check_killed_decode_worker_migrates_exactly(model, prompt: list[int], n: int, *serve_args: str) -> None:
+    """`serve` with two decode workers: the one running a greedy stream of `n` tokens is SIGKILLed
+    after its first tokens; the stream migrates (prompt and output prefilled again on the other)
+    and its text equals HF's, no token lost or doubled; the killed worker comes back."""
+    tok = AutoTokenizer.from_pretrained(model)
+    want = hf_text(tok, model, prompt, n)
+    with served(model, "--decode-workers", "2", *serve_args) as s:
+        assert wait_until(lambda: len(live_workers(s.base, "decode")) == 2, 90) is not None
+        stream = Stream(s.base, {**greedy(n, prompt), "logprobs": 1})  # one event per token
+        stream.wait_pieces(2)
+        killed = busy_worker_pid(s.base, "decode")
+        assert killed is not None, "no decode worker reports the running request"
+        os.kill(killed, signal.SIGKILL)
+        assert stream.finish is None, "not caught mid-stream"
+        stream.join()
+        assert stream.finish == "length" and stream.text == want  # migrated: nothing lost or doubled
+        assert len(stream.pieces) == n
+        assert wait_until(lambda: len(live_workers(s.base, "decode")) == 2, 90) is not None  # restarted
+        check_after(s.base)
+
+
 @pytest.fixture(scope="module")
 def bench_model(tmp_path_factory):
     """The ~30M model: slow enough on CPU to catch a request in a given phase."""
