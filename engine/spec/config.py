@@ -27,6 +27,9 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1  # shortest
     # no speculation in a step with more decoding sequences than this (vLLM's name)
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+    # speculate only at batch sizes where it is measured to pay (engine/measured_choice.py); off:
+    # in every step up to disable_by_batch_size (as vLLM does; benchmarks and exactness checks)
+    measure_payoff: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATION_METHODS:
@@ -62,13 +65,16 @@ class SpeculativeConfig:
             "prompt_lookup_max",
             "prompt_lookup_min",
             "disable_by_batch_size",
+            "measure_payoff",
         }
         unknown = sorted(set(raw) - known)
         if unknown:
             raise ValueError(f"--speculative-config: unknown keys {unknown}; known: {sorted(known)}")
         if "num_speculative_tokens" not in raw:
             raise ValueError("--speculative-config needs num_speculative_tokens")
-        for key in known - {"method", "model"}:
+        if "measure_payoff" in raw and not isinstance(raw["measure_payoff"], bool):
+            raise ValueError("--speculative-config: measure_payoff must be true or false")
+        for key in known - {"method", "model", "measure_payoff"}:
             if key in raw and (not isinstance(raw[key], int) or isinstance(raw[key], bool)):
                 raise ValueError(f"--speculative-config: {key} must be an integer")
         return cls(**raw)

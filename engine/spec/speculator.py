@@ -78,7 +78,9 @@ class Speculator:
         if self.draft is not None:
             self.draft.release_all_but(running)  # (ended or preempted sequences' draft KV)
         ready = [s for s in running if self.eligible(s)]
-        if not ready or len(ready) > self.cfg.disable_by_batch_size or not self.payoff.allow(len(ready)):
+        if not ready or len(ready) > self.cfg.disable_by_batch_size:
+            return
+        if self.cfg.measure_payoff and not self.payoff.allow(len(ready)):
             return
         cfg = self.cfg
         wants: list[tuple[Sequence, int]] = []

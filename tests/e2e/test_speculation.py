@@ -21,7 +21,17 @@ from tests.reliability.test_worker_failure import N, stream_killing_decode
 
 pytestmark = pytest.mark.slow
 
-SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1})
+# measure_payoff off: every step speculates (on a loaded machine the measured choice may decide a
+# batch-1 step does not pay, and the streamed check below would see no multi-token event)
+SPEC = json.dumps(
+    {
+        "method": "ngram",
+        "num_speculative_tokens": 4,
+        "prompt_lookup_max": 4,
+        "prompt_lookup_min": 1,
+        "measure_payoff": False,
+    }
+)
 MODES = {"1P1D": ["--max-num-batched-tokens", "24"], "colocated": ["--colocated"]}
 MAX_NEW = 40
 

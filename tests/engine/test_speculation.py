@@ -206,3 +206,22 @@ def test_counters_travel_in_worker_heartbeats(tiny_llama):
         st.num_accepted_tokens,
     )
     assert got.spec_accepted_per_pos == st.accepted_per_pos and st.num_drafts > 0
+
+
+@pytest.mark.parametrize("measure_payoff", [True, False])
+def test_measure_payoff_off_speculates_where_the_measured_choice_says_no(tiny_llama, measure_payoff):
+    spec = SpeculativeConfig.from_json(
+        json.dumps({"method": "ngram", "num_speculative_tokens": 4, "measure_payoff": measure_payoff})
+    )
+    engine = make_engine(tiny_llama, spec=spec)
+    assert engine.speculator is not None
+    engine.speculator.payoff.allow = lambda n: False  # type: ignore[method-assign]  # "never pays", measured
+    prompts = prompts_for(engine.model_config.vocab_size)
+    assert engine.generate(prompts, GREEDY) == hf(tiny_llama, prompts)
+    assert (engine.speculator.stats.num_drafts > 0) == (not measure_payoff)
+    engine.pool.assert_all_free()
+
+
+def test_measure_payoff_must_be_a_bool():
+    with pytest.raises(ValueError, match="measure_payoff must be true or false"):
+        SpeculativeConfig.from_json('{"num_speculative_tokens": 4, "measure_payoff": 1}')
