@@ -41,6 +41,7 @@ from pdserve.protocol.messages import (
     LeaseRenewed,
     ReserveReply,
     ReserveRequest,
+    ShmPool,
     TokenOutput,
     WorkerStats,
 )
@@ -61,14 +62,7 @@ class DecodeWorker(WorkerBase):
             self._shm = SharedTensor.create(shape, dtype)
             return self._shm.tensor
 
-        tp = settings.engine.tensor_parallel_size
-        shared = settings.shared_memory and tp == 1
-        if settings.shared_memory and not shared:
-            log.info(
-                "shared-memory KV transport off: a prefill worker would write rank 0's pool only, and "
-                "this worker's KV heads are split over %d ranks; KV arrives over ZeroMQ, re-sliced by rank",
-                tp,
-            )
+        shared = settings.shared_memory  # under tensor parallelism every rank's pool is shared memory
         self.engine = LLMEngine(settings.engine, kv_allocator=shm_allocator if shared else None)
         draft = self.engine.draft  # its layers may come with the target's (KvLayout.draft_fingerprint)
         self.leases = LeaseTable(  # every block not in a sequence
@@ -85,6 +79,7 @@ class DecodeWorker(WorkerBase):
                 settings.kv_payload_mac, settings.kv_bind, settings.kv_advertise, encryption=auth.encryption
             ),
             rank_pools=self.engine.runner.kv_head_shards,  # every rank's heads (one pool without TP)
+            allow_in_place=shared,  # nobody can write an unshared pool in place
             draft_kv_cache=draft.kv_cache if draft else None,
         )
         self.kv_advertised = settings.kv_advertise or self.receiver.addr
@@ -96,6 +91,7 @@ class DecodeWorker(WorkerBase):
                 settings.host,
                 kv_addr=self.kv_advertised,
                 shm_name=self._shm.name if self._shm else None,
+                shm_pools=self._shm_pools(),
             )
         )
         self.handlers.update({ReserveRequest: self._on_reserve, Abort: self._on_abort})
@@ -120,6 +116,16 @@ class DecodeWorker(WorkerBase):
         self._poller.register(self.rt.inbox.socket, zmq.POLLIN)
         self._poller.register(self.receiver.socket, zmq.POLLIN)
         self._wait_ms = 0
+
+    def _shm_pools(self) -> list[ShmPool]:
+        """Every rank's shared pool with its KV heads, rank 0's first (empty: not shared)."""
+        if self._shm is None:
+            return []
+        shards = self.engine.runner.kv_head_shards
+        names = [self._shm.name] + [s.shm_name for s in shards[1:]]
+        if None in names:
+            raise RuntimeError("a tensor-parallel rank's KV pool is not in shared memory")
+        return [ShmPool(str(name), s.start, s.end) for name, s in zip(names, shards, strict=True)]
 
     # --- reservations -----------------------------------------------------------------------
     def _on_reserve(self, req: ReserveRequest) -> None:

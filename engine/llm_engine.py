@@ -73,8 +73,15 @@ def _output(seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | Non
 
 class LLMEngine:
     def __init__(
-        self, config: EngineConfig, *, kv_allocator: KvAllocator | None = None, show_progress: bool = True
+        self,
+        config: EngineConfig,
+        *,
+        kv_allocator: KvAllocator | None = None,
+        show_progress: bool = True,
+        rank_kv_sends: str | None = None,
     ) -> None:
+        """`kv_allocator`: makes the KV pool (rank 0's under tensor parallelism); `rank_kv_sends`: a
+        tensor-parallel prefill worker's --kv-payload-mac mode, its ranks sending their own KV heads."""
         self.config = config
         self.device = torch.device(config.device)
         self.model_config = quantized(ModelConfig.from_folder(config.model, config.model_impl), config.quantization)
@@ -101,14 +108,10 @@ class LLMEngine:
         t0 = time.perf_counter()
         sampler = Sampler(mc.eos_token_ids, seed=config.seed)
         if config.tensor_parallel_size > 1:  # rank 0 of N processes (engine/parallel/runner.py)
-            if kv_allocator is not None:
-                raise ValueError(
-                    "a KV allocator (a decode worker's shared pool) is not built for tensor parallelism yet"
-                )
             from pdserve.engine.parallel.runner import start_tensor_parallel
 
             args = (config, mc, self.dtype, self.kv_spec, num_blocks, self.max_model_len, sampler, show_progress)
-            runner: ModelRunner = start_tensor_parallel(*args)
+            runner: ModelRunner = start_tensor_parallel(*args, kv_allocator=kv_allocator, kv_payload_mac=rank_kv_sends)
         else:
             model = load_model(mc, self.dtype, self.device, self.max_model_len, show_progress, config.quantization)
             kv_cache = allocate_kv_cache(self.kv_spec, num_blocks, self.device, kv_allocator)

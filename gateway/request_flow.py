@@ -117,6 +117,7 @@ class DisaggregatedFlow:
                     transport=self._transport_for(p, d),
                     lease=reply.lease,
                     layout=d.info.kv_layout,
+                    shm_pools=d.info.shm_pools,
                 )
                 self.plane.send(
                     p.worker_id,
@@ -324,8 +325,6 @@ class DisaggregatedFlow:
     def _transport_for(self, p: WorkerEntry, d: WorkerEntry) -> Literal["zmq", "shm"]:
         can_shm = d.info.shm_name is not None and p.info.host == d.info.host
         if self.kv_transport == "shm" and not can_shm:
-            why = (
-                "do not share a host" if d.info.shm_name else "(its KV pool is not shared: tensor-parallel or --no-shm)"
-            )
+            why = "do not share a host" if d.info.shm_name else "(its KV pool is not shared: --no-shm)"
             log.warning("shm transport asked for but %s and %s %s", p.worker_id, d.worker_id, why)
         return "shm" if can_shm and self.kv_transport in ("auto", "shm") else "zmq"

@@ -6,9 +6,13 @@ One request's KV (all layers, `--tokens` tokens) moves from P rank pools (each i
 TP prefill worker's rank 0 maps them) to D rank pools through the real classes: ZmqKvSender
 (one send per distinct prefill rank pool and layer, `kv_head_start`) -> KvReceiver with
 `rank_pools` (each frame's heads written into every decode rank pool holding them), polled in its
-own thread; and, for D = 1, ShmKvSender writing each rank's heads in place. Time = first send
+own thread; and ShmKvSender writing each prefill rank's heads in place into every decode rank
+pool (each its own shared-memory segment, as a TP decode worker advertises them) holding them. Time = first send
 until the receiver accepted the KvDone; every repeat's decode pools are checked to hold exactly
 their heads of the source blocks. Rounds alternate memcpy and every pair (noise hits all alike).
+`-per-rank` pairs (P > 1): each prefill rank sends its own heads on a sender of its own, all at
+once (threads here; processes in a prefill worker), ranks >= 1 ending with a KvRangeDone and
+rank 0's KvDone naming them (kvtransfer/rank_sends.py); the others: rank 0 sends every range.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import shutil
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import zmq
@@ -31,7 +36,7 @@ from pdserve.kvtransfer.receiver import KvReceiver
 from pdserve.kvtransfer.sender import KvSender, ShmKvSender, ZmqKvSender
 from pdserve.kvtransfer.shm import SharedTensor
 from pdserve.protocol.auth import FrameAuth, generate_cluster_secret
-from pdserve.protocol.messages import KvDone, KvLayout
+from pdserve.protocol.messages import KvDone, KvLayout, ShmPool
 
 
 def split(full: torch.Tensor, degree: int) -> list[HeadShard]:
@@ -41,27 +46,38 @@ def split(full: torch.Tensor, degree: int) -> list[HeadShard]:
 
 
 class _Pair:
-    """Prefill pools at degree p, decode pools at degree d, one sender -> one receiver."""
+    """Prefill pools at degree p, decode pools at degree d, into one receiver: from one sender
+    (rank 0 sends every head range), or `per_rank`: one sender per prefill rank (each its own
+    socket or shared-memory mapping), all sending at once from threads, as the ranks do."""
 
-    def __init__(self, name: str, transport: str, src: list[HeadShard], dst: list[HeadShard], tmp: str) -> None:
+    def __init__(
+        self, name: str, transport: str, src: list[HeadShard], dst: list[HeadShard], tmp: str, per_rank: bool = False
+    ) -> None:
         self.name, self.src, self.dst = name, distinct_shards(src), dst
+        self.per_rank = per_rank
         self.ctx = zmq.Context()
         auth = FrameAuth(generate_cluster_secret(), encryption="off")
         self.leases = LeaseTable(dst[0].pool.shape[0])
-        self.shm: SharedTensor | None = None
-        pool0 = dst[0].pool
-        if transport == "shm":  # D = 1: its one pool in shared memory
-            self.shm = SharedTensor.create(tuple(pool0.shape), pool0.dtype)
-            assert self.shm.tensor is not None
-            self.dst = dst = [HeadShard(0, pool0.shape[4], self.shm.tensor)]
+        self.shm: list[SharedTensor] = []
+        if transport == "shm":  # every decode rank pool in shared memory, advertised one by one
+            self.shm = [SharedTensor.create(tuple(s.pool.shape), s.pool.dtype) for s in dst]
+            self.dst = dst = [
+                HeadShard(s.start, s.end, t.tensor, t.name) for s, t in zip(dst, self.shm) if t.tensor is not None
+            ]
         self.receiver = KvReceiver(self.ctx, auth, f"ipc://{tmp}/{name}.sock", dst[0].pool, self.leases, rank_pools=dst)
-        self.sender: KvSender
-        if self.shm is not None:
-            L, _, n, bs, h, d = pool0.shape
-            layout = KvLayout(L, n, bs, h, d, str(pool0.dtype).removeprefix("torch."))
-            self.sender = ShmKvSender(auth, self.receiver.addr, self.shm.name, layout, ctx=self.ctx)
-        else:
-            self.sender = ZmqKvSender(self.ctx, auth, self.receiver.addr)
+
+        def new_sender() -> KvSender:
+            if self.shm:
+                L, _, n, bs, _, d = dst[0].pool.shape
+                h = dst[-1].end  # every KV head
+                layout = KvLayout(L, n, bs, h, d, str(dst[0].pool.dtype).removeprefix("torch."))
+                pools = [ShmPool(t.name, s.start, s.end) for s, t in zip(dst, self.shm)]
+                return ShmKvSender(auth, self.receiver.addr, pools[0].name, layout, pools=pools, ctx=self.ctx)
+            return ZmqKvSender(self.ctx, auth, self.receiver.addr)
+
+        self.senders = [new_sender() for _ in (self.src if per_rank else [None])]
+        self.sender = self.senders[0]
+        self.ranks = ThreadPoolExecutor(len(self.src)) if per_rank else None
         self.thread = _ReceiverThread(self.receiver)
         self.thread.start()
         self.times: list[float] = []
@@ -72,13 +88,30 @@ class _Pair:
             s.pool.zero_()
         L = self.leases.num_layers
         lease = self.leases.grant(rid, dst_ids, ttl_s=120)
-        t0, sent = time.perf_counter(), 0
-        for layer in range(L):
-            for s in self.src:
-                sent += self.sender.send_layer(
-                    rid, lease, layer, s.pool[layer], src_ids, dst_ids, kv_head_start=s.start
-                )
-        self.sender.send_done(KvDone(request_id=rid, lease_epoch=lease.epoch, num_layers=L, kv_bytes=sent))
+
+        def send(sender: KvSender, shards: list[HeadShard]) -> int:
+            return sum(
+                sender.send_layer(rid, lease, layer, s.pool[layer], src_ids, dst_ids, kv_head_start=s.start)
+                for layer in range(L)
+                for s in shards
+            )
+
+        t0 = time.perf_counter()
+        if self.ranks is None:  # rank 0 sends every head range
+            sent = own = send(self.sender, self.src)
+        else:  # each rank its own heads on its own sender; ranks >= 1 end with a KvRangeDone
+
+            def rank(r: int) -> int:
+                n = send(self.senders[r], [self.src[r]])
+                if r:
+                    self.senders[r].send_range_done(rid, lease.epoch, (self.src[r].start, self.src[r].end), n)
+                return n
+
+            counts = list(self.ranks.map(rank, range(len(self.src))))
+            sent, own = sum(counts), counts[0]
+        streams = len(self.src) - 1 if self.ranks is not None else 0
+        done = KvDone(request_id=rid, lease_epoch=lease.epoch, num_layers=L, kv_bytes=own, range_dones=streams)
+        self.sender.send_done(done)
         self.times.append(self.thread.wait(rid, timeout_s=120) - t0)
         self.leases.release(rid)
         full = torch.cat([s.pool for s in self.src], dim=4)[:, :, src_ids]  # [L, 2, n, bs, Hkv, D]
@@ -88,10 +121,13 @@ class _Pair:
     def close(self) -> None:
         self.thread.stop = True
         self.thread.join(5)
-        self.sender.close()
+        if self.ranks is not None:
+            self.ranks.shutdown()
+        for sender in self.senders:
+            sender.close()
         self.receiver.close()
-        if self.shm is not None:
-            self.shm.close()
+        for t in self.shm:
+            t.close()
         self.ctx.destroy(linger=0)
 
 
@@ -109,9 +145,11 @@ def run(args: argparse.Namespace) -> dict:
     try:
         for spec in args.pairs.split(","):
             p, d = (int(x) for x in spec.split(":"))
-            for transport in ("zmq-ipc", "shm") if d == 1 else ("zmq-ipc",):
-                dst = split(torch.zeros_like(full), d)
-                pairs.append(_Pair(f"tp{p}-to-tp{d}-{transport}", transport, split(full, p), dst, tmp))
+            for transport in ("zmq-ipc", "shm"):
+                for per_rank in (False, True) if p > 1 and args.per_rank else (False,):
+                    dst = split(torch.zeros_like(full), d)
+                    name = f"tp{p}-to-tp{d}-{transport}" + ("-per-rank" if per_rank else "")
+                    pairs.append(_Pair(name, transport, split(full, p), dst, tmp, per_rank))
         for r in range(args.repeat + 1):  # round 0: warm-up, not counted
             memcpy_times.append(memcpy.once())
             for pair in pairs:
@@ -140,6 +178,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument(
+        "--per-rank",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time P > 1 with each prefill rank sending its own heads (threads, own senders)",
+    )
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     res = run(args)
@@ -150,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"KV of one request: {res['kv_bytes'] / 2**20:.1f} MiB {res['config']}; memcpy {res['memcpy_gbps']:.2f} GB/s")
     for name, x in res["pairs"].items():
         print(
-            f"{name:<22} {x['gbps']:>7.2f} GB/s  {x['gbps'] / res['memcpy_gbps']:>5.2f} x memcpy  verified={x['verified']}"
+            f"{name:<31} {x['gbps']:>7.2f} GB/s  {x['gbps'] / res['memcpy_gbps']:>5.2f} x memcpy  verified={x['verified']}"
         )
     return 0 if ok else 1
 

@@ -32,11 +32,13 @@ def rank_kv_heads(num_kv_heads: int, rank: int, size: int) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class HeadShard:
-    """One rank's KV pool [L, 2, N, bs, end - start, D], holding the model's KV heads [start, end)."""
+    """One rank's KV pool [L, 2, N, bs, end - start, D], holding the model's KV heads [start, end);
+    `shm_name`: the shared-memory segment it lives in, when it is one (a tensor-parallel rank's)."""
 
     start: int
     end: int
     pool: torch.Tensor
+    shm_name: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.start < self.end or self.pool.dim() != 6 or self.pool.shape[4] != self.end - self.start:

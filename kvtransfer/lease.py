@@ -11,8 +11,13 @@ Rules (D's view; every check returns None when fine, else a short reason string)
 - A frame is accepted only while its lease is active and not past its deadline, for a layer in
   range, for blocks that are all (and distinctly) the lease's, with a sequence number larger
   than any accepted before for this lease (replays and reordering are "duplicate").
+- Sequence numbers are per head range: a tensor-parallel prefill worker's ranks each send their
+  own heads on their own stream (rank 0 may send several ranges on one; each stays in order).
 - A request completes when every layer has been written for every leased block. Once completed
-  (released) or revoked the lease is gone: anything later for it is "unknown_lease".
+  (released) or revoked the lease is gone: anything later for it is "unknown_lease". When P's
+  ranks send on streams of their own, rank 0's KvDone names how many other streams' KvRangeDone
+  markers (each after its rank's last frame, FIFO per stream) must be in first ("waiting"
+  until then), and the bytes of all streams together must be those that arrived.
 
 Prefix blocks: a lease may also carry `prefix_block_ids`, blocks D already holds for the
 prompt's leading blocks (its prefix cache, pinned at grant). No frame may write them; admission
@@ -45,18 +50,25 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from pdserve.protocol.messages import KvDone, Lease
+from pdserve.protocol.messages import KvDone, KvRangeDone, Lease
 
 QUARANTINE_GRACE_S = 1.0
+
+
+def _head_range(header) -> tuple[int, int]:
+    """The KV heads a frame carries: its sender's (a prefill rank's) key for sequence numbers."""
+    return getattr(header, "kv_head_start", 0), getattr(header, "kv_head_end", 0)
 
 
 @dataclass
 class _Active:
     lease: Lease
     block_set: frozenset[int]
-    covered: dict[int, set[int]] = field(default_factory=dict)  # layer -> blocks written
-    last_seq: int = -1
+    # layer -> head range -> blocks written (each range its own sender: a prefill rank)
+    covered: dict[int, dict[tuple[int, int], set[int]]] = field(default_factory=dict)
+    last_seq: dict[tuple[int, int], int] = field(default_factory=dict)  # per head range (one sender each)
     nbytes: int = 0
+    range_bytes: dict[tuple[int, int], int] = field(default_factory=dict)  # KvRangeDone: head range -> bytes
 
 
 class LeaseTable:
@@ -162,7 +174,7 @@ class LeaseTable:
         if not blocks or len(set(blocks)) != len(blocks) or not entry.block_set.issuperset(blocks):
             return "blocks_not_leased"
         seq = getattr(header, "seq", None)
-        if seq is not None and seq <= entry.last_seq:
+        if seq is not None and seq <= entry.last_seq.get(_head_range(header), -1):
             return "duplicate"
         return None
 
@@ -174,12 +186,15 @@ class LeaseTable:
         *,
         seq: int | None = None,
         nbytes: int = 0,
+        heads: tuple[int, int] = (0, 0),
     ) -> None:
-        """Record that `layer` was written for `block_ids` (default: all the lease's blocks)."""
+        """Record that `layer` was written for `block_ids` (default: all the lease's blocks);
+        `seq` numbers the frames of head range `heads` (each range has one sender)."""
         entry = self._active[request_id]
-        entry.covered.setdefault(layer, set()).update(entry.block_set if block_ids is None else block_ids)
+        written = entry.covered.setdefault(layer, {}).setdefault(heads, set())
+        written.update(entry.block_set if block_ids is None else block_ids)
         if seq is not None:
-            entry.last_seq = max(entry.last_seq, seq)
+            entry.last_seq[heads] = max(entry.last_seq.get(heads, -1), seq)
         entry.nbytes += nbytes
 
     def mark_frame(self, header) -> None:
@@ -189,10 +204,23 @@ class LeaseTable:
             header.block_ids,
             seq=getattr(header, "seq", None),
             nbytes=getattr(header, "nbytes", 0),
+            heads=_head_range(header),
         )
 
+    def mark_range_done(self, done: KvRangeDone, now: float | None = None) -> str | None:
+        """A prefill rank's stream sent all its frames (its KvRangeDone); None when recorded."""
+        entry, reason = self._entry(done.request_id, done.lease_epoch, self._now(now))
+        if entry is None:
+            return reason
+        key = (done.kv_head_start, done.kv_head_end)
+        if key in entry.range_bytes:
+            return "duplicate"
+        entry.range_bytes[key] = done.kv_bytes
+        return None
+
     def complete(self, request_id: str, epoch: int, num_layers: int, now: float | None = None) -> str | None:
-        """None when every layer of every leased block has been written under this epoch."""
+        """None when every layer of every leased block has been written under this epoch, by
+        every head range that wrote any of the target's layers (draft layers: of the draft's)."""
         entry, reason = self._entry(request_id, epoch, self._now(now))
         if entry is None:
             return reason
@@ -200,17 +228,41 @@ class LeaseTable:
             not self.draft_layers or num_layers != self.num_layers + self.draft_layers
         ):
             return "layer_count"
-        if len(entry.covered) != num_layers or any(
-            len(entry.covered.get(layer, ())) != len(entry.block_set) for layer in range(num_layers)
-        ):
+        if len(entry.covered) != num_layers:
             return "incomplete"
+        target, draft = (
+            self._ranges(entry, layers) for layers in (range(self.num_layers), range(self.num_layers, num_layers))
+        )
+        for layer in range(num_layers):
+            written = entry.covered[layer]
+            if any(
+                len(written.get(r, ())) != len(entry.block_set) for r in (target if layer < self.num_layers else draft)
+            ):
+                return "incomplete"
         return None
 
+    @staticmethod
+    def _ranges(entry: _Active, layers: range) -> set[tuple[int, int]]:
+        return {r for layer in layers for r in entry.covered.get(layer, {})}
+
+    def heads_written(self, request_id: str) -> set[tuple[int, int]]:
+        """The head ranges frames of the target's layers carried for this request's lease."""
+        entry = self._active.get(request_id)
+        return self._ranges(entry, range(self.num_layers)) if entry is not None else set()
+
     def check_done(self, done: KvDone, now: float | None = None) -> str | None:
-        """`complete` for a KvDone, plus its byte count when P reports one."""
-        reason = self.complete(done.request_id, done.lease_epoch, done.num_layers, now)
-        if reason is None and done.kv_bytes and done.kv_bytes != self._active[done.request_id].nbytes:
-            return "bytes_mismatch"
+        """`complete` for a KvDone, plus its byte count when P reports one. "waiting": the KvDone
+        names `range_dones` other streams (prefill ranks) not all heard from yet; check again
+        once they are (their frames may still be on the way). Then the bytes of every stream
+        together must be what arrived."""
+        entry, reason = self._entry(done.request_id, done.lease_epoch, self._now(now))
+        if entry is not None and len(entry.range_bytes) < done.range_dones:
+            return "waiting"
+        reason = reason or self.complete(done.request_id, done.lease_epoch, done.num_layers, now)
+        if reason is None and done.kv_bytes:
+            assert entry is not None
+            if done.kv_bytes + sum(entry.range_bytes.values()) != entry.nbytes:
+                return "bytes_mismatch"
         return reason
 
     # --- ending -----------------------------------------------------------------------------

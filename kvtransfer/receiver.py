@@ -7,12 +7,15 @@ LeaseTable.check_frame), its dtype, head range, shape and byte count match this 
 payload, and (with `payload_mac=True`) the payload's HMAC tag in the header matches its bytes.
 The received ZMQ frame is the staging buffer: private to this process, verified in full, then
 copied once into `kv_cache[layer][:, blocks]`; a frame failing any check never touches a block.
-In-place (shared-memory) headers only mark the layer: P already wrote it. Layers past the
+In-place (shared-memory) headers only mark the layer: P already wrote it (under tensor
+parallelism, into every rank pool holding its heads: they are all advertised, `ShmPool`). Layers past the
 target's (L ..) are a draft model's (`draft_kv_cache`, same block ids). A KvDone is returned
 by `poll` only when LeaseTable.check_done passes (all layers of all leased blocks, same epoch).
 A frame may carry some of the KV heads only (`kv_head_start/end`: a tensor-parallel prefill
 worker sends one per rank); its heads are written into every rank pool holding them, and the
-lease's byte count (KvDone's `kv_bytes`) tells a missing head range.
+lease's byte count (KvDone's `kv_bytes`) tells a missing head range. Prefill ranks sending on
+streams of their own each end theirs with a KvRangeDone; a KvDone naming `range_dones` of them
+is held (not dropped) until they are all in, then checked: bytes of all streams together.
 Everything else is dropped and counted in `dropped[reason]`; the receiver never raises on input.
 A KvDone refused for a lease that is still active (a frame went missing: "incomplete",
 "bytes_mismatch", "layer_count", "expired") is also put in `failed_done` for the owner: it is
@@ -35,7 +38,7 @@ from pdserve.kvtransfer.sender import copy_blocks
 from pdserve.kvtransfer.wire import KvFrameHeader, decode_kv, dtype_name
 from pdserve.protocol.auth import FrameAuth
 from pdserve.protocol.channel import Inbox
-from pdserve.protocol.messages import KvDone, KvRelease, KvRenew, Lease
+from pdserve.protocol.messages import KvDone, KvRangeDone, KvRelease, KvRenew, Lease
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +90,8 @@ class KvReceiver:
         self.failed_done: list[tuple[KvDone, str]] = []  # refused KvDone of active leases; the owner drains it
         self.renewed: list[tuple[str, Lease]] = []  # (request id, lease) moved by KvRenew; the owner reports them
         self.frames_received = 0
+        # KvDone held until the KvRangeDone of every other prefill rank's stream is in
+        self._waiting: dict[tuple[str, int], KvDone] = {}
         self.dropped: collections.Counter[str] = self.inbox.dropped  # auth/decode + lease/layout reasons
 
     @property
@@ -112,18 +117,14 @@ class KvReceiver:
                 if isinstance(msg, KvFrameHeader):
                     reason = self._accept_layer(msg, payloads)
                 elif isinstance(msg, KvDone):
-                    reason = "unexpected_payload" if payloads else self.leases.check_done(msg)
-                    if reason is None:
-                        done.append(msg)
-                    elif reason in _DONE_FAILURES:
-                        self.failed_done.append((msg, reason))
-                    elif reason == "unknown_lease":
-                        # Revoked (aborted) before its KV completed. KvDone is P's last message for
-                        # the lease, as good as a release: the quarantined blocks are safe now.
-                        blocks = self.leases.release_early(msg.request_id, msg.lease_epoch)
-                        if blocks:
-                            self.released.extend(blocks)
-                            reason = None
+                    reason = "unexpected_payload" if payloads else self._on_done(msg, done)
+                elif isinstance(msg, KvRangeDone):
+                    reason = "unexpected_payload" if payloads else self.leases.mark_range_done(msg)
+                    waiting = self._waiting.pop((msg.request_id, msg.lease_epoch), None)
+                    if waiting is not None:  # rank 0's KvDone came first: check it again
+                        why = self._on_done(waiting, done)
+                        if why is not None:
+                            self.inbox.drop(why, f"KvDone for {waiting.request_id!r}")
                 elif isinstance(msg, KvRelease):
                     self.released.extend(self.leases.release_early(msg.request_id, msg.lease_epoch))
                     reason = None
@@ -140,6 +141,34 @@ class KvReceiver:
             if reason is not None:
                 self.inbox.drop(reason, f"{type(msg).__name__} for {msg.request_id!r}")
         return done
+
+    def _on_done(self, msg: KvDone, done: list[KvDone]) -> str | None:
+        """Admit, fail, hold (other ranks' streams not all done) or drop a KvDone; the drop reason."""
+        reason = self.leases.check_done(msg)
+        if reason is None and not self._every_head(self.leases.heads_written(msg.request_id)):
+            reason = "incomplete"  # a head range no frame carried (its bytes not counted either)
+        if reason is None:
+            done.append(msg)
+        elif reason == "waiting":
+            self._waiting = {k: d for k, d in self._waiting.items() if self.leases.get(k[0]) is not None}
+            self._waiting[(msg.request_id, msg.lease_epoch)] = msg
+            return None
+        elif reason in _DONE_FAILURES:
+            self.failed_done.append((msg, reason))
+        elif reason == "unknown_lease":
+            # Revoked (aborted) before its KV completed. KvDone is P's last message for
+            # the lease, as good as a release: the quarantined blocks are safe now.
+            blocks = self.leases.release_early(msg.request_id, msg.lease_epoch)
+            if blocks:
+                self.released.extend(blocks)
+                return None
+        return reason
+
+    def _every_head(self, ranges: set[tuple[int, int]]) -> bool:
+        """Whether frames' head ranges cover every KV head of this worker (or name none: an
+        old-style (0, 0) range)."""
+        heads = set().union(*(range(s, e) for s, e in ranges))
+        return not heads or heads >= set(range(*self.heads))
 
     def _accept_layer(self, h: KvFrameHeader, payloads: list[memoryview]) -> str | None:
         reason = self.leases.check_frame(h)
@@ -158,9 +187,7 @@ class KvReceiver:
         head_bytes = 2 * pool.shape[3] * pool.shape[5] * pool.element_size()  # K+V, one block, one head
         if h.shape != [2, n, pool.shape[3], heads, pool.shape[5]] or h.nbytes != n * heads * head_bytes:
             return "size_mismatch"
-        if h.in_place:
-            if len(shards) > 1:
-                return "layout_mismatch"  # P wrote one pool in place; rank pools are not advertised
+        if h.in_place:  # P wrote these heads into every rank pool holding them (ShmKvSender)
             if not self.allow_in_place:
                 return "in_place_not_allowed"
             if payloads:

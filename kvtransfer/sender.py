@@ -7,10 +7,11 @@
                  `max_frame_bytes` goes as several frames, each for some of its blocks.
                  With `payload_mac=True` the staging buffer is MACed after the gather and the
                  tag travels in the header (kvtransfer/wire.py), so D can authenticate the bytes.
-    ShmKvSender  map D's shared KV pool [L, 2, N, bs, Hkv, D] once, write the blocks in place
-                 (one copy, straight into D's leased blocks), then send only the header
-                 (`in_place=True`) so D can account for the layer. A draft model's layers
-                 (numbered L ..; D's draft pool is not shared) go as payload frames.
+    ShmKvSender  map D's shared KV pool [L, 2, N, bs, Hkv, D] once (a tensor-parallel D: each
+                 rank's pool, with its heads), write the blocks in place (one copy, straight
+                 into D's leased blocks of every rank pool holding those heads), then send only
+                 the header (`in_place=True`) so D can account for the layer. A draft model's
+                 layers (numbered L ..; D's draft pool is not shared) go as payload frames.
 Both then send `KvDone` on the same stream; ZMQ keeps one sender's messages in order.
 A tensor-parallel prefill worker calls `send_layer` once per distinct rank pool, each with its
 `kv_head_start`; frames name their head range, and D writes it into the rank pools that hold
@@ -36,11 +37,12 @@ from abc import ABC, abstractmethod
 import torch
 import zmq
 
+from pdserve.kvtransfer.head_ranges import HeadShard, head_span, overlaps
 from pdserve.kvtransfer.shm import SharedTensor
 from pdserve.kvtransfer.wire import KvFrameHeader, dtype_name, torch_dtype
 from pdserve.protocol.auth import FrameAuth
 from pdserve.protocol.channel import Outbox
-from pdserve.protocol.messages import KvDone, KvLayout, KvRelease, KvRenew, Lease
+from pdserve.protocol.messages import KvDone, KvLayout, KvRangeDone, KvRelease, KvRenew, Lease, ShmPool
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +170,19 @@ class KvSender(ABC):
         if not ok:
             log.error("KvDone for %s not sent: queue to %s full", done.request_id, self.outbox.addr)
         return ok
+
+    def send_range_done(self, request_id: str, lease_epoch: int, heads: tuple[int, int], kv_bytes: int) -> bool:
+        """A prefill rank's stream (its own sender): every frame of KV heads `heads` for this lease
+        is sent, `kv_bytes` in all (rank 0's KvDone names how many such markers D waits for)."""
+        self._seq.pop((request_id, lease_epoch), None)
+        done = KvRangeDone(
+            request_id=request_id,
+            lease_epoch=lease_epoch,
+            kv_head_start=heads[0],
+            kv_head_end=heads[1],
+            kv_bytes=kv_bytes,
+        )
+        return self.outbox.send(done, timeout_ms=self.send_timeout_ms)
 
     def send_release(self, request_id: str, lease_epoch: int) -> bool:
         """Tell D this lease will never be written again (after any frames already queued)."""
@@ -330,6 +345,10 @@ class ZmqKvSender(KvSender):
 
 
 class ShmKvSender(KvSender):
+    """Writes each layer's blocks in place into D's shared pools: one pool with all its heads, or
+    (a tensor-parallel D: `pools`, one per rank) each source head into every rank pool holding it,
+    replicas included (kvtransfer/head_ranges.py `overlaps`); then one in-place header per call."""
+
     transport = "shm"
 
     def __init__(
@@ -339,6 +358,7 @@ class ShmKvSender(KvSender):
         shm_name: str,
         layout: KvLayout,
         *,
+        pools: list[ShmPool] | None = None,
         ctx: zmq.Context | None = None,
         send_timeout_ms: int = SEND_TIMEOUT_MS,
         sndhwm: int = KV_SNDHWM,
@@ -347,12 +367,24 @@ class ShmKvSender(KvSender):
         self.ctx = ctx if ctx is not None else zmq.Context.instance()
         self.layout = layout
         self.deadline_margin_s = deadline_margin_s
-        shape = (layout.num_layers, 2, layout.num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
-        self._pool = SharedTensor.attach(shm_name, shape, torch_dtype(layout.dtype))
+        start = layout.kv_head_start
+        pools = pools or [ShmPool(shm_name, start, start + layout.num_kv_heads)]
+        self._mapped: list[SharedTensor] = []
+        self.shards: list[HeadShard] = []  # D's pools [L, 2, N, bs, h, D], each with its heads
         try:
+            for p in pools:
+                if not start <= p.kv_head_start < p.kv_head_end <= start + layout.num_kv_heads:
+                    raise ValueError(f"shared pool {p.name}: KV heads outside the destination's layout")
+                shape = (layout.num_layers, 2, layout.num_blocks, layout.block_size, p.kv_head_end - p.kv_head_start)
+                pool = SharedTensor.attach(p.name, (*shape, layout.head_dim), torch_dtype(layout.dtype))
+                self._mapped.append(pool)
+                assert pool.tensor is not None
+                self.shards.append(HeadShard(p.kv_head_start, p.kv_head_end, pool.tensor, p.name))
+            self.heads = head_span(self.shards)  # [first, last) head a frame may carry
             super().__init__(Outbox(self.ctx, auth, kv_addr, sndhwm=sndhwm), send_timeout_ms=send_timeout_ms)
         except BaseException:
-            self._pool.close()
+            for pool in self._mapped:
+                pool.close()
             raise
 
     def send_layer(
@@ -361,39 +393,40 @@ class ShmKvSender(KvSender):
         epoch, deadline, leased = self._lease_terms(lease, deadline)
         if deadline is None:
             raise ValueError("shared-memory writes need the lease deadline: pass the Lease (or deadline=)")
-        if self._pool.tensor is None:
+        if self._closed:
             raise KvSendError("sender is closed")
         self._check_args(src_kv_layer, src_block_ids, dst_block_ids, leased)
-        whole = self._pool.tensor  # [L, 2, N, bs, Hkv, D]
-        if layer >= whole.shape[0]:  # a draft model's layer: D's draft pool is not shared, send it
+        num_layers, num_blocks = self.layout.num_layers, self.layout.num_blocks
+        if layer >= num_layers:  # a draft model's layer: D's draft pool is not shared, send it
             self._check_deadline(deadline)
             return self._send_payload(request_id, epoch, layer, src_kv_layer, src_block_ids, dst_block_ids)
-        if not 0 <= layer < whole.shape[0]:
-            raise ValueError(f"layer {layer} outside the destination pool's {whole.shape[0]} layers")
-        h0 = kv_head_start - self.layout.kv_head_start  # the source's heads in the destination pool
-        h1 = h0 + src_kv_layer.shape[3]
-        if not 0 <= h0 < h1 <= whole.shape[4]:
-            raise ValueError(f"KV heads [{kv_head_start}, ...) outside the destination pool's")
-        pool = whole[:, :, :, :, h0:h1]  # [L, 2, N, bs, h, D]
-        if src_kv_layer.shape[2:] != pool.shape[3:] or src_kv_layer.dtype != pool.dtype:
-            raise ValueError(
-                f"source layer {list(src_kv_layer.shape[2:])} {src_kv_layer.dtype} does not match "
-                f"the destination pool {list(pool.shape[3:])} {pool.dtype}"
-            )
-        if min(dst_block_ids) < 0 or max(dst_block_ids) >= pool.shape[2]:
-            raise ValueError(f"destination block ids outside [0, {pool.shape[2]})")
-        self._check_deadline(deadline, self.deadline_margin_s)  # D may reuse the blocks after it
-        copy_blocks(pool[layer], list(dst_block_ids), src_kv_layer, list(src_block_ids))
-        shape = [2, len(dst_block_ids), *pool.shape[3:]]
-        nbytes = 2 * len(dst_block_ids) * math.prod(pool.shape[3:]) * pool.element_size()
+        if not 0 <= layer < num_layers:
+            raise ValueError(f"layer {layer} outside the destination pool's {num_layers} layers")
+        h0, h1 = kv_head_start, kv_head_start + src_kv_layer.shape[3]
+        if not self.heads[0] <= h0 < h1 <= self.heads[1]:
+            raise ValueError(f"KV heads [{h0}, {h1}) outside the destination pool's {list(self.heads)}")
+        pool0 = self.shards[0].pool  # [L, 2, N, bs, h, D]
+        if src_kv_layer.shape[2] != pool0.shape[3] or src_kv_layer.shape[4:] != pool0.shape[5:]:
+            raise ValueError(f"source layer {list(src_kv_layer.shape[2:])} does not match the destination pool's")
+        if src_kv_layer.dtype != pool0.dtype:
+            raise ValueError(f"source dtype {src_kv_layer.dtype} is not the destination pool's {pool0.dtype}")
+        if min(dst_block_ids) < 0 or max(dst_block_ids) >= num_blocks:
+            raise ValueError(f"destination block ids outside [0, {num_blocks})")
+        for o in overlaps(h0, h1, self.shards):  # every rank pool holding some of these heads
+            self._check_deadline(deadline, self.deadline_margin_s)  # D may reuse the blocks after it
+            dst = o.shard.pool[layer][:, :, :, o.dst : o.dst + o.count]  # [2, N, bs, count, D]
+            src = src_kv_layer[:, :, :, o.src : o.src + o.count]  # [2, N_src, bs, count, D]
+            copy_blocks(dst, list(dst_block_ids), src, list(src_block_ids))
+        shape = [2, len(dst_block_ids), *src_kv_layer.shape[2:]]
+        nbytes = math.prod(shape) * src_kv_layer.element_size()  # the heads once, replicas not counted
         header = KvFrameHeader(
             request_id=request_id,
             lease_epoch=epoch,
             layer=layer,
             block_ids=list(dst_block_ids),
-            kv_head_start=kv_head_start,
-            kv_head_end=kv_head_start + pool.shape[4],
-            dtype=dtype_name(pool.dtype),
+            kv_head_start=h0,
+            kv_head_end=h1,
+            dtype=dtype_name(src_kv_layer.dtype),
             shape=shape,
             nbytes=nbytes,
             seq=self._next_seq(request_id, epoch),
@@ -423,7 +456,8 @@ class ShmKvSender(KvSender):
 
     def close(self) -> None:
         if not self._closed:
-            self._pool.close()
+            for pool in self._mapped:
+                pool.close()
         super().close()
 
 
@@ -436,11 +470,12 @@ def make_kv_sender(
     kv_addr: str,
     shm_name: str | None = None,
     layout: KvLayout | None = None,
+    shm_pools: list[ShmPool] | None = None,
     payload_mac: bool = False,
     **kwargs,
 ) -> KvSender:
     """A new sender to one decode worker: `transport` "zmq" (tcp/ipc per kv_addr) or "shm" (needs
-    the worker's shm_name and its pool `layout`). `payload_mac`: zmq only, MAC each payload's
+    the worker's shm_name and its pool `layout`; a tensor-parallel worker's rank `shm_pools`). `payload_mac`: zmq only, MAC each payload's
     bytes (shm writes in place: nothing travels to authenticate). A prefill worker keeps one per
     destination (kvtransfer/sender_cache.py)."""
     if transport not in ("zmq", "shm"):
@@ -448,5 +483,5 @@ def make_kv_sender(
     if transport == "shm":
         if not shm_name or layout is None:
             raise ValueError("shm transport needs the decode worker's shared-memory name and KV layout")
-        return ShmKvSender(auth, kv_addr, shm_name, layout, ctx=ctx, **kwargs)
+        return ShmKvSender(auth, kv_addr, shm_name, layout, pools=shm_pools, ctx=ctx, **kwargs)
     return ZmqKvSender(ctx, auth, kv_addr, payload_mac=payload_mac, **kwargs)

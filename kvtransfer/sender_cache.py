@@ -8,10 +8,10 @@ import zmq
 from pdserve.kvtransfer.sender import KvSender, make_kv_sender
 from pdserve.kvtransfer.wire import payload_mac_enabled
 from pdserve.protocol.auth import FrameAuth
-from pdserve.protocol.messages import KvDestination, KvLayout
+from pdserve.protocol.messages import KvDestination, KvLayout, ShmPool
 
-# what makes two destinations the same sender: transport, address, shm pool and its layout, MAC
-_Key = tuple[str, str, str | None, KvLayout | None, bool]
+# what makes two destinations the same sender: transport, address, shm pools and layout, MAC
+_Key = tuple[str, str, str | None, KvLayout | None, tuple[ShmPool, ...], bool]
 
 
 class KvSenderCache:
@@ -27,7 +27,8 @@ class KvSenderCache:
         """The open sender to `dest` (made now if there is none, or the last one was closed)."""
         shm = dest.transport == "shm"
         mac = not shm and payload_mac_enabled(self.payload_mac_mode, dest.kv_addr, encryption=self.auth.encryption)
-        key = (dest.transport, dest.kv_addr, dest.shm_name if shm else None, dest.layout if shm else None, mac)
+        pools = tuple(dest.shm_pools) if shm else ()
+        key = (dest.transport, dest.kv_addr, dest.shm_name if shm else None, dest.layout if shm else None, pools, mac)
         sender = self._senders.get(key)
         if sender is None or sender.closed:
             sender = self._senders[key] = make_kv_sender(
@@ -37,6 +38,7 @@ class KvSenderCache:
                 kv_addr=dest.kv_addr,
                 shm_name=dest.shm_name,
                 layout=dest.layout,
+                shm_pools=list(dest.shm_pools),
                 payload_mac=mac,
             )
         return sender

@@ -9,11 +9,12 @@ its msgpack header is a tagged union told apart by the msgspec tag field `"type"
     {"type": "KvFrameHeader", ..., "in_place": true}       same, no payload: P already wrote the
                                                            blocks into D's shared-memory pool
     {"type": "KvDone", ...}                                protocol.messages.KvDone: all layers sent
+    {"type": "KvRangeDone", ...}                           a prefill rank's own stream: its heads sent
     {"type": "KvRelease" | "KvRenew", ...}                 P drops the request / still holds it
 
 Decoding accepts only these tags (anything else -> msgspec.ValidationError, dropped).
-`seq` numbers a request's frames 0, 1, 2 ... in send order, so D rejects replayed or reordered
-frames. A layer may legitimately arrive more than once (chunked prefill re-sends a block that
+`seq` numbers a request's frames of one head range 0, 1, 2 ... in send order (one sender per
+range: a prefill rank's), so D rejects replayed or reordered frames. A layer may legitimately arrive more than once (chunked prefill re-sends a block that
 the previous chunk only partly filled), each time with a new `seq`.
 
 `payload_mac`: 32-byte HMAC of the payload bytes (protocol/auth.py FrameAuth.payload_mac), set by
@@ -31,7 +32,7 @@ from typing import Union
 import msgspec
 import torch
 
-from pdserve.protocol.messages import KvDone, KvRelease, KvRenew
+from pdserve.protocol.messages import KvDone, KvRangeDone, KvRelease, KvRenew
 from pdserve.protocol.plane_encryption import encrypts
 
 
@@ -50,7 +51,7 @@ class KvFrameHeader(msgspec.Struct, tag="KvFrameHeader", frozen=True, forbid_unk
     payload_mac: bytes | None = None  # HMAC of the payload bytes (payload authentication on)
 
 
-KvStreamMessage = Union[KvFrameHeader, KvDone, KvRelease, KvRenew]
+KvStreamMessage = Union[KvFrameHeader, KvDone, KvRangeDone, KvRelease, KvRenew]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(KvStreamMessage)
@@ -60,7 +61,7 @@ def encode_kv(msg: KvFrameHeader | KvDone) -> bytes:
     return _encoder.encode(msg)
 
 
-def decode_kv(data: bytes | memoryview) -> KvFrameHeader | KvDone | KvRelease | KvRenew:
+def decode_kv(data: bytes | memoryview) -> KvFrameHeader | KvDone | KvRangeDone | KvRelease | KvRenew:
     """Raises msgspec.DecodeError / ValidationError on anything else."""
     return _decoder.decode(data)
 

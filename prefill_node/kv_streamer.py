@@ -17,8 +17,12 @@ layers L .. L + Ld - 1 (L: the target's), for requests whose decode worker runs 
 (`PrefillRecord.ships_draft`); the others get the target's layers only.
 Each layer's send reads the request's lease from the worker's request record at that moment, so a
 renewal that arrives while the step computes counts for its remaining layers.
-Under tensor parallelism each layer goes as one send per distinct rank pool (`shards`: rank 0
-maps them all), each naming its KV heads; the decode worker re-slices them onto its own ranks.
+Under tensor parallelism each rank sends its own KV heads (`rank_sends`; kvtransfer/rank_sends.py):
+rank 0 sends its pool's, and `rank_plan` gives the step's jobs for the other ranks to send theirs,
+each on its own senders, in parallel; a request's KvDone then names their streams (`range_dones`)
+so the decode worker waits for every rank's KvRangeDone. Without `rank_sends` rank 0 sends one
+frame per distinct rank pool itself (it maps them all). The decode worker re-slices the heads
+onto its own ranks either way.
 """
 
 from __future__ import annotations
@@ -27,24 +31,31 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import msgspec
 import torch
 
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.kvtransfer.head_ranges import HeadShard, distinct_shards
+from pdserve.kvtransfer.rank_sends import RankKvJob, encode_plan
 from pdserve.kvtransfer.sender import KvSender, KvTransferError
 from pdserve.prefill_node.request_record import PrefillRecord, TransferStats
-from pdserve.protocol.messages import Lease
+from pdserve.protocol.messages import KvDestination, Lease
 
 
 @dataclass
 class _Job:
     request_id: str
-    lease: Lease
+    dest: KvDestination
     src_blocks: list[int]
     dst_blocks: list[int]
     sender: KvSender
     stats: TransferStats = field(default_factory=TransferStats)
     ships_draft: bool = False
+    last: bool = False  # the request's last chunk
+
+    @property
+    def lease(self) -> Lease:
+        return self.dest.lease
 
 
 class StepTransfers:
@@ -57,8 +68,10 @@ class StepTransfers:
         lock: threading.Lock,
         records: dict[str, PrefillRecord],
         draft_kv_cache: torch.Tensor | None = None,
+        rank_sends: bool = False,
     ) -> None:
-        self.shards = shards  # each a pool [L, 2, N, bs, Hkv_rank, D] and its heads
+        self.shards = shards  # each a pool [L, 2, N, bs, Hkv_rank, D] and its heads (rank 0 sends these)
+        self.rank_sends = rank_sends  # the other ranks send their own heads (`rank_plan`)
         self.draft_kv_cache = draft_kv_cache  # [Ld, 2, N, bs, Hkv', D'] (same block ids) or None
         self.jobs = jobs
         self.lock = lock
@@ -70,6 +83,19 @@ class StepTransfers:
         if r is not None and r.dest.lease.epoch == job.lease.epoch:
             return r.dest.lease
         return job.lease
+
+    def rank_plan(self) -> bytes:
+        """The other ranks' share of this step: every job still sending, its lease as renewed now."""
+        if not self.rank_sends:
+            return b""
+        jobs = [
+            RankKvJob(
+                j.request_id, msgspec.structs.replace(j.dest, lease=self._lease(j)), j.src_blocks, j.dst_blocks, j.last
+            )
+            for j in self.jobs
+            if j.stats.error is None
+        ]
+        return encode_plan(jobs)
 
     def __call__(self, layer: int) -> None:
         num_layers = self.shards[0].pool.shape[0]
@@ -108,11 +134,18 @@ class KvStreamer:
         lock: threading.Lock | None = None,
         shards: list[HeadShard] | None = None,
         draft_kv_cache: torch.Tensor | None = None,
+        rank_sends: bool = False,
     ) -> None:
-        """`shards`: a tensor-parallel engine's rank pools (`ModelRunner.kv_head_shards`);
-        `draft_kv_cache`: a draft model's pool (its layers shipped after the target's)."""
+        """`shards`: a tensor-parallel engine's rank pools (`ModelRunner.kv_head_shards`, rank 0's
+        first); `draft_kv_cache`: a draft model's pool (its layers shipped after the target's);
+        `rank_sends`: ranks 1.. send their own heads (the engine's `rank_kv_sends`)."""
         self.kv_cache = kv_cache  # [L, 2, N, bs, Hkv, D]
-        self.shards = distinct_shards(shards or [HeadShard(0, kv_cache.shape[4], kv_cache)])
+        shards = shards or [HeadShard(0, kv_cache.shape[4], kv_cache)]
+        self.rank_sends = rank_sends and len(shards) > 1
+        # what rank 0 sends: its own pool (the ranks send theirs), else one pool per head range
+        self.shards = shards[:1] if self.rank_sends else distinct_shards(shards)
+        # the other ranks' streams a KvDone names: one per head range that is not rank 0's
+        self.range_dones = len(distinct_shards(shards)) - 1 if self.rank_sends else 0
         self.draft_kv_cache = draft_kv_cache  # [Ld, 2, N, bs, Hkv', D'] or None
         self.block_size = block_size
         self.lock = lock or threading.Lock()  # held around every send to a decode worker
@@ -138,12 +171,14 @@ class KvStreamer:
             jobs.append(
                 _Job(
                     seq.request_id,
-                    dest.lease,
+                    dest,
                     seq.block_table[b0:b1],
                     dest.lease.block_ids[b0 - held : b1 - held],
                     r.sender,
                     r.transfer,
                     r.ships_draft,
+                    last=end >= seq.num_prompt_tokens,
                 )
             )
-        return StepTransfers(self.shards, jobs, self.lock, records, self.draft_kv_cache)
+            r.transfer.rank_streams = self.range_dones  # they send its KV too: D waits for them
+        return StepTransfers(self.shards, jobs, self.lock, records, self.draft_kv_cache, self.rank_sends)

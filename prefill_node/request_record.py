@@ -14,6 +14,7 @@ class TransferStats:
     bytes: int = 0
     seconds: float = 0.0
     error: str | None = None  # set when a send failed: the request is failed, the step goes on
+    rank_streams: int = 0  # other tensor-parallel ranks sending its heads (KvDone's range_dones)
 
 
 @dataclass
@@ -50,6 +51,7 @@ class PrefillRecord:
             sampling=req.sampling,
             num_layers=num_layers,
             kv_bytes=self.transfer.bytes,
+            range_dones=self.transfer.rank_streams,
             timings=timings,
             fork=fork or [],
             traceparent=req.traceparent,

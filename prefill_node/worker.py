@@ -51,7 +51,8 @@ class PrefillWorker(WorkerBase):
 
     def __init__(self, settings: PrefillSettings, auth: FrameAuth) -> None:
         super().__init__(settings, auth)
-        self.engine = LLMEngine(settings.engine)
+        tp = settings.engine.tensor_parallel_size > 1  # then each rank sends its own KV heads
+        self.engine = LLMEngine(settings.engine, rank_kv_sends=settings.kv_payload_mac if tp else None)
         self.describe(describe_worker(self.engine, "prefill", self.rt.control_addr, settings.host))
         if self.engine.hasher is not None:
             self.kv_report = PrefixCacheReport(self.engine.pool)
@@ -72,6 +73,7 @@ class PrefillWorker(WorkerBase):
             self._send_lock,
             self.engine.runner.kv_head_shards,
             draft.kv_cache if draft else None,
+            rank_sends=tp,
         )
         # the draft's fingerprint a decode worker's layout must name to get the draft's KV too
         self.draft_fingerprint = (

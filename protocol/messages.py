@@ -15,6 +15,7 @@ Who sends what (G = gateway, P = prefill worker, D = decode worker, C = colocate
     G -> C  GenerateRequest                  whole request on one colocated worker
     P -> D  KvFrameHeader (+ raw frame)      one layer's KV for some blocks (kvtransfer/wire.py)
     P -> D  KvDone (on the KV stream)        all layers written; first token; D admits
+    P -> D  KvRangeDone (a rank's KV stream) a TP prefill rank >= 1 sent all its heads' frames
     P -> D  KvRelease (on the KV stream)     P dropped the request: D reclaims the lease now
     P -> D  KvRenew (on the KV stream)       P still holds the request (queued or computing):
                                              extend its lease
@@ -60,6 +61,15 @@ class KvLayout(msgspec.Struct, frozen=True):
     # (ModelConfig.fingerprint). A prefill worker with the same draft ships the draft's layers
     # in the same transfer, numbered after these `num_layers` (kvtransfer/wire.py); "" = none.
     draft_fingerprint: str = ""
+
+
+class ShmPool(msgspec.Struct, frozen=True):
+    """One rank's KV pool in shared memory: the worker's `KvLayout` restricted to KV heads
+    [kv_head_start, kv_head_end) (a tensor-parallel decode worker advertises one per rank)."""
+
+    name: str
+    kv_head_start: int
+    kv_head_end: int
 
 
 class WorkerStats(msgspec.Struct, frozen=True):
@@ -110,6 +120,8 @@ class WorkerInfo(msgspec.Struct, frozen=True):
     max_model_len: int = 0
     max_num_seqs: int = 0  # sequences it runs at once (decode: leases count too); 0 = unknown
     version: int = PROTOCOL_VERSION
+    # D only, with shm_name: every rank's pool (rank 0's is shm_name); empty = one pool, all heads
+    shm_pools: list[ShmPool] = msgspec.field(default_factory=list)
 
 
 class Register(_Msg, kw_only=True, frozen=True):
@@ -205,6 +217,7 @@ class KvDestination(msgspec.Struct, frozen=True):
     transport: Literal["zmq", "shm"]
     lease: Lease
     layout: KvLayout  # the decode worker's pool (shm writers map it with this shape)
+    shm_pools: list[ShmPool] = msgspec.field(default_factory=list)  # its rank pools (WorkerInfo's)
 
 
 class PrefillRequest(_Msg, kw_only=True, frozen=True):
@@ -242,12 +255,26 @@ class KvDone(_Msg, kw_only=True, frozen=True):
     first_logprob: TokenLogprob | None = None
     sampling: SamplingParams = SamplingParams()
     num_layers: int
-    kv_bytes: int = 0
+    kv_bytes: int = 0  # bytes of this stream's frames (all of them but other streams' KvRangeDone's)
     timings: dict[str, float] = {}
+    # KvRangeDone markers of other KV streams (tensor-parallel prefill ranks sending their own
+    # heads) D waits for before it admits: their frames may arrive after this message
+    range_dones: int = 0
     # A sequence group (n > 1, best_of, beam search; engine/sequence_group.py): each member's
     # first token, or the first beam step's candidates. D forks from them and sends every token,
     # the first ones included (P sends the gateway nothing for a group).
     fork: list[TokenLogprob] = []
+
+
+class KvRangeDone(_Msg, kw_only=True, frozen=True):
+    """P's rank r (>= 1) -> D on its own KV stream after its last frame for a lease: its frames,
+    KV heads [kv_head_start, kv_head_end), `kv_bytes` in all, are sent (KvDone counts these)."""
+
+    request_id: str
+    lease_epoch: int
+    kv_head_start: int
+    kv_head_end: int
+    kv_bytes: int
 
 
 class KvRelease(_Msg, kw_only=True, frozen=True):

@@ -21,3 +21,6 @@ class RankConfig(msgspec.Struct, frozen=True):
     threads: int  # torch threads of this rank
     kv_pool_shm: str  # the shared-memory segment rank 0 made for this rank's KV pool (it maps it too)
     cpus: list[int] = []  # the cores this rank runs on (engine/parallel/core_sets.py); empty: unpinned
+    # a prefill worker's rank sends its own KV heads (kvtransfer/rank_sends.py) with this
+    # --kv-payload-mac mode; None: it sends nothing (decode and colocated workers)
+    kv_payload_mac: str | None = None

@@ -9,21 +9,22 @@ their forward needs before running its own shard of the same layers; it alone sa
 Every rank's KV pool lives in shared memory rank 0 creates (a segment per rank, named in its
 RankConfig, unlinked when rank 0 closes), so rank 0 reads and writes every rank's KV heads
 (`kv_head_shards`: a prefill worker ships them, a decode worker lands them) with no collective.
-A prefill worker's per-layer hook runs once the layer is done on rank 0: its all-reduces have
-then heard from every rank, so every rank has stored that layer's KV.
+A prefill worker's per-layer hook runs once the layer is done on rank 0 and ships rank 0's own
+KV heads; each other rank ships its own heads (kvtransfer/rank_sends.py), planned by rank 0
+and broadcast with the step (`PlansRankSends`).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from typing import Callable, Protocol, runtime_checkable
 
 import torch
 
 from pdserve.engine.batch import build_batch
 from pdserve.engine.config import EngineConfig, ModelConfig
-from pdserve.engine.kv_cache import KVCacheSpec, allocate_kv_cache
+from pdserve.engine.kv_cache import KvAllocator, KVCacheSpec, allocate_kv_cache
 from pdserve.engine.model_runner import ForwardPass, ModelRunner, load_model
 from pdserve.engine.models.interface import CausalLM
 from pdserve.engine.models.llama import ForwardContext
@@ -41,6 +42,13 @@ from pdserve.kvtransfer.shm import SharedTensor
 log = logging.getLogger(__name__)
 
 LOAD_TIMEOUT_S = 1800.0  # the ranks loading their shards (rank 0 loads its own meanwhile)
+
+
+@runtime_checkable
+class PlansRankSends(Protocol):
+    """A step's per-layer hook that also plans the ranks' own KV sends (prefill_node/kv_streamer.py)."""
+
+    def rank_plan(self) -> bytes: ...
 
 
 class TensorParallelRunner(ModelRunner):
@@ -71,7 +79,8 @@ class TensorParallelRunner(ModelRunner):
         batch = build_batch(sched.chunks, len(sched.decodes), self.block_size, self.device)
         try:
             self.ranks.ring()
-            send_step(self.group, batch, sched.block_copies)
+            plan = on_layer_stored.rank_plan() if isinstance(on_layer_stored, PlansRankSends) else b""
+            send_step(self.group, batch, sched.block_copies, plan)
             if sched.block_copies:
                 src, dst = (torch.tensor(ids, device=self.device) for ids in zip(*sched.block_copies))
                 self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]  # [L, 2, C, bs, Hkv, D]
@@ -118,10 +127,15 @@ def start_tensor_parallel(
     max_positions: int,
     sampler: Sampler,
     show_progress: bool,
+    kv_allocator: KvAllocator | None = None,
+    kv_payload_mac: str | None = None,
 ) -> TensorParallelRunner:
     """Start ranks 1..N-1, load rank 0's shard here, and return rank 0's runner once all are ready.
     Each rank gets this process's torch threads / N (at least one) and, where the process may run
-    on at least N cores, cores of its own (core_sets.py): rank 0 is pinned here, the others at start."""
+    on at least N cores, cores of its own (core_sets.py): rank 0 is pinned here, the others at start.
+    `kv_allocator` makes rank 0's KV pool (a decode worker's: in shared memory, so prefill workers
+    write every rank in place). `kv_payload_mac` (a prefill worker's mode): ranks 1..N-1 send their
+    own KV heads."""
     n, timeout = config.tensor_parallel_size, config.tensor_parallel_timeout_s
     shard = TensorParallelShard(0, n)
     check_tensor_parallel(mc, n)
@@ -152,6 +166,7 @@ def start_tensor_parallel(
                     threads=threads,
                     kv_pool_shm=pools[rank - 1].name,
                     cpus=cores[rank] if cores else [],
+                    kv_payload_mac=kv_payload_mac,
                 )
                 for rank in range(1, n)
             ]
@@ -169,7 +184,7 @@ def start_tensor_parallel(
         device = torch.device(config.device)
         model = load_model(mc, dtype, device, max_positions, show_progress, tp=group)
         k0, k1 = heads[0]
-        kv_cache = allocate_kv_cache(kv_spec.for_kv_heads(k1 - k0), num_blocks, device)
+        kv_cache = allocate_kv_cache(kv_spec.for_kv_heads(k1 - k0), num_blocks, device, kv_allocator)
         ranks.wait_ready(LOAD_TIMEOUT_S)
     except BaseException:
         ranks.close()
@@ -185,5 +200,6 @@ def start_tensor_parallel(
         " | ".join(",".join(map(str, c)) for c in cores) if cores else "unpinned",
     )
     tensors = [kv_cache] + [p.tensor for p in pools if p.tensor is not None]
-    shards = [HeadShard(k0, k1, t) for (k0, k1), t in zip(heads, tensors, strict=True)]
+    names = [None] + [p.name for p in pools]
+    shards = [HeadShard(k0, k1, t, name) for (k0, k1), t, name in zip(heads, tensors, names, strict=True)]
     return TensorParallelRunner(model, kv_cache, kv_spec.block_size, sampler, group, ranks, shards, pools, unpinned)

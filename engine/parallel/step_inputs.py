@@ -2,10 +2,12 @@
 of sizes, then one flat int64 tensor holding the rest.
 
     header  [HEADER] int64: T, B, W (block table width), S, C, num_decodes, max_q_len,
-                            max_context_len, has_run_start
+                            max_context_len, has_run_start, K
     payload [3T + (B+1) + B + B*W + S + 2C + B] int64:
             input_ids | positions | slot_mapping | cu_seqlens_q | context_lens | block_tables |
             logits_indices | copy sources | copy destinations | kv_run_start
+    plan    [K] uint8, only when K > 0: a prefill worker's per-rank KV sends of the step
+            (kvtransfer/rank_sends.py `RankPlan`, msgpack)
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pdserve.engine.batch import ForwardBatch
 from pdserve.engine.parallel.group import TensorParallelGroup
 from pdserve.kernels import AttentionMetadata
 
-HEADER = 9
+HEADER = 10
 
 
 @dataclass
@@ -30,10 +32,13 @@ class StepInputs:
     logits_indices: torch.Tensor  # [S] int64
     copy_src: torch.Tensor  # [C] int64: blocks copied to copy_dst before the step (copy-on-write)
     copy_dst: torch.Tensor  # [C] int64
+    kv_plan: bytes = b""  # the ranks' KV sends of this step (prefill worker), else empty
 
 
-def send_step(group: TensorParallelGroup, batch: ForwardBatch, copies: list[tuple[int, int]]) -> None:
-    """Rank 0: broadcast the step's batch and block copies."""
+def send_step(
+    group: TensorParallelGroup, batch: ForwardBatch, copies: list[tuple[int, int]], kv_plan: bytes = b""
+) -> None:
+    """Rank 0: broadcast the step's batch, block copies and the ranks' KV sends."""
     a = batch.attn
     run_start = a.kv_run_start_cpu
     header = [
@@ -46,6 +51,7 @@ def send_step(group: TensorParallelGroup, batch: ForwardBatch, copies: list[tupl
         a.max_q_len,
         a.max_context_len,
         int(run_start is not None),
+        len(kv_plan),
     ]
     src, dst = [s for s, _ in copies], [d for _, d in copies]
     payload = torch.cat(
@@ -62,15 +68,18 @@ def send_step(group: TensorParallelGroup, batch: ForwardBatch, copies: list[tupl
     )  # [P]
     group.broadcast(torch.tensor(header, dtype=torch.int64))
     group.broadcast(payload)
+    if kv_plan:
+        group.broadcast(torch.frombuffer(bytearray(kv_plan), dtype=torch.uint8))
 
 
 def receive_step(group: TensorParallelGroup) -> StepInputs:
     """Ranks > 0: the step rank 0 sends (`send_step`)."""
     header = group.broadcast(torch.empty(HEADER, dtype=torch.int64)).tolist()
-    t, b, w, s, c, num_decodes, max_q, max_ctx, has_run_start = header
+    t, b, w, s, c, num_decodes, max_q, max_ctx, has_run_start, k = header
     sizes = [t, t, t, b + 1, b, b * w, s, c, c, b if has_run_start else 0]
     payload = group.broadcast(torch.empty(sum(sizes), dtype=torch.int64))  # [P]
     ids, pos, slots, cu, ctx, tables, logits_rows, src, dst, run_start = payload.split(sizes)
+    kv_plan = group.broadcast(torch.empty(k, dtype=torch.uint8)).numpy().tobytes() if k else b""
     cu_cpu, ctx_cpu = cu.tolist(), ctx.tolist()
     attn = AttentionMetadata(
         cu_seqlens_q=cu.to(torch.int32),
@@ -83,4 +92,4 @@ def receive_step(group: TensorParallelGroup) -> StepInputs:
         context_lens_cpu=ctx_cpu,
         kv_run_start_cpu=run_start.tolist() if has_run_start else None,
     )
-    return StepInputs(ids, pos, slots, attn, logits_rows, src, dst)
+    return StepInputs(ids, pos, slots, attn, logits_rows, src, dst, kv_plan)

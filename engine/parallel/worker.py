@@ -29,7 +29,9 @@ from pdserve.engine.parallel.ranks import STEP
 from pdserve.engine.parallel.shard import TensorParallelShard
 from pdserve.engine.parallel.step_inputs import StepInputs, receive_step
 from pdserve.env import settings
+from pdserve.kvtransfer.rank_sends import RankKvSends, sends_own_heads
 from pdserve.kvtransfer.shm import SharedTensor
+from pdserve.protocol.auth import FrameAuth, load_cluster_secret
 
 log = logging.getLogger("pdserve.tensor_parallel")
 
@@ -47,12 +49,30 @@ def load_rank(cfg: RankConfig, group: TensorParallelGroup) -> tuple[LlamaForCaus
     return model, SharedTensor.attach(cfg.kv_pool_shm, spec.shape(cfg.num_blocks), dtype)
 
 
+def rank_kv_sends(cfg: RankConfig, pool: torch.Tensor) -> RankKvSends | None:
+    """This rank's own KV sends (a prefill worker's rank holding a head range no lower rank holds)."""
+    if cfg.kv_payload_mac is None:
+        return None
+    mc = ModelConfig.from_folder(cfg.model, cfg.model_impl)
+    heads = [TensorParallelShard(r, cfg.size).kv_heads(mc) for r in range(cfg.size)]
+    if not sends_own_heads(cfg.rank, heads):
+        return None
+    return RankKvSends(pool, heads[cfg.rank], FrameAuth(load_cluster_secret()), cfg.kv_payload_mac)
+
+
 @torch.inference_mode()
-def run_step(model: LlamaForCausalLM, kv_cache: torch.Tensor, step: StepInputs) -> None:
-    """The same forward as rank 0's ModelRunner, on this rank's shard (collectives in lockstep)."""
+def run_step(
+    model: LlamaForCausalLM, kv_cache: torch.Tensor, step: StepInputs, sends: RankKvSends | None = None
+) -> None:
+    """The same forward as rank 0's ModelRunner, on this rank's shard (collectives in lockstep);
+    `sends` ship this rank's KV heads as each layer stores them, when the step plans any."""
     if step.copy_src.numel():
         kv_cache[:, :, step.copy_dst] = kv_cache[:, :, step.copy_src]  # [L, 2, C, bs, Hkv, D]
-    ctx = ForwardContext(step.attn, step.slot_mapping, kv_cache)
+    hook = None
+    if sends is not None and step.kv_plan:
+        sends.plan(step.kv_plan)
+        hook = sends
+    ctx = ForwardContext(step.attn, step.slot_mapping, kv_cache, hook)
     x, rope = model.embed(step.input_ids, step.positions)  # [T, H]
     for layer in model.layers:
         x = layer(x, rope, ctx)
@@ -69,19 +89,24 @@ def serve_rank(cfg: RankConfig, commands: BinaryIO, answers: BinaryIO) -> int:
         model, pool = load_rank(cfg, group)
         assert pool.tensor is not None
         kv_cache = pool.tensor
+        sends = rank_kv_sends(cfg, kv_cache)
     except Exception as e:  # rank 0 reports it
         answers.write(f"error: {type(e).__name__}: {e}\n".encode())
         answers.flush()
         return 1
     answers.write(b"ready\n")
     answers.flush()
-    while commands.read(1) == STEP:
-        try:
-            run_step(model, kv_cache, receive_step(group))
-        except TensorParallelError as e:
-            log.error("rank %d: %s; exiting", cfg.rank, e)
-            return 1
-    return 0  # end of file: rank 0 closed the engine, or is gone
+    try:
+        while commands.read(1) == STEP:
+            try:
+                run_step(model, kv_cache, receive_step(group), sends)
+            except TensorParallelError as e:
+                log.error("rank %d: %s; exiting", cfg.rank, e)
+                return 1
+        return 0  # end of file: rank 0 closed the engine, or is gone
+    finally:
+        if sends is not None:
+            sends.close()
 
 
 def main() -> int:

@@ -31,6 +31,12 @@ def rank_pids(pid: int) -> list[int]:
     return [c for c in children if b"pdserve.engine.parallel.worker" in Path(f"/proc/{c}/cmdline").read_bytes()]
 
 
+def shm_segments(pid: int) -> set[str]:
+    """The pdserve shared-memory segments process `pid` maps (KV pools: its own, or written into)."""
+    lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    return {line.split()[-1] for line in lines if "/dev/shm/pdserve-" in line}
+
+
 def settled(base: str) -> bool:
     """Every worker's blocks are back (cached ones count as free) and no lease is open."""
     ws = workers(base)
@@ -39,14 +45,22 @@ def settled(base: str) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "family,p,d,budget",
-    [("tiny_llama", 2, 1, 512), ("tiny_llama", 1, 2, 512), ("tiny_llama", 2, 2, 24), ("one_kv_head", 2, 2, 512)],
+    "family,p,d,budget,transport",
+    [
+        ("tiny_llama", 2, 1, 512, "shm"),
+        ("tiny_llama", 1, 2, 512, "shm"),
+        ("tiny_llama", 2, 2, 24, "shm"),
+        ("tiny_llama", 2, 2, 24, "zmq-ipc"),
+        ("one_kv_head", 2, 2, 512, "shm"),
+    ],
 )
-def test_1p1d_with_a_degree_per_pool_matches_hf(request, models_dir, family, p, d, budget):
-    """tiny Llama: 4 q heads over 2 KV heads (GQA), one KV head per rank at degree 2. P=2 -> D=1
-    goes over shared memory (each prefill rank's heads written in place into D's pool); D=2 turns
-    shared memory off and takes ZeroMQ frames, one per distinct prefill rank pool and layer.
-    Qwen2 with one KV head: replicated on both ranks of each pool (one frame, both D ranks written).
+def test_1p1d_with_a_degree_per_pool_matches_hf(request, models_dir, family, p, d, budget, transport):
+    """tiny Llama: 4 q heads over 2 KV heads (GQA), one KV head per rank at degree 2. Each prefill
+    rank sends its own heads (its own senders). Over shared memory they are written in place into
+    every decode rank pool holding them (D advertises one segment per rank: each sending prefill
+    rank maps each of them); over ZeroMQ D takes one frame per prefill rank and layer and
+    re-slices it by rank.
+    Qwen2 with one KV head: replicated on both ranks of each pool (one write, both D ranks get it).
     `budget` 24: prompts prefilled in chunks (a partly filled block re-sent with the next chunk)."""
     if family == "one_kv_head":
         model = single_kv_head_qwen2(models_dir / "tiny-qwen2-1kv")
@@ -56,7 +70,7 @@ def test_1p1d_with_a_degree_per_pool_matches_hf(request, models_dir, family, p, 
     prompts = random_prompts(tok.vocab_size, LENGTHS, seed=36)
     want = [tok.decode(hf_greedy(str(model), tuple(x), MAX_NEW), skip_special_tokens=True) for x in prompts]
     flags = ["--prefill-tensor-parallel-size", str(p), "--decode-tensor-parallel-size", str(d)]
-    flags += ["--prefill-max-num-batched-tokens", str(budget)]
+    flags += ["--prefill-max-num-batched-tokens", str(budget), "--kv-transport", transport]
     with running_server(model, *flags, timeout_s=300) as base:
         degrees = {w["role"]: len(rank_pids(w["pid"])) + 1 for w in workers(base)}
         assert degrees == {"prefill": p, "decode": d}
@@ -78,6 +92,16 @@ def test_1p1d_with_a_degree_per_pool_matches_hf(request, models_dir, family, p, 
         assert again.choices[0].text == want[2]
         assert again.usage.prompt_tokens_details.cached_tokens >= 48  # its 4 full blocks of 16, computed before
         wait_for(lambda: settled(base), 15, "every KV block back on both workers")
+        pid = {w["role"]: w["pid"] for w in workers(base)}
+        decode_pools = shm_segments(pid["decode"])  # rank 0 maps every rank's pool; its own too over shm
+        assert len(decode_pools) == (d if transport == "shm" else d - 1)
+        written = shm_segments(pid["prefill"]) & decode_pools  # the decode pools the prefill worker maps
+        assert written == (decode_pools if transport == "shm" else set())
+        # each prefill rank sends its own heads: rank 1 maps the decode pools too (over shm), unless
+        # its one KV head is rank 0's as well (replicated: the lowest rank holding a head sends it)
+        own_heads = family != "one_kv_head"
+        for rank in rank_pids(pid["prefill"]):
+            assert shm_segments(rank) & decode_pools == (decode_pools if transport == "shm" and own_heads else set())
 
 
 @pytest.mark.slow

@@ -65,13 +65,15 @@ def test_bench_kv_table_and_bad_args(capsys):
 
 
 def test_bench_between_tp_degrees_json_tiny(capsys):
-    """Every pair (and shm where decode is TP=1) moves the KV and lands each rank's heads exactly."""
+    """Every pair, over ZeroMQ and shared memory (into each decode rank pool), from rank 0 alone
+    or from each prefill rank at once, moves the KV and lands each rank's heads exactly."""
     from pdserve.kvtransfer.bench_heads import main
 
     argv = ["--json", "--tokens", "40", "--layers", "2", "--kv-heads", "2", "--head-dim", "8", "--block-size", "8"]
     assert main([*argv, "--repeat", "2", "--pairs", "1:1,2:1,1:2,2:2"]) == 0
     res = json.loads(capsys.readouterr().out.strip())
     assert res["kv_bytes"] == 2 * 2 * 5 * 8 * 2 * 8 * 4
-    names = ["tp1-to-tp1-zmq-ipc", "tp1-to-tp1-shm", "tp2-to-tp1-zmq-ipc", "tp2-to-tp1-shm"]
-    assert list(res["pairs"]) == [*names, "tp1-to-tp2-zmq-ipc", "tp2-to-tp2-zmq-ipc"]
+    pairs = {"tp1-to-tp1": [""], "tp2-to-tp1": ["", "-per-rank"], "tp1-to-tp2": [""], "tp2-to-tp2": ["", "-per-rank"]}
+    names = [f"{p}-{t}{r}" for p, ranks in pairs.items() for t in ("zmq-ipc", "shm") for r in ranks]
+    assert list(res["pairs"]) == names  # per-rank: each prefill rank its own sender, KvRangeDone
     assert all(x["verified"] and x["gbps"] > 0 for x in res["pairs"].values())
