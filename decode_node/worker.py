@@ -102,7 +102,7 @@ class DecodeWorker(WorkerBase):
         self.local_prefills = 0  # requests taken whole: the prompt's uncached rest prefilled here
         busy = torch.get_num_threads()
         # no lending under TP: rank 0 alone on more threads would still wait for its ranks, on its own cores
-        idle = busy if tp > 1 else max(busy, settings.idle_threads or busy)
+        idle = busy if settings.engine.tensor_parallel_size > 1 else max(busy, settings.idle_threads or busy)
         self.threads = ThreadLending(busy, idle)
         self.pacer = StepPacer(settings.step_interval_ms)
         self.aimd: AimdLimit | None = None
