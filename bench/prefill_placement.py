@@ -152,6 +152,7 @@ def measure_one_at_a_time(model: str, placements: list[str], args: argparse.Name
             with running(spec, base, Path(f"/tmp/pdserve-placement-{p}.log"), mode="a"):
                 asyncio.run(run_load(base, name, mixed_requests(4, args.vocab, 0.5, 4, args.seed + 999), 4.0, 0))
                 settle(base)
+                time.sleep(1.0)  # the warm-up's counters arrive with a heartbeat
                 before = local_prefills(base)
                 got, duration = asyncio.run(run_load(base, name, segment, args.rate, args.seed + r))
                 settle(base)
