@@ -17,7 +17,10 @@ pytestmark = pytest.mark.skipif(not decode_layers.available(), reason="the C ker
 
 def engine_at_decode(model, batch: int):
     """An engine whose `batch` requests (prompts of varied lengths) have all reached decode."""
-    engine = make_engine(model, max_num_seqs=32, num_blocks=256)
+    return to_decode(make_engine(model, max_num_seqs=32, num_blocks=256), batch)
+
+
+def to_decode(engine, batch: int):
     lengths = [3 + 7 * i % 50 for i in range(batch)]
     for i, p in enumerate(random_prompts(engine.model_config.vocab_size, lengths, seed=batch)):
         engine.add_request(f"r{i}", p, GREEDY)
@@ -124,37 +127,16 @@ def k_quant_llama(tmp_path_factory):
     return write_gguf(folder, root / "m.gguf", "q4_k_m")
 
 
-def quantized_engine_at_decode(model, quantization: str, batch: int):
-    from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
-    from pdserve.engine.llm_engine import LLMEngine
-
-    cfg = EngineConfig(
-        model=str(model),
-        dtype="float32",
-        quantization=quantization,
-        cache=CacheConfig(block_size=16, num_blocks=256),
-        scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=512, max_model_len=256),
-    )
-    engine = LLMEngine(cfg, show_progress=False)
-    for i, p in enumerate(
-        random_prompts(engine.model_config.vocab_size, [3 + 7 * i % 50 for i in range(batch)], seed=batch)
-    ):
-        engine.add_request(f"r{i}", p, GREEDY)
-    while engine.scheduler.waiting or any(s.num_uncomputed > 1 for s in engine.scheduler.running):
-        engine.step()
-    engine.step()
-    return engine
-
-
 @pytest.mark.skipif(not decode_layers.quantized_available(), reason="the quantized GEMM did not build")
 @pytest.mark.parametrize("batch", [1, FEW_ROWS])
 @pytest.mark.parametrize("source", ["int8", "int4", "q4_k_m"])
 @torch.inference_mode()
 def test_quantized_layers_fused_equal_per_op_bit_for_bit(tiny_llama, k_quant_llama, source, batch):
     from pdserve.engine.models.quantized_linear import QuantizedLinear
+    from tests.engine.test_quantization import quant_engine
 
     model_path, quantization = (k_quant_llama, "auto") if source == "q4_k_m" else (tiny_llama, source)
-    engine = quantized_engine_at_decode(model_path, quantization, batch)
+    engine = to_decode(quant_engine(model_path, quantization), batch)
     model, kv = engine.runner.model, engine.runner.kv_cache
     qkv = model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, QuantizedLinear) and isinstance(model.layers[0].mlp.down_proj, QuantizedLinear)
