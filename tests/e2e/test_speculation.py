@@ -37,11 +37,11 @@ MAX_NEW = 40
 
 
 def same(mode: str, got, want) -> None:
-    """got == want. KNOWN BUG (sessions 20-21): under 1P1D (chunked prefill, 24-token budget) the
-    first concurrent round of a freshly started server now and then gives output a token off HF's
-    (colocated never seen): recorded as an expected failure there until fixed, so the rest of
-    this test still runs and asserts. The flipped token sits where HF's top-two logit gap is
-    0.04-0.07, so it is a logic error, not summation order (docs/ARCHITECTURE.md, speculation)."""
+    """got == want. KNOWN BUG (sessions 20-21), not speculation's own: under 1P1D (24-token prefill
+    budget, concurrent requests) the first round a freshly started server serves now and then
+    gives one output a token off HF's, also without speculation (docs/ARCHITECTURE.md, the
+    speculation section's known bug). Recorded as an expected failure there until fixed, so the
+    rest of this test still runs and asserts; colocated asserts strictly."""
     if got != want and mode == "1P1D":
         pytest.xfail(f"known intermittent 1P1D speculation mismatch: {got!r} != {want!r}")
     assert got == want
