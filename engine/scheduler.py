@@ -134,7 +134,7 @@ class Scheduler:
                     break
                 if seq.status is not SeqStatus.RUNNING or id(seq) in in_batch or seq.num_uncomputed == 0:
                     continue  # (none left: its last chunk is in flight)
-                if (seq.num_uncomputed - seq.num_draft_tokens == 1) != want_decode:
+                if self._decodes(seq) != want_decode:
                     continue
                 if seq.num_draft_tokens and self._schedule_drafts(seq, budget, out):
                     in_batch.add(id(seq))
@@ -193,6 +193,17 @@ class Scheduler:
                     in_batch.add(id(seq))
                     budget -= n
         return out
+
+    @staticmethod
+    def _decodes(seq: Sequence) -> bool:
+        """Whether `seq`'s next chunk is a decode: its one token left past the prompt (the last
+        sampled one, with any drafts). A prompt's last token left alone by chunking is a prefill
+        chunk: its KV is the prompt's, which a prefill worker ships (prefill_node/kv_streamer.py)
+        and a draft model prefills; as a decode it was neither (its KV never reached the decode
+        worker). A beam group's prompt tail decodes with its beams (`_schedule_beams`)."""
+        return seq.num_uncomputed - seq.num_draft_tokens == 1 and (
+            seq.is_beam or seq.num_computed_tokens >= seq.num_prompt_tokens
+        )
 
     def _schedule_beams(
         self, seq: Sequence, budget: int, in_batch: set[int], in_flight: frozenset[int], out: SchedulerOutput

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import json
 import random
 import tempfile
 from pathlib import Path
@@ -20,7 +21,17 @@ from transformers import AutoTokenizer
 from pdserve.engine.make_model import make_model
 from tests.conftest import hf_greedy, random_prompts
 from tests.e2e.cluster import running_server
-from tests.e2e.test_speculation import MAX_NEW, SPEC
+
+MAX_NEW = 40
+SPEC = json.dumps(  # tests/e2e/test_speculation.py's config
+    {
+        "method": "ngram",
+        "num_speculative_tokens": 4,
+        "prompt_lookup_max": 4,
+        "prompt_lookup_min": 1,
+        "measure_payoff": False,
+    }
+)
 
 
 def one_start(model: Path, extra: list[str], seed: int) -> int:

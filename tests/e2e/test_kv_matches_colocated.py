@@ -1,7 +1,8 @@
 """KV bytes received by a decode pool == KV bytes a colocated run computes, for each transport.
 
 A prefill engine streams a prompt's KV layer by layer (chunked: 3 chunks) through the real
-KvStreamer, sender and receiver; a colocated engine with the same scheduling computes the same
+KvStreamer, sender and receiver (also when chunking leaves the prompt's last token for a step of
+its own); a colocated engine with the same scheduling computes the same
 prompt. The decode pool's leased blocks must equal the colocated blocks bit for bit.
 """
 
@@ -41,11 +42,12 @@ def prefill_keeping_kv(engine, prompt, hook_factory=None):
     return table
 
 
+@pytest.mark.parametrize("length", [41, 33])  # chunks of 16, 16 and 9; 16, 16 and the last token alone
 @pytest.mark.parametrize("transport", ["zmq-tcp", "zmq-ipc", "shm"])
-def test_received_kv_equals_colocated_kv(tiny_llama, tmp_path, transport):
+def test_received_kv_equals_colocated_kv(tiny_llama, tmp_path, transport, length):
     budget = dict(block_size=4, num_blocks=64, max_num_batched_tokens=16)
     colocated, prefill = make_engine(tiny_llama, **budget), make_engine(tiny_llama, **budget)
-    prompt = random_prompts(colocated.model_config.vocab_size, [41], seed=9)[0]
+    prompt = random_prompts(colocated.model_config.vocab_size, [length], seed=9)[0]
     ref_blocks = prefill_keeping_kv(colocated, prompt)
     reference = colocated.kv_cache[:, :, ref_blocks].clone()  # [L, 2, n, bs, H, D]
 

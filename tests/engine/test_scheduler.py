@@ -91,6 +91,23 @@ def test_decode_first_then_prefill_under_budget():
     pool.check_integrity()
 
 
+def test_a_prompts_last_token_left_alone_is_a_prefill_chunk():
+    """Chunking that leaves a prompt's last token for a step of its own schedules it as a
+    prefill chunk (a prefill worker ships the KV of prefill chunks), not as a decode."""
+    pool = BlockPool(64)
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=8), pool, block_size=4)
+    a = make_seq("a", 9)
+    s.add(a)
+    out = run_step(s)
+    assert [(c.seq.request_id, c.num_tokens) for c in out.prefills] == [("a", 8)]
+    out = run_step(s)  # the prompt's 9th token alone
+    assert out.decodes == [] and [(c.seq.request_id, c.num_tokens) for c in out.prefills] == [("a", 1)]
+    assert a.num_output_tokens == 1
+    out = run_step(s)  # now past its prompt: a decode
+    assert [(c.seq.request_id, c.num_tokens) for c in out.decodes] == [("a", 1)] and out.prefills == []
+    pool.check_integrity()
+
+
 def test_max_num_seqs_and_fcfs():
     pool = BlockPool(64)
     s = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=100), pool, block_size=4)
