@@ -7,12 +7,16 @@ thread). Served: the same prompts streamed one at a time through the gateway (`m
 the KV is shipped to the decode worker as in real serving); the prefill worker's user + system CPU
 from /proc over the run, and each request's time to its first token. Distinct random prompts, so the prefix cache computes every token. The
 two alternate round by round; each figure is a round's CPU seconds / prompt tokens, and the
-ratio of their medians is printed.
+ratio of their medians is printed. Beside it, the time a prompt's FLOPs need at the matmul rate
+measured in this run on the prefill worker's threads (decoder-layer linears, 2 x params a token,
+plus causal attention), against the served TTFT (issue 35: a lone 600-token prompt's TTFT vs its
+FLOP time: `--prompt-len 600`).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -21,11 +25,14 @@ from pathlib import Path
 import httpx
 import torch
 
+from pdserve.bench.engine_throughput import attention_flops_per_prompt
+from pdserve.bench.machine import measure_matmul_gflops
 from pdserve.bench.server_cpu import session_cpu_by_role
 from pdserve.bench.servers import ServerSpec, free_port, running
 from pdserve.cli.engine_args import resolve_model
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.models.llama import LlamaForCausalLM
 from pdserve.protocol.sampling import SamplingParams
 
 
@@ -64,6 +71,15 @@ def served_cpu_per_token(base: str, model: str, sid: int, prompts: list[list[int
     return (after - before) / sum(map(len, prompts)), statistics.median(ttfts)
 
 
+def prompt_flops(engine: LLMEngine, prompt_len: int) -> int:
+    """A prompt's FLOPs: the decoder layers' linears (2 x params a token) and causal attention."""
+    mc = engine.model_config
+    with torch.device("meta"):  # the dense model's counts (CPU layouts may hold extra weight copies)
+        dense = LlamaForCausalLM(mc, 16)
+    params = sum(p.numel() for n, p in dense.named_parameters() if not n.startswith(("embed_tokens", "lm_head")))
+    return 2 * params * prompt_len + attention_flops_per_prompt(mc, prompt_len)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pdserve.bench.prefill_overhead", description=__doc__)
     ap.add_argument("--model", default=None, help="model folder (default: the embedded model)")
@@ -95,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     bare: list[float] = []
     served: list[float] = []
     ttft: list[float] = []
+    matmul: list[float] = []  # GFLOP/s on the prefill worker's threads, measured each round
+    machine: list[float] = []  # GFLOP/s on every core (a lone prompt's chunks may take the idle lane too)
+    flops = prompt_flops(engine, args.prompt_len)
     with running(spec, base, Path(args.log)) as proc:
         name = httpx.get(f"{base}/v1/models").json()["data"][0]["id"]
         warm = prompts_for(vocab, 2, args.prompt_len, seed=1000)
@@ -105,20 +124,31 @@ def main(argv: list[str] | None = None) -> int:
             cpu, first = served_cpu_per_token(base, name, proc.pid, prompts)
             served.append(cpu)
             ttft.append(first)
+            matmul.append(measure_matmul_gflops())
+            torch.set_num_threads(os.cpu_count() or 1)
+            machine.append(measure_matmul_gflops())
+            torch.set_num_threads(args.threads)
             bare.append(
                 bare_cpu_per_token(engine, prompts_for(vocab, args.prompts, args.prompt_len, seed=100 + r), f"r{r}")
             )
             print(
                 f"round {r}: bare {bare[-1] * 1e3:.3f} ms CPU / prompt token, served {served[-1] * 1e3:.3f} "
-                f"({served[-1] / bare[-1]:.2f}x), TTFT median {ttft[-1] * 1e3:.0f} ms",
+                f"({served[-1] / bare[-1]:.2f}x), TTFT median {ttft[-1] * 1e3:.0f} ms, FLOP time "
+                f"{flops / matmul[-1] / 1e6:.0f} ms at {matmul[-1]:.0f} GFLOP/s ({flops / machine[-1] / 1e6:.0f} ms at "
+                f"{machine[-1]:.0f} on every core)",
                 flush=True,
             )
     engine.close()
+    flop_s = flops / (statistics.median(matmul) * 1e9)
+    flop_all = flops / (statistics.median(machine) * 1e9)
     print(
         f"# {model}, {args.prompt_len}-token prompts one at a time, {args.threads} thread(s): prefill worker CPU / "
         f"bare step CPU = {statistics.median(served) / statistics.median(bare):.3f}x "
         f"(medians {statistics.median(served) * 1e3:.3f} / {statistics.median(bare) * 1e3:.3f} ms a token); "
-        f"TTFT median {statistics.median(ttft) * 1e3:.0f} ms"
+        f"TTFT median {statistics.median(ttft) * 1e3:.0f} ms = {statistics.median(ttft) / flop_s:.2f}x the prompt's "
+        f"FLOP time ({flops / 1e9:.1f} GFLOP at a median {statistics.median(matmul):.0f} GFLOP/s: {flop_s * 1e3:.0f} ms), "
+        f"{statistics.median(ttft) / flop_all:.2f}x at every core's {statistics.median(machine):.0f} GFLOP/s "
+        f"({flop_all * 1e3:.0f} ms)"
     )
     return 0
 
