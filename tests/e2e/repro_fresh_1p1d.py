@@ -1,7 +1,11 @@
-"""Repro of the known 1P1D mismatch (docs/ARCHITECTURE.md, speculation: "Known, not yet fixed"):
-start a fresh 1P1D server (24-token prefill budget), send four prompts x4 at once with mixed
-max_tokens, compare each text with HF's greedy output; repeat with a new server each time.
-About 1 fresh start in 5-15 shows a mismatch (only the first round of a server does).
+"""Fresh-start check of 1P1D exactness under chunked prefill: start a new 1P1D server (24-token
+prefill budget), send four prompts x4 at once with mixed max_tokens, compare each text with HF's
+greedy output; repeat with a new server each time. Before the prompt-tail scheduling fix (a
+prompt's last token left alone by chunking was a decode, so its KV never reached the decode
+worker: engine/scheduler.py `_decodes`) about 1 fresh start in 5-15 mismatched here, and 8 of 126
+on 2-core slices of a 16-core machine; a warm server's later rounds seldom chunk that way. Not a
+pytest test (minutes of server starts); the fix's regression tests are
+tests/prefill_node/test_kv_streamer_plan.py and tests/e2e/test_kv_matches_colocated.py.
 
     python -m tests.e2e.repro_fresh_1p1d --starts 20 [--spec] [-- extra serve flags]
 """
