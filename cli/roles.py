@@ -23,9 +23,12 @@ log = logging.getLogger("pdserve")
 def _setup(role: str, threads: int | None) -> None:
     logging.basicConfig(level=settings().log_level, format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
     if role != "gateway":
+        from pdserve.kernels import stream_copy
         from pdserve.kvtransfer.malloc_tuning import keep_large_allocations_in_heap
+        from pdserve.kvtransfer.sender import use_contiguous_copy
 
         keep_large_allocations_in_heap()
+        use_contiguous_copy(stream_copy.copy_)  # KV writes into another worker's pool bypass the caches
     if threads:
         import torch
 

@@ -33,6 +33,7 @@ import logging
 import math
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
 import zmq
@@ -96,6 +97,34 @@ def _few(runs: list, n: int) -> bool:
     return len(runs) == 1 or len(runs) * 4 <= n  # runs of 4+ blocks: slice copies beat index kernels
 
 
+def _torch_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    dst.copy_(src)
+
+
+_contiguous_copy: Callable[[torch.Tensor, torch.Tensor], None] = _torch_copy
+
+
+def use_contiguous_copy(copy: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
+    """How this process copies a contiguous piece of a block run (`copy(dst, src)`); torch's copy
+    until set. Workers and `bench-kv` set kernels/stream_copy.py's streaming-store copy (cli/:
+    kvtransfer/ does not import kernels/): the writer never reads a transfer's destination back."""
+    global _contiguous_copy
+    _contiguous_copy = copy
+
+
+def _copy_run(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst[:] = src for a run of blocks [2, k, bs, Hkv, D]: in one piece, or K and V apart (each
+    contiguous when the run holds every head), else torch's strided copy."""
+    if dst.is_contiguous() and src.is_contiguous():
+        _contiguous_copy(dst, src)
+        return
+    for half in range(dst.shape[0]):
+        if dst[half].is_contiguous() and src[half].is_contiguous():
+            _contiguous_copy(dst[half], src[half])
+        else:
+            dst[half].copy_(src[half])
+
+
 def copy_blocks(dst_layer: torch.Tensor, dst_ids: list[int], src_layer: torch.Tensor, src_ids: list[int]) -> None:
     """dst_layer[:, dst_ids] = src_layer[:, src_ids] for [2, N, bs, Hkv, D] layers, in one pass
     where possible: slice copies over runs of consecutive ids on both sides (fresh pools); else a
@@ -105,7 +134,7 @@ def copy_blocks(dst_layer: torch.Tensor, dst_ids: list[int], src_layer: torch.Te
     runs = _runs(src_ids, dst_ids)
     if _few(runs, n):
         for s0, d0, k in runs:
-            dst_layer[:, d0 : d0 + k].copy_(src_layer[:, s0 : s0 + k])
+            _copy_run(dst_layer[:, d0 : d0 + k], src_layer[:, s0 : s0 + k])
         return
     dev_d, dev_s = dst_layer.device, src_layer.device
     n_dst, n_src = dst_layer.shape[1], src_layer.shape[1]
@@ -116,7 +145,7 @@ def copy_blocks(dst_layer: torch.Tensor, dst_ids: list[int], src_layer: torch.Te
     dst_runs = _runs(list(range(n)), dst_ids)
     if _few(dst_runs, n):
         for p0, d0, k in dst_runs:
-            dst_layer[:, d0 : d0 + k].copy_(source[:, p0 : p0 + k])
+            _copy_run(dst_layer[:, d0 : d0 + k], source[:, p0 : p0 + k])
         return
     source = source.to(dev_d)
     if dst_layer.is_contiguous() and source.is_contiguous():
