@@ -112,29 +112,34 @@ def use_contiguous_copy(copy: Callable[[torch.Tensor, torch.Tensor], None]) -> N
     _contiguous_copy = copy
 
 
-def _copy_run(dst: torch.Tensor, src: torch.Tensor) -> None:
+def _copy_run(dst: torch.Tensor, src: torch.Tensor, streaming: bool) -> None:
     """dst[:] = src for a run of blocks [2, k, bs, Hkv, D]: in one piece, or K and V apart (each
-    contiguous when the run holds every head), else torch's strided copy."""
+    contiguous when the run holds every head), else torch's strided copy. `streaming`: contiguous
+    pieces through the installed copy (for destinations not read again soon)."""
+    copy = _contiguous_copy if streaming else _torch_copy
     if dst.is_contiguous() and src.is_contiguous():
-        _contiguous_copy(dst, src)
+        copy(dst, src)
         return
     for half in range(dst.shape[0]):
         if dst[half].is_contiguous() and src[half].is_contiguous():
-            _contiguous_copy(dst[half], src[half])
+            copy(dst[half], src[half])
         else:
             dst[half].copy_(src[half])
 
 
-def copy_blocks(dst_layer: torch.Tensor, dst_ids: list[int], src_layer: torch.Tensor, src_ids: list[int]) -> None:
+def copy_blocks(
+    dst_layer: torch.Tensor, dst_ids: list[int], src_layer: torch.Tensor, src_ids: list[int], streaming: bool = True
+) -> None:
     """dst_layer[:, dst_ids] = src_layer[:, src_ids] for [2, N, bs, Hkv, D] layers, in one pass
     where possible: slice copies over runs of consecutive ids on both sides (fresh pools); else a
     gather of the source (if scattered) and slice copies over the destination's runs, or one
-    index_copy_ of block rows when the destination is scattered too."""
+    index_copy_ of block rows when the destination is scattered too. `streaming` (a pool's blocks):
+    runs through the copy `use_contiguous_copy` installed; off for a buffer read next."""
     n = len(dst_ids)
     runs = _runs(src_ids, dst_ids)
     if _few(runs, n):
         for s0, d0, k in runs:
-            _copy_run(dst_layer[:, d0 : d0 + k], src_layer[:, s0 : s0 + k])
+            _copy_run(dst_layer[:, d0 : d0 + k], src_layer[:, s0 : s0 + k], streaming)
         return
     dev_d, dev_s = dst_layer.device, src_layer.device
     n_dst, n_src = dst_layer.shape[1], src_layer.shape[1]
@@ -145,7 +150,7 @@ def copy_blocks(dst_layer: torch.Tensor, dst_ids: list[int], src_layer: torch.Te
     dst_runs = _runs(list(range(n)), dst_ids)
     if _few(dst_runs, n):
         for p0, d0, k in dst_runs:
-            _copy_run(dst_layer[:, d0 : d0 + k], source[:, p0 : p0 + k])
+            _copy_run(dst_layer[:, d0 : d0 + k], source[:, p0 : p0 + k], streaming)
         return
     source = source.to(dev_d)
     if dst_layer.is_contiguous() and source.is_contiguous():
@@ -348,7 +353,8 @@ class ZmqKvSender(KvSender):
         if src_kv_layer.device.type == "cpu" and not _few(_runs(src_ids, list(range(n))), n):
             torch.index_select(src_kv_layer, 1, torch.as_tensor(src_ids, dtype=torch.long), out=data)
         else:
-            copy_blocks(data, list(range(n)), src_kv_layer, src_ids)  # slices (or a device gather)
+            # slices (or a device gather); cached stores: ZeroMQ reads the staging buffer next
+            copy_blocks(data, list(range(n)), src_kv_layer, src_ids, streaming=False)
         payload = data.reshape(-1).view(torch.uint8).numpy()  # any dtype (bf16 too) as raw bytes
         header = KvFrameHeader(
             request_id=request_id,
