@@ -107,7 +107,8 @@ _contiguous_copy: Callable[[torch.Tensor, torch.Tensor], None] = _torch_copy
 def use_contiguous_copy(copy: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
     """How this process copies a contiguous piece of a block run (`copy(dst, src)`); torch's copy
     until set. Workers and `bench-kv` set kernels/stream_copy.py's streaming-store copy (cli/:
-    kvtransfer/ does not import kernels/): the writer never reads a transfer's destination back."""
+    kvtransfer/ does not import kernels/): a pool's blocks written by a transfer are not read again
+    soon (P never reads them; D when it decodes the request)."""
     global _contiguous_copy
     _contiguous_copy = copy
 
