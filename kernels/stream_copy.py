@@ -1,7 +1,7 @@
 """Copies that bypass the caches (kernels/cpu_stream_copy.c): a KV transfer's writes into a
 decode worker's pool, which the writer does not read soon (a prefill worker writing over shared
 memory never; a decode worker landing ZeroMQ frames only when it decodes the request). In `pdserve bench-kv` shared-memory
-transfers went 1.04-1.40x faster than with torch's `copy_`, on an AVX-512 EPYC
+transfers went 1.09-1.37x faster than with torch's `copy_`, on an AVX-512 EPYC
 (docs/benchmarks/kv_transfer.md)."""
 
 from __future__ import annotations
