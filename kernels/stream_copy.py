@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve.kernels.cpu_native import built, load_kernel
+from pdserve.kernels.cpu_native import load_kernel
 
 SOURCE = Path(__file__).with_name("cpu_stream_copy.c")
 STREAM_MIN_BYTES = 256 << 10  # below this the copy's lines may as well stay cached
@@ -34,16 +34,16 @@ def copy_(dst: torch.Tensor, src: torch.Tensor) -> None:
     """dst.copy_(src); with streaming stores when both are contiguous CPU tensors of one dtype and
     shape holding at least STREAM_MIN_BYTES and the kernel built."""
     nbytes = dst.numel() * dst.element_size()
+    lib = _library() if nbytes >= STREAM_MIN_BYTES else None
     if (
-        nbytes >= STREAM_MIN_BYTES
+        lib is not None
         and dst.device.type == "cpu"
         and src.device.type == "cpu"
         and dst.dtype == src.dtype
         and dst.shape == src.shape
         and dst.is_contiguous()
         and src.is_contiguous()
-        and _library() is not None
     ):
-        built(_library()).stream_copy(dst.data_ptr(), src.data_ptr(), nbytes)
+        lib.stream_copy(dst.data_ptr(), src.data_ptr(), nbytes)
     else:
         dst.copy_(src)

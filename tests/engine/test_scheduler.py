@@ -13,6 +13,11 @@ def make_seq(rid: str, n_prompt: int) -> Sequence:
     return Sequence(rid, list(range(1, n_prompt + 1)), n_prompt, SamplingParams())
 
 
+def planned(chunks) -> list[tuple[str, int]]:
+    """(request id, tokens) of each scheduled chunk, in order."""
+    return [(c.seq.request_id, c.num_tokens) for c in chunks]
+
+
 def run_step(sched: Scheduler, new_token: int = 7):
     """Pretend the model ran: advance computed counts, append a token where one is sampled."""
     out = sched.schedule()
@@ -75,17 +80,17 @@ def test_decode_first_then_prefill_under_budget():
     a = make_seq("a", 6)
     s.add(a)
     out = run_step(s)
-    assert [(c.seq.request_id, c.num_tokens) for c in out.prefills] == [("a", 6)]
+    assert planned(out.prefills) == [("a", 6)]
     b = make_seq("b", 20)
     s.add(b)
     out = run_step(s)
     # a decodes (1 token) first, b gets the rest of the budget as a chunk
-    assert [(c.seq.request_id, c.num_tokens) for c in out.decodes] == [("a", 1)]
-    assert [(c.seq.request_id, c.num_tokens) for c in out.prefills] == [("b", 9)]
+    assert planned(out.decodes) == [("a", 1)]
+    assert planned(out.prefills) == [("b", 9)]
     out = run_step(s)
-    assert [(c.seq.request_id, c.num_tokens) for c in out.chunks] == [("a", 1), ("b", 9)]
+    assert planned(out.chunks) == [("a", 1), ("b", 9)]
     out = run_step(s)  # b's last 2 tokens complete its prompt and sample
-    assert [(c.seq.request_id, c.num_tokens) for c in out.chunks] == [("a", 1), ("b", 2)]
+    assert planned(out.chunks) == [("a", 1), ("b", 2)]
     assert b.num_output_tokens == 1
     assert len(b.block_table) == -(-b.num_computed_tokens // 4)
     pool.check_integrity()
@@ -99,12 +104,12 @@ def test_a_prompts_last_token_left_alone_is_a_prefill_chunk():
     a = make_seq("a", 9)
     s.add(a)
     out = run_step(s)
-    assert [(c.seq.request_id, c.num_tokens) for c in out.prefills] == [("a", 8)]
+    assert planned(out.prefills) == [("a", 8)]
     out = run_step(s)  # the prompt's 9th token alone
-    assert out.decodes == [] and [(c.seq.request_id, c.num_tokens) for c in out.prefills] == [("a", 1)]
+    assert out.decodes == [] and planned(out.prefills) == [("a", 1)]
     assert a.num_output_tokens == 1
     out = run_step(s)  # now past its prompt: a decode
-    assert [(c.seq.request_id, c.num_tokens) for c in out.decodes] == [("a", 1)] and out.prefills == []
+    assert planned(out.decodes) == [("a", 1)] and out.prefills == []
     pool.check_integrity()
 
 

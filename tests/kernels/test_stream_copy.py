@@ -4,11 +4,22 @@ it up) land bit for bit, the blocks around them untouched."""
 
 from __future__ import annotations
 
+import platform
+import shutil
+
 import pytest
 import torch
 
 from pdserve.kernels import stream_copy
 from pdserve.kvtransfer import sender
+
+
+@pytest.mark.skipif(
+    platform.machine() not in ("x86_64", "AMD64") or shutil.which("cc") is None, reason="x86 with a C compiler"
+)
+def test_the_streaming_kernel_is_built_here():
+    """Else every copy below falls back to torch's and the tests would not see the kernel."""
+    assert stream_copy._library() is not None
 
 
 @pytest.mark.parametrize("numel", [0, 1, 15, 16, 17, 1000, stream_copy.STREAM_MIN_BYTES // 4 + 3, 1 << 20])
