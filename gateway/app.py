@@ -61,7 +61,7 @@ class _EventStream(StreamingResponse):
     garbage collection; one gone before the first write leaves the generator unstarted, whose own
     cleanup then never runs."""
 
-    body_iterator: AsyncGenerator[str, None]  # GenerationRun.sse()
+    body_iterator: AsyncGenerator[bytes, None]  # GenerationRun.sse()
 
     def __init__(self, run: GenerationRun, first, headers: dict[str, str]) -> None:
         super().__init__(run.sse(first), media_type="text/event-stream", headers=headers)

@@ -12,11 +12,12 @@ ended."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
+
+import msgspec
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
 
 
 _TAKEN = object()  # GenerationRun._pending once the output `start` took is handed on
+_json = msgspec.json.Encoder().encode  # an SSE chunk's JSON as UTF-8 bytes (several times json.dumps' speed)
 
 
 @dataclass
@@ -90,7 +92,7 @@ class GenerationRun:
             attributes={"pdserve.request_id": base_id, "pdserve.prompt_tokens": len(prompt), "pdserve.n": req.n},
         )
         self.created = int(time.time())
-        self._chunk_head: str | None = None  # an SSE chunk's text before its choices (`_chunk`)
+        self._chunk_head: bytes | None = None  # an SSE chunk's text before its choices (`_chunk`)
         self.fmt = FORMATS[req.kind](app._token_text)  # the endpoint's response shapes
         reads_calls = req.tools is not None and req.tools.parsed and app.tool_parser is not None
         keep = app.tool_markers if reads_calls else None  # a format's special-token markers stay text
@@ -266,7 +268,7 @@ class GenerationRun:
             merged["ttft_s"] = self.choices[0].first_token_at - self.arrival
         return merged
 
-    def _chunk(self, choices: list[dict], **extra) -> str:
+    def _chunk(self, choices: list[dict], **extra) -> bytes:
         obj = {
             "id": self.base_id,
             "object": self.fmt.chunk_object_name,
@@ -275,10 +277,10 @@ class GenerationRun:
             "choices": choices,
         }
         if extra:
-            return f"data: {json.dumps(obj | extra, ensure_ascii=False)}\n\n"
+            return b"data: " + _json(obj | extra) + b"\n\n"
         if self._chunk_head is None:  # the same for every chunk: encoded once
-            self._chunk_head = "data: " + json.dumps(obj | {"choices": None}, ensure_ascii=False)[: -len("null}")]
-        return f"{self._chunk_head}{json.dumps(choices, ensure_ascii=False)}}}\n\n"
+            self._chunk_head = b"data: " + _json(obj | {"choices": None})[: -len(b"null}")]
+        return self._chunk_head + _json(choices) + b"}\n\n"
 
     async def sse(self, first):
         want_lp = self.req.logprobs is not None
@@ -294,13 +296,13 @@ class GenerationRun:
                         yield chunk
             if self.req.include_usage:
                 yield self._chunk([], usage=self._usage(), pdserve_timings=self._timings())
-            yield "data: [DONE]\n\n"
+            yield b"data: [DONE]\n\n"
         finally:
             await self.close()
 
     def _sse_chunks(
         self, choice: Choice, delta: str, lps: list, reason: str | None, want_lp: bool, text_pos: list[int]
-    ) -> list[str]:
+    ) -> list[bytes]:
         """One event's SSE chunks."""
         if reason == "error":
             err = {
@@ -309,7 +311,7 @@ class GenerationRun:
                 "param": None,
                 "code": "generation_failed",
             }
-            return [f"data: {json.dumps({'error': err})}\n\n"]
+            return [b"data: " + _json({"error": err}) + b"\n\n"]
         lp = self.fmt.logprobs(lps, text_pos[choice.index]) if want_lp else None
         text_pos[choice.index] += len(delta)
         calls: list[dict] = []

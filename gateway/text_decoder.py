@@ -3,21 +3,33 @@
 The incremental detokenizer (gateway/detokenizer.py) decodes two short windows per output
 token; through `PreTrainedTokenizerFast.decode` each call converts its arguments, dispatches and
 checks clean-up options before the Rust tokenizer's own `decode` runs, several times the cost of
-that decode. `text_decoder` hands the detokenizer the Rust tokenizer's `decode` where it gives
-the same text: a fast tokenizer with `clean_up_tokenization_spaces` off; else the tokenizer
-itself.
+that decode. `text_decoder` hands the detokenizer the Rust tokenizer's `decode` (and its
+streaming decoder, which runs the same window logic in one call) where it gives the same text: a
+fast tokenizer with `clean_up_tokenization_spaces` off; else the tokenizer itself.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from tokenizers import decoders
+
+_DecodeStream = getattr(decoders, "DecodeStream", None)  # tokenizers >= 0.21
+
 
 class _BackendDecode:
-    __slots__ = ("decode",)
+    """The Rust tokenizer's `decode`, and its `DecodeStream` (one call per token, the window
+    logic in Rust) for the detokenizer."""
+
+    __slots__ = ("decode", "backend")
 
     def __init__(self, backend: Any) -> None:
+        self.backend = backend
         self.decode = backend.decode  # (ids, skip_special_tokens=...) -> str
+
+    def stream(self, skip_special_tokens: bool) -> Any:
+        """A fresh `DecodeStream`, or None where this tokenizers release has none."""
+        return None if _DecodeStream is None else _DecodeStream(skip_special_tokens=skip_special_tokens)
 
 
 def text_decoder(tokenizer: Any) -> Any:
