@@ -119,9 +119,9 @@ class GatewayOptions:
     prefill_placement: Annotated[  # gateway/prefill_placement.py
         PrefillPlacement,
         Flag(
-            "where a prompt is prefilled: remote (the prefill pool, but a prompt the decode worker holds all but "
-            "--local-prefill-max-tokens of is prefilled there), auto (kv-aware router: on the decode worker when "
-            "a cost model of queue, compute, KV transfer and the stall of its running decodes says it is "
-            "cheaper, cached or not), local (always the decode worker, when it has a seat); docs/ARCHITECTURE.md"
+            "where a prompt is prefilled: auto (kv-aware router: on the decode worker when a cost model of queue, "
+            "compute, KV transfer and the stall of its running decodes says it is cheaper, cached or not), "
+            "remote (the prefill pool, but a prompt the decode worker holds all but --local-prefill-max-tokens "
+            "of is prefilled there), local (always the decode worker, when it has a seat); docs/ARCHITECTURE.md"
         ),
-    ] = "remote"
+    ] = "auto"

@@ -71,7 +71,7 @@ FRONT = {  # the gateway's flags that `serve` passes on to its gateway
     "--chat-template": (None, None, "", None),
     "--tool-call-parser": (None, ("hermes", "llama3_json", "mistral", "pythonic"), "", None),
     "--local-prefill-max-tokens": (128, None, "", None),
-    "--prefill-placement": ("remote", ("auto", "remote", "local"), "", None),
+    "--prefill-placement": ("auto", ("auto", "remote", "local"), "", None),
     "--router": ("kv-aware", ("kv-aware", "least-loaded", "round-robin"), "", None),
     "--otlp-traces-endpoint": (None, None, "", "URL"),
     "--on-decode-failure": ("migrate", ("migrate", "fail"), "", None),

@@ -35,6 +35,13 @@ def all_workers_joined(base: str, extra: tuple[str, ...]) -> bool:
     return live.get("prefill", 0) >= count("--prefill-workers") and live.get("decode", 0) >= count("--decode-workers")
 
 
+def placement_pinned(extra: tuple[str, ...]) -> tuple[str, ...]:
+    """`--prefill-placement remote` unless the test names a placement: these tests exercise the
+    prefill pool and the KV transfer, which `serve`'s default (auto) skips for short prompts on
+    an idle decode worker. The default itself: tests/e2e/test_prefill_placement.py, tests/cli/."""
+    return () if any(a.startswith("--prefill-placement") for a in extra) else ("--prefill-placement", "remote")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -57,7 +64,11 @@ def stop_group(proc: subprocess.Popen, term_timeout_s: float = 20) -> None:
 
 @contextlib.contextmanager
 def running_server(
-    model: Path, *extra: str, timeout_s: float = 180.0, env: dict[str, str] | None = None
+    model: Path,
+    *extra: str,
+    timeout_s: float = 180.0,
+    env: dict[str, str] | None = None,
+    default_placement: bool = False,  # leave `serve`'s own default placement (auto) unpinned
 ) -> Iterator[str]:
     port = free_port()
     argv = [
@@ -75,6 +86,7 @@ def running_server(
         "256",
         "--max-model-len",
         "512",
+        *(() if default_placement else placement_pinned(extra)),
         *extra,
     ]
     proc = subprocess.Popen(argv, start_new_session=True, env=dict(os.environ, **(env or {})))

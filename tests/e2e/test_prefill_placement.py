@@ -1,8 +1,8 @@
 """Prefill placement through a real `pdserve serve` 1P1D (tiny model, loopback): under `auto` a short
 uncached prompt on an idle cluster is prefilled by the decode worker itself (no transfer: the
 cost model's local cost is its compute, the pool's is the same compute plus the KV transfer);
-`remote` sends every prompt through the prefill pool, `local` none; greedy output equals HF
-transformers in each placement, streamed or not."""
+`remote` sends every prompt through the prefill pool, `local` none; `serve` without the flag
+behaves as `auto`; greedy output equals HF transformers in each placement, streamed or not."""
 
 from __future__ import annotations
 
@@ -20,12 +20,14 @@ MAX_NEW = 12
 LENGTHS = [30, 200, 9]  # short, over the auto cap (128), short
 
 
-@pytest.mark.parametrize("placement", ["auto", "remote", "local"])
+@pytest.mark.parametrize("placement", ["auto", "remote", "local", "default"])
 def test_placement_keeps_greedy_output_and_decides_where_prompts_are_prefilled(tiny_llama, placement):
     tok = AutoTokenizer.from_pretrained(tiny_llama)
     prompts = random_prompts(tok.vocab_size, LENGTHS, seed=32)
     want = [tok.decode(hf_greedy(str(tiny_llama), tuple(p), MAX_NEW), skip_special_tokens=True) for p in prompts]
-    with running_server(tiny_llama, "--prefill-placement", placement) as base:
+    flags = () if placement == "default" else ("--prefill-placement", placement)
+    placement = "auto" if placement == "default" else placement  # serve's default
+    with running_server(tiny_llama, *flags, default_placement=not flags) as base:
         client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
         model = client.models.list().data[0].id
         local_count = lambda: metric(base, "pdserve_local_prefills_total")  # noqa: E731

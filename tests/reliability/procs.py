@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.e2e.cluster import all_workers_joined, free_port, stop_group
+from tests.e2e.cluster import all_workers_joined, free_port, placement_pinned, stop_group
 from tests.reliability.ledger import node_gauges
 
 
@@ -46,6 +46,7 @@ def served(model: Path, *extra: str, timeout_s: float = 180.0, env: dict[str, st
         "256",
         "--max-model-len",
         "512",
+        *placement_pinned(extra),
         *extra,
     ]
     proc = subprocess.Popen(argv, start_new_session=True, env=dict(os.environ, **(env or {})))
