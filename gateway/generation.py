@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
 import msgspec
-
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
