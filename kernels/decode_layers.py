@@ -158,9 +158,15 @@ class DecodeLayers:
     Weights and pool must not move afterwards (they are laid out once, after loading)."""
 
     def __init__(
-        self, layers: list[LayerWeights], kv_cache: torch.Tensor, shape: StackShape, keep: list | None = None
+        self,
+        layers: list[LayerWeights],
+        kv_cache: torch.Tensor,
+        shape: StackShape,
+        keep: list | None = None,
+        max_rows: int = 16,
     ) -> None:
         self.layers = (LayerWeights * len(layers))(*layers)
+        self.max_rows = max_rows  # the most decode rows a step it runs may have (the model's rule)
         self._keep = keep or []  # ctypes arrays the layers point into (quantized segments)
         self.kv_cache = kv_cache  # [L, 2, N, bs, Hkv, D]: held, so the layers' pool pointers stay valid
         self.shape = shape

@@ -8,8 +8,8 @@ holds 16 bytes a group, byte j = element j (low nibble) | element j + 16 (high n
 w = (nibble - 8) * d. Affine weights (`offsets`, one per scale: GGUF's Q4_1, Q4_K, Q5_K) are
 w = q * d + m, int4's nibble taken as it is (0..15). Rows are padded to whole groups with zeros.
 
-`linear`: 1-FEW_ROWS rows go to the C kernel (each weight read once, widened in registers);
-more rows (prefill) widen TILE_OUT output rows at a time to fp32 (in C: ~5% of the GEMM's time
+`linear`: up to FEW_ROWS rows (48 int4, 64 int8: decode steps) go to the C kernel (each weight
+read once a tile of rows, widened in registers); more rows (prefill) widen TILE_OUT output rows at a time to fp32 (in C: ~5% of the GEMM's time
 at 256 rows) and multiply with torch's oneDNN GEMM (MKL's without oneDNN). Without the C library everything runs on the torch reference.
 """
 
@@ -28,7 +28,11 @@ from pdserve.kernels.cpu_native import built, load_kernel
 SOURCE = Path(__file__).with_name("cpu_quant_gemm.c")
 GROUP = 32  # inputs a scale; the library is refused if it says otherwise
 BITS = {"int8": 8, "int4": 4}
-FEW_ROWS = 16  # up to this many rows the C kernel; beyond, widened tiles + torch's GEMM
+# Up to this many rows (by bits) the C kernel; beyond, widened tiles + torch's GEMM. The C kernel
+# reads the weights once per tile of rows and costs ~rows; widening costs ~the weights once plus
+# fp32's GEMM. Measured crossover (python -m pdserve.bench.quantized_linear --rows-sweep; real-shape
+# linears and LM head): int4 48-64 rows on one thread, 64-96 on two; int8 64-96 / 96+.
+FEW_ROWS = {4: 48, 8: 64}
 PACK_ROWS_HINT = 32  # as engine/models/cpu_linear.py's oneDNN weights
 TILE_OUT = 1024  # output rows widened at a time for many-row inputs (at in = 1536: 6 MB of fp32)
 
@@ -146,7 +150,7 @@ def linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None) -> torch.
     elif x.stride(1) != 1:
         x = x.contiguous()
     assert x.dtype == torch.float32 and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
-    if m <= FEW_ROWS:
+    if m <= FEW_ROWS[w.bits]:
         y = torch.empty(m, w.out_features, dtype=torch.float32)
         rc = built(_library()).quant_gemm_f32(
             x.data_ptr(),

@@ -28,7 +28,7 @@ from pdserve.engine.models.quantized_linear import QuantizedLinear
 from pdserve.engine.models.rotary import RotaryEmbedding, rotate
 from pdserve.engine.parallel.group import TensorParallelGroup
 from pdserve.engine.parallel.shard import TensorParallelShard
-from pdserve.kernels import decode_layers, layer_ops
+from pdserve.kernels import decode_layers, layer_ops, quant_gemm
 
 
 @dataclass
@@ -134,6 +134,14 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(h)
 
 
+def _driver_rows(module: nn.Module) -> int:
+    """The most rows a step may have for this linear's kernel in the driver to be the per-op
+    path's own: the panel GEMM's FEW_ROWS, or the quantized GEMM's limit for each part's bits."""
+    if isinstance(module, QuantizedLinear):
+        return min(quant_gemm.FEW_ROWS[p.bits] for p in module.parts)
+    return FEW_ROWS
+
+
 def _driver_linear(module: nn.Module, keep: list) -> decode_layers.LinearDesc | None:
     """One linear as the decode driver takes it: fp32 few-row panels (PackedLinear) or quantized
     row segments (QuantizedLinear; their ctypes array appended to `keep`); None when neither."""
@@ -225,11 +233,14 @@ class LlamaForCausalLM(nn.Module):
             return None
         described: list[decode_layers.LayerWeights] = []
         keep: list = []  # the quantized segments' ctypes arrays, alive as long as the layers
+        max_rows = FEW_ROWS * 64  # lowered to the tightest linear's limit below
         for i, layer in enumerate(self.decoder_layers):
             attn, mlp = layer.self_attn, layer.mlp
-            linears = [_driver_linear(m, keep) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            modules = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            linears = [_driver_linear(m, keep) for m in modules]
             if any(lin is None for lin in linears):
                 return None
+            max_rows = min(max_rows, *(_driver_rows(m) for m in modules))
             qkv, o, gate_up, down = cast(list[decode_layers.LinearDesc], linears)
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)  # fp32 with the panels
             described.append(
@@ -247,18 +258,19 @@ class LlamaForCausalLM(nn.Module):
             c.rms_norm_eps,
             c.head_dim**-0.5,
         )
-        return decode_layers.DecodeLayers(described, kv_cache, shape, keep)
+        return decode_layers.DecodeLayers(described, kv_cache, shape, keep, max_rows)
 
     @staticmethod
     def fused_decode(
         stack: decode_layers.DecodeLayers, x: torch.Tensor, rope: Rope, ctx: ForwardContext
     ) -> torch.Tensor | None:
         """Every layer in one C call (`stack`, from `describe_decode_layers`) for a step of up to
-        FEW_ROWS decodes with no per-layer callback: x [T, H] -> [T, H]. None when the step is
-        not such a one, or the driver is switched off (the caller runs the layers one by one)."""
+        `stack.max_rows` decodes (fp32: FEW_ROWS; quantized: the quantized GEMM's row limit)
+        with no per-layer callback: x [T, H] -> [T, H]. None when the step is not such a one, or
+        the driver is switched off (the caller runs the layers one by one)."""
         attn = ctx.attn
         if not (
-            0 < x.shape[0] <= FEW_ROWS
+            0 < x.shape[0] <= stack.max_rows
             and attn.num_decode_seqs == attn.num_seqs == x.shape[0]
             and ctx.on_layer_stored is None
             and decode_layers.enabled()

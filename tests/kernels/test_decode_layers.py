@@ -7,6 +7,9 @@ import pytest
 import torch
 
 from pdserve.engine.models.cpu_linear import FEW_ROWS
+from pdserve.kernels.quant_gemm import FEW_ROWS as QUANT_FEW_ROWS
+
+QUANT_ROWS = min(QUANT_FEW_ROWS.values())  # a quantized stack's driver takes steps up to this many rows
 from pdserve.env import reload as reload_env
 from pdserve.kernels import decode_layers
 from tests.conftest import random_prompts
@@ -128,7 +131,7 @@ def k_quant_llama(tmp_path_factory):
 
 
 @pytest.mark.skipif(not decode_layers.quantized_available(), reason="the quantized GEMM did not build")
-@pytest.mark.parametrize("batch", [1, FEW_ROWS])
+@pytest.mark.parametrize("batch", [1, FEW_ROWS, QUANT_ROWS])
 @pytest.mark.parametrize("source", ["int8", "int4", "q4_k_m"])
 @torch.inference_mode()
 def test_quantized_layers_fused_equal_per_op_bit_for_bit(tiny_llama, k_quant_llama, source, batch):

@@ -81,5 +81,5 @@ def test_a_rows_result_depends_on_neither_batch_nor_threads(scheme):
 def test_many_rows_use_widened_tiles():
     """Past FEW_ROWS the weight is widened TILE_OUT rows at a time: outputs across tiles join."""
     w = quantize(torch.randn(quant_gemm.TILE_OUT + 37, 64), "int4")
-    x, b = torch.randn(quant_gemm.FEW_ROWS + 3, 64), torch.randn(quant_gemm.TILE_OUT + 37)
+    x, b = torch.randn(quant_gemm.FEW_ROWS[4] + 3, 64), torch.randn(quant_gemm.TILE_OUT + 37)
     close(quant_gemm.linear(x, w, b), reference(x, dequantize(w), b), 64)
