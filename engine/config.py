@@ -342,8 +342,11 @@ def eos_token_ids(path: Path, cfg: dict) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def resolve_dtype(name: str, device: "torch.device") -> "torch.dtype":
-    """`auto`: bf16 on CUDA, or on a CPU with bf16 matrix units (AVX512-BF16/AMX); else fp32."""
+def resolve_dtype(name: str, device: "torch.device", quantized_weights: bool = False) -> "torch.dtype":
+    """`auto`: bf16 on CUDA, or on a CPU with bf16 matrix units (AVX512-BF16/AMX) unless the
+    linears are kept quantized (`quantized_weights`: their CPU kernels, and the one-call decode
+    driver, take fp32 activations; bf16 would only add conversions and leave the driver off); else
+    fp32."""
     import torch
 
     table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -353,7 +356,13 @@ def resolve_dtype(name: str, device: "torch.device") -> "torch.dtype":
         return table[name]
     if device.type == "cuda":
         return torch.bfloat16
-    return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+    return torch.bfloat16 if cpu_has_fast_bf16() and not quantized_weights else torch.float32
+
+
+def keeps_weights_quantized(cfg: ModelConfig) -> bool:
+    """Whether `quantized` tagged this config: linears kept int8/int4 (a GGUF file's blocks or
+    --quantization int8/int4)."""
+    return any(t in ("auto", "int8", "int4") for t in cfg.weights_tag.split("+"))
 
 
 def cpu_has_fast_bf16() -> bool:

@@ -21,7 +21,14 @@ import torch
 
 from pdserve.engine.beam_search import BeamSearch, Candidate
 from pdserve.engine.block_pool import BlockPool
-from pdserve.engine.config import EngineConfig, ModelConfig, quantized, resolve_dtype
+from pdserve.engine.config import (
+    EngineConfig,
+    ModelConfig,
+    cpu_has_fast_bf16,
+    keeps_weights_quantized,
+    quantized,
+    resolve_dtype,
+)
 from pdserve.engine.kv_cache import KvAllocator, KVCacheSpec, allocate_kv_cache, plan_num_blocks
 from pdserve.engine.model_runner import ForwardPass, ModelRunner, load_model
 from pdserve.engine.models.llama import LlamaForCausalLM
@@ -85,7 +92,8 @@ class LLMEngine:
         self.config = config
         self.device = torch.device(config.device)
         self.model_config = quantized(ModelConfig.from_folder(config.model, config.model_impl), config.quantization)
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        quantized_weights = keeps_weights_quantized(self.model_config)
+        self.dtype = resolve_dtype(config.dtype, self.device, quantized_weights)
         if config.dtype == "auto":
             log.info(
                 "--dtype auto -> %s (%s)",
@@ -94,6 +102,8 @@ class LLMEngine:
                 if self.device.type == "cuda"
                 else "CPU has bf16 matrix units"
                 if self.dtype != torch.float32
+                else "linears kept quantized: their kernels take fp32 activations"
+                if quantized_weights and cpu_has_fast_bf16()
                 else "CPU has no bf16 matrix units (AVX512-BF16/AMX)",
             )
         mc = self.model_config
