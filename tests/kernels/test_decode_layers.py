@@ -7,15 +7,14 @@ import pytest
 import torch
 
 from pdserve.engine.models.cpu_linear import FEW_ROWS
-from pdserve.kernels.quant_gemm import FEW_ROWS as QUANT_FEW_ROWS
-
-QUANT_ROWS = min(QUANT_FEW_ROWS.values())  # a quantized stack's driver takes steps up to this many rows
 from pdserve.env import reload as reload_env
 from pdserve.kernels import decode_layers
+from pdserve.kernels.quant_gemm import FEW_ROWS as QUANT_FEW_ROWS
 from tests.conftest import random_prompts
 from tests.engine.test_engine_vs_hf import GREEDY, make_engine
 
 pytestmark = pytest.mark.skipif(not decode_layers.available(), reason="the C kernels did not build")
+QUANT_ROWS = min(QUANT_FEW_ROWS.values())  # a quantized stack's driver takes steps up to this many rows
 
 
 def engine_at_decode(model, batch: int):
