@@ -27,6 +27,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from pdserve.engine.gguf_file import is_gguf
+from pdserve.engine.models.quantized_embedding import QuantizedEmbedding
 from pdserve.engine.models.quantized_linear import QuantizedLinear
 
 if TYPE_CHECKING:
@@ -155,7 +156,7 @@ def load_weights(model: LlamaForCausalLM, path: str | Path, show_progress: bool 
     """`path`: an HF folder (safetensors) or a GGUF file."""
     path = Path(path)
     # linears kept as a GGUF file's blocks (models/quantized_linear.py) have their weights already
-    kept = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    kept = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, (QuantizedLinear, QuantizedEmbedding))}
     params = {
         n: p
         for n, p in model.named_parameters(remove_duplicate=False)

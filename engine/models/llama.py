@@ -24,6 +24,7 @@ from pdserve import kernels
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.models.cpu_linear import FEW_ROWS, PackedLinear, cpu_linear_kind, gemv_copy_fits, relayout_linears
 from pdserve.engine.models.qk_norm import norm_qk_heads
+from pdserve.engine.models.quantized_embedding import QuantizedEmbedding
 from pdserve.engine.models.quantized_linear import QuantizedLinear
 from pdserve.engine.models.rotary import RotaryEmbedding, rotate
 from pdserve.engine.parallel.group import TensorParallelGroup
@@ -166,7 +167,9 @@ class LlamaForCausalLM(nn.Module):
         self.shard.check(cfg)
         self.vocab_start, vocab_end = self.shard.vocab(cfg)  # this rank's rows of the vocabulary
         self.rotary = RotaryEmbedding(cfg.rope, cfg.rotary_dims, max_positions)
-        self.embed_tokens = nn.Embedding(vocab_end - self.vocab_start, cfg.hidden_size)
+        self.embed_tokens: nn.Embedding | QuantizedEmbedding = nn.Embedding(
+            vocab_end - self.vocab_start, cfg.hidden_size
+        )
         self.layers = nn.ModuleList(self.decoder_layer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, vocab_end - self.vocab_start, bias=False)
@@ -188,8 +191,11 @@ class LlamaForCausalLM(nn.Module):
                 if p.is_meta:
                     want = p.dtype if not p.is_floating_point() else torch.float32 if keep_fp32 else dtype
                     setattr(module, name, nn.Parameter(torch.empty(p.shape, dtype=want, device=device), False))
-        if self.cfg.tie_word_embeddings and isinstance(self.lm_head, nn.Linear):  # tie the new parameters
-            self.lm_head.weight = self.embed_tokens.weight
+        embed = self.embed_tokens
+        if isinstance(embed, QuantizedEmbedding):  # a GGUF file's blocks: rows out in our dtype
+            embed.dtype = dtype
+        elif self.cfg.tie_word_embeddings and isinstance(self.lm_head, nn.Linear):  # tie the new parameters
+            self.lm_head.weight = embed.weight
         self.rotary.build_tables(device)  # kept in fp32 whatever the model dtype
 
     def loaded(self) -> None:
@@ -200,7 +206,7 @@ class LlamaForCausalLM(nn.Module):
         where it is unavailable (see engine/models/cpu_linear.py); returns which. A tied LM
         head gets its own copy of the embedding table (the lookup needs the [V, H] rows):
         vocab x hidden more memory, for a decode step that reads it at GEMM speed."""
-        kind = cpu_linear_kind(self.embed_tokens.weight.dtype)
+        kind = cpu_linear_kind(self.norm.weight.dtype)  # the model's dtype
         gemv_copy = kind == "packed" and gemv_copy_fits(self)
         relayout_linears(self, kind, gemv_copy)
         return kind + (" (+ copies for few-row steps)" if gemv_copy else "")

@@ -1,7 +1,7 @@
 """Weight-only quantized linears (qkv, o, gate_up, down and the LM head), run by
 kernels/quant_gemm.py on weights in engine/quantize.py's format. Embeddings and norms stay in
-the model's dtype. A tied LM head gets its own quantized copy (the embedding lookup keeps the
-float table).
+the model's dtype; an embedding table a GGUF file stores in a kept type stays its blocks too
+(models/quantized_embedding.py), shared with a tied LM head.
 
 `--quantization int8|int4`: every linear in that scheme; a GGUF linear whose every part (q, k, v;
 gate, up) is stored in the scheme's own block type (Q8_0, Q4_0) takes those blocks as they are,
@@ -9,8 +9,8 @@ any other is quantized from its loaded float values.
 `--quantization auto` (the default) on a GGUF file: every linear whose parts are all stored in a
 kept type (engine/quantize.py KEPT_GGUF_TYPES) keeps them, each part in its own format (a fused
 linear of mixed types, e.g. Q4_K q/k with a Q6_K v, runs one kernel call per format); the rest
-stay float. Quantized models run their layers one op at a time: the one-call decode driver
-(kernels/decode_layers.py) takes only fp32 panels.
+stay float. Decode steps of up to 48 (int4) / 64 (int8) rows run every layer in one call
+(kernels/decode_layers.py), the quantized GEMM called for each linear.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from pdserve.engine.config import QUANTIZATIONS
+from pdserve.engine.models.quantized_embedding import QuantizedEmbedding
 from pdserve.engine.quantize import GGUF_TYPES, KEPT_GGUF_TYPES, concat_rows, from_gguf_blocks, quantize, same_format
 from pdserve.kernels import quant_gemm
 from pdserve.kernels.quant_gemm import QuantWeight
@@ -112,6 +113,11 @@ def keep_gguf_blocks(model: LlamaForCausalLM, scheme: str, path: str | Path) -> 
                 f"{name}: stored blocks make {got[0]}x{got[1]}, the model wants {tuple(linear.weight.shape)}"
             )
         setattr(owner, attr, QuantizedLinear(parts, linear.bias))  # (its bias, on meta, is loaded later)
+    table = stored.get("embed_tokens.weight") or (
+        stored.get("lm_head.weight") if model.cfg.tie_word_embeddings else None
+    )
+    if table is not None and len(table) == 1 and model.tp is None:  # (vocab-parallel ranks keep a float slice)
+        model.embed_tokens = QuantizedEmbedding(table[0])  # a tied head's blocks shared, no float table
 
 
 def quantize_model(model: LlamaForCausalLM, scheme: str) -> None:
@@ -143,7 +149,7 @@ def _gguf_blocks(model: LlamaForCausalLM, path: str | Path, scheme: str) -> dict
         if name == "embed_tokens.weight" and model.cfg.tie_word_embeddings:
             name = "lm_head.weight"  # the tied head reads the embedding's blocks
         target, start = fused[name][:2] if name in fused else (name, 0)
-        if target.endswith("proj.weight") or target == "lm_head.weight":
+        if target.endswith("proj.weight") or target in ("lm_head.weight", "embed_tokens.weight"):
             parts.setdefault(target, []).append((start, tensor))
     out: dict[str, list[QuantWeight]] = {}
     for target, found in parts.items():

@@ -142,3 +142,26 @@ def test_kept_linears_are_never_dequantized_at_load(k_quant_source, tmp_path, mo
     engine = quant_engine(file, "auto")
     mc = engine.model_config
     assert dequantized and all(len(shape) == 1 or shape == (mc.vocab_size, mc.hidden_size) for shape in dequantized)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_embedding_table_stays_its_blocks(tmp_path, tied):
+    """A GGUF file's embedding table in a kept type stays quantized (no float vocab x hidden
+    table): each looked-up row equals the file's dequantized row, and a tied LM head shares the
+    very tensors."""
+    from pdserve.engine.gguf_writer import write_gguf
+    from pdserve.engine.make_model import make_model
+    from pdserve.engine.models.quantized_embedding import QuantizedEmbedding
+    from tests.engine.test_quantization import GREEDY, prompts_for, quant_engine
+
+    src = make_model(tmp_path / "src", preset="tiny", arch="llama", seed=5, quiet=True, tie_word_embeddings=tied)
+    file = write_gguf(src, tmp_path / "m.gguf", "q8_0")
+    kept, dense = quant_engine(file, "auto"), quant_engine(file, "none")
+    model = kept.runner.model
+    assert isinstance(model.embed_tokens, QuantizedEmbedding)
+    ids = torch.tensor([[0, 5, 7], [model.embed_tokens.num_embeddings - 1, 5, 1]])
+    want = dense.runner.model.embed_tokens.weight[ids]  # [2, 3, H]: the file's rows, dequantized at load
+    assert torch.equal(model.embed_tokens(ids), want)
+    assert (model.embed_tokens.q.data_ptr() == model.lm_head.q0.data_ptr()) == tied  # one copy of the blocks
+    prompts = prompts_for(kept.model_config.vocab_size)
+    assert kept.generate(prompts, GREEDY) == dense.generate(prompts, GREEDY)
