@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.e2e.cluster import placement_pinned
+
 
 @dataclass
 class Procs:
@@ -34,6 +36,8 @@ class Procs:
         return proc
 
     def pdserve(self, name: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+        if args and args[0] in ("gateway", "serve"):  # these tests exercise the pool and the KV transfer
+            args = (*args, *placement_pinned(args[1:]))
         return self.start(name, [sys.executable, "-m", "pdserve.cli", *args], env)
 
     def log(self, name: str) -> str:

@@ -72,7 +72,19 @@ def test_pools_on_separate_hosts_over_real_links(tiny_llama, tmp_path):
         )
         wait_for(lambda: "capturing" in procs.log("capture"), 30, "the link capture", procs)
 
-        on("gw", "gateway", "gateway", "--model", model, "--host", gw, "--worker-bind", f"tcp://{gw}:7100")
+        on(  # prompts through the prefill pool, so their KV crosses the link
+            "gw",
+            "gateway",
+            "gateway",
+            "--model",
+            model,
+            "--host",
+            gw,
+            "--worker-bind",
+            f"tcp://{gw}:7100",
+            "--prefill-placement",
+            "remote",
+        )
         p = on(
             "p",
             "prefill",
