@@ -1,5 +1,6 @@
-"""Qwen3 and Phi-4-mini-style Phi-3 served 1P1D (real processes, KV over shared memory, chunked
-prefill): greedy completions through HTTP == HF generate (fp32)."""
+"""Qwen3 and Phi-4-mini-style Phi-3 served as real processes, 1P1D (KV over shared memory) and
+colocated, chunked prefill, prefix cache on: greedy completions through HTTP == HF generate (fp32),
+and again once their prompts are cached."""
 
 from __future__ import annotations
 
@@ -11,11 +12,11 @@ from transformers import AutoTokenizer
 
 from tests.conftest import hf_greedy, random_prompts
 from tests.e2e.cluster import running_server
+from tests.e2e.test_transformers_backend_serving import MODES
 
 pytestmark = pytest.mark.slow
 
 MAX_NEW = 10
-ONE_P_ONE_D = ["--prefill-workers", "1", "--decode-workers", "1", "--kv-transport", "shm"]
 
 
 @pytest.fixture(params=["qwen3", "phi4-mini"])
@@ -38,11 +39,12 @@ def family_model(request, models_dir):
     )
 
 
-def test_1p1d_greedy_matches_hf(family_model):
+@pytest.mark.parametrize("mode", list(MODES))
+def test_served_greedy_matches_hf(family_model, mode):
     tok = AutoTokenizer.from_pretrained(family_model)
     prompts = random_prompts(tok.vocab_size, [7, 40, 23], seed=12)
     want = [tok.decode(hf_greedy(str(family_model), tuple(p), MAX_NEW), skip_special_tokens=True) for p in prompts]
-    with running_server(family_model, *ONE_P_ONE_D, "--max-num-batched-tokens", "16") as base:
+    with running_server(family_model, *MODES[mode], "--max-num-batched-tokens", "16") as base:
         client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
         model = client.models.list().data[0].id
 
@@ -52,4 +54,5 @@ def test_1p1d_greedy_matches_hf(family_model):
 
         with cf.ThreadPoolExecutor(len(prompts)) as pool:  # concurrent: decoded as one batch
             got = list(pool.map(complete, prompts))
-    assert any(want) and got == want
+        again = [complete(p) for p in prompts]  # their full blocks now cached (prefix cache on by default)
+    assert any(want) and got == want and again == want
