@@ -239,7 +239,7 @@ class LlamaForCausalLM(nn.Module):
             return None
         described: list[decode_layers.LayerWeights] = []
         keep: list = []  # the quantized segments' ctypes arrays, alive as long as the layers
-        max_rows = FEW_ROWS * 64  # lowered to the tightest linear's limit below
+        max_rows = max(FEW_ROWS, *quant_gemm.FEW_ROWS.values())  # lowered to the tightest linear's limit below
         for i, layer in enumerate(self.decoder_layers):
             attn, mlp = layer.self_attn, layer.mlp
             modules = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
