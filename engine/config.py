@@ -136,6 +136,15 @@ class ModelConfig:
             return "sliding_window (sliding-window attention is not served)"
         return "max_position_embeddings"
 
+    @property
+    def approx_params(self) -> int:
+        """Parameters of the dense weights (attention, MLP, embedding and head; norms and biases
+        left out): what `--dtype auto` weighs against the memory."""
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        layer = self.hidden_size * (2 * q + 2 * kv) + 3 * self.hidden_size * self.intermediate_size
+        heads = 1 if self.tie_word_embeddings else 2
+        return self.num_layers * layer + heads * self.vocab_size * self.hidden_size
+
     def fingerprint(self, dtype: "torch.dtype") -> str:
         """Pools exchanging KV must agree on this."""
         return (
@@ -342,11 +351,19 @@ def eos_token_ids(path: Path, cfg: dict) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def resolve_dtype(name: str, device: "torch.device", quantized_weights: bool = False) -> "torch.dtype":
-    """`auto`: bf16 on CUDA, or on a CPU with bf16 matrix units (AVX512-BF16/AMX) unless the
-    linears are kept quantized (`quantized_weights`: their CPU kernels, and the one-call decode
-    driver, take fp32 activations; bf16 would only add conversions and leave the driver off); else
-    fp32."""
+FP32_MEMORY_SHARE = 0.5  # `auto` keeps fp32 weights on the CPU while they take at most this share of the memory
+
+
+def resolve_dtype(
+    name: str, device: "torch.device", quantized_weights: bool = False, params: int | None = None
+) -> "torch.dtype":
+    """`auto`: bf16 on CUDA. On the CPU fp32, unless its weights (`params` of them) would take over
+    FP32_MEMORY_SHARE of the machine's memory on a CPU with bf16 matrix units (AVX512-BF16/AMX): then
+    bf16, half the bytes. fp32 is the faster CPU dtype here: the one-call decode driver, the C
+    prefill attention and the quantized kernels take fp32 (a bf16 decode step of the real-shape
+    model ran 2.3x slower than an fp32 one, docs/benchmarks/engine.md), and it is exact against
+    transformers in fp32. Linears kept quantized (`quantized_weights`) always get fp32 activations.
+    The machine's memory, not what is free now: workers of one host (P and D) decide alike."""
     import torch
 
     table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -356,7 +373,47 @@ def resolve_dtype(name: str, device: "torch.device", quantized_weights: bool = F
         return table[name]
     if device.type == "cuda":
         return torch.bfloat16
-    return torch.bfloat16 if cpu_has_fast_bf16() and not quantized_weights else torch.float32
+    if quantized_weights or not cpu_has_fast_bf16():
+        return torch.float32
+    return torch.float32 if fp32_fits(params) else torch.bfloat16
+
+
+def auto_dtype_reason(dtype: "torch.dtype", device: "torch.device", quantized_weights: bool) -> str:
+    """Why `auto` resolved to `dtype` (for the log)."""
+    import torch
+
+    if device.type == "cuda":
+        return "CUDA"
+    if dtype != torch.float32:
+        return f"fp32 weights would take over {FP32_MEMORY_SHARE:.0%} of the machine's memory"
+    if quantized_weights:
+        return "linears kept quantized: their kernels take fp32 activations"
+    return "the CPU's fastest dtype here; bf16 only where fp32 weights would not fit"
+
+
+def fp32_fits(params: int | None) -> bool:
+    """Whether `params` fp32 weights take at most FP32_MEMORY_SHARE of this machine's memory
+    (unknown count or memory: assumed to fit)."""
+    memory = machine_memory_bytes()
+    return params is None or memory is None or 4 * params <= FP32_MEMORY_SHARE * memory
+
+
+def machine_memory_bytes() -> int | None:
+    """MemTotal, or the cgroup's memory limit where lower (a container); None where unknown."""
+    sizes: list[int] = []
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                sizes.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit.isdigit():
+            sizes.append(int(limit))
+    except OSError:
+        pass
+    return min(sizes) if sizes else None
 
 
 def keeps_weights_quantized(cfg: ModelConfig) -> bool:
@@ -450,9 +507,9 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     model: Annotated[str, Flag("HF model folder or GGUF file (default: the embedded random Llama)")]
-    dtype: Annotated[str, Flag("auto: bf16 on CUDA or a CPU with bf16 matrix units, else float32", choices=DTYPES)] = (
-        "auto"
-    )
+    dtype: Annotated[
+        str, Flag("auto: bf16 on CUDA; fp32 on the CPU (bf16 if fp32 weights exceed half the memory)", choices=DTYPES)
+    ] = "auto"
     device: Annotated[str, Flag("a torch device: cpu, cuda, cuda:N")] = "cpu"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

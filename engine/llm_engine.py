@@ -24,7 +24,7 @@ from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.config import (
     EngineConfig,
     ModelConfig,
-    cpu_has_fast_bf16,
+    auto_dtype_reason,
     keeps_weights_quantized,
     quantized,
     resolve_dtype,
@@ -93,18 +93,12 @@ class LLMEngine:
         self.device = torch.device(config.device)
         self.model_config = quantized(ModelConfig.from_folder(config.model, config.model_impl), config.quantization)
         quantized_weights = keeps_weights_quantized(self.model_config)
-        self.dtype = resolve_dtype(config.dtype, self.device, quantized_weights)
+        self.dtype = resolve_dtype(config.dtype, self.device, quantized_weights, self.model_config.approx_params)
         if config.dtype == "auto":
             log.info(
                 "--dtype auto -> %s (%s)",
                 str(self.dtype).removeprefix("torch."),
-                "CUDA"
-                if self.device.type == "cuda"
-                else "CPU has bf16 matrix units"
-                if self.dtype != torch.float32
-                else "linears kept quantized: their kernels take fp32 activations"
-                if quantized_weights and cpu_has_fast_bf16()
-                else "CPU has no bf16 matrix units (AVX512-BF16/AMX)",
+                auto_dtype_reason(self.dtype, self.device, quantized_weights),
             )
         mc = self.model_config
         self.max_model_len = min(config.scheduler.max_model_len or mc.max_context, mc.max_context)
