@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         from pdserve.kvtransfer.bench import bench_kv_main
         from pdserve.kvtransfer.sender import use_contiguous_copy
 
-        use_contiguous_copy(stream_copy.copy_)  # as the workers do (cli/roles.py)
+        use_contiguous_copy(stream_copy.copy_addr)  # as the workers do (cli/roles.py)
         return bench_kv_main(argv[1:])
     if argv and argv[0] in ("prefill", "decode", "colocated", "gateway") and "--settings" in argv:
         if len(argv) != 3 or argv[1] != "--settings":

@@ -28,7 +28,7 @@ def _setup(role: str, threads: int | None) -> None:
         from pdserve.kvtransfer.sender import use_contiguous_copy
 
         keep_large_allocations_in_heap()
-        use_contiguous_copy(stream_copy.copy_)  # KV writes into another worker's pool bypass the caches
+        use_contiguous_copy(stream_copy.copy_addr)  # KV writes into another worker's pool bypass the caches
     if threads:
         import torch
 

@@ -23,11 +23,27 @@ STREAM_MIN_BYTES = 256 << 10  # below this the copy's lines may as well stay cac
 def _library() -> ctypes.CDLL | None:
     if platform.machine() not in ("x86_64", "AMD64"):
         return None  # SSE2 streaming stores: x86 only (elsewhere torch's copy runs)
-    lib = load_kernel(SOURCE)
+    built = load_kernel(SOURCE)
+    if built is None:
+        return None
+    # PyDLL: the call keeps the GIL. A piece (hundreds of KB, tens of microseconds) is shorter than
+    # the wait to take the GIL back from a prefill worker's other lane when it is running Python.
+    lib = ctypes.PyDLL(built._name, handle=built._handle)
     if lib is not None:
         lib.stream_copy.restype = None
         lib.stream_copy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     return lib
+
+
+def copy_addr(dst: int, src: int, nbytes: int) -> None:
+    """`nbytes` from address `src` to `dst` (contiguous CPU memory, not overlapping): streaming
+    stores from STREAM_MIN_BYTES up when the kernel built, else ctypes.memmove. What workers install
+    for KV transfers (kvtransfer/sender.py `use_contiguous_copy`)."""
+    lib = _library() if nbytes >= STREAM_MIN_BYTES else None
+    if lib is not None:
+        lib.stream_copy(dst, src, nbytes)
+    else:
+        ctypes.memmove(dst, src, nbytes)
 
 
 def copy_(dst: torch.Tensor, src: torch.Tensor) -> None:

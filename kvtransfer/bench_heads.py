@@ -22,13 +22,14 @@ import json
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import zmq
 
-from pdserve.kvtransfer.bench import _Memcpy, _ReceiverThread
+from pdserve.kvtransfer.bench import _Memcpy
 from pdserve.kvtransfer.head_ranges import HeadShard, distinct_shards, rank_kv_heads
 from pdserve.kvtransfer.lease import LeaseTable
 from pdserve.kvtransfer.malloc_tuning import keep_large_allocations_in_heap
@@ -43,6 +44,41 @@ def split(full: torch.Tensor, degree: int) -> list[HeadShard]:
     """`degree` rank pools of `full` [L, 2, N, bs, Hkv, D], each a separate copy of its heads."""
     heads = [rank_kv_heads(full.shape[4], r, degree) for r in range(degree)]
     return [HeadShard(k0, k1, full[:, :, :, :, k0:k1].clone()) for k0, k1 in heads]
+
+
+class _ReceiverThread(threading.Thread):
+    """Polls the receiver like a decode worker's loop; records when each KvDone is accepted."""
+
+    def __init__(self, receiver: KvReceiver) -> None:
+        super().__init__(daemon=True, name="bench-kv-receiver")
+        self.receiver = receiver
+        self.done_at: dict[str, float] = {}
+        self.cond = threading.Condition()
+        self.stop = False
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            while not self.stop:
+                for done in self.receiver.poll(20, max_frames=1 << 30):
+                    now = time.perf_counter()
+                    with self.cond:
+                        self.done_at[done.request_id] = now
+                        self.cond.notify_all()
+        except BaseException as e:  # surfaced by wait()
+            self.error = e
+            with self.cond:
+                self.cond.notify_all()
+
+    def wait(self, request_id: str, timeout_s: float) -> float:
+        with self.cond:
+            if not self.cond.wait_for(lambda: request_id in self.done_at or self.error is not None, timeout_s):
+                raise TimeoutError(
+                    f"{request_id}: no verified KvDone within {timeout_s} s (dropped: {dict(self.receiver.dropped)})"
+                )
+            if self.error is not None:
+                raise self.error
+            return self.done_at.pop(request_id)
 
 
 class _Pair:

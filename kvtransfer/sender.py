@@ -29,6 +29,7 @@ A sender is not thread-safe: one per destination, used from the forward-pass thr
 from __future__ import annotations
 
 import collections
+import ctypes
 import logging
 import math
 import time
@@ -97,35 +98,62 @@ def _few(runs: list, n: int) -> bool:
     return len(runs) == 1 or len(runs) * 4 <= n  # runs of 4+ blocks: slice copies beat index kernels
 
 
-def _torch_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    dst.copy_(src)
+def _memmove(dst: int, src: int, nbytes: int) -> None:
+    ctypes.memmove(dst, src, nbytes)
 
 
-_contiguous_copy: Callable[[torch.Tensor, torch.Tensor], None] = _torch_copy
+_contiguous_copy: Callable[[int, int, int], None] = _memmove
 
 
-def use_contiguous_copy(copy: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
-    """How this process copies a contiguous piece of a block run (`copy(dst, src)`); torch's copy
-    until set. Workers and `bench-kv` set kernels/stream_copy.py's streaming-store copy (cli/:
-    kvtransfer/ does not import kernels/): a pool's blocks written by a transfer are not read again
-    soon (P never reads them; D when it decodes the request)."""
+def use_contiguous_copy(copy: Callable[[int, int, int], None]) -> None:
+    """How this process copies `nbytes` of contiguous CPU memory (`copy(dst_addr, src_addr,
+    nbytes)`); ctypes.memmove until set. Workers and `bench-kv` set kernels/stream_copy.py's
+    streaming-store copy (cli/: kvtransfer/ does not import kernels/): a pool's blocks written by a
+    transfer are not read again soon (P never reads them; D when it decodes the request)."""
     global _contiguous_copy
     _contiguous_copy = copy
+
+
+def _copy_piece(dst: torch.Tensor, src: torch.Tensor, streaming: bool) -> None:
+    """dst[:] = src: contiguous CPU pieces of one dtype through the installed copy when
+    `streaming`, else torch's copy."""
+    if (
+        streaming
+        and dst.device.type == "cpu"
+        and src.device.type == "cpu"
+        and dst.dtype == src.dtype
+        and dst.shape == src.shape
+        and dst.is_contiguous()
+        and src.is_contiguous()
+    ):
+        _contiguous_copy(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size())
+    else:
+        dst.copy_(src)
 
 
 def _copy_run(dst: torch.Tensor, src: torch.Tensor, streaming: bool) -> None:
     """dst[:] = src for a run of blocks [2, k, bs, Hkv, D]: in one piece, or K and V apart (each
     contiguous when the run holds every head), else torch's strided copy. `streaming`: contiguous
     pieces through the installed copy (for destinations not read again soon)."""
-    copy = _contiguous_copy if streaming else _torch_copy
     if dst.is_contiguous() and src.is_contiguous():
-        copy(dst, src)
+        _copy_piece(dst, src, streaming)
         return
     for half in range(dst.shape[0]):
-        if dst[half].is_contiguous() and src[half].is_contiguous():
-            copy(dst[half], src[half])
-        else:
-            dst[half].copy_(src[half])
+        _copy_piece(dst[half], src[half], streaming)
+
+
+def _copy_runs_flat(pool: torch.Tensor, layer: int, src_layer: torch.Tensor, runs: list[tuple[int, int, int]]) -> None:
+    """pool[layer][:, d0 : d0 + k] = src_layer[:, s0 : s0 + k] for each run, K and V apart, by
+    address: no torch call per piece (each would let the worker's other lane take the GIL). For a
+    contiguous CPU pool holding exactly the source's heads and a contiguous CPU source.
+    pool [L, 2, N, bs, H, D]; src_layer [2, N_src, bs, H, D]."""
+    n_dst, n_src = pool.shape[2], src_layer.shape[1]
+    block = math.prod(src_layer.shape[2:]) * src_layer.element_size()  # bytes of one block's K (or V)
+    dst0 = pool.data_ptr() + layer * 2 * n_dst * block
+    src0 = src_layer.data_ptr()
+    for s0, d0, k in runs:
+        for half in (0, 1):
+            _contiguous_copy(dst0 + (half * n_dst + d0) * block, src0 + (half * n_src + s0) * block, k * block)
 
 
 def copy_blocks(
@@ -200,7 +228,7 @@ class KvSender(ABC):
 
     def send_done(self, done: KvDone) -> bool:
         """Queue the request's KvDone (after its last layer); False when D's queue stayed full."""
-        self._seq.pop((done.request_id, done.lease_epoch), None)
+        self._forget(done.request_id, done.lease_epoch)
         ok = self.outbox.send(done, timeout_ms=self.send_timeout_ms)
         if not ok:
             log.error("KvDone for %s not sent: queue to %s full", done.request_id, self.outbox.addr)
@@ -209,7 +237,7 @@ class KvSender(ABC):
     def send_range_done(self, request_id: str, lease_epoch: int, heads: tuple[int, int], kv_bytes: int) -> bool:
         """A prefill rank's stream (its own sender): every frame of KV heads `heads` for this lease
         is sent, `kv_bytes` in all (rank 0's KvDone names how many such markers D waits for)."""
-        self._seq.pop((request_id, lease_epoch), None)
+        self._forget(request_id, lease_epoch)
         done = KvRangeDone(
             request_id=request_id,
             lease_epoch=lease_epoch,
@@ -221,7 +249,7 @@ class KvSender(ABC):
 
     def send_release(self, request_id: str, lease_epoch: int) -> bool:
         """Tell D this lease will never be written again (after any frames already queued)."""
-        self._seq.pop((request_id, lease_epoch), None)
+        self._forget(request_id, lease_epoch)
         return self.outbox.send(
             KvRelease(request_id=request_id, lease_epoch=lease_epoch), timeout_ms=self.send_timeout_ms
         )
@@ -264,6 +292,10 @@ class KvSender(ABC):
             raise ValueError("destination block ids repeat")
         if leased is not None and not set(dst_ids) <= set(leased):
             raise ValueError("destination blocks are not all the lease's")
+
+    def _forget(self, request_id: str, epoch: int) -> None:
+        """The lease is done with (KvDone, KvRangeDone or KvRelease sent): drop what is kept for it."""
+        self._seq.pop((request_id, epoch), None)
 
     def _next_seq(self, request_id: str, epoch: int) -> int:
         key = (request_id, epoch)
@@ -406,6 +438,8 @@ class ShmKvSender(KvSender):
         start = layout.kv_head_start
         pools = pools or [ShmPool(shm_name, start, start + layout.num_kv_heads)]
         self._mapped: list[SharedTensor] = []
+        # (request id, epoch) -> (src ids, dst ids, source blocks, runs or None): see _plan
+        self._plans: collections.OrderedDict[tuple[str, int], tuple] = collections.OrderedDict()
         self.shards: list[HeadShard] = []  # D's pools [L, 2, N, bs, h, D], each with its heads
         try:
             for p in pools:
@@ -431,8 +465,8 @@ class ShmKvSender(KvSender):
             raise ValueError("shared-memory writes need the lease deadline: pass the Lease (or deadline=)")
         if self._closed:
             raise KvSendError("sender is closed")
-        self._check_args(src_kv_layer, src_block_ids, dst_block_ids, leased)
-        num_layers, num_blocks = self.layout.num_layers, self.layout.num_blocks
+        num_layers = self.layout.num_layers
+        runs = self._plan(request_id, epoch, src_kv_layer, src_block_ids, dst_block_ids, leased)
         if layer >= num_layers:  # a draft model's layer: D's draft pool is not shared, send it
             self._check_deadline(deadline)
             return self._send_payload(request_id, epoch, layer, src_kv_layer, src_block_ids, dst_block_ids)
@@ -446,10 +480,14 @@ class ShmKvSender(KvSender):
             raise ValueError(f"source layer {list(src_kv_layer.shape[2:])} does not match the destination pool's")
         if src_kv_layer.dtype != pool0.dtype:
             raise ValueError(f"source dtype {src_kv_layer.dtype} is not the destination pool's {pool0.dtype}")
-        if min(dst_block_ids) < 0 or max(dst_block_ids) >= num_blocks:
-            raise ValueError(f"destination block ids outside [0, {num_blocks})")
         for o in overlaps(h0, h1, self.shards):  # every rank pool holding some of these heads
             self._check_deadline(deadline, self.deadline_margin_s)  # D may reuse the blocks after it
+            pool = o.shard.pool
+            whole = o.src == 0 and o.dst == 0 and o.count == src_kv_layer.shape[3] == pool.shape[4]
+            on_cpu = pool.device.type == "cpu" and src_kv_layer.device.type == "cpu"
+            if whole and on_cpu and runs is not None and src_kv_layer.is_contiguous() and pool.is_contiguous():
+                _copy_runs_flat(pool, layer, src_kv_layer, runs)
+                continue
             dst = o.shard.pool[layer][:, :, :, o.dst : o.dst + o.count]  # [2, N, bs, count, D]
             src = src_kv_layer[:, :, :, o.src : o.src + o.count]  # [2, N_src, bs, count, D]
             copy_blocks(dst, list(dst_block_ids), src, list(src_block_ids))
@@ -470,6 +508,42 @@ class ShmKvSender(KvSender):
         )
         self._send(header, [])
         return nbytes
+
+    def _plan(
+        self,
+        request_id: str,
+        epoch: int,
+        src_kv_layer: torch.Tensor,
+        src_ids: list[int],
+        dst_ids: list[int],
+        leased: list[int] | None,
+    ) -> list[tuple[int, int, int]] | None:
+        """The block runs of this call's ids, checked once for all of a chunk's layers (each layer
+        of a request's chunk names the same ids); None when they are too scattered for slice copies."""
+        if src_kv_layer.dim() != 5 or src_kv_layer.shape[0] != 2:
+            raise ValueError(f"src_kv_layer must be [2, N, bs, Hkv, D], got {list(src_kv_layer.shape)}")
+        key = (request_id, epoch)
+        plan = self._plans.get(key)
+        if plan is not None and plan[0] == src_ids and plan[1] == dst_ids and plan[2] == src_kv_layer.shape[1]:
+            return plan[3]
+        self._check_args(src_kv_layer, src_ids, dst_ids, leased)
+        if min(dst_ids) < 0 or max(dst_ids) >= self.layout.num_blocks:
+            raise ValueError(f"destination block ids outside [0, {self.layout.num_blocks})")
+        runs = _runs(src_ids, dst_ids)
+        self._plans.pop(key, None)
+        self._plans[key] = (
+            list(src_ids),
+            list(dst_ids),
+            src_kv_layer.shape[1],
+            runs if _few(runs, len(dst_ids)) else None,
+        )
+        while len(self._plans) > _MAX_TRACKED_REQUESTS:
+            self._plans.popitem(last=False)
+        return self._plans[key][3]
+
+    def _forget(self, request_id: str, epoch: int) -> None:
+        super()._forget(request_id, epoch)
+        self._plans.pop((request_id, epoch), None)
 
     def _send_payload(self, request_id, epoch, layer, src_kv_layer, src_ids, dst_ids) -> int:
         """One frame carrying the blocks' bytes (a layer D's shared pool does not hold)."""

@@ -34,8 +34,8 @@ def test_equals_torch_copy_at_any_size_and_alignment(numel, offset, dtype):
 
 
 def test_kv_block_runs_through_copy_blocks(monkeypatch):
-    monkeypatch.setattr(sender, "_contiguous_copy", sender._torch_copy)
-    sender.use_contiguous_copy(stream_copy.copy_)
+    monkeypatch.setattr(sender, "_contiguous_copy", sender._memmove)
+    sender.use_contiguous_copy(stream_copy.copy_addr)
     src = torch.randn(2, 300, 16, 4, 64)  # [2, N, bs, Hkv, D]: 256 KiB a block's K or V x 16 blocks
     dst = torch.zeros_like(src)
     src_ids, dst_ids = list(range(10, 110)), list(range(150, 250))  # one run of 100 blocks

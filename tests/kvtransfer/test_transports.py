@@ -9,6 +9,7 @@ import pytest
 import torch
 import zmq
 
+from pdserve.kvtransfer import sender as sender_module
 from pdserve.kvtransfer.lease import LeaseTable
 from pdserve.kvtransfer.receiver import KvReceiver
 from pdserve.kvtransfer.sender import KvSendError, LeaseExpired, ShmKvSender, ZmqKvSender, make_kv_sender
@@ -324,3 +325,40 @@ def test_writer_release_returns_blocks_at_once_active_or_quarantined():
     assert leases.revoke("b") and leases.reclaimable() == []  # quarantined until the deadline
     assert leases.release_early("b", b.epoch) == [3]  # the writer's promise frees it now
     assert leases.release_early("b", b.epoch) == [] and leases.reclaimable(time.time() + 60) == []
+
+
+def test_shm_block_runs_by_address_over_chunks_of_one_request(ctx, pool, monkeypatch):
+    """ShmKvSender copies runs of consecutive blocks by address (`_copy_runs_flat`), planning a
+    chunk's ids once for all its layers: a request's second chunk (other ids, the same lease) and a
+    scattered chunk of another request land bit for bit, every other block untouched."""
+    by_address = []
+    flat = sender_module._copy_runs_flat
+    monkeypatch.setattr(sender_module, "_copy_runs_flat", lambda *a: (by_address.append(a[1]), flat(*a)))
+    dst = pool.tensor
+    leases = LeaseTable(L)
+    with KvReceiver(ctx, AUTH, "tcp://127.0.0.1:0", dst, leases) as receiver:
+        src = torch.randn(L, 2, 20, BS, H, D)
+        chunks = [([2, 3, 4], [1, 2, 3]), ([5, 6, 7, 8], [4, 5, 6, 7])]  # runs of 3 and 4 blocks
+        scattered = ([19, 0, 15], [11, 0, 9])
+        lease = leases.grant("r1", [b for _, ids in chunks for b in ids], ttl_s=30)
+        other = leases.grant("r2", scattered[1], ttl_s=30)
+        sender = ShmKvSender(AUTH, receiver.addr, pool.name, KvLayout(L, N, BS, H, D, "float32"), ctx=ctx)
+        try:
+            sent = {"r1": 0, "r2": 0}
+            for s_ids, d_ids in chunks:
+                for layer in range(L):  # interleaved with the other request, as a batched step sends
+                    sent["r1"] += sender.send_layer("r1", lease, layer, src[layer], s_ids, d_ids)
+                    if s_ids == chunks[0][0]:
+                        sent["r2"] += sender.send_layer("r2", other, layer, src[layer], *scattered)
+            for rid, ls in (("r1", lease), ("r2", other)):
+                assert sender.send_done(KvDone(request_id=rid, lease_epoch=ls.epoch, num_layers=L, kv_bytes=sent[rid]))
+            done = drain(receiver, want=2)
+        finally:
+            sender.close()
+        assert sorted(d.request_id for d in done) == ["r1", "r2"] and not receiver.dropped
+        pairs = [p for s_ids, d_ids in (*chunks, scattered) for p in zip(s_ids, d_ids)]
+        for s, d in pairs:
+            assert torch.equal(dst[:, :, d], src[:, :, s])
+        assert untouched(dst, [d for _, d in pairs])
+        assert not sender._plans  # forgotten with each KvDone
+        assert by_address == [*range(L), *range(L)]  # r1's two chunks; r2's scattered ids went by copy_blocks
