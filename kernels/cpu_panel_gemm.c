@@ -1,4 +1,5 @@
-/* Few-row linear on the CPU: y[m, out] = x[m, in] . W (+ bias), for decode steps at batch 1-16.
+/* Few-row linear on the CPU: y[m, out] = x[m, in] . W (+ bias), for decode steps at batch 1-16
+ * (AVX2) or 1-32 (AVX-512; kernels/panel_gemm.py `few_rows`).
  *
  * W is packed once (kernels/panel_gemm.py) into panels of 16 output columns,
  * [ceil(out / 16), in, 16] (the last panel zero-padded), so a panel is one contiguous run
@@ -8,50 +9,70 @@
  * at one row went 6.3-7.0 -> 4.7-5.3 ms with L2 (A/B in one process). Threads split panels, so
  * each streams whole panels; the C GEMV on an [in, out] copy (each thread reading part of every
  * weight row) managed about half the rate at one row. Against oneDNN's GEMM, with L2
- * prefetch: 25-40% faster at 5-12 rows, level at 16-32 (the tile reaches ~50-65% of a core's
- * FMA rate even with the panel in L2), so the caller keeps it to 16 rows
- * (docs/benchmarks/engine.md).
+ * prefetch: the AVX2 tile 25-40% faster at 5-12 rows, level at 16-32 (it reaches ~50-65% of a
+ * core's FMA rate even with the panel in L2), so there the caller keeps it to 16 rows; the AVX-512
+ * tile 1.1-1.5x oneDNN from 8 to 32 rows (docs/benchmarks/engine.md).
  *
- * Register tile: MR = 6 rows x 16 columns (12 ymm accumulators, two weight vectors, one
- * broadcast). Every output is a sum over `in` in order, one FMA a term: a row's result depends
- * neither on how many rows share the call nor on the thread count (threads split panels).
+ * Register tiles, rows x 16 columns: two ymm a row, up to 6 rows (12 accumulators, two weight
+ * vectors, one broadcast); with AVX-512 also one zmm a row, 7 to 16 rows (up to 16 accumulators, the
+ * weight vector, broadcasts folded into the FMAs), so a decode step of up to 16 rows reads each
+ * panel once. Fewer zmm rows than that leave too few independent FMA chains to hide the FMA
+ * latency (6 zmm rows ran 10-15% slower than 6 ymm ones), so those stay on ymm. Every output is a
+ * sum over `in` in order, one FMA a term, whatever the tile: a row's result depends neither on how
+ * many rows share the call, nor on the thread count (threads split panels), nor on the vector width.
  * Threads: OpenMP on torch's own libgomp (see cpu_decode_attention.c).
  */
 #include <stddef.h>
 #include <stdint.h>
 
+#define PANEL 16
+#define MR_Y 6 /* rows of the ymm tile */
+#if defined(__AVX512F__)
+#define MR 16 /* rows of the widest tile */
+#else
+#define MR MR_Y
+#endif
+
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v8u __attribute__((vector_size(32), aligned(4)));
 
-#define PANEL 16
-#define MR 6
-
-static inline v8 load8(const float *p) { return *(const v8u *)p; }
-static inline void store8(float *p, v8 x) { *(v8u *)p = x; }
-
 int panel_width(void) { return PANEL; }  /* kernels/panel_gemm.py packs to it */
+int panel_tile_rows(void) { return MR; }  /* rows a pass over a panel takes, at most */
 
-/* rows [0, mr) of x (ldx floats apart) times one panel [in, 16] -> tile[mr][16] */
-static inline __attribute__((always_inline)) void tile(const int mr, const float *x, int64_t ldx,
-                                                       const float *panel, int64_t in, float *out16,
-                                                       const float *next) {
-    v8 acc[MR][2];
-    for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = (v8){0};
-    for (int64_t k = 0; k < in; k++) {
-        if (next) __builtin_prefetch(next + k * PANEL, 0, 2);  /* the next panel into L2, while this one computes */
-        const v8 w0 = load8(panel + k * PANEL), w1 = load8(panel + k * PANEL + 8);
-        for (int r = 0; r < mr; r++) {
-            const float xs = x[r * ldx + k];
-            const v8 xr = {xs, xs, xs, xs, xs, xs, xs, xs};
-            acc[r][0] += xr * w0;
-            acc[r][1] += xr * w1;
-        }
+/* rows [0, mr) of x (ldx floats apart) times one panel [in, 16] -> tile[mr][16], VW floats a
+ * vector (8: two a row; 16: one a row) */
+#define DEFINE_TILE(name, VW, VT, VTU)                                                                  \
+    static inline __attribute__((always_inline)) void name(const int mr, const float *x, int64_t ldx, \
+                                                           const float *panel, int64_t in, float *out16, \
+                                                           const float *next) {                          \
+        enum { PV = PANEL / VW };                                                                        \
+        VT acc[MR][PV];                                                                                  \
+        for (int r = 0; r < mr; r++)                                                                     \
+            for (int v = 0; v < PV; v++) acc[r][v] = (VT){0};                                            \
+        for (int64_t k = 0; k < in; k++) {                                                               \
+            if (next) __builtin_prefetch(next + k * PANEL, 0, 2); /* the next panel into L2 */           \
+            VT w[PV];                                                                                    \
+            for (int v = 0; v < PV; v++) w[v] = *(const VTU *)(panel + k * PANEL + v * VW);              \
+            for (int r = 0; r < mr; r++) {                                                               \
+                const VT xr = (VT){0} + x[r * ldx + k];                                                  \
+                for (int v = 0; v < PV; v++) acc[r][v] += xr * w[v];                                     \
+            }                                                                                            \
+        }                                                                                                \
+        for (int r = 0; r < mr; r++)                                                                     \
+            for (int v = 0; v < PV; v++) *(VTU *)(out16 + r * PANEL + v * VW) = acc[r][v];               \
     }
-    for (int r = 0; r < mr; r++) {
-        store8(out16 + r * PANEL, acc[r][0]);
-        store8(out16 + r * PANEL + 8, acc[r][1]);
-    }
-}
+
+DEFINE_TILE(tile_y, 8, v8, v8u)
+#if MR == 16
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));
+DEFINE_TILE(tile_z, 16, v16, v16u)
+#endif
+
+#define TILE_Y(n) \
+    case n: tile_y(n, xr, ldx, panel, in, buf, next); break;
+#define TILE_Z(n) \
+    case n: tile_z(n, xr, ldx, panel, in, buf, next); break;
 
 /* y [m, out] (dense) = x [m, in] (rows ldx floats apart) . panels (+ bias [out], may be NULL). */
 int panel_gemm_f32(const float *x, int64_t ldx, const float *panels, const float *bias, float *y, int64_t m,
@@ -70,12 +91,11 @@ int panel_gemm_f32(const float *x, int64_t ldx, const float *panels, const float
             /* the first row tile pulls the next panel into cache while it computes */
             const float *next = r == 0 && p + 1 < np ? panel + in * PANEL : NULL;
             switch (mr) {  /* one specialised copy of the tile per row count */
-                case 6: tile(6, xr, ldx, panel, in, buf, next); break;
-                case 5: tile(5, xr, ldx, panel, in, buf, next); break;
-                case 4: tile(4, xr, ldx, panel, in, buf, next); break;
-                case 3: tile(3, xr, ldx, panel, in, buf, next); break;
-                case 2: tile(2, xr, ldx, panel, in, buf, next); break;
-                default: tile(1, xr, ldx, panel, in, buf, next); break;
+#if MR == 16
+                TILE_Z(16) TILE_Z(15) TILE_Z(14) TILE_Z(13) TILE_Z(12) TILE_Z(11) TILE_Z(10) TILE_Z(9) TILE_Z(8) TILE_Z(7)
+#endif
+                TILE_Y(6) TILE_Y(5) TILE_Y(4) TILE_Y(3) TILE_Y(2)
+                default: tile_y(1, xr, ldx, panel, in, buf, next); break;
             }
             for (int i = 0; i < mr; i++) {
                 float *yr = y + (r + i) * out + c;

@@ -26,6 +26,7 @@ def _library() -> ctypes.CDLL | None:
     lib.panel_gemm_f32.restype = ctypes.c_int
     lib.panel_gemm_f32.argtypes = [p, i64, p, p, p, i64, i64, i64, ctypes.c_int]
     lib.panel_width.restype = ctypes.c_int
+    lib.panel_tile_rows.restype = ctypes.c_int
     if lib.panel_width() != PANEL:  # weights packed to another width would be read wrongly
         raise RuntimeError(f"{SOURCE.name} packs {lib.panel_width()} columns a panel, panel_gemm.py {PANEL}")
     return lib
@@ -34,6 +35,15 @@ def _library() -> ctypes.CDLL | None:
 def available() -> bool:
     """Whether the kernel is built and loaded (tried once per process)."""
     return _library() is not None
+
+
+def few_rows() -> int:
+    """Up to this many rows a linear runs here rather than on oneDNN: 32 where the kernel built
+    with AVX-512 (a 16-row tile: 1.1-1.5x oneDNN from 8 to 32 rows on all the real-shape model's
+    linears, AMD EPYC with AVX-512, docs/benchmarks/engine.md), 16 with AVX2's 6-row tile (it drew
+    level with oneDNN at 16-32); 16 when it did not build (the callers then never use it)."""
+    lib = _library()
+    return 32 if lib is not None and lib.panel_tile_rows() >= 16 else 16
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

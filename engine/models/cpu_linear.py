@@ -5,13 +5,14 @@ them fastest.
 blocked layout. torch's own fp32 `mm` goes to MKL, which on this machine's AMD EPYC reaches
 51-63 GFLOP/s at 32-512 rows against oneDNN's 86-105 (one thread, the bench model's shapes, all
 layers' weights in turn so they stream from memory as in a real step). oneDNN's 2-3 row case is
-slower than its 4-row GEMM, so such inputs are padded to 4 rows. Up to FEW_ROWS rows (decode
+slower than its 4-row GEMM, so such inputs are padded to 4 rows. Up to `panel_gemm.few_rows()` rows (decode
 steps at small batch) a second copy of the weight in panels of 16 columns serves them: the C
 few-row GEMM of kernels/cpu_panel_gemm.c, each thread streaming whole panels, ran all the bench
 model's linears at one row in 4.2 ms against 7.5-7.9 for the C GEMV on an `[in, out]` copy and
 6.7-9.1 for oneDNN. Since its next panel is prefetched into L2 rather than L1 it also beats
-oneDNN from 5 to 12 rows (by 25-40%, all the bench model's linears A/B in one process) and
-draws level at 16-32 (docs/benchmarks/engine.md). The copy is kept unless the linear weights are over 1/8
+oneDNN from 5 to 12 rows (by 25-40%, all the bench model's linears A/B in one process); its
+6-row AVX2 tile drew level at 16-32, the 16-row AVX-512 one beats oneDNN up to 32 rows
+(docs/benchmarks/engine.md). The copy is kept unless the linear weights are over 1/8
 of the machine's memory (then small inputs pad to 4 and read the packed weight). Without the C
 kernel, one-row inputs use an `[in, out]` copy (GEMV).
 
@@ -37,7 +38,6 @@ MIN_ROWS = 4  # oneDNN: a 4-row GEMM beats the 1-3 row GEMV on the same weights
 # by ~2.5 MB per new length, up to GBs. 64 entries keep decode's few shapes hot and cost a new
 # prefill length ~2 ms per weight shape (~3% of a 512-token step).
 ONEDNN_CACHE_ENTRIES = "64"
-FEW_ROWS = 16  # up to this many rows the C panel GEMM beats oneDNN (and the GEMV) here, or draws level
 PACK_ROWS_HINT = 32  # rows oneDNN blocks the weight for (hints 4, 32, 512 measured alike; 1 is 2x slower at 8 rows)
 
 
@@ -60,7 +60,7 @@ def onednn_linear_available() -> bool:
 class PackedLinear(nn.Module):
     """y = x W^T (+ b) on oneDNN with W [out, in] prepacked (an opaque oneDNN tensor). With
     `gemv_copy`, a second copy serves few-row inputs: panels for the C few-row GEMM (up to
-    FEW_ROWS rows) when it built, else an [in, out] copy for one-row inputs."""
+    `panel_gemm.few_rows()` rows) when it built, else an [in, out] copy for one-row inputs."""
 
     def __init__(self, linear: nn.Linear, gemv_copy: bool = True) -> None:
         super().__init__()
@@ -78,7 +78,7 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]  # x [T, in]
-        if self.panels is not None and rows <= FEW_ROWS and x.stride(-1) == 1:
+        if self.panels is not None and rows <= panel_gemm.few_rows() and x.stride(-1) == 1:
             return panel_gemm.linear(x, self.panels, self.bias, self.out_features)  # [T, out]
         if rows == 1 and self.gemv is not None:
             return self.gemv(x)  # [1, out]

@@ -22,14 +22,14 @@ from torch import nn
 
 from pdserve import kernels
 from pdserve.engine.config import ModelConfig
-from pdserve.engine.models.cpu_linear import FEW_ROWS, PackedLinear, cpu_linear_kind, gemv_copy_fits, relayout_linears
+from pdserve.engine.models.cpu_linear import PackedLinear, cpu_linear_kind, gemv_copy_fits, relayout_linears
 from pdserve.engine.models.qk_norm import norm_qk_heads
 from pdserve.engine.models.quantized_embedding import QuantizedEmbedding
 from pdserve.engine.models.quantized_linear import QuantizedLinear
 from pdserve.engine.models.rotary import RotaryEmbedding, rotate
 from pdserve.engine.parallel.group import TensorParallelGroup
 from pdserve.engine.parallel.shard import TensorParallelShard
-from pdserve.kernels import decode_layers, layer_ops, quant_gemm
+from pdserve.kernels import decode_layers, layer_ops, panel_gemm, quant_gemm
 
 
 @dataclass
@@ -137,10 +137,10 @@ class DecoderLayer(nn.Module):
 
 def _driver_rows(module: nn.Module) -> int:
     """The most rows a step may have for this linear's kernel in the driver to be the per-op
-    path's own: the panel GEMM's FEW_ROWS, or the quantized GEMM's limit for each part's bits."""
+    path's own: the panel GEMM's `few_rows()`, or the quantized GEMM's limit for each part's bits."""
     if isinstance(module, QuantizedLinear):
         return min(quant_gemm.FEW_ROWS[p.bits] for p in module.parts)
-    return FEW_ROWS
+    return panel_gemm.few_rows()
 
 
 def _driver_linear(module: nn.Module, keep: list) -> decode_layers.LinearDesc | None:
@@ -239,7 +239,8 @@ class LlamaForCausalLM(nn.Module):
             return None
         described: list[decode_layers.LayerWeights] = []
         keep: list = []  # the quantized segments' ctypes arrays, alive as long as the layers
-        max_rows = max(FEW_ROWS, *quant_gemm.FEW_ROWS.values())  # lowered to the tightest linear's limit below
+        # lowered to the tightest linear's limit below
+        max_rows = max(panel_gemm.few_rows(), *quant_gemm.FEW_ROWS.values())
         for i, layer in enumerate(self.decoder_layers):
             attn, mlp = layer.self_attn, layer.mlp
             modules = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
@@ -271,7 +272,7 @@ class LlamaForCausalLM(nn.Module):
         stack: decode_layers.DecodeLayers, x: torch.Tensor, rope: Rope, ctx: ForwardContext
     ) -> torch.Tensor | None:
         """Every layer in one C call (`stack`, from `describe_decode_layers`) for a step of up to
-        `stack.max_rows` decodes (fp32: FEW_ROWS; quantized: the quantized GEMM's row limit)
+        `stack.max_rows` decodes (fp32: the panel GEMM's `few_rows()`; quantized: the quantized GEMM's row limit)
         with no per-layer callback: x [T, H] -> [T, H]. None when the step is not such a one, or
         the driver is switched off (the caller runs the layers one by one)."""
         attn = ctx.attn

@@ -8,7 +8,6 @@ import torch
 from torch import nn
 
 from pdserve.engine.models.cpu_linear import (
-    FEW_ROWS,
     MIN_ROWS,
     PackedLinear,
     TransposedLinear,
@@ -17,10 +16,11 @@ from pdserve.engine.models.cpu_linear import (
     relayout_linears,
 )
 from pdserve.kernels import panel_gemm
+from pdserve.kernels.panel_gemm import few_rows
 
 
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, MIN_ROWS - 1, MIN_ROWS, 7, FEW_ROWS, FEW_ROWS + 1, 300])
+@pytest.mark.parametrize("rows", [1, MIN_ROWS - 1, MIN_ROWS, 7, few_rows(), few_rows() + 1, 300])
 @pytest.mark.parametrize("kind", ["packed", "packed-no-gemv-copy", "transposed"])
 def test_layouts_equal_dense_linear(kind, rows, bias):
     if kind.startswith("packed") and not onednn_linear_available():

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine.models.cpu_linear import FEW_ROWS
 from pdserve.env import reload as reload_env
 from pdserve.kernels import decode_layers
+from pdserve.kernels.panel_gemm import few_rows
 from pdserve.kernels.quant_gemm import FEW_ROWS as QUANT_FEW_ROWS
 from tests.conftest import random_prompts
 from tests.engine.test_engine_vs_hf import GREEDY, make_engine
@@ -19,7 +19,7 @@ QUANT_ROWS = min(QUANT_FEW_ROWS.values())  # a quantized stack's driver takes st
 
 def engine_at_decode(model, batch: int):
     """An engine whose `batch` requests (prompts of varied lengths) have all reached decode."""
-    return to_decode(make_engine(model, max_num_seqs=32, num_blocks=256), batch)
+    return to_decode(make_engine(model, max_num_seqs=max(32, batch), num_blocks=256), batch)
 
 
 def to_decode(engine, batch: int):
@@ -45,7 +45,7 @@ def per_op_layers(model, fp) -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize("batch", [1, 3, FEW_ROWS])
+@pytest.mark.parametrize("batch", [1, 3, few_rows()])
 @torch.inference_mode()
 def test_fused_equals_per_op_bit_for_bit(tiny_model, batch):
     engine = engine_at_decode(tiny_model, batch)
@@ -64,9 +64,9 @@ def test_fused_equals_per_op_bit_for_bit(tiny_model, batch):
 
 @torch.inference_mode()
 def test_steps_it_is_not_for_run_layer_by_layer(tiny_llama, monkeypatch):
-    engine = engine_at_decode(tiny_llama, FEW_ROWS + 1)
+    engine = engine_at_decode(tiny_llama, few_rows() + 1)
     fp = engine.launch(engine.schedule())
-    assert fp.x.shape[0] == FEW_ROWS + 1 and fused(engine, fp) is None  # too many rows
+    assert fp.x.shape[0] == few_rows() + 1 and fused(engine, fp) is None  # too many rows
     small = engine_at_decode(tiny_llama, 2)
     fp = small.launch(small.schedule())
     fp.ctx.on_layer_stored = lambda layer: None
@@ -130,7 +130,7 @@ def k_quant_llama(tmp_path_factory):
 
 
 @pytest.mark.skipif(not decode_layers.quantized_available(), reason="the quantized GEMM did not build")
-@pytest.mark.parametrize("batch", [1, FEW_ROWS, QUANT_ROWS])
+@pytest.mark.parametrize("batch", [1, few_rows(), QUANT_ROWS])
 @pytest.mark.parametrize("source", ["int8", "int4", "q4_k_m"])
 @torch.inference_mode()
 def test_quantized_layers_fused_equal_per_op_bit_for_bit(tiny_llama, k_quant_llama, source, batch):
