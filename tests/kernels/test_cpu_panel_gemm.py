@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
+import platform
+import shutil
+import subprocess
+
 import pytest
 import torch
 
@@ -42,3 +47,49 @@ def test_a_rows_result_depends_on_neither_batch_nor_threads():
     for m in (1, 2, 6, 7, 12, 16, 17):
         assert torch.equal(panel_gemm.linear(x[:m], panels, None, 200), full[:m])
     assert torch.equal(panel_gemm.linear(x[5:6], panels, None, 200), full[5:6])
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        return {f for line in open("/proc/cpuinfo") if line.startswith("flags") for f in line.split()}
+    except OSError:
+        return set()
+
+
+@pytest.mark.skipif(
+    platform.machine() not in ("x86_64", "AMD64") or shutil.which("cc") is None or not {"avx2", "fma"} <= _cpu_flags(),
+    reason="x86 with AVX2 and a C compiler",
+)
+def test_the_ymm_only_build_gives_the_same_bits(tmp_path):
+    """The AVX2 build (6-row ymm tiles only) and this machine's (with AVX-512: 7-16-row zmm tiles
+    too) sum every output in the same order: equal bit for bit at every row count, so a sequence's
+    logits do not depend on the CPU's vector width either."""
+    lib_path = tmp_path / "panel_avx2.so"
+    subprocess.run(
+        [
+            "cc",
+            "-O3",
+            "-mavx2",
+            "-mfma",
+            "-ffast-math",
+            "-fPIC",
+            "-std=gnu11",
+            "-shared",
+            str(panel_gemm.SOURCE),
+            "-o",
+            str(lib_path),
+        ],
+        check=True,
+    )
+    avx2 = ctypes.CDLL(str(lib_path))
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    avx2.panel_gemm_f32.argtypes = [p, i64, p, p, p, i64, i64, i64, ctypes.c_int]
+    assert avx2.panel_tile_rows() == 6
+    g = torch.Generator().manual_seed(3)
+    w, b = torch.randn(72, 200, generator=g), torch.randn(72, generator=g)
+    panels = panel_gemm.pack(w)
+    for m in range(1, 34):
+        x = torch.randn(m, 200, generator=g)
+        want = torch.empty(m, 72)
+        avx2.panel_gemm_f32(x.data_ptr(), 200, panels.data_ptr(), b.data_ptr(), want.data_ptr(), m, 200, 72, 1)
+        assert torch.equal(panel_gemm.linear(x, panels, b, 72), want), m
