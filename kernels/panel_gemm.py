@@ -37,6 +37,7 @@ def available() -> bool:
     return _library() is not None
 
 
+@functools.lru_cache(maxsize=None)
 def few_rows() -> int:
     """Up to this many rows a linear runs here rather than on oneDNN: 32 where the kernel built
     with AVX-512 (a 16-row tile: 1.1-1.5x oneDNN from 8 to 32 rows on all the real-shape model's

@@ -11,8 +11,6 @@ import functools
 import platform
 from pathlib import Path
 
-import torch
-
 from pdserve.kernels.cpu_native import load_kernel
 
 SOURCE = Path(__file__).with_name("cpu_stream_copy.c")
@@ -44,22 +42,3 @@ def copy_addr(dst: int, src: int, nbytes: int) -> None:
         lib.stream_copy(dst, src, nbytes)
     else:
         ctypes.memmove(dst, src, nbytes)
-
-
-def copy_(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """dst.copy_(src); with streaming stores when both are contiguous CPU tensors of one dtype and
-    shape holding at least STREAM_MIN_BYTES and the kernel built."""
-    nbytes = dst.numel() * dst.element_size()
-    lib = _library() if nbytes >= STREAM_MIN_BYTES else None
-    if (
-        lib is not None
-        and dst.device.type == "cpu"
-        and src.device.type == "cpu"
-        and dst.dtype == src.dtype
-        and dst.shape == src.shape
-        and dst.is_contiguous()
-        and src.is_contiguous()
-    ):
-        lib.stream_copy(dst.data_ptr(), src.data_ptr(), nbytes)
-    else:
-        dst.copy_(src)
