@@ -48,6 +48,15 @@ def test_ragged_batch_of_mixed_lengths(tiny_model):
     engine.pool.assert_all_free()
 
 
+def test_decode_batches_of_up_to_32_rows(tiny_model):
+    """24 sequences decoding together: steps of 17-32 rows, which run in the few-row panel GEMM and
+    the one-call driver where it built with AVX-512 (`panel_gemm.few_rows()` 32), oneDNN else."""
+    engine = make_engine(tiny_model, max_num_seqs=32, num_blocks=256)
+    prompts = random_prompts(engine.model_config.vocab_size, [3 + 5 * i for i in range(24)], seed=11)
+    assert engine.generate(prompts, GREEDY) == expected(tiny_model, prompts)
+    engine.pool.assert_all_free()
+
+
 def test_chunked_prefill_tiny_budget(tiny_model):
     # 7-token budget with 4-token blocks: chunks straddle blocks and attend to earlier chunks.
     engine = make_engine(tiny_model, max_num_batched_tokens=7, block_size=4, num_blocks=256)
