@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.engine.config import machine_memory_bytes
 from pdserve.env import settings
 from pdserve.kernels import cpu_native, panel_gemm
 
@@ -124,13 +125,11 @@ def cpu_linear_kind(dtype: torch.dtype) -> str:
 
 
 def gemv_copy_fits(model: nn.Module) -> bool:
-    """Whether an extra [in, out] copy of every linear weight stays under 1/8 of physical memory."""
+    """Whether an extra [in, out] copy of every linear weight stays under 1/8 of the machine's
+    memory (engine/config.py `machine_memory_bytes`: MemTotal or a lower cgroup limit)."""
     linear_bytes = sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, nn.Linear))
-    try:
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return False
-    return linear_bytes * 8 <= ram
+    ram = machine_memory_bytes()
+    return ram is not None and linear_bytes * 8 <= ram
 
 
 def relayout_linears(model: nn.Module, kind: str, gemv_copy: bool = True) -> None:
