@@ -12,6 +12,10 @@ beside the machine's matmul FLOP/s and read GB/s measured in the same run.
 On the CPU each ceiling is measured before and after the rows and the higher taken, and each
 row's figures are the best of --repeats runs: on a shared host the read rate alone was seen
 anywhere from 27 to 54 GB/s within minutes.
+
+The process allocates as a serving worker's does (cli/roles.py): glibc keeps large blocks in its
+heap (kvtransfer/malloc_tuning.py), so a step's multi-MB activations reuse warm pages rather than
+being mmapped and faulted in afresh each step; --glibc-malloc-defaults measures without that.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from pdserve.bench.machine import measure_matmul_gflops, measure_memcpy_gbps, me
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.models.llama import LlamaForCausalLM
+from pdserve.kvtransfer.malloc_tuning import keep_large_allocations_in_heap
 from pdserve.protocol.sampling import SamplingParams
 
 
@@ -135,7 +140,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument(
+        "--glibc-malloc-defaults",
+        action="store_true",
+        help="leave glibc's mmap threshold as it is (serving workers raise it; this is the figure before they did)",
+    )
     args = ap.parse_args(argv)
+    if args.decode_steps < 1:
+        ap.error("--decode-steps must be at least 1")
+    if not args.glibc_malloc_defaults:
+        keep_large_allocations_in_heap()  # as the workers do (cli/roles.py)
     if args.threads:
         torch.set_num_threads(args.threads)
     from pdserve.cli.engine_args import resolve_model

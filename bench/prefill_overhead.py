@@ -2,7 +2,7 @@
 `pdserve serve` (1P1D) against the bare engine step on the same prompts (issue 35, item 2).
 
 Bare: an LLMEngine in this process, on the prefill worker's thread count, prefilling each prompt
-alone (`prefill_only`, as a prefill worker does), CPU time from `time.process_time()` (every
+alone (`prefill_only`, as a prefill worker does; glibc's heap tuned as the worker's), CPU time from `time.process_time()` (every
 thread). Served: the same prompts streamed one at a time through the gateway (`max_tokens` 2, so
 the KV is shipped to the decode worker as in real serving); the prefill worker's user + system CPU
 from /proc over the run, and each request's time to its first token. Distinct random prompts, so the prefix cache computes every token. The
@@ -33,6 +33,7 @@ from pdserve.cli.engine_args import resolve_model
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.models.llama import LlamaForCausalLM
+from pdserve.kvtransfer.malloc_tuning import keep_large_allocations_in_heap
 from pdserve.protocol.sampling import SamplingParams
 
 
@@ -93,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log", default="/tmp/pdserve-prefill-overhead.log")
     args = ap.parse_args(argv)
     model = resolve_model(args.model)
+    keep_large_allocations_in_heap()  # the bare engine allocates as the worker does (cli/roles.py)
     torch.set_num_threads(args.threads)
     engine = LLMEngine(
         EngineConfig(

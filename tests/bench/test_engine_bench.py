@@ -25,6 +25,7 @@ def test_engine_bench_reports_against_the_read_ceiling(tiny_llama, capsys):
                 "--decode-steps",
                 "2",
                 "--json",
+                "--glibc-malloc-defaults",  # the heap tuning is process-wide: not in the test process
             ]
         )
         == 0
@@ -46,8 +47,9 @@ def test_engine_bench_reports_against_the_read_ceiling(tiny_llama, capsys):
 def test_engine_bench_counts_attention_and_compares_the_tiled_kernel(tiny_llama, capsys):
     """MFU+attn adds the causal attention FLOPs to the linears'; --compare-tiled-prefill times the
     same prompts on the older tiled C kernel in the same run."""
-    argv = ["--model", str(tiny_llama), "--batches", "1", "--prompt-len", "32", "--context", "16"]
-    assert main([*argv, "--decode-steps", "2", "--repeats", "1", "--compare-tiled-prefill", "--json"]) == 0
+    argv = ["--model", str(tiny_llama), "--batches", "1", "--prompt-len", "32", "--context", "16", "--json"]
+    argv += ["--glibc-malloc-defaults"]  # the heap tuning is process-wide: not in the test process
+    assert main([*argv, "--decode-steps", "2", "--repeats", "1", "--compare-tiled-prefill"]) == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     cfg = json.loads((tiny_llama / "config.json").read_text())
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
@@ -70,3 +72,9 @@ def test_tiled_prefill_attention_puts_the_engine_on_the_tiled_kernel():
     with tiled_prefill_attention():
         assert attention.CPU_PREFILL_KERNELS == (cpu_native.PREFILL_SOURCE,)
     assert attention.CPU_PREFILL_KERNELS == before
+
+
+def test_engine_bench_refuses_zero_decode_steps(tiny_llama):
+    with pytest.raises(SystemExit) as e:
+        main(["--model", str(tiny_llama), "--batches", "1", "--decode-steps", "0", "--glibc-malloc-defaults"])
+    assert e.value.code == 2  # argparse's usage error, before any engine is built
