@@ -10,6 +10,9 @@ processes). Every repeat's destination blocks are checked to equal the source bl
     memcpy_gbps  best torch copy of a buffer of kv_bytes (the one-copy ceiling on this machine)
     gbps         kv_bytes / seconds, best of --repeat (after one warm-up)
     ratios       gbps / memcpy_gbps  (targets: shm >= 0.8, zmq-ipc >= 0.3)
+    unix socket  with zmq-ipc: the same bytes alone through a Unix socket into another process
+                 (kvtransfer/socket_ceiling.py), the ceiling of any socket transport here; zmq-ipc
+                 adds P's gather and D's scatter to its two copies
 Rounds alternate memcpy and every transport, so a noisy machine affects all of them alike.
 `--kv-payload-mac` as the workers take it (auto: on for zmq-tcp only); each transport's result
 says whether its payloads were MACed (`payload_mac`). Compare zmq-tcp with `on` and `off`.
@@ -39,6 +42,7 @@ from pdserve.kvtransfer.bench_decode_side import DecodeSide, serve_decode_side
 from pdserve.kvtransfer.malloc_tuning import keep_large_allocations_in_heap
 from pdserve.kvtransfer.sender import KvSender, ShmKvSender, ZmqKvSender
 from pdserve.kvtransfer.shm import SharedTensor
+from pdserve.kvtransfer.socket_ceiling import UnixSocketSink
 from pdserve.kvtransfer.wire import PAYLOAD_MAC_MODES, payload_mac_enabled, torch_dtype
 from pdserve.protocol import plane_encryption
 from pdserve.protocol.auth import FrameAuth, generate_cluster_secret
@@ -179,8 +183,10 @@ def run_bench(args: argparse.Namespace) -> dict:
     tmpdir = tempfile.mkdtemp(prefix="pdkv-")
     memcpy = _Memcpy(kv_bytes)
     memcpy_times: list[float] = []
+    socket_times: list[float] = []
     runs: dict[str, _Transport] = {}
     decode: DecodeSide | None = None
+    sink = UnixSocketSink(kv_bytes) if "zmq-ipc" in transports else None
     try:
         hows = {name: clear if name == "zmq-tcp-clear" else auth for name in transports}
         macs = {name: _payload_mac(name, _bind(name, tmpdir), hows[name], args.kv_payload_mac) for name in transports}
@@ -195,6 +201,8 @@ def run_bench(args: argparse.Namespace) -> dict:
         # moment; round 0 is a warm-up (connections, first touches) and is not counted.
         for r in range(args.repeat + 1):
             memcpy_times += [memcpy.once(), memcpy.once()]
+            if sink is not None:
+                socket_times.append(sink.once(memcpy.src.numpy().data))
             for name, run in runs.items():
                 seconds, sent = run.transfer(f"bench-{name}-{r}", src, src_ids, dst_ids)
                 if r:
@@ -202,6 +210,8 @@ def run_bench(args: argparse.Namespace) -> dict:
         memcpy_times += [memcpy.once() for _ in range(2)]
         assert sent == kv_bytes
         result: dict = {"memcpy_gbps": kv_bytes / min(memcpy_times) / 1e9, "kv_bytes": kv_bytes, "transports": {}}
+        if socket_times:  # round 0 warms the sink up
+            result["unix_socket_gbps"] = kv_bytes / min(socket_times[1:]) / 1e9
         for name, run in runs.items():
             best = min(run.times)
             result["transports"][name] = {
@@ -218,10 +228,14 @@ def run_bench(args: argparse.Namespace) -> dict:
             run.close()
         if decode is not None:
             decode.close()
+        if sink is not None:
+            sink.close()
         pool.close()
         ctx.destroy(linger=0)
         shutil.rmtree(tmpdir, ignore_errors=True)
     result["ratios"] = {k: v["gbps"] / result["memcpy_gbps"] for k, v in result["transports"].items()}
+    if "unix_socket_gbps" in result:
+        result["unix_socket_ratio"] = result["unix_socket_gbps"] / result["memcpy_gbps"]
     result["targets"] = {k: v for k, v in TARGETS.items() if k in result["transports"]}
     result["meets_targets"] = all(result["ratios"][k] >= v for k, v in result["targets"].items())
     result["config"] = {
@@ -258,6 +272,11 @@ def _table(res: dict) -> str:
             f"{name:<13} {t['gbps']:>8.2f} {t['seconds'] * 1e3:>9.2f} {res['ratios'][name]:>9.2f} "
             f"{'>= %.1f' % target if target else '-':>7} {str(t['verified']):>9} "
             f"{'on' if t['payload_mac'] else 'off':>4} {'on' if t['encrypted'] else 'off':>6}"
+        )
+    if "unix_socket_gbps" in res:
+        lines.append(
+            f"{'unix socket':<13} {res['unix_socket_gbps']:>8.2f} {res['kv_bytes'] / res['unix_socket_gbps'] / 1e6:>9.2f} "
+            f"{res['unix_socket_ratio']:>9.2f}   (the bytes alone, process to process: any socket transport's ceiling)"
         )
     return "\n".join(lines)
 

@@ -34,6 +34,9 @@ def test_bench_kv_json_tiny(capsys):
         assert t["verified"] and t["gbps"] > 0 and t["seconds"] > 0 and t["dropped"] == 0
     encrypted = {name: t["encrypted"] for name, t in res["transports"].items()}
     assert encrypted == {"zmq-tcp": True, "zmq-tcp-clear": False, "zmq-ipc": False, "shm": False}
+    # with zmq-ipc, the bare Unix socket's rate beside it (the ceiling of a socket transport)
+    assert res["unix_socket_gbps"] > 0
+    assert res["unix_socket_ratio"] == res["unix_socket_gbps"] / res["memcpy_gbps"]
 
 
 def test_bench_kv_table_and_bad_args(capsys):
