@@ -3,12 +3,12 @@
 ZMQ allocates a fresh buffer for every multi-MB KV frame it receives; by default glibc serves
 those with mmap and returns them with munmap, so every frame pays first-touch page faults
 that cost more than the copy itself (bench-kv: ZMQ IPC 16% -> 25% of memcpy). Raising the
-mmap/trim thresholds keeps such buffers in the heap for reuse. The engine's steps gain too: a
-512-token step's activations are multi-MB tensors ([T, 2 x intermediate] is 6 MB on a 135M
-model), mmapped and faulted in afresh by every op under glibc's defaults; kept in the heap, a
-real-shape prefill step ran 4-5% faster (`pdserve bench-engine --glibc-malloc-defaults` for the
-figure without). Every worker process calls this at start (cli/roles.py), as do the benchmarks
-that time the engine as a worker runs it.
+mmap/trim thresholds keeps such buffers in the heap for reuse. The engine's steps gain a little
+too: a 512-token step's activations are multi-MB tensors ([T, 2 x intermediate] is 6 MB on a 135M
+model), which glibc's defaults may mmap, or trim off the heap's top, and fault in again; kept in the
+heap, a real-shape 512-token prefill step ran 1-2% faster on two threads (`pdserve bench-engine
+--glibc-malloc-defaults` for the figure without). Every worker process calls this at start
+(cli/roles.py), as do the benchmarks that time the engine as a worker runs it.
 """
 
 from __future__ import annotations
