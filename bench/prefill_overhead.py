@@ -2,8 +2,8 @@
 `pdserve serve` (1P1D) against the bare engine step on the same prompts (issue 35, item 2).
 
 Bare: an LLMEngine in this process, on the prefill worker's thread count, prefilling each prompt
-alone (`prefill_only`, as a prefill worker does; glibc's heap tuned as the worker's), CPU time from `time.process_time()` (every
-thread). Served: the same prompts streamed one at a time through the gateway (`max_tokens` 2, so
+alone (`prefill_only`, as a prefill worker does; glibc's heap tuned as the worker's), CPU time
+from `time.process_time()` (every thread). Served: the same prompts streamed one at a time through the gateway (`max_tokens` 2, so
 the KV is shipped to the decode worker as in real serving); the prefill worker's user + system CPU
 from /proc over the run, and each request's time to its first token. Distinct random prompts, so the prefix cache computes every token. The
 two alternate round by round; each figure is a round's CPU seconds / prompt tokens, and the

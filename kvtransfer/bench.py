@@ -186,8 +186,10 @@ def run_bench(args: argparse.Namespace) -> dict:
     socket_times: list[float] = []
     runs: dict[str, _Transport] = {}
     decode: DecodeSide | None = None
-    sink = UnixSocketSink(kv_bytes) if "zmq-ipc" in transports else None
+    sink: UnixSocketSink | None = None
     try:
+        if "zmq-ipc" in transports:
+            sink = UnixSocketSink(kv_bytes)
         hows = {name: clear if name == "zmq-tcp-clear" else auth for name in transports}
         macs = {name: _payload_mac(name, _bind(name, tmpdir), hows[name], args.kv_payload_mac) for name in transports}
         sides = {
