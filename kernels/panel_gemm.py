@@ -1,5 +1,7 @@
 """Few-row linear layers (a decode step's batch) in C, kernels/cpu_panel_gemm.c, on weights packed
-once into panels of 16 output columns. Callers check `available()`; fp32, CPU.
+once into panels of 16 output columns. Callers check `available()`; CPU, fp32 or bf16 (bf16
+weights widened to fp32 in the tile, summed in fp32, each output rounded once: half the bytes a
+decode step reads).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ def _library() -> ctypes.CDLL | None:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.panel_gemm_f32.restype = ctypes.c_int
     lib.panel_gemm_f32.argtypes = [p, i64, p, p, p, i64, i64, i64, ctypes.c_int]
+    lib.panel_gemm_bf16.restype = ctypes.c_int
+    lib.panel_gemm_bf16.argtypes = [p, i64, p, p, p, p, i64, i64, i64, ctypes.c_int]
     lib.panel_width.restype = ctypes.c_int
     lib.panel_tile_rows.restype = ctypes.c_int
     if lib.panel_width() != PANEL:  # weights packed to another width would be read wrongly
@@ -55,20 +59,40 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    """x [m, in] (rows may lie apart; the last dim dense) -> [m, out_features]. Runs without the GIL."""
+    """x [m, in] (rows may lie apart; the last dim dense) -> [m, out_features], in the panels' dtype
+    (fp32, or bf16 with x and bias bf16 too). Runs without the GIL."""
     m, n_in = x.shape
-    assert x.dtype == torch.float32 and x.stride(1) == 1 and panels.shape[1] == n_in and panels.is_contiguous()
-    assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())
-    y = torch.empty(m, out_features, dtype=torch.float32)
-    built(_library()).panel_gemm_f32(
-        x.data_ptr(),
-        x.stride(0),
-        panels.data_ptr(),
-        None if bias is None else bias.data_ptr(),
-        y.data_ptr(),
-        m,
-        n_in,
-        out_features,
-        torch.get_num_threads(),
-    )
+    dtype = panels.dtype
+    assert dtype in (torch.float32, torch.bfloat16) and x.dtype == dtype and x.stride(1) == 1
+    assert panels.shape[1] == n_in and panels.is_contiguous()
+    assert bias is None or (bias.dtype == dtype and bias.is_contiguous())
+    y = torch.empty(m, out_features, dtype=dtype)
+    lib = built(_library())
+    bias_ptr = None if bias is None else bias.data_ptr()
+    if dtype == torch.float32:
+        lib.panel_gemm_f32(
+            x.data_ptr(),
+            x.stride(0),
+            panels.data_ptr(),
+            bias_ptr,
+            y.data_ptr(),
+            m,
+            n_in,
+            out_features,
+            torch.get_num_threads(),
+        )
+    else:
+        widened = torch.empty(m, n_in, dtype=torch.float32)  # x in fp32, filled by the kernel
+        lib.panel_gemm_bf16(
+            x.data_ptr(),
+            x.stride(0),
+            panels.data_ptr(),
+            bias_ptr,
+            y.data_ptr(),
+            widened.data_ptr(),
+            m,
+            n_in,
+            out_features,
+            torch.get_num_threads(),
+        )
     return y

@@ -18,6 +18,9 @@ kernel, one-row inputs use an `[in, out]` copy (GEMV).
 
 `TransposedLinear` (fallback: other dtypes, or a torch built without oneDNN): the weight stored
 [in, out], `x @ W_t` (MKL's GEMV is slower on the usual [out, in] layout; docs/benchmarks/engine.md).
+For bf16 weights it also keeps the panel copy, when it fits as for fp32: decode steps of up to
+`few_rows()` rows read bf16 panels widened to fp32 in the tile (torch's bf16 GEMV on this CPU ran
+at a fraction of the memory rate; docs/benchmarks/engine.md).
 """
 
 from __future__ import annotations
@@ -92,12 +95,19 @@ class PackedLinear(nn.Module):
 class TransposedLinear(nn.Module):
     """y = x @ weight_t (+ bias) with the weight stored [in, out]. One fp32 row goes to the C GEMV
     (kernels/cpu_gemv.c: MKL's does not go faster with a second thread here, it does) when it
-    built and PDSERVE_CPU_GEMV is not `torch`."""
+    built and PDSERVE_CPU_GEMV is not `torch`. With `panels` (bf16 weights), few-row inputs go
+    to the C few-row GEMM on a panel copy."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, panels: bool = False) -> None:
         super().__init__()
-        self.weight_t = nn.Parameter(linear.weight.detach().t().contiguous(), requires_grad=False)  # [in, out]
+        w = linear.weight.detach()  # [out, in]
+        self.weight_t = nn.Parameter(w.t().contiguous(), requires_grad=False)  # [in, out]
         self.bias = linear.bias
+        self.out_features = w.shape[0]
+        self.panels = None
+        if panels and w.dtype == torch.bfloat16 and few_row_kernel_enabled(w.dtype):
+            if self.bias is None or (self.bias.dtype == w.dtype and self.bias.is_contiguous()):
+                self.panels = nn.Parameter(panel_gemm.pack(w), requires_grad=False)  # [ceil(out/16), in, 16]
         self.native_gemv = (
             self.weight_t.dtype == torch.float32
             and self.weight_t.device.type == "cpu"
@@ -107,6 +117,14 @@ class TransposedLinear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (
+            self.panels is not None
+            and x.dim() == 2
+            and x.shape[0] <= panel_gemm.few_rows()
+            and x.dtype == self.panels.dtype
+            and x.stride(-1) == 1
+        ):
+            return panel_gemm.linear(x, self.panels, self.bias, self.out_features)  # [T, out]
         if self.native_gemv and x.shape[0] == 1 and x.dtype == torch.float32 and x.is_contiguous():
             return cpu_native.gemv(x, self.weight_t, self.bias)  # [1, out]
         if self.bias is None:
@@ -115,8 +133,8 @@ class TransposedLinear(nn.Module):
 
 
 def few_row_kernel_enabled(dtype: torch.dtype) -> bool:
-    """The C few-row GEMM for fp32 weights, when it built and PDSERVE_CPU_GEMV is not `torch`."""
-    return dtype == torch.float32 and settings().cpu_gemv != "torch" and panel_gemm.available()
+    """The C few-row GEMM for fp32 or bf16 weights, when it built and PDSERVE_CPU_GEMV is not `torch`."""
+    return dtype in (torch.float32, torch.bfloat16) and settings().cpu_gemv != "torch" and panel_gemm.available()
 
 
 def cpu_linear_kind(dtype: torch.dtype) -> str:
@@ -137,6 +155,8 @@ def relayout_linears(model: nn.Module, kind: str, gemv_copy: bool = True) -> Non
     same weights; the dense originals are dropped (a tied LM head gets its own copy)."""
     for name, child in list(model.named_children()):
         if isinstance(child, nn.Linear):
-            setattr(model, name, PackedLinear(child, gemv_copy) if kind == "packed" else TransposedLinear(child))
+            setattr(
+                model, name, PackedLinear(child, gemv_copy) if kind == "packed" else TransposedLinear(child, gemv_copy)
+            )
         else:
             relayout_linears(child, kind, gemv_copy)

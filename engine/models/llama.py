@@ -206,8 +206,9 @@ class LlamaForCausalLM(nn.Module):
         where it is unavailable (see engine/models/cpu_linear.py); returns which. A tied LM
         head gets its own copy of the embedding table (the lookup needs the [V, H] rows):
         vocab x hidden more memory, for a decode step that reads it at GEMM speed."""
-        kind = cpu_linear_kind(self.norm.weight.dtype)  # the model's dtype
-        gemv_copy = kind == "packed" and gemv_copy_fits(self)
+        dtype = self.norm.weight.dtype  # the model's
+        kind = cpu_linear_kind(dtype)
+        gemv_copy = (kind == "packed" or dtype == torch.bfloat16) and gemv_copy_fits(self)
         relayout_linears(self, kind, gemv_copy)
         return kind + (" (+ copies for few-row steps)" if gemv_copy else "")
 

@@ -91,3 +91,26 @@ def test_new_row_counts_do_not_grow_memory_without_bound():
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert float(proc.stdout.strip()) < 120, f"grew {proc.stdout.strip()} MiB over 200 new row counts"
+
+
+@pytest.mark.skipif(not panel_gemm.available(), reason="no C compiler: torch only")
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 7, few_rows(), few_rows() + 1])
+def test_bf16_transposed_layout_takes_panels_for_few_rows(rows, bias, monkeypatch):
+    """bf16 weights: decode-sized inputs go to the C panel GEMM on a panel copy (fp32 sums, one
+    rounding), larger ones to torch's [in, out] matmul; both within bf16 rounding of nn.Linear."""
+    torch.manual_seed(rows)
+    dense = nn.Linear(96, 40, bias=bias).bfloat16()
+    layer = TransposedLinear(dense, panels=True)
+    assert layer.panels is not None and layer.panels.dtype == torch.bfloat16
+    assert TransposedLinear(dense).panels is None  # no copy unless asked (it costs the weights again)
+    calls = []
+    real = panel_gemm.linear
+    monkeypatch.setattr(panel_gemm, "linear", lambda *a: calls.append(a) or real(*a))
+    x = torch.randn(rows, 96).bfloat16()
+    with torch.inference_mode():
+        y = layer(x)
+    assert len(calls) == int(rows <= few_rows())
+    want = x.double() @ dense.weight.double().t() + (dense.bias.double() if bias else 0)
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, 40)
+    torch.testing.assert_close(y.double(), want, rtol=2**-7, atol=2**-7)

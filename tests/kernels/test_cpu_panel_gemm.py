@@ -49,6 +49,26 @@ def test_a_rows_result_depends_on_neither_batch_nor_threads():
     assert torch.equal(panel_gemm.linear(x[5:6], panels, None, 200), full[5:6])
 
 
+@pytest.mark.parametrize("n_in,n_out", [(96, 40), (576, 960), (1536, 576)])
+@pytest.mark.parametrize("rows", [1, 5, 7, 16, 17, 32])
+def test_bf16_weights_sum_in_fp32_and_round_once(n_in, n_out, rows):
+    """bf16 panels, inputs, bias and outputs: each output is the fp32 sum rounded to bf16 once, so
+    it lies within one bf16 step of the float64 result rounded, and nearly always on it."""
+    g = torch.Generator().manual_seed(n_in + n_out + rows)
+    w, b = torch.randn(n_out, n_in, generator=g).bfloat16(), torch.randn(n_out, generator=g).bfloat16()
+    x = torch.randn(rows, n_in + 5, generator=g).bfloat16()[:, :n_in]  # rows apart
+    panels = panel_gemm.pack(w)
+    assert panels.dtype == torch.bfloat16 and panels.shape == (-(-n_out // 16), n_in, 16)
+    y = panel_gemm.linear(x, panels, b, n_out)
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, n_out)
+    exact = x.double() @ w.double().t() + b.double()
+    step = exact.abs().clamp(min=1e-3) * 2**-7  # a bf16 step at each output's magnitude
+    assert ((y.double() - exact).abs() <= step).all()
+    assert (y == exact.bfloat16()).double().mean() > 0.98
+    # a row's bits do not depend on the rows beside it
+    assert torch.equal(panel_gemm.linear(x[:1], panels, b, n_out), y[:1])
+
+
 def _cpu_flags() -> set[str]:
     try:
         return {f for line in open("/proc/cpuinfo") if line.startswith("flags") for f in line.split()}
