@@ -2,8 +2,9 @@
  * paged pool (no gather), online softmax one block at a time.
  *
  * Built by kernels/cpu_native.py with the machine's C compiler at first use and loaded with
- * ctypes (no torch headers, so it compiles in about a second). fp32 only; head_dim a multiple
- * of 8. Vector code is GCC/Clang vector extensions (8 floats), so it builds on any target and
+ * ctypes (no torch headers, so it compiles in about a second). fp32, or bf16 (queries, pool and
+ * output all bf16: K and V rows widened to fp32 as they are loaded, all arithmetic fp32, outputs
+ * rounded to nearest even); head_dim a multiple of 8. Vector code is GCC/Clang vector extensions (8 floats), so it builds on any target and
  * -march=native picks the instructions.
  *
  * Threads: OpenMP. The library is linked against libgomp by soname, and torch has already
@@ -56,6 +57,38 @@ typedef float v8 __attribute__((vector_size(32)));
 typedef float v8u __attribute__((vector_size(32), aligned(4))); /* for loads and stores at any float address */
 
 static inline v8 load8(const float *p) { return *(const v8u *)p; }
+
+typedef uint16_t h8u __attribute__((vector_size(16), aligned(2)));
+typedef uint32_t u8 __attribute__((vector_size(32)));
+static inline v8 widen8(const uint16_t *p) { /* 8 bf16 -> fp32: the 16 bits moved up (exact) */
+    const u8 bits = __builtin_convertvector(*(const h8u *)p, u8) << 16;
+    v8 out;
+    __builtin_memcpy(&out, &bits, sizeof out);
+    return out;
+}
+
+/* 8 elements of a fp32 (BF 0) or bf16 (BF 1) array from element `i`, as floats */
+static inline __attribute__((always_inline)) v8 ld8(const void *p, int64_t i, const int BF) {
+    return BF ? widen8((const uint16_t *)p + i) : load8((const float *)p + i);
+}
+
+static inline float bf16_to_f32(uint16_t x) {
+    const uint32_t bits = (uint32_t)x << 16;
+    float f;
+    __builtin_memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even (outputs are finite) */
+    uint32_t bits;
+    __builtin_memcpy(&bits, &f, sizeof bits);
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* the cache line holding element `i` of a fp32 or bf16 array, into L2 */
+static inline __attribute__((always_inline)) void pf(const void *p, int64_t i, const int BF) {
+    __builtin_prefetch((const char *)p + i * (BF ? 2 : 4), 0, 2);
+}
 static inline void store8(float *p, v8 x) { *(v8u *)p = x; }
 static inline float hsum8(v8 a) {
     float s = 0.0f;
@@ -63,14 +96,14 @@ static inline float hsum8(v8 a) {
     return s;
 }
 
-typedef struct {
-    const float *q;            /* [n, Hq, D], rows q_stride floats apart */
-    const float *k;            /* [N*bs, Hkv, D] token rows */
-    const float *v;            /* [N*bs, Hkv, D] token rows */
+typedef struct {               /* arrays of fp32, or all of bf16 (uint16) */
+    const void *q;             /* [n, Hq, D], rows q_stride elements apart */
+    const void *k;             /* [N*bs, Hkv, D] token rows */
+    const void *v;             /* [N*bs, Hkv, D] token rows */
     const int32_t *tables;     /* [n, table_stride] block ids */
     const int32_t *ctx_lens;   /* [n] tokens to attend, this step's included */
     const int *starts;         /* [n] the first key each sequence sees (0 without a window) */
-    float *out;                /* [n, Hq, D] */
+    void *out;                 /* [n, Hq, D] */
     int64_t q_stride, table_stride;
     int hq, hkv, d, bs;
     float scale, softcap;      /* softcap 0: none */
@@ -83,17 +116,18 @@ typedef struct {
  * each query head's running max and sum in ml [2, H]. D is a compile-time constant in the
  * specialised copies below, so the vector loops unroll and the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void attend(const Job *j, int i, int t_lo, int t_hi, int h0, int nh,
-                                                         float *part, float *ml, const int D) {
+                                                         float *part, float *ml, const int D, const int BF) {
     const int G = j->hq / j->hkv, bs = j->bs, H = nh * G; /* H query heads here */
-    const int64_t row = (int64_t)j->hkv * D; /* floats from one token's row to the next */
+    const int64_t row = (int64_t)j->hkv * D; /* elements from one token's row to the next */
+    const int PF = BF ? 32 : 16;             /* elements a cache line */
     const int32_t *table = j->tables + (int64_t)i * j->table_stride;
     float qs[MAX_H * MAX_D] __attribute__((aligned(32)));
     float *acc = part; /* [H, D] */
     float s[MAX_H * MAX_BS], *m = ml, *l = ml + H, corr[MAX_H];
 
-    const float *qh = j->q + (int64_t)i * j->q_stride + (int64_t)h0 * G * D; /* [H, D] */
+    const int64_t qh = (int64_t)i * j->q_stride + (int64_t)h0 * G * D; /* [H, D] from here */
     for (int x = 0; x < H * D; x++) {
-        qs[x] = qh[x] * j->scale;
+        qs[x] = (BF ? bf16_to_f32(((const uint16_t *)j->q)[qh + x]) : ((const float *)j->q)[qh + x]) * j->scale;
         acc[x] = 0.0f;
     }
     for (int g = 0; g < H; g++) {
@@ -102,16 +136,15 @@ static inline __attribute__((always_inline)) void attend(const Job *j, int i, in
     }
     for (int t0 = t_lo; t0 < t_hi; t0 += bs) {
         const int nt = t_hi - t0 < bs ? t_hi - t0 : bs;
-        const int64_t base = (int64_t)table[t0 / bs] * bs * row + (int64_t)h0 * D;
-        const float *kb = j->k + base, *vb = j->v + base;
-        /* the next block's K, prefetched while this block's V is summed */
-        const float *kn = t0 + bs < t_hi ? j->k + (int64_t)table[t0 / bs + 1] * bs * row + (int64_t)h0 * D : 0;
+        const int64_t base = (int64_t)table[t0 / bs] * bs * row + (int64_t)h0 * D; /* element of K and of V */
+        /* the next block's K, prefetched while this block's V is summed (-1: none) */
+        const int64_t kn = t0 + bs < t_hi ? (int64_t)table[t0 / bs + 1] * bs * row + (int64_t)h0 * D : -1;
         for (int t = 0; t < nt; t++) { /* scores s[g, t] = q_g . k_t for the G query heads of each KV head */
-            const float *kt = kb + t * row;
-            for (int x = 0; x < nh * D; x += 16) __builtin_prefetch(vb + t * row + x, 0, 2); /* this V row, needed next */
+            const int64_t kt = base + t * row;
+            for (int x = 0; x < nh * D; x += PF) pf(j->v, kt + x, BF); /* this V row, needed next */
             for (int h = 0; h < nh; h++) {
                 v8 k8[MAX_D / 8]; /* the KV head's row, loaded once for its G query heads */
-                for (int c = 0; c < D / 8; c++) k8[c] = load8(kt + h * D + 8 * c);
+                for (int c = 0; c < D / 8; c++) k8[c] = ld8(j->k, kt + h * D + 8 * c, BF);
                 for (int g = h * G; g < (h + 1) * G; g++) {
                     const float *qg = qs + g * D;
                     v8 a = {0}, b = {0}; /* two dependency chains */
@@ -149,39 +182,49 @@ static inline __attribute__((always_inline)) void attend(const Job *j, int i, in
             if (corr[g] != 1.0f)
                 for (int c = 0; c < D / 8; c++) store8(acc + g * D + 8 * c, load8(acc + g * D + 8 * c) * corr[g]);
         for (int t = 0; t < nt; t++) { /* acc[g] += p[g, t] * v_t: V read row by row, in order */
-            const float *vt = vb + t * row;
-            if (kn)
-                for (int x = 0; x < nh * D; x += 16) __builtin_prefetch(kn + t * row + x, 0, 2);
+            const int64_t vt = base + t * row;
+            if (kn >= 0)
+                for (int x = 0; x < nh * D; x += PF) pf(j->k, kn + t * row + x, BF);
             for (int g = 0; g < H; g++) {
-                const float p = s[g * bs + t], *vr = vt + (g / G) * D;
+                const float p = s[g * bs + t];
+                const int64_t vr = vt + (g / G) * D;
                 float *ag = acc + g * D;
-                for (int c = 0; c < D / 8; c++) store8(ag + 8 * c, load8(ag + 8 * c) + p * load8(vr + 8 * c));
+                for (int c = 0; c < D / 8; c++) store8(ag + 8 * c, load8(ag + 8 * c) + p * ld8(j->v, vr + 8 * c, BF));
             }
         }
     }
 }
 
 static void attend_64(const Job *j, int i, int lo, int hi, int h0, int nh, float *p, float *ml) {
-    attend(j, i, lo, hi, h0, nh, p, ml, 64);
+    attend(j, i, lo, hi, h0, nh, p, ml, 64, 0);
 }
 static void attend_128(const Job *j, int i, int lo, int hi, int h0, int nh, float *p, float *ml) {
-    attend(j, i, lo, hi, h0, nh, p, ml, 128);
+    attend(j, i, lo, hi, h0, nh, p, ml, 128, 0);
 }
 static void attend_any(const Job *j, int i, int lo, int hi, int h0, int nh, float *p, float *ml) {
-    attend(j, i, lo, hi, h0, nh, p, ml, j->d);
+    attend(j, i, lo, hi, h0, nh, p, ml, j->d, 0);
+}
+static void attend_64_bf16(const Job *j, int i, int lo, int hi, int h0, int nh, float *p, float *ml) {
+    attend(j, i, lo, hi, h0, nh, p, ml, 64, 1);
+}
+static void attend_128_bf16(const Job *j, int i, int lo, int hi, int h0, int nh, float *p, float *ml) {
+    attend(j, i, lo, hi, h0, nh, p, ml, 128, 1);
+}
+static void attend_any_bf16(const Job *j, int i, int lo, int hi, int h0, int nh, float *p, float *ml) {
+    attend(j, i, lo, hi, h0, nh, p, ml, j->d, 1);
 }
 
 /* Sequence i's spans in order, head group h0 (H query heads): span sp's output [H, D] at
  * part + sp * part_step and its max and sum [2, H] at ml + sp * ml_step. out = sum_s e^(m_s - M)
  * acc_s / sum_s e^(m_s - M) l_s, M the largest m_s, summed in span order. */
 static void merge(const Job *j, int i, int h0, int H, const float *part, int64_t part_step, const float *ml,
-                  int64_t ml_step, int spans) {
+                  int64_t ml_step, int spans, int bf16) {
     const int D = j->d, G = j->hq / j->hkv;
-    float *oh = j->out + ((int64_t)i * j->hq + (int64_t)h0 * G) * D; /* [H, D] */
+    const int64_t oh = ((int64_t)i * j->hq + (int64_t)h0 * G) * D; /* [H, D] of out from here */
+    float o[MAX_D];
     for (int g = 0; g < H; g++) {
         float mx = -INFINITY, l = 0.0f;
         for (int sp = 0; sp < spans; sp++) mx = ml[sp * ml_step + g] > mx ? ml[sp * ml_step + g] : mx;
-        float *o = oh + g * D;
         for (int c = 0; c < D; c++) o[c] = 0.0f;
         for (int sp = 0; sp < spans; sp++) {
             const float *msp = ml + sp * ml_step; /* every span holds a token: its max is finite */
@@ -190,7 +233,10 @@ static void merge(const Job *j, int i, int h0, int H, const float *part, int64_t
             for (int c = 0; c < D; c++) o[c] += a[c] * w;
         }
         const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-        for (int c = 0; c < D; c++) o[c] *= inv;
+        if (bf16)
+            for (int c = 0; c < D; c++) ((uint16_t *)j->out)[oh + g * D + c] = f32_to_bf16(o[c] * inv);
+        else
+            for (int c = 0; c < D; c++) ((float *)j->out)[oh + g * D + c] = o[c] * inv;
     }
 }
 
@@ -215,24 +261,24 @@ static inline int64_t span_tokens(const Job *j, const Spans *spans, int64_t sp) 
 }
 
 /* Span sp's first block of K and V rows into L2. */
-static inline void prefetch_first_block(const Job *j, const Spans *spans, int64_t sp) {
+static inline void prefetch_first_block(const Job *j, const Spans *spans, int64_t sp, int bf16) {
     int i, lo, hi;
     span_range(j, spans, sp, &i, &lo, &hi);
     const int64_t row = (int64_t)j->hkv * j->d;
     const int64_t base = (int64_t)j->tables[(int64_t)i * j->table_stride + lo / j->bs] * j->bs * row;
     const int64_t n = (hi - lo < j->bs ? hi - lo : j->bs) * row;
-    for (int64_t x = 0; x < n; x += 16) {
-        __builtin_prefetch(j->k + base + x, 0, 2);
-        __builtin_prefetch(j->v + base + x, 0, 2);
+    for (int64_t x = 0; x < n; x += bf16 ? 32 : 16) {
+        pf(j->k, base + x, bf16);
+        pf(j->v, base + x, bf16);
     }
 }
 
-/* Returns 0, or -1 when a shape is over this kernel's limits (the caller falls back) or scratch
- * memory is short. */
-int paged_decode_attention_f32(const float *q, int64_t q_stride, const float *kv, int64_t num_tokens_in_pool,
-                               const int32_t *tables, int64_t table_stride, const int32_t *ctx_lens,
-                               float *out, int n, int hq, int hkv, int d, int bs, float scale, int window,
-                               float softcap, int nthreads) {
+/* q, kv and out fp32 (bf16 0) or bf16 (1). Returns 0, or -1 when a shape is over this kernel's
+ * limits (the caller falls back) or scratch memory is short. */
+static int decode_attention(const void *q, int64_t q_stride, const void *kv, int64_t num_tokens_in_pool,
+                            const int32_t *tables, int64_t table_stride, const int32_t *ctx_lens, void *out, int n,
+                            int hq, int hkv, int d, int bs, float scale, int window, float softcap, int nthreads,
+                            int bf16) {
     if (hkv <= 0 || hq % hkv != 0 || hq / hkv > MAX_H || d > MAX_D || d % 8 || bs > MAX_BS || bs <= 0) return -1;
     if (n <= 0) return 0;
     int per = hkv; /* KV heads per item: all of them, unless their query heads are over MAX_H */
@@ -275,10 +321,11 @@ int paged_decode_attention_f32(const float *q, int64_t q_stride, const float *kv
     float *ml = part + items * part_step;
     for (int i = 0; i < n; i++)
         for (int sp = first_span[i]; sp < first_span[i + 1]; sp++) span_seq[sp] = i;
-    const Job job = {q,      kv,        kv + num_tokens_in_pool * hkv * d, tables, ctx_lens, starts, out, q_stride,
-                     table_stride, hq, hkv, d, bs, scale, softcap};
+    const void *v = (const char *)kv + num_tokens_in_pool * hkv * d * (bf16 ? 2 : 4);
+    const Job job = {q, kv, v, tables, ctx_lens, starts, out, q_stride, table_stride, hq, hkv, d, bs, scale, softcap};
     void (*fn)(const Job *, int, int, int, int, int, float *, float *) =
-        d == 64 ? attend_64 : d == 128 ? attend_128 : attend_any;
+        bf16 ? (d == 64 ? attend_64_bf16 : d == 128 ? attend_128_bf16 : attend_any_bf16)
+             : (d == 64 ? attend_64 : d == 128 ? attend_128 : attend_any);
     if (nthreads > items) nthreads = (int)items;
     if (nthreads < 1) nthreads = 1;
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
@@ -301,7 +348,7 @@ int paged_decode_attention_f32(const float *q, int64_t q_stride, const float *kv
             const int gi = (int)(it % groups);
             int i, lo, hi;
             span_range(&job, &spans, it / groups, &i, &lo, &hi);
-            if (it + 1 < end) prefetch_first_block(&job, &spans, (it + 1) / groups);
+            if (it + 1 < end) prefetch_first_block(&job, &spans, (it + 1) / groups, bf16);
             fn(&job, i, lo, hi, gi * per, per, part + it * part_step, ml + it * ml_step);
         }
 #pragma omp barrier
@@ -310,7 +357,7 @@ int paged_decode_attention_f32(const float *q, int64_t q_stride, const float *kv
             const int i = (int)(w / groups), gi = (int)(w % groups);
             const int64_t it0 = (int64_t)first_span[i] * groups + gi;
             merge(&job, i, gi * per, H, part + it0 * part_step, groups * part_step, ml + it0 * ml_step,
-                  groups * ml_step, first_span[i + 1] - first_span[i]);
+                  groups * ml_step, first_span[i + 1] - first_span[i], bf16);
         }
     }
     free(first_span);
@@ -318,4 +365,20 @@ int paged_decode_attention_f32(const float *q, int64_t q_stride, const float *kv
     free(span_seq);
     free(starts);
     return 0;
+}
+
+int paged_decode_attention_f32(const float *q, int64_t q_stride, const float *kv, int64_t num_tokens_in_pool,
+                               const int32_t *tables, int64_t table_stride, const int32_t *ctx_lens,
+                               float *out, int n, int hq, int hkv, int d, int bs, float scale, int window,
+                               float softcap, int nthreads) {
+    return decode_attention(q, q_stride, kv, num_tokens_in_pool, tables, table_stride, ctx_lens, out, n, hq, hkv, d,
+                            bs, scale, window, softcap, nthreads, 0);
+}
+
+int paged_decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *kv, int64_t num_tokens_in_pool,
+                                const int32_t *tables, int64_t table_stride, const int32_t *ctx_lens,
+                                uint16_t *out, int n, int hq, int hkv, int d, int bs, float scale, int window,
+                                float softcap, int nthreads) {
+    return decode_attention(q, q_stride, kv, num_tokens_in_pool, tables, table_stride, ctx_lens, out, n, hq, hkv, d,
+                            bs, scale, window, softcap, nthreads, 1);
 }

@@ -138,8 +138,7 @@ def built(lib: _Lib | None) -> _Lib:
 @functools.lru_cache(maxsize=None)
 def _library() -> ctypes.CDLL | None:
     lib = load_kernel(ATTENTION_SOURCE)
-    if lib is not None:
-        fn = lib.paged_decode_attention_f32
+    for fn in (lib.paged_decode_attention_f32, lib.paged_decode_attention_bf16) if lib is not None else ():
         fn.restype = ctypes.c_int
         fn.argtypes = [
             ctypes.c_void_p,
@@ -236,12 +235,13 @@ def available() -> bool:
 
 
 def _takes(query: torch.Tensor, kv_layer: torch.Tensor) -> bool:
-    """What the decode kernel takes: fp32 CPU tensors, the pool contiguous (query rows may lie
-    apart, as in the model's fused qkv; heads and head_dim must be dense, else they are copied)."""
+    """What the decode kernel takes: fp32 or bf16 CPU tensors (query and pool of one dtype), the
+    pool contiguous (query rows may lie apart, as in the model's fused qkv; heads and head_dim must
+    be dense, else they are copied)."""
     return (
         query.device.type == "cpu"
-        and query.dtype == torch.float32
-        and kv_layer.dtype == torch.float32
+        and query.dtype in (torch.float32, torch.bfloat16)
+        and kv_layer.dtype == query.dtype
         and kv_layer.is_contiguous()
     )
 
@@ -284,7 +284,10 @@ def paged_decode_attention(
     _, num_blocks, bs, hkv, _ = kv_layer.shape
     assert block_tables.dtype == torch.int32 and context_lens.dtype == torch.int32
     assert block_tables.is_contiguous() and context_lens.is_contiguous() and out.is_contiguous()
-    rc = built(_library()).paged_decode_attention_f32(
+    assert out.dtype == query.dtype == kv_layer.dtype
+    lib = built(_library())
+    entry = lib.paged_decode_attention_bf16 if query.dtype == torch.bfloat16 else lib.paged_decode_attention_f32
+    rc = entry(
         query.data_ptr(),
         query.stride(0),
         kv_layer.data_ptr(),

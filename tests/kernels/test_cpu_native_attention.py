@@ -3,6 +3,7 @@ build: cached per machine, and absent (torch path) when there is no compiler."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -45,6 +46,34 @@ def test_decode_matches_reference(bs, hq, hkv, d):
     ctx = (1, 5, 16, 17, 64, 3, 100)
     case = make_case([(1, c) for c in ctx], len(ctx), hq, hkv, d, bs, seed=bs * hq + d)
     torch.testing.assert_close(native_decode(case).double(), reference(case), atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("bs", [16, 4])
+@pytest.mark.parametrize("hq,hkv,d", SHAPES)
+def test_bf16_decode_matches_reference(bs, hq, hkv, d):
+    """bf16 queries, pool and output: K and V widened to fp32 as they are read, fp32 arithmetic,
+    each output rounded once: within bf16 rounding of the float64 result on the same bf16 inputs."""
+    ctx = (1, 5, 16, 17, 64, 3, 100)
+    case = make_case([(1, c) for c in ctx], len(ctx), hq, hkv, d, bs, seed=bs * hq + d + 1)
+    as_bf16 = dataclasses.replace(  # the inputs as bf16 holds them, for the reference
+        case,
+        query=case.query.bfloat16().float(),
+        kv_layer=case.kv_layer.bfloat16().float(),
+        hist_k=[h.bfloat16().float() for h in case.hist_k],
+        hist_v=[h.bfloat16().float() for h in case.hist_v],
+    )
+    nd = case.meta.num_decode_seqs
+    out = torch.full((nd, hq, d), float("nan"), dtype=torch.bfloat16)
+    assert cpu_native.paged_decode_attention(
+        case.query[:nd].bfloat16(),
+        case.kv_layer.bfloat16(),
+        case.meta.block_tables,
+        case.meta.context_lens,
+        case.scale,
+        out,
+    )
+    torch.testing.assert_close(out.double(), reference(as_bf16), atol=1e-3, rtol=2**-8)
 
 
 @needs_kernel
