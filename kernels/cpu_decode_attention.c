@@ -4,8 +4,8 @@
  * Built by kernels/cpu_native.py with the machine's C compiler at first use and loaded with
  * ctypes (no torch headers, so it compiles in about a second). fp32, or bf16 (queries, pool and
  * output all bf16: K and V rows widened to fp32 as they are loaded, all arithmetic fp32, outputs
- * rounded to nearest even); head_dim a multiple of 8. Vector code is GCC/Clang vector extensions (8 floats), so it builds on any target and
- * -march=native picks the instructions.
+ * rounded to nearest even); head_dim a multiple of 8. Vector code is GCC/Clang vector extensions
+ * (8 floats), so it builds on any target and -march=native picks the instructions.
  *
  * Threads: OpenMP. The library is linked against libgomp by soname, and torch has already
  * loaded its own libgomp.so.1 when this loads, so both share one runtime and one thread pool:
