@@ -360,9 +360,10 @@ def resolve_dtype(
     """`auto`: bf16 on CUDA. On the CPU fp32, unless its weights (`params` of them) would take over
     FP32_MEMORY_SHARE of the machine's memory on a CPU with bf16 matrix units (AVX512-BF16/AMX): then
     bf16, half the bytes. fp32 is the faster CPU dtype here: the one-call decode driver and the
-    quantized kernels take fp32 (bf16 decode steps, on the bf16 panel GEMM and attention kernels
-    but torch's other ops, ran at 0.78-0.89x the fp32 rate on the real-shape model;
-    docs/benchmarks/engine.md), and it is exact against transformers in fp32. Linears kept quantized (`quantized_weights`) always get fp32 activations.
+    quantized kernels take fp32 (bf16 decode steps ran at 0.78-0.89x the fp32 rate on the
+    real-shape model with the bf16 panel copy, 0.36-0.83x without it: docs/benchmarks/engine.md),
+    and it is exact against transformers in fp32. Linears kept quantized (`quantized_weights`)
+    always get fp32 activations.
     The machine's memory, not what is free now: workers of one host (P and D) decide alike."""
     import torch
 
