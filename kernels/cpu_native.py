@@ -200,9 +200,9 @@ def _prefill_library(source: Path = PREFILL_SOURCE) -> ctypes.CDLL | None:
 @functools.lru_cache(maxsize=None)
 def _gemv_library() -> ctypes.CDLL | None:
     lib = load_kernel(GEMV_SOURCE)
-    if lib is not None:
-        lib.gemv_f32.restype = ctypes.c_int
-        lib.gemv_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    for fn in (lib.gemv_f32, lib.gemv_bf16) if lib is not None else ():
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
     return lib
 
 
@@ -212,12 +212,16 @@ def gemv_available() -> bool:
 
 
 def gemv(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [1, in] . weight_t [in, out] (+ bias [out]) -> [1, out]; fp32, contiguous, CPU
-    (callers check `gemv_available()` first). Runs without the GIL."""
+    """x [1, in] . weight_t [in, out] (+ bias [out]) -> [1, out]; fp32 or bf16 (all one dtype; bf16
+    summed in fp32, rounded once), contiguous, CPU (callers check `gemv_available()` first). Runs
+    without the GIL."""
     n_in, n_out = weight_t.shape
     assert x.shape == (1, n_in) and x.is_contiguous() and weight_t.is_contiguous()
-    y = torch.empty(1, n_out, dtype=torch.float32)
-    built(_gemv_library()).gemv_f32(
+    assert x.dtype == weight_t.dtype in (torch.float32, torch.bfloat16)
+    assert bias is None or (bias.dtype == x.dtype and bias.is_contiguous())
+    y = torch.empty(1, n_out, dtype=x.dtype)
+    lib = built(_gemv_library())
+    rc = (lib.gemv_bf16 if x.dtype == torch.bfloat16 else lib.gemv_f32)(
         x.data_ptr(),
         weight_t.data_ptr(),
         None if bias is None else bias.data_ptr(),
@@ -226,6 +230,8 @@ def gemv(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> 
         n_out,
         torch.get_num_threads(),
     )
+    if rc != 0:
+        raise MemoryError("gemv: no memory for the bf16 sums")
     return y
 
 

@@ -95,8 +95,9 @@ class PackedLinear(nn.Module):
 class TransposedLinear(nn.Module):
     """y = x @ weight_t (+ bias) with the weight stored [in, out]. One fp32 row goes to the C GEMV
     (kernels/cpu_gemv.c: MKL's does not go faster with a second thread here, it does) when it
-    built and PDSERVE_CPU_GEMV is not `torch`. With `panels` (bf16 weights), few-row inputs go
-    to the C few-row GEMM on a panel copy."""
+    built and PDSERVE_CPU_GEMV is not `torch`, and so does one bf16 row (`gemv_bf16`: torch's
+    bf16 matmul ran it at a fraction of the memory rate). With `panels` (bf16 weights), inputs of
+    up to `few_rows()` rows go to the C few-row GEMM on a panel copy instead."""
 
     def __init__(self, linear: nn.Linear, panels: bool = False) -> None:
         super().__init__()
@@ -109,11 +110,11 @@ class TransposedLinear(nn.Module):
             if self.bias is None or (self.bias.dtype == w.dtype and self.bias.is_contiguous()):
                 self.panels = nn.Parameter(panel_gemm.pack(w), requires_grad=False)  # [ceil(out/16), in, 16]
         self.native_gemv = (
-            self.weight_t.dtype == torch.float32
+            self.weight_t.dtype in (torch.float32, torch.bfloat16)
             and self.weight_t.device.type == "cpu"
             and settings().cpu_gemv != "torch"
             and cpu_native.gemv_available()
-            and (self.bias is None or self.bias.is_contiguous())
+            and (self.bias is None or (self.bias.is_contiguous() and self.bias.dtype == self.weight_t.dtype))
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -125,7 +126,7 @@ class TransposedLinear(nn.Module):
             and x.stride(-1) == 1
         ):
             return panel_gemm.linear(x, self.panels, self.bias, self.out_features)  # [T, out]
-        if self.native_gemv and x.shape[0] == 1 and x.dtype == torch.float32 and x.is_contiguous():
+        if self.native_gemv and x.shape[0] == 1 and x.dtype == self.weight_t.dtype and x.is_contiguous():
             return cpu_native.gemv(x, self.weight_t, self.bias)  # [1, out]
         if self.bias is None:
             return x @ self.weight_t  # [T, out]

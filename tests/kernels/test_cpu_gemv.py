@@ -41,6 +41,45 @@ def test_matches_float64(n_in, n_out, with_bias, restore_threads):
 
 
 @needs_kernel
+@pytest.mark.parametrize("n_in,n_out", [(576, 960), (7, 13), (130, 8195)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_sums_in_fp32_and_rounds_once(n_in, n_out, with_bias, restore_threads):
+    """bf16 input, weight, bias and output: within one bf16 step of the float64 result on the same
+    bf16 values, nearly always on its rounding, the same bits at any thread count."""
+    g = torch.Generator().manual_seed(n_in + n_out)
+    x, w = torch.randn(1, n_in, generator=g).bfloat16(), torch.randn(n_in, n_out, generator=g).bfloat16()
+    bias = torch.randn(n_out, generator=g).bfloat16() if with_bias else None
+    want = x.double() @ w.double() + (0 if bias is None else bias.double())
+    outs = []
+    for threads in (1, 2, 3):
+        torch.set_num_threads(threads)
+        y = cpu_native.gemv(x, w, bias)
+        assert y.dtype == torch.bfloat16 and y.shape == (1, n_out)
+        assert ((y.double() - want).abs() <= want.abs().clamp(min=1e-3) * 2**-7).all()
+        assert (y == want.bfloat16()).double().mean() > 0.98
+        outs.append(y)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+@needs_kernel
+def test_a_bf16_layer_without_panels_takes_it_for_one_row(monkeypatch):
+    """A bf16 model whose panel copy does not fit (TransposedLinear without panels): one row on
+    the C bf16 GEMV, more on torch's matmul."""
+    dense = nn.Linear(64, 96, bias=True).bfloat16()
+    lin = TransposedLinear(dense)
+    assert lin.native_gemv and lin.panels is None
+    calls = []
+    real = cpu_native.gemv
+    monkeypatch.setattr(cpu_native, "gemv", lambda *a: calls.append(1) or real(*a))
+    with torch.inference_mode():
+        one, three = torch.randn(1, 64).bfloat16(), torch.randn(3, 64).bfloat16()
+        for x in (one, three):
+            want = x.double() @ dense.weight.double().t() + dense.bias.double()
+            torch.testing.assert_close(lin(x).double(), want, rtol=2**-7, atol=2**-7)
+    assert len(calls) == 1
+
+
+@needs_kernel
 def test_the_model_linear_takes_it_for_one_row_only(monkeypatch):
     dense = nn.Linear(64, 96, bias=True)
     lin = TransposedLinear(dense)
