@@ -43,6 +43,8 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+
+#include "bf16.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -58,31 +60,9 @@ typedef float v8u __attribute__((vector_size(32), aligned(4))); /* for loads and
 
 static inline v8 load8(const float *p) { return *(const v8u *)p; }
 
-typedef uint16_t h8u __attribute__((vector_size(16), aligned(2)));
-typedef uint32_t u8 __attribute__((vector_size(32)));
-static inline v8 widen8(const uint16_t *p) { /* 8 bf16 -> fp32: the 16 bits moved up (exact) */
-    const u8 bits = __builtin_convertvector(*(const h8u *)p, u8) << 16;
-    v8 out;
-    __builtin_memcpy(&out, &bits, sizeof out);
-    return out;
-}
-
 /* 8 elements of a fp32 (BF 0) or bf16 (BF 1) array from element `i`, as floats */
 static inline __attribute__((always_inline)) v8 ld8(const void *p, int64_t i, const int BF) {
-    return BF ? widen8((const uint16_t *)p + i) : load8((const float *)p + i);
-}
-
-static inline float bf16_to_f32(uint16_t x) {
-    const uint32_t bits = (uint32_t)x << 16;
-    float f;
-    __builtin_memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even (outputs are finite) */
-    uint32_t bits;
-    __builtin_memcpy(&bits, &f, sizeof bits);
-    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+    return BF ? bf16_widen8((const uint16_t *)p + i) : load8((const float *)p + i);
 }
 
 /* the cache line holding element `i` of a fp32 or bf16 array, into L2 */

@@ -17,91 +17,49 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v8u __attribute__((vector_size(32), aligned(4)));
 
 static inline v8 load8(const float *p) { return *(const v8u *)p; }
 static inline void store8(float *p, v8 x) { *(v8u *)p = x; }
+static inline float load1(const float *p) { return *p; }
+static inline float load1_bf16(const uint16_t *p) { return bf16_to_f32(*p); }
 
-typedef uint16_t h8u __attribute__((vector_size(16), aligned(2)));
-typedef uint32_t u8 __attribute__((vector_size(32)));
-static inline v8 widen8(const uint16_t *p) { /* 8 bf16 -> fp32: the 16 bits moved up */
-    const u8 bits = __builtin_convertvector(*(const h8u *)p, u8) << 16;
-    v8 out;
-    __builtin_memcpy(&out, &bits, sizeof out);
-    return out;
-}
-static inline float bf16_to_f32(uint16_t h) {
-    const uint32_t bits = (uint32_t)h << 16;
-    float f;
-    __builtin_memcpy(&f, &bits, sizeof f);
-    return f;
-}
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even (outputs are finite) */
-    uint32_t bits;
-    __builtin_memcpy(&bits, &f, sizeof bits);
-    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
+/* columns [c0, c1) of y (fp32; c1 - c0 a multiple of 8 except possibly at the end of the row) =
+ * x (fp32) . w ([in, out] of WT; LOADV(p) gives 8 weights as floats, LOAD1(p) one) */
+#define DEFINE_GEMV_COLS(name, WT, LOADV, LOAD1)                                                             \
+    static void name(const float *x, const WT *w, float *y, int64_t in, int64_t out, int64_t c0, int64_t c1) { \
+        const int64_t n8 = c0 + ((c1 - c0) & ~(int64_t)7);                                                    \
+        memset(y + c0, 0, (size_t)(c1 - c0) * sizeof(float));                                                 \
+        int64_t i = 0;                                                                                        \
+        for (; i + 4 <= in; i += 4) {                                                                         \
+            const WT *w0 = w + i * out, *w1 = w0 + out, *w2 = w1 + out, *w3 = w2 + out;                       \
+            const v8 x0 = (v8){0} + x[i], x1 = (v8){0} + x[i + 1], x2 = (v8){0} + x[i + 2];                   \
+            const v8 x3 = (v8){0} + x[i + 3];                                                                 \
+            for (int64_t j = c0; j < n8; j += 8) {                                                            \
+                v8 acc = load8(y + j);                                                                        \
+                acc += x0 * LOADV(w0 + j);                                                                    \
+                acc += x1 * LOADV(w1 + j);                                                                    \
+                acc += x2 * LOADV(w2 + j);                                                                    \
+                acc += x3 * LOADV(w3 + j);                                                                    \
+                store8(y + j, acc);                                                                           \
+            }                                                                                                 \
+            for (int64_t j = n8; j < c1; j++)                                                                 \
+                y[j] = (((y[j] + x[i] * LOAD1(w0 + j)) + x[i + 1] * LOAD1(w1 + j)) + x[i + 2] * LOAD1(w2 + j)) + \
+                       x[i + 3] * LOAD1(w3 + j);                                                              \
+        }                                                                                                     \
+        for (; i < in; i++) {                                                                                 \
+            const WT *wi = w + i * out;                                                                       \
+            const v8 xi = (v8){0} + x[i];                                                                     \
+            for (int64_t j = c0; j < n8; j += 8) store8(y + j, load8(y + j) + xi * LOADV(wi + j));           \
+            for (int64_t j = n8; j < c1; j++) y[j] += x[i] * LOAD1(wi + j);                                   \
+        }                                                                                                     \
+    }
 
-/* columns [c0, c1) of acc (fp32, acc[j - c0]) = x (fp32) . w (bf16 [in, out]) */
-static void gemv_cols_bf16(const float *x, const uint16_t *w, float *acc, int64_t in, int64_t out, int64_t c0,
-                           int64_t c1) {
-    const int64_t n8 = c0 + ((c1 - c0) & ~(int64_t)7);
-    memset(acc, 0, (size_t)(c1 - c0) * sizeof(float));
-    float *y = acc - c0; /* y[j] for j in [c0, c1) */
-    int64_t i = 0;
-    for (; i + 4 <= in; i += 4) {
-        const uint16_t *w0 = w + i * out, *w1 = w0 + out, *w2 = w1 + out, *w3 = w2 + out;
-        const v8 x0 = (v8){0} + x[i], x1 = (v8){0} + x[i + 1], x2 = (v8){0} + x[i + 2], x3 = (v8){0} + x[i + 3];
-        for (int64_t j = c0; j < n8; j += 8) {
-            v8 a = load8(y + j);
-            a += x0 * widen8(w0 + j);
-            a += x1 * widen8(w1 + j);
-            a += x2 * widen8(w2 + j);
-            a += x3 * widen8(w3 + j);
-            store8(y + j, a);
-        }
-        for (int64_t j = n8; j < c1; j++)
-            y[j] = (((y[j] + x[i] * bf16_to_f32(w0[j])) + x[i + 1] * bf16_to_f32(w1[j])) + x[i + 2] * bf16_to_f32(w2[j])) +
-                   x[i + 3] * bf16_to_f32(w3[j]);
-    }
-    for (; i < in; i++) {
-        const uint16_t *wi = w + i * out;
-        const v8 xi = (v8){0} + x[i];
-        for (int64_t j = c0; j < n8; j += 8) store8(y + j, load8(y + j) + xi * widen8(wi + j));
-        for (int64_t j = n8; j < c1; j++) y[j] += x[i] * bf16_to_f32(wi[j]);
-    }
-}
-
-/* columns [c0, c1) of y; c1 - c0 a multiple of 8 except possibly at the end of the row */
-static void gemv_cols(const float *x, const float *w, float *y, int64_t in, int64_t out, int64_t c0, int64_t c1) {
-    const int64_t n8 = c0 + ((c1 - c0) & ~(int64_t)7);
-    memset(y + c0, 0, (size_t)(c1 - c0) * sizeof(float));
-    int64_t i = 0;
-    for (; i + 4 <= in; i += 4) {
-        const float *w0 = w + i * out, *w1 = w0 + out, *w2 = w1 + out, *w3 = w2 + out;
-        const v8 x0 = {x[i], x[i], x[i], x[i], x[i], x[i], x[i], x[i]};
-        const v8 x1 = {x[i + 1], x[i + 1], x[i + 1], x[i + 1], x[i + 1], x[i + 1], x[i + 1], x[i + 1]};
-        const v8 x2 = {x[i + 2], x[i + 2], x[i + 2], x[i + 2], x[i + 2], x[i + 2], x[i + 2], x[i + 2]};
-        const v8 x3 = {x[i + 3], x[i + 3], x[i + 3], x[i + 3], x[i + 3], x[i + 3], x[i + 3], x[i + 3]};
-        for (int64_t j = c0; j < n8; j += 8) {
-            v8 acc = load8(y + j);
-            acc += x0 * load8(w0 + j);
-            acc += x1 * load8(w1 + j);
-            acc += x2 * load8(w2 + j);
-            acc += x3 * load8(w3 + j);
-            store8(y + j, acc);
-        }
-        for (int64_t j = n8; j < c1; j++)
-            y[j] = (((y[j] + x[i] * w0[j]) + x[i + 1] * w1[j]) + x[i + 2] * w2[j]) + x[i + 3] * w3[j];
-    }
-    for (; i < in; i++) {
-        const float *wi = w + i * out;
-        const v8 xi = {x[i], x[i], x[i], x[i], x[i], x[i], x[i], x[i]};
-        for (int64_t j = c0; j < n8; j += 8) store8(y + j, load8(y + j) + xi * load8(wi + j));
-        for (int64_t j = n8; j < c1; j++) y[j] += x[i] * wi[j];
-    }
-}
+DEFINE_GEMV_COLS(gemv_cols, float, load8, load1)
+DEFINE_GEMV_COLS(gemv_cols_bf16, uint16_t, bf16_widen8, load1_bf16)
 
 /* y = x . w (+ bias). bias may be NULL. Returns 0. */
 int gemv_f32(const float *x, const float *w, const float *bias, float *y, int64_t in, int64_t out, int nthreads) {
@@ -132,8 +90,8 @@ int gemv_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16
 #pragma omp parallel for num_threads(parts) schedule(static, 1) if (parts > 1)
     for (int t = 0; t < parts; t++) {
         const int64_t c0 = t * per, c1 = c0 + per < out ? c0 + per : out;
-        float *acc = xf + in + t * per;
-        gemv_cols_bf16(xf, w, acc, in, out, c0, c1);
+        float *acc = xf + in + t * per; /* the sums of columns [c0, c1), at acc[j - c0] */
+        gemv_cols_bf16(xf, w + c0, acc, in, out, 0, c1 - c0); /* the weight from column c0 on */
         for (int64_t j = c0; j < c1; j++) y[j] = f32_to_bf16(bias ? acc[j - c0] + bf16_to_f32(bias[j]) : acc[j - c0]);
     }
     free(xf);

@@ -72,7 +72,7 @@ def _cache_dir() -> Path:
 
 
 def _build(source: Path, cc: str, openmp: bool) -> Path:
-    src = source.read_bytes()
+    src = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # + headers
     extra = OPENMP_FLAGS if openmp else []
     key = hashlib.sha256(src + " ".join([cc, *COMPILE_FLAGS, *LINK_FLAGS, *extra]).encode() + _cpu_id().encode())
     out = _cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"

@@ -30,6 +30,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "bf16.h"
+
 #define PANEL 16
 #define MR_Y 6 /* rows of the ymm tile */
 #if defined(__AVX512F__)
@@ -67,47 +69,17 @@ int panel_tile_rows(void) { return MR; }  /* rows a pass over a panel takes, at 
             for (int v = 0; v < PV; v++) *(VTU *)(out16 + r * PANEL + v * VW) = acc[r][v];               \
     }
 
-/* bf16 -> fp32 is the 16 bits moved up: widen VW uint16 lanes to uint32, shift, reinterpret */
-typedef uint16_t h8u __attribute__((vector_size(16), aligned(2)));
-typedef uint32_t u8 __attribute__((vector_size(32)));
 static inline v8 load8_f32(const float *p) { return *(const v8u *)p; }
-static inline v8 load8_bf16(const uint16_t *p) {
-    const u8 bits = __builtin_convertvector(*(const h8u *)p, u8) << 16;
-    v8 out;
-    __builtin_memcpy(&out, &bits, sizeof out);
-    return out;
-}
 
 DEFINE_TILE(tile_y, 8, v8, v8u, float, load8_f32)
-DEFINE_TILE(tile_y_bf16, 8, v8, v8u, uint16_t, load8_bf16)
+DEFINE_TILE(tile_y_bf16, 8, v8, v8u, uint16_t, bf16_widen8)
 #if MR == 16
 typedef float v16 __attribute__((vector_size(64)));
 typedef float v16u __attribute__((vector_size(64), aligned(4)));
-typedef uint16_t h16u __attribute__((vector_size(32), aligned(2)));
-typedef uint32_t u16v __attribute__((vector_size(64)));
 static inline v16 load16_f32(const float *p) { return *(const v16u *)p; }
-static inline v16 load16_bf16(const uint16_t *p) {
-    const u16v bits = __builtin_convertvector(*(const h16u *)p, u16v) << 16;
-    v16 out;
-    __builtin_memcpy(&out, &bits, sizeof out);
-    return out;
-}
 DEFINE_TILE(tile_z, 16, v16, v16u, float, load16_f32)
-DEFINE_TILE(tile_z_bf16, 16, v16, v16u, uint16_t, load16_bf16)
+DEFINE_TILE(tile_z_bf16, 16, v16, v16u, uint16_t, bf16_widen16)
 #endif
-
-static inline float bf16_to_f32(uint16_t h) {
-    const uint32_t bits = (uint32_t)h << 16;
-    float f;
-    __builtin_memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even (outputs are finite) */
-    uint32_t bits;
-    __builtin_memcpy(&bits, &f, sizeof bits);
-    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
 
 #define TILE_Y(n, T) \
     case n: T(n, xr, ldx, panel, in, buf, next); break;

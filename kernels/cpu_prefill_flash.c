@@ -38,6 +38,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "bf16.h"
+
 #if defined(__AVX512F__)
 #define VW 16
 #define KU 8 /* keys per register tile of scores: 2 x KU accumulators of 32 registers */
@@ -110,19 +112,6 @@ static inline vf exp_nonpos(vf x) {
     vf scale;
     __builtin_memcpy(&scale, &bits, sizeof scale);
     return sel(under, splat(0.0f), p * scale);
-}
-
-static inline float bf16_to_f32(uint16_t x) {
-    const uint32_t bits = (uint32_t)x << 16;
-    float f;
-    __builtin_memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even (outputs are finite) */
-    uint32_t bits;
-    __builtin_memcpy(&bits, &f, sizeof bits);
-    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
 /* Element i of a fp32 (bf16 == 0) or bf16 array, as fp32. */

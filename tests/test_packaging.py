@@ -55,7 +55,7 @@ def package_files() -> set[str]:
     for folder, dirs, files in os.walk(ROOT / "pdserve", followlinks=True):
         dirs[:] = [d for d in dirs if d != "__pycache__"]
         rel = Path(folder).relative_to(ROOT)
-        found |= {(rel / f).as_posix() for f in files if f.endswith((".py", ".c"))}
+        found |= {(rel / f).as_posix() for f in files if f.endswith((".py", ".c", ".h"))}
     return found
 
 
