@@ -175,24 +175,17 @@ static inline __attribute__((always_inline)) void attend(const Job *j, int i, in
     }
 }
 
-static void attend_64(const Job *j, int i, int lo, int hi, int h0, int nh, float *p, float *ml) {
-    attend(j, i, lo, hi, h0, nh, p, ml, 64, 0);
-}
-static void attend_128(const Job *j, int i, int lo, int hi, int h0, int nh, float *p, float *ml) {
-    attend(j, i, lo, hi, h0, nh, p, ml, 128, 0);
-}
-static void attend_any(const Job *j, int i, int lo, int hi, int h0, int nh, float *p, float *ml) {
-    attend(j, i, lo, hi, h0, nh, p, ml, j->d, 0);
-}
-static void attend_64_bf16(const Job *j, int i, int lo, int hi, int h0, int nh, float *p, float *ml) {
-    attend(j, i, lo, hi, h0, nh, p, ml, 64, 1);
-}
-static void attend_128_bf16(const Job *j, int i, int lo, int hi, int h0, int nh, float *p, float *ml) {
-    attend(j, i, lo, hi, h0, nh, p, ml, 128, 1);
-}
-static void attend_any_bf16(const Job *j, int i, int lo, int hi, int h0, int nh, float *p, float *ml) {
-    attend(j, i, lo, hi, h0, nh, p, ml, j->d, 1);
-}
+/* attend with head_dim D (0: the job's) and element type BF (0 fp32, 1 bf16) fixed at compile time */
+#define ATTEND(name, D, BF)                                                                      \
+    static void name(const Job *j, int i, int lo, int hi, int h0, int nh, float *p, float *ml) { \
+        attend(j, i, lo, hi, h0, nh, p, ml, (D) ? (D) : j->d, BF);                               \
+    }
+ATTEND(attend_64, 64, 0)
+ATTEND(attend_128, 128, 0)
+ATTEND(attend_any, 0, 0)
+ATTEND(attend_64_bf16, 64, 1)
+ATTEND(attend_128_bf16, 128, 1)
+ATTEND(attend_any_bf16, 0, 1)
 
 /* Sequence i's spans in order, head group h0 (H query heads): span sp's output [H, D] at
  * part + sp * part_step and its max and sum [2, H] at ml + sp * ml_step. out = sum_s e^(m_s - M)
