@@ -308,6 +308,9 @@ class DisaggregatedFlow:
                     d.worker_id,
                     Abort(request_id=rec.worker_request_id, reason="reservation timed out", lease_unused=True),
                 )
+                # D may still take it (a late lease, or a local prefill whose tokens follow) before
+                # the abort lands: nothing done under this id may answer a later reservation
+                self.requests.abandon_worker_id(rec)
                 continue
             finally:
                 d.reserving -= 1

@@ -7,7 +7,9 @@ lease it holds, its token order and its output stream, from admission to its end
 
 A record is in the `RequestTable` under the id the workers know for its current attempt
 (`worker_request_id`: the request id, then `<id>.m2`, ... after a migration), so outputs of an
-earlier attempt find nothing. Outputs go from the socket straight into it (`accept`): put in
+earlier attempt find nothing. A reservation the gateway gave up on (no answer in time) may still be
+taken by its decode worker later, so the attempt goes on under a new id (`<id>.r2`, ...:
+`abandon_worker_id`): a late answer, or tokens made under the old id, find nothing either. Outputs go from the socket straight into it (`accept`): put in
 token order, then onto its `OutputStream`, with no task in between. Its workers' counts
 (`WorkerEntry.inflight`) move only in `hold` and `let_go`.
 """
@@ -58,6 +60,11 @@ class RequestRecord:
     ended_by: str = ""  # the worker whose output ended this attempt ("" : ended here, or not yet)
     outcome: asyncio.Future[None] | None = None  # the attempt's end: None, or WorkerLost
     on_first_output: Callable[[RequestRecord, TokenOutput], None] | None = None
+    abandoned_ids: int = 0  # this attempt's worker ids given up on (reservations not answered in time)
+    # reconciliation (gateway/reconcile.py): per watched worker, the heartbeat snapshot last
+    # looked at, and how many rounds of fresh snapshots in a row named the request nowhere
+    seen_snapshots: dict[str, int] = field(default_factory=dict)
+    missed_rounds: int = 0
 
     def __post_init__(self) -> None:
         self.group = self.sampling.is_group
@@ -97,12 +104,24 @@ class RequestRecord:
         """A new attempt: a fresh id at the workers and a fresh token order; n = 1 asks only for
         what is left after the tokens already streamed (they end its prompt)."""
         self.attempt += 1
-        self.worker_request_id = self.request_id if self.attempt == 1 else f"{self.request_id}.m{self.attempt}"
+        self.abandoned_ids = 0
+        self.worker_request_id = self._attempt_id()
         self.order = TokenOrder(self.choices)
         self.ended_by = ""
         self.local_since = 0.0
         self.outcome = asyncio.get_running_loop().create_future()
         self.attempt_prompt_tokens = len(self.prompt) + (0 if self.sampling.is_group else len(self.generated))
+
+    def _attempt_id(self) -> str:
+        base = self.request_id if self.attempt == 1 else f"{self.request_id}.m{self.attempt}"
+        return base if not self.abandoned_ids else f"{base}.r{self.abandoned_ids + 1}"
+
+    def abandon_worker_id(self) -> None:
+        """This attempt's id was sent in a reservation given up on: whatever its worker still does
+        under it (a late lease or local take, the tokens of a local prefill) must not reach this
+        record. The attempt goes on under a new id (the caller re-keys the RequestTable)."""
+        self.abandoned_ids += 1
+        self.worker_request_id = self._attempt_id()
 
     def attempt_request(self) -> tuple[list[int], SamplingParams]:
         """The prompt and sampling parameters this attempt sends."""
@@ -152,6 +171,8 @@ class RequestRecord:
             if self.attempt > 1:  # to the client's numbering
                 streamed_before = self.attempt_prompt_tokens - len(self.prompt)
                 out = replace(out, request_id=self.request_id, index=out.index + streamed_before)
+            elif out.request_id != self.request_id:  # (a worker id renewed after an abandoned reservation)
+                out = replace(out, request_id=self.request_id)
             self.generated.extend(out.token_ids)
         self.stream.push(out)
 
@@ -201,6 +222,13 @@ class RequestTable:
 
     def add(self, rec: RequestRecord) -> None:
         self._by_worker_id[rec.worker_request_id] = rec
+
+    def abandon_worker_id(self, rec: RequestRecord) -> None:
+        """`rec` goes on under a new worker id (RequestRecord.abandon_worker_id), re-keyed here:
+        outputs and replies for the old one find nothing."""
+        self.remove(rec)
+        rec.abandon_worker_id()
+        self.add(rec)
 
     def remove(self, rec: RequestRecord) -> None:
         if self._by_worker_id.get(rec.worker_request_id) is rec:
