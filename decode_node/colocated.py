@@ -25,6 +25,7 @@ class ColocatedWorker(WorkerBase):
     def __init__(self, settings: ColocatedSettings, auth: FrameAuth) -> None:
         super().__init__(settings, auth)
         self.engine = LLMEngine(settings.engine)
+        self.engine.grammars.warm_in_background()  # a first constraint costs no tokenizer load
         self.describe(describe_worker(self.engine, "colocated", self.rt.control_addr, settings.host))
         if self.engine.hasher is not None:
             self.kv_report = PrefixCacheReport(self.engine.pool)

@@ -64,6 +64,7 @@ class DecodeWorker(WorkerBase):
 
         shared = settings.shared_memory  # under tensor parallelism every rank's pool is shared memory
         self.engine = LLMEngine(settings.engine, kv_allocator=shm_allocator if shared else None)
+        self.engine.grammars.warm_in_background()  # a first constraint costs no tokenizer load
         draft = self.engine.draft  # its layers may come with the target's (KvLayout.draft_fingerprint)
         self.leases = LeaseTable(  # every block not in a sequence
             self.engine.model_config.num_layers, draft_layers=draft.kv_cache.shape[0] if draft else 0

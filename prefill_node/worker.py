@@ -53,6 +53,7 @@ class PrefillWorker(WorkerBase):
         super().__init__(settings, auth)
         tp = settings.engine.tensor_parallel_size > 1  # then each rank sends its own KV heads
         self.engine = LLMEngine(settings.engine, rank_kv_sends=settings.kv_payload_mac if tp else None)
+        self.engine.grammars.warm_in_background()  # a first constraint costs no tokenizer load
         self.describe(describe_worker(self.engine, "prefill", self.rt.control_addr, settings.host))
         if self.engine.hasher is not None:
             self.kv_report = PrefixCacheReport(self.engine.pool)

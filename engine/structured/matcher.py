@@ -8,6 +8,7 @@ synchronously at add_request (no compile thread); the cache keeps one pristine m
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -56,23 +57,48 @@ class Grammar:
 
 class GrammarCache:
     """(kind, spec) -> a compiled matcher at its start; LRU of `max_entries`. The llguidance
-    tokenizer (the model's vocabulary, ~50 ms at 15k tokens) is built at the first constraint."""
+    tokenizer (the model's vocabulary: loading the HF tokenizer takes seconds) is built at the
+    first constraint, or ahead of it by `warm_in_background` (workers do at start)."""
 
     def __init__(self, model: str | Path, vocab_size: int, eos_token_ids: Sequence[int], max_entries: int = 256):
         self.model, self.vocab_size, self.eos = str(model), vocab_size, list(eos_token_ids)
         self.max_entries = max_entries
         self._tokenizer: llguidance.LLTokenizer | None = None
+        self._warming: threading.Thread | None = None  # warm_in_background's build
         self._cache: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
         self.mask_stats = MaskStats()  # the engine's masking cost (constrain(..., stats=))
 
+    def warm_in_background(self) -> None:
+        """Build the llguidance tokenizer now, in a thread, instead of at the first constraint:
+        loading the model's tokenizer through transformers takes seconds (5-12 s for a 49k
+        vocabulary on a loaded 2-core machine), which a worker's loop would otherwise spend inside
+        its first constrained request (a decode worker's reservation answered that late timed out
+        at the gateway: docs/reliability.md). Workers call it at start; a failure here is left
+        for the first constraint to raise."""
+        if self._tokenizer is not None or self._warming is not None:
+            return
+        self._warming = threading.Thread(target=self._warm, name="grammar-tokenizer", daemon=True)
+        self._warming.start()
+
+    def _warm(self) -> None:
+        try:
+            self._tokenizer = self._build_tokenizer()
+        except Exception:  # (no tokenizer files, say): the first constraint builds it again and raises
+            pass
+
+    def _build_tokenizer(self) -> llguidance.LLTokenizer:
+        import llguidance.hf
+
+        from pdserve.engine.gguf_file import load_tokenizer
+
+        hf = load_tokenizer(self.model)
+        return llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size, eos_token=self.eos)  # type: ignore[arg-type]
+
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:
+        if self._tokenizer is None and self._warming is not None:
+            self._warming.join()  # (the rest of its build, if it has not finished)
         if self._tokenizer is None:
-            import llguidance.hf
-
-            from pdserve.engine.gguf_file import load_tokenizer
-
-            hf = load_tokenizer(self.model)
-            self._tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size, eos_token=self.eos)  # type: ignore[arg-type]
+            self._tokenizer = self._build_tokenizer()
         return self._tokenizer
 
     def new(self, c: StructuredOutput) -> Grammar:

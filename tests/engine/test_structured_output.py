@@ -265,3 +265,21 @@ def test_constrained_greedy_equals_hf_generate_under_the_same_mask(tiny_llama, t
     outs = run(engine, requests)
     got = {rid: [t for t in outs[rid][0] if t not in eos] for rid in requests}  # (an EOS the grammar let through)
     assert all(want.values()) and got == want, {rid: (got[rid], want[rid]) for rid in requests if got[rid] != want[rid]}
+
+
+def test_the_grammar_tokenizer_is_built_ahead_of_the_first_constraint(tiny_llama, tmp_path):
+    """Workers warm it at start (a first constraint then costs no tokenizer load); a folder without
+    a tokenizer fails at the first constraint, not in the warming thread."""
+    from pdserve.engine.structured.matcher import GrammarCache
+
+    choice = StructuredOutput("choice", json.dumps(["yes", "no"]))
+    cache = GrammarCache(tiny_llama, 512, [0])
+    cache.warm_in_background()
+    assert cache._warming is not None
+    cache._warming.join()
+    assert cache._tokenizer is not None
+    assert cache.new(choice).valid_prefix([]) == 0
+    broken = GrammarCache(tmp_path, 512, [0])  # no tokenizer files there
+    broken.warm_in_background()
+    with pytest.raises(Exception):
+        broken.new(choice)
