@@ -14,7 +14,7 @@ from pdserve.engine.llm_engine import LLMEngine, StepOutput, wire_finish_reason
 from pdserve.protocol.auth import FrameAuth
 from pdserve.protocol.messages import Abort, GenerateRequest, TokenOutput, WorkerStats
 from pdserve.runtime.worker_base import WorkerBase
-from pdserve.runtime.worker_runtime import PrefixCacheReport, describe_worker, engine_stats
+from pdserve.runtime.worker_runtime import HeldRequests, PrefixCacheReport, describe_worker, engine_stats
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +110,9 @@ class ColocatedWorker(WorkerBase):
 
     def has_work(self) -> bool:
         return self.engine.has_work() or bool(self.requests)
+
+    def held_requests(self) -> HeldRequests:
+        return list(self.requests), []
 
     def run_once(self) -> None:
         for msg in self.rt.drain(0 if self.engine.has_work() else 20):

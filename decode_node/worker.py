@@ -46,7 +46,7 @@ from pdserve.protocol.messages import (
     WorkerStats,
 )
 from pdserve.runtime.worker_base import WorkerBase
-from pdserve.runtime.worker_runtime import PrefixCacheReport, describe_worker, engine_stats
+from pdserve.runtime.worker_runtime import HeldRequests, PrefixCacheReport, describe_worker, engine_stats
 
 log = logging.getLogger(__name__)
 
@@ -435,6 +435,10 @@ class DecodeWorker(WorkerBase):
 
     def has_work(self) -> bool:
         return self.engine.has_work() or self.leases.num_active > 0 or bool(self.requests)
+
+    def held_requests(self) -> HeldRequests:
+        """Every request taken and not ended (leases, local prefills, running), and the leases."""
+        return list(self.requests), [r for r in self.requests if r in self.leases]
 
     def run_once(self) -> None:
         if self._wait_ms:  # sleep on both inboxes: no work, or (paced) the next step is not due

@@ -73,8 +73,8 @@ class QueueLimits:
     max_wait_s: Annotated[
         float,
         Flag(
-            "seconds a request may wait for a worker to take it before a 503 + Retry-After (before any token: a "
-            "started request never fails on a queue timer)",
+            "seconds a request may wait for a worker to take it before a 503 + Retry-After (one moving off a lost "
+            "worker after its first tokens: an error event; nothing waits in a queue forever)",
             name="--max-queue-wait",
             parse=positive_float,
         ),
@@ -103,11 +103,13 @@ class AdmissionQueue(Generic[T]):
         limits: QueueLimits,
         free_slots: Callable[[], int],
         on_wait: Callable[[str, float], None] | None = None,
+        on_timeout: Callable[[str], None] | None = None,
     ) -> None:
         self.pool = pool
         self.limits = limits
         self._free_slots = free_slots
         self._on_wait = on_wait  # (pool, seconds waited) of every request that started
+        self._on_timeout = on_timeout  # ("queue_timeout") of every request that waited past max_wait_s
         self._waiting: list[_Waiter] = []  # by rank: resumed, then priority, then arrival
         self._tokens = 0
         self._turns_out = 0  # waiters trying to start now
@@ -134,7 +136,8 @@ class AdmissionQueue(Generic[T]):
         QueueFull / QueueTimeout. Errors from `try_start` end the wait and propagate.
         `priority`: lower waits less (ahead of every waiter with a higher value).
         `resumed`: a request that already streamed tokens (moving off a dead worker) goes first
-        and is never refused: the client was promised the rest."""
+        and is never refused for a full queue (the client was promised the rest), but it too
+        times out after `max_wait_s` (its stream then ends with an error event)."""
         t0 = time.monotonic()
         if not self._waiting and not self._turns_out:  # nobody ahead: try at once
             started = await try_start()
@@ -145,7 +148,7 @@ class AdmissionQueue(Generic[T]):
         if not resumed:
             self._check_room(num_tokens)
         waiter = _Waiter((0, 0, next(self._order)) if resumed else (1, priority, next(self._order)), num_tokens)
-        max_wait_s = float("inf") if resumed else self.limits.max_wait_s
+        max_wait_s = self.limits.max_wait_s  # (a resumed request too: nothing waits forever)
         self._waiting.append(waiter)
         self._waiting.sort(key=lambda w: w.rank)
         self._tokens += num_tokens
@@ -154,9 +157,11 @@ class AdmissionQueue(Generic[T]):
                 self._dispatch()
                 remaining = t0 + max_wait_s - time.monotonic()
                 try:
-                    await asyncio.wait_for(asyncio.shield(waiter.turn), None if resumed else max(0.0, remaining))
+                    await asyncio.wait_for(asyncio.shield(waiter.turn), max(0.0, remaining))
                 except asyncio.TimeoutError:
                     if not waiter.turn.done():
+                        if self._on_timeout is not None:
+                            self._on_timeout("queue_timeout")
                         raise QueueTimeout(
                             f"the {self.pool} pool did not take the request within "
                             f"{self.limits.max_wait_s:g} s ({len(self._waiting)} requests "

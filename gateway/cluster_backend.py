@@ -26,7 +26,7 @@ import uuid
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from prometheus_client import Histogram
+from prometheus_client import Counter, Histogram
 
 from pdserve.gateway.admission import AdmissionQueue, QueueLimits
 from pdserve.gateway.backend import Backend, BackendUnavailable, RequestTooLarge
@@ -36,6 +36,7 @@ from pdserve.gateway.membership import WorkerTable
 from pdserve.gateway.output_stream import OutputStream
 from pdserve.gateway.prefill_placement import PrefillPlacement
 from pdserve.gateway.queue_stats import QueueStats
+from pdserve.gateway.reconcile import RequestForgotten, forgotten
 from pdserve.gateway.request_flow import DisaggregatedFlow
 from pdserve.gateway.request_record import RequestRecord, RequestTable, WorkerLost
 from pdserve.gateway.router import DEFAULT_LOCAL_PREFILL_MAX_TOKENS, Router, RouterPolicy
@@ -101,9 +102,24 @@ class ClusterBackend(Backend):
             buckets=_WAIT_BUCKETS,
             registry=None,
         )
+        self.reconciled = Counter(
+            "pdserve_requests_reconciled",
+            "Requests the gateway ended or moved because nothing else would have: their workers no "
+            "longer named them (migrated: run again or continued on a live pair; failed: ended with "
+            "an error), or they waited in a queue past its deadline (queue_timeout)",
+            ["outcome"],
+            registry=None,
+        )
+        for outcome in ("migrated", "failed", "queue_timeout"):
+            self.reconciled.labels(outcome=outcome)
+        on_timeout = self._count_reconciled
         self._queues: dict[str, AdmissionQueue[Any]] = {
-            "disaggregated": AdmissionQueue("disaggregated", queue_limits, self._free_decode_seats, self._observe_wait),
-            "colocated": AdmissionQueue("colocated", queue_limits, self._free_colocated_seats, self._observe_wait),
+            "disaggregated": AdmissionQueue(
+                "disaggregated", queue_limits, self._free_decode_seats, self._observe_wait, on_timeout
+            ),
+            "colocated": AdmissionQueue(
+                "colocated", queue_limits, self._free_colocated_seats, self._observe_wait, on_timeout
+            ),
         }
         self.disaggregated = DisaggregatedFlow(
             self.members,
@@ -115,9 +131,15 @@ class ClusterBackend(Backend):
             on_decode_failure=on_decode_failure,
             max_attempts=max_attempts,
             on_release=self._notify_queues,
+            on_reconciled=self._count_reconciled,
         )
         self.colocated = ColocatedFlow(
-            self.members, self.requests, self.router, self._queues["colocated"], self._notify_queues
+            self.members,
+            self.requests,
+            self.router,
+            self._queues["colocated"],
+            self._notify_queues,
+            on_reconciled=self._count_reconciled,
         )
         self._tasks: list[asyncio.Task] = []
         self._flows: set[asyncio.Task] = set()  # one per running request
@@ -152,12 +174,26 @@ class ClusterBackend(Backend):
 
     def check_liveness(self) -> None:
         """A request whose worker stopped heartbeating (or deregistered) learns it here: its
-        attempt ends with WorkerLost (gateway/request_flow.py migrates it)."""
+        attempt ends with WorkerLost (gateway/request_flow.py migrates it). So does one that its
+        live workers no longer hold (their heartbeats name what they hold: gateway/reconcile.py)."""
         now = time.monotonic()
         for rec in self.requests:
             dead = [w.worker_id for w in rec.watched() if not self.table.is_live(w, now)]
             if dead:
                 rec.end_attempt(WorkerLost(dead))
+        for rec in forgotten(self.requests):
+            workers = [w.worker_id for w in rec.watched()]
+            log.warning(
+                "request %s (%s): %s no longer named it in %d heartbeats in a row; ending its attempt",
+                rec.request_id,
+                rec.worker_request_id,
+                ", ".join(workers),
+                rec.missed_rounds,
+            )
+            rec.end_attempt(RequestForgotten(workers))
+
+    def _count_reconciled(self, outcome: str) -> None:
+        self.reconciled.labels(outcome=outcome).inc()
 
     # --- every message from the workers -------------------------------------------------------
     def _dispatch(self, msg: Message) -> None:
@@ -295,7 +331,7 @@ class ClusterBackend(Backend):
         return stats
 
     def collectors(self) -> list:
-        return [self.queue_wait]
+        return [self.queue_wait, self.reconciled]
 
     def workers(self) -> list[dict]:
         return self.members.listing()

@@ -44,6 +44,10 @@ class ClusterMembers:
             return
         if isinstance(msg, Heartbeat) and msg.kv is not None:
             self.kv_index.apply(info.worker_id, msg.kv)
+        if isinstance(msg, Heartbeat) and msg.requests is not None:
+            entry = self.table.workers[info.worker_id]
+            if msg.snapshot != entry.snapshot:  # a new report of its loop (else a repeat: nothing new)
+                entry.held, entry.leased, entry.snapshot = frozenset(msg.requests), frozenset(msg.leases), msg.snapshot
         joined = new or not self.plane.connected(info.worker_id)
         if joined:
             self._forget_replaced(info)

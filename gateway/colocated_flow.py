@@ -13,6 +13,7 @@ from pdserve.gateway.admission import AdmissionQueue, request_priority
 from pdserve.gateway.backend import BackendUnavailable
 from pdserve.gateway.cluster_members import BlockMemo, ClusterMembers
 from pdserve.gateway.membership import WorkerEntry
+from pdserve.gateway.reconcile import RequestForgotten
 from pdserve.gateway.request_record import RequestRecord, RequestTable, WorkerLost
 from pdserve.gateway.router import Router
 from pdserve.protocol.messages import Abort, GenerateRequest, TokenOutput
@@ -26,10 +27,12 @@ class ColocatedFlow:
         router: Router,
         queue: AdmissionQueue[WorkerEntry],
         on_release: Callable[[], None],
+        on_reconciled: Callable[[str], None] = lambda outcome: None,
     ) -> None:
         self.members, self.requests, self.router, self.queue = members, requests, router, queue
         self.table, self.plane = members.table, members.plane
         self._on_release = on_release  # a colocated seat is free
+        self._on_reconciled = on_reconciled  # (outcome) a forgotten request failed
 
     def free_seats(self) -> int:
         return sum(max(0, c.info.max_num_seqs - c.inflight) for c in self.table.live("colocated"))
@@ -78,8 +81,10 @@ class ColocatedFlow:
             try:
                 await rec.outcome
             except WorkerLost as lost:
-                error = f"worker {', '.join(lost.worker_ids)} stopped responding"
+                error = f"worker {', '.join(lost.worker_ids)} {lost.reason}"
                 rec.stream.push(TokenOutput(request_id=rec.request_id, finish_reason="error", error=error))
+                if isinstance(lost, RequestForgotten):
+                    self._on_reconciled("failed")
         except asyncio.CancelledError:
             raise
         except Exception as e:  # BackendUnavailable before any token, or a failure: the reader's

@@ -23,6 +23,11 @@ class WorkerEntry:
     inflight: int = 0  # requests this gateway has routed here and not yet finished
     reserving: int = 0  # reservations this gateway has asked of it and not yet heard back on
     gone: bool = False  # deregistered
+    # what its loop last said it holds (Heartbeat.requests; None: it does not tell), the leases
+    # among them (KV awaited), and that report's number (gateway/reconcile.py)
+    held: frozenset[str] | None = None
+    leased: frozenset[str] = frozenset()
+    snapshot: int = 0
 
     @property
     def worker_id(self) -> str:

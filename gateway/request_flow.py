@@ -32,6 +32,7 @@ from pdserve.gateway.cluster_members import BlockMemo, ClusterMembers
 from pdserve.gateway.membership import WorkerEntry
 from pdserve.gateway.placement_rates import PlacementRates, kv_bytes_per_token
 from pdserve.gateway.prefill_placement import PlacementInputs
+from pdserve.gateway.reconcile import RequestForgotten
 from pdserve.gateway.request_record import RequestRecord, RequestTable, WorkerLost
 from pdserve.gateway.router import Router
 from pdserve.protocol.messages import Abort, KvDestination, PrefillRequest, ReserveReply, ReserveRequest, TokenOutput
@@ -54,6 +55,7 @@ class DisaggregatedFlow:
         on_decode_failure: str,
         max_attempts: int,
         on_release: Callable[[], None],
+        on_reconciled: Callable[[str], None] = lambda outcome: None,
     ) -> None:
         self.members, self.requests, self.router, self.queue = members, requests, router, queue
         self.table, self.plane = members.table, members.plane
@@ -62,6 +64,7 @@ class DisaggregatedFlow:
         self.on_decode_failure = on_decode_failure
         self.max_attempts = max_attempts
         self._on_release = on_release  # a decode seat is free
+        self._on_reconciled = on_reconciled  # (outcome) a forgotten request moved or failed
         self.rates = PlacementRates()  # measured for the placement cost model (router.py)
 
     async def run(self, rec: RequestRecord) -> None:
@@ -135,7 +138,8 @@ class DisaggregatedFlow:
             await rec.outcome  # the outputs arrive meanwhile (ClusterBackend.dispatch -> rec.accept)
         except WorkerLost as lost:
             if rec.state == "prefilling" and rec.prefill is not None and rec.decode is not None:
-                if rec.prefill.worker_id in lost.worker_ids:  # its lease may never be written or released
+                if rec.prefill.worker_id in lost.worker_ids and not isinstance(lost, RequestForgotten):
+                    # its lease may never be written or released (a live prefill worker gets the Abort)
                     self.members.orphan_lease(
                         rec.prefill.worker_id, rec.worker_request_id, rec.decode.worker_id, rec.lease_deadline
                     )
@@ -169,11 +173,13 @@ class DisaggregatedFlow:
             generated,
             "retrying on a live pair" if retry else "failing it",
         )
-        error = None if retry else f"worker {', '.join(lost.worker_ids)} stopped responding"
+        error = None if retry else f"worker {', '.join(lost.worker_ids)} {lost.reason}"
         if retry and (not self.table.live("prefill") or not self.table.live("decode")):
             await asyncio.sleep(min(2.0, self.table.dead_after_s))  # a restart may be on its way
             if not self.table.live("prefill") or not self.table.live("decode"):
                 error = "no live prefill/decode pair to continue the request"
+        if isinstance(lost, RequestForgotten):
+            self._on_reconciled("failed" if error is not None else "migrated")
         if error is not None:
             index = 0 if rec.sampling.is_group else len(rec.generated)
             rec.stream.push(TokenOutput(request_id=rec.request_id, index=index, finish_reason="error", error=error))

@@ -33,6 +33,8 @@ RequestState = Literal["queued", "prefilling", "decoding", "migrating", "finishe
 
 
 class WorkerLost(Exception):
+    reason = "stopped responding"  # what happened to the workers, for the client's error
+
     def __init__(self, worker_ids: list[str]) -> None:
         super().__init__(", ".join(worker_ids))
         self.worker_ids = worker_ids
@@ -109,6 +111,7 @@ class RequestRecord:
         self.order = TokenOrder(self.choices)
         self.ended_by = ""
         self.local_since = 0.0
+        self.seen_snapshots, self.missed_rounds = {}, 0
         self.outcome = asyncio.get_running_loop().create_future()
         self.attempt_prompt_tokens = len(self.prompt) + (0 if self.sampling.is_group else len(self.generated))
 

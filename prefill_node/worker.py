@@ -39,11 +39,12 @@ from pdserve.protocol.messages import (
     WorkerStats,
 )
 from pdserve.runtime.worker_base import WorkerBase
-from pdserve.runtime.worker_runtime import PrefixCacheReport, describe_worker, engine_stats
+from pdserve.runtime.worker_runtime import HeldRequests, PrefixCacheReport, describe_worker, engine_stats
 
 log = logging.getLogger(__name__)
 
 RENEW_CHECK_INTERVAL_S = 0.1
+HANDED_OVER_S = 10.0  # a request let go is still named in heartbeats this long (gateway/reconcile.py)
 
 
 class PrefillWorker(WorkerBase):
@@ -82,6 +83,9 @@ class PrefillWorker(WorkerBase):
         )
         self.lanes = PrefillLanes(self.engine.runner, settings.lanes, settings.idle_lanes)
         self._abort_after: set[str] = set()  # aborted while a lane computes its chunk
+        # requests let go (KV and first token handed over, or ended) -> when: still named in
+        # heartbeats for HANDED_OVER_S, while their KvDone travels to the decode worker
+        self._handed: dict[str, float] = {}
         self._renew_checked = 0.0
 
     # --- messages -----------------------------------------------------------------------------
@@ -149,7 +153,8 @@ class PrefillWorker(WorkerBase):
                 r.sender.send_release(request_id, r.dest.lease.epoch)
 
     def _forget(self, request_id: str) -> None:
-        self.requests.pop(request_id, None)
+        if self.requests.pop(request_id, None) is not None:
+            self._handed[request_id] = time.monotonic()
 
     def _in_flight(self, request_id: str) -> bool:
         seq = self.engine.seqs.get(request_id)
@@ -276,6 +281,14 @@ class PrefillWorker(WorkerBase):
 
     def has_work(self) -> bool:
         return bool(self.requests) or self.engine.has_work()
+
+    def held_requests(self) -> HeldRequests:
+        """Requests queued or computing, and those handed over in the last HANDED_OVER_S (the
+        gateway may not have heard from the decode worker yet that it admitted them)."""
+        cutoff = time.monotonic() - HANDED_OVER_S
+        if self._handed:
+            self._handed = {r: t for r, t in self._handed.items() if t > cutoff}
+        return [*self.requests, *self._handed], []
 
     def describe_start(self) -> str:
         return f"{self.lanes.capacity - self.lanes.num_idle} lanes, {self.lanes.num_idle} idle lanes"

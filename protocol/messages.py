@@ -156,6 +156,13 @@ class Heartbeat(_Msg, kw_only=True, frozen=True):
     info: WorkerInfo | None = None  # lets a restarted gateway re-learn its workers
     kv: KvDigest | None = None  # what its prefix cache holds (workers with one)
     via: str = ""  # as Register.via
+    # Reconciliation (gateway/reconcile.py): every request id the worker holds as its loop last
+    # reported (a prefill worker's also for a while after it handed one over), None = not told;
+    # of them, `leases` are a decode worker's reservations still waiting for their KV. `snapshot`
+    # numbers the loop's reports: a heartbeat repeating an old one (the loop busy) tells nothing new.
+    requests: list[str] | None = None
+    leases: list[str] = []
+    snapshot: int = 0
 
 
 class Welcome(_Msg, kw_only=True, frozen=True):

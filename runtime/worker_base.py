@@ -29,7 +29,7 @@ from pdserve import tracing
 from pdserve.protocol.auth import FrameAuth
 from pdserve.protocol.messages import Welcome, WorkerInfo, WorkerStats
 from pdserve.runtime.health_server import HealthServer, WorkerHealth
-from pdserve.runtime.worker_runtime import HEARTBEAT_INTERVAL_S, PrefixCacheReport, WorkerRuntime
+from pdserve.runtime.worker_runtime import HEARTBEAT_INTERVAL_S, HeldRequests, PrefixCacheReport, WorkerRuntime
 from pdserve.runtime.worker_settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -95,6 +95,12 @@ class WorkerBase:
         """Whether it holds requests not finished (draining waits for them)."""
         raise NotImplementedError
 
+    def held_requests(self) -> HeldRequests | None:
+        """The request ids it holds now, and of them those a decode worker only leased (their KV
+        awaited), for its heartbeats: a gateway ends or moves a request its worker no longer
+        names (gateway/reconcile.py). None: not told (the gateway then cannot tell)."""
+        return None
+
     @property
     def draining(self) -> bool:
         return self._drain_since is not None
@@ -147,7 +153,7 @@ class WorkerBase:
         try:
             while not self._stop:
                 self.run_once()
-                self.rt.tick(self._reported_stats, self.kv_report)
+                self.rt.tick(self._reported_stats, self.kv_report, self.held_requests)
                 if self.draining:
                     self._drain_step()
         finally:

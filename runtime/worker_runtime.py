@@ -52,6 +52,8 @@ KV_FULL_EVERY_S = 5.0  # a worker's whole prefix-cache set goes out this often (
 
 # (registered?, block id) changes since the last report, and now and then the whole set of ids
 KvChanges = tuple[list[tuple[bool, int]], list[int] | None]
+# the request ids a worker holds, and of them those only leased (a decode worker's, KV awaited)
+HeldRequests = tuple[list[str], list[str]]
 
 
 class PrefixCacheReport:
@@ -135,6 +137,8 @@ class Heartbeater:
         self._ctx, self._auth, self._addrs = ctx, auth, list(gateway_addrs)
         self._lock = threading.Lock()
         self._snapshot: tuple[WorkerInfo, WorkerStats, float] | None = None
+        self._held: HeldRequests | None = None  # as of the snapshot (None: the worker does not tell)
+        self._snapshots = 0  # publishes so far: numbers the snapshot in each heartbeat
         self._step_at = 0.0  # when the loop last began an engine step (monotonic)
         # the prefix-cache digest to send next (KvDigest): whole set, or changes since the last
         self._kv_seq = 0
@@ -145,11 +149,16 @@ class Heartbeater:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
 
-    def publish(self, info: WorkerInfo, stats: WorkerStats, kv: KvChanges | None = None) -> None:
-        """Called by the engine loop: the stats to send until the next publish, and what changed
-        in its prefix cache since the last publish (with, now and then, the whole set)."""
+    def publish(
+        self, info: WorkerInfo, stats: WorkerStats, kv: KvChanges | None = None, held: HeldRequests | None = None
+    ) -> None:
+        """Called by the engine loop: the stats to send until the next publish, what changed
+        in its prefix cache since the last publish (with, now and then, the whole set), and the
+        requests it holds now (for the gateway's reconciliation)."""
         with self._lock:
             self._snapshot = (info, stats, time.monotonic())
+            self._held = held
+            self._snapshots += 1
             if kv is None:
                 return
             self._kv_reported = True
@@ -186,7 +195,7 @@ class Heartbeater:
 
     def _current(self) -> Heartbeat | None:
         with self._lock:
-            snap = self._snapshot
+            snap, held, number = self._snapshot, self._held, self._snapshots
             digest = self._digest() if snap is not None else None
         if snap is None:
             return None
@@ -194,7 +203,17 @@ class Heartbeater:
         age = self._age(stats, taken)
         if age != stats.last_step_age_s:
             stats = msgspec.structs.replace(stats, last_step_age_s=age)
-        return Heartbeat(worker_id=info.worker_id, stats=stats, info=info, kv=digest)
+        if held is None:
+            return Heartbeat(worker_id=info.worker_id, stats=stats, info=info, kv=digest)
+        return Heartbeat(
+            worker_id=info.worker_id,
+            stats=stats,
+            info=info,
+            kv=digest,
+            requests=held[0],
+            leases=held[1],
+            snapshot=number,
+        )
 
     def _age(self, stats: WorkerStats, taken: float) -> float:
         """How long the engine loop has had work pending without completing a step, now."""
@@ -278,9 +297,14 @@ class WorkerRuntime:
         for gateway_id, outs in held.items():
             self.to_gateway(gateway_id, outs[0] if len(outs) == 1 else TokenOutputBatch(outputs=outs))
 
-    def tick(self, stats: Callable[[], WorkerStats], kv: Callable[[], KvChanges] | None = None) -> None:
-        """Register with gateways that have not welcomed us; publish stats (and prefix-cache
-        changes) for the heartbeat thread (started on the first tick)."""
+    def tick(
+        self,
+        stats: Callable[[], WorkerStats],
+        kv: Callable[[], KvChanges] | None = None,
+        held: Callable[[], HeldRequests | None] | None = None,
+    ) -> None:
+        """Register with gateways that have not welcomed us; publish stats (prefix-cache changes,
+        the requests held) for the heartbeat thread (started on the first tick)."""
         assert self.info is not None, "set runtime.info before the loop"
         now = time.monotonic()
         if now - self._last_register >= REGISTER_INTERVAL_S:
@@ -290,7 +314,9 @@ class WorkerRuntime:
                     box.send(Register(info=self.info, via=addr))
         if now - self._last_publish >= HEARTBEAT_INTERVAL_S / 5:
             self._last_publish = now
-            self._heartbeater.publish(self.info, stats(), kv() if kv is not None else None)
+            self._heartbeater.publish(
+                self.info, stats(), kv() if kv is not None else None, held() if held is not None else None
+            )
             self._heartbeater.ensure_started()
 
     def mark_step(self) -> None:

@@ -181,3 +181,19 @@ def test_a_resumed_request_goes_before_any_priority():
         assert_empty(q)
 
     run(go())
+
+
+def test_a_resumed_request_waits_no_longer_than_the_deadline_either():
+    """Nothing waits in a queue forever: a request moving off a lost worker goes first, but with
+    no seat for max_wait_s it ends too (its stream then ends with an error), and it is counted."""
+
+    async def go():
+        pool = Pool(seats=0)
+        timeouts: list[str] = []
+        q = AdmissionQueue("disaggregated", QueueLimits(max_wait_s=0.05), pool.free, None, timeouts.append)
+        with pytest.raises(QueueTimeout):
+            await q.admit(3, pool.starter("resumed"), resumed=True)
+        assert timeouts == ["queue_timeout"]
+        assert_empty(q)
+
+    run(go())
