@@ -6,6 +6,11 @@ SSE or JSON), shaped by gateway/formats.py for its endpoint. Besides the OpenAI 
 by this URL, signed with the cluster secret: protocol/join.py), /health (ready: a prefill/decode
 pair or a colocated worker is live), /health/live (the process answers), /metrics.
 
+Readiness is one notion (`Backend.health`, as vLLM's server has it): while the gateway is not
+ready, /health, /v1/models and every generation request answer 503 with the OpenAI error envelope
+(`code: "not_ready"`, Retry-After), so a client that waits for /v1/models to answer is never then
+refused for want of workers.
+
 API keys are tenants (gateway/tenants.py): the bearer key names one, whose limits
 (gateway/rate_limits.py) are checked once the request's tokens are known and before any work
 reaches a worker (429 with Retry-After and OpenAI's x-ratelimit headers; a max_tokens over the
@@ -240,10 +245,29 @@ class GatewayApp:
             raise APIError(400, str(e), param="max_tokens", code="request_too_large") from None
 
     # --- one request --------------------------------------------------------------------------
+    def not_ready(self) -> APIError | None:
+        """The 503 every route answers while the backend is not ready (None: ready)."""
+        ok, detail = self.backend.health()
+        if ok:
+            return None
+        live = detail.get("live_workers", {})
+        have = ", ".join(f"{n} {role}" for role, n in live.items()) or "none"
+        return APIError(
+            503,
+            f"not ready: no live workers to serve requests (need a prefill and a decode worker, or a colocated "
+            f"worker; live: {have})",
+            type_="server_error",
+            code="not_ready",
+            headers={"Retry-After": "2"},
+        )
+
     async def handle(self, request: Request, kind: RequestKind) -> Response:
         arrival = time.monotonic()
         gate: TenantGate = request.scope.get(TENANT_SCOPE_KEY) or self.tenants.anonymous
         try:
+            refused = self.not_ready()
+            if refused is not None:
+                raise refused
             req = parse_request(await self._read_json(request), kind, self.limits, self.tool_parser)
             if req.model is not None and req.model != self.model_name:
                 raise APIError(
@@ -362,6 +386,9 @@ def create_app(
         return await _guard(gw, gw.handle(request, "chat"))
 
     async def models(_: Request) -> Response:
+        refused = gw.not_ready()
+        if refused is not None:
+            return refused.response()
         return JSONResponse(
             {
                 "object": "list",
@@ -380,7 +407,12 @@ def create_app(
 
     async def health(_: Request) -> Response:
         ok, detail = backend.health()
-        return JSONResponse({"status": "ok" if ok else "unavailable", **detail}, status_code=200 if ok else 503)
+        if ok:
+            return JSONResponse({"status": "ok", **detail})
+        refused = gw.not_ready()
+        assert refused is not None
+        body = {"error": {"message": refused.message, "type": refused.type, "param": None, "code": refused.code}}
+        return JSONResponse({**body, "status": "unavailable", **detail}, status_code=503, headers=refused.headers)
 
     async def live(_: Request) -> Response:  # liveness: the event loop answers (workers or not)
         return JSONResponse({"status": "ok"})

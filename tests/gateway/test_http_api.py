@@ -212,10 +212,17 @@ def test_health_metrics_and_models(backend, tokenizer):
             ok = await c.get("/health")
             backend.healthy = False
             down = await c.get("/health")
-            return ok, down, await c.get("/metrics"), await c.get("/v1/models")
+            # readiness is one notion: not ready, /v1/models and requests are 503 too (OpenAI envelope)
+            refused = [await c.get("/v1/models"), await c.post("/v1/completions", json={"prompt": [5], "max_tokens": 2})]
+            backend.healthy = True
+            return ok, down, refused, await c.get("/metrics"), await c.get("/v1/models")
 
-    ok, down, metrics, models = run(go())
+    ok, down, refused, metrics, models = run(go())
     assert ok.status_code == 200 and down.status_code == 503
+    for r in (down, *refused):
+        assert r.status_code == 503 and r.headers["retry-after"] == "2"
+        assert r.json()["error"]["code"] == "not_ready" and r.json()["error"]["type"] == "server_error"
+    assert down.json()["status"] == "unavailable" and "live_workers" in down.json()
     text = metrics.text
     for name in (
         "pdserve_time_to_first_token_seconds_bucket",
