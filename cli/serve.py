@@ -107,7 +107,9 @@ def plan_children(args: argparse.Namespace, run_dir: str) -> list[Child]:
     pools = from_flags(ServeSettings, args)
     topo = topology(pools)
     gw_inbox = f"ipc://{run_dir}/gateway.sock"
-    gw_transport = {"auto": "auto", "shm": "shm", "zmq-ipc": "zmq", "zmq-tcp": "zmq"}[pools.kv_transport]
+    gw_transport = {"auto": "auto", "shm": "shm", "cuda-ipc": "cuda-ipc", "zmq-ipc": "zmq", "zmq-tcp": "zmq"}[
+        pools.kv_transport
+    ]
     # the key travels in the environment, not in a file
     gw_given = {"worker_bind": gw_inbox, "kv_transport": gw_transport, "api_key": None}
     children = [child("gateway", "gateway", roles.gateway_options(args, gw_given))]

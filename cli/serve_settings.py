@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 
 from pdserve.flag import Flag
 
-KvTransport = Literal["auto", "shm", "zmq-ipc", "zmq-tcp"]
+KvTransport = Literal["auto", "shm", "cuda-ipc", "zmq-ipc", "zmq-tcp"]
 DECODE_FLAGS = ("lease_ttl_s", "tpot_target_ms", "min_num_seqs", "kv_payload_mac")  # DecodeSettings' serve takes
 # GatewayOptions' fields serve sets itself (or takes from the engine flags: --model, --max-model-len)
 GATEWAY_FIELDS_SET = (
@@ -57,7 +57,10 @@ class ServeSettings:
     ] = None
     kv_transport: Annotated[
         KvTransport,
-        Flag("how KV moves to the decode workers: auto (shared memory), shm, zmq-ipc, zmq-tcp"),
+        Flag(
+            "how KV moves to the decode workers: auto (shared memory; CUDA IPC between workers on one GPU), "
+            "shm, cuda-ipc, zmq-ipc, zmq-tcp"
+        ),
     ] = "auto"
     prefill_nice: Annotated[
         int,

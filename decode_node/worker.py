@@ -30,8 +30,10 @@ from pdserve.decode_node.settings import DecodeSettings
 from pdserve.decode_node.step_pacing import StepPacer
 from pdserve.decode_node.thread_lending import ThreadLending
 from pdserve.engine.llm_engine import LLMEngine, StepOutput
+from pdserve.kvtransfer.cuda_ipc import CudaIpcTensor
 from pdserve.kvtransfer.lease import LeaseTable
 from pdserve.kvtransfer.receiver import KvReceiver
+from pdserve.kvtransfer.shared_pool import can_share_pool, shared_pool
 from pdserve.kvtransfer.shm import SharedTensor
 from pdserve.kvtransfer.wire import payload_mac_enabled
 from pdserve.protocol.auth import FrameAuth
@@ -56,13 +58,14 @@ class DecodeWorker(WorkerBase):
 
     def __init__(self, settings: DecodeSettings, auth: FrameAuth) -> None:
         super().__init__(settings, auth)
-        self._shm: SharedTensor | None = None
+        self._shm: SharedTensor | CudaIpcTensor | None = None
 
         def shm_allocator(shape, dtype):
-            self._shm = SharedTensor.create(shape, dtype)
+            self._shm = shared_pool(shape, dtype, settings.engine.device)
             return self._shm.tensor
 
-        shared = settings.shared_memory  # under tensor parallelism every rank's pool is shared memory
+        # under tensor parallelism every rank's pool is shared memory; on a GPU, CUDA IPC where it can
+        shared = settings.shared_memory and can_share_pool(settings.engine.device)
         self.engine = LLMEngine(settings.engine, kv_allocator=shm_allocator if shared else None)
         self.engine.grammars.warm_in_background()  # a first constraint costs no tokenizer load
         draft = self.engine.draft  # its layers may come with the target's (KvLayout.draft_fingerprint)

@@ -512,6 +512,13 @@ class EngineConfig:
         str, Flag("auto: bf16 on CUDA; fp32 on the CPU (bf16 if fp32 weights exceed half the memory)", choices=DTYPES)
     ] = "auto"
     device: Annotated[str, Flag("a torch device: cpu, cuda, cuda:N")] = "cpu"
+    enforce_eager: Annotated[
+        bool,
+        Flag(
+            "CUDA: run every step eagerly (default: decode steps replay CUDA graphs captured per "
+            "batch and context bucket on first use, engine/cuda_graphs.py)"
+        ),
+    ] = False
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     seed: Annotated[int | None, Flag("sampler seed for requests without their own")] = None

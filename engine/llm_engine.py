@@ -19,6 +19,7 @@ from typing import Callable, cast, get_args
 
 import torch
 
+from pdserve import kernels
 from pdserve.engine.beam_search import BeamSearch, Candidate
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.config import (
@@ -29,8 +30,10 @@ from pdserve.engine.config import (
     quantized,
     resolve_dtype,
 )
+from pdserve.engine.cuda_graphs import DecodeGraphs
 from pdserve.engine.kv_cache import KvAllocator, KVCacheSpec, allocate_kv_cache, plan_num_blocks
 from pdserve.engine.model_runner import ForwardPass, ModelRunner, load_model
+from pdserve.engine.models.interface import CausalLM
 from pdserve.engine.models.llama import LlamaForCausalLM
 from pdserve.engine.prefix_cache import BlockHasher
 from pdserve.engine.sampler import Sampler
@@ -119,7 +122,8 @@ class LLMEngine:
         else:
             model = load_model(mc, self.dtype, self.device, self.max_model_len, show_progress, config.quantization)
             kv_cache = allocate_kv_cache(self.kv_spec, num_blocks, self.device, kv_allocator)
-            runner = ModelRunner(model, kv_cache, self.block_size, sampler)
+            graphs = self._decode_graphs(model, kv_cache)
+            runner = ModelRunner(model, kv_cache, self.block_size, sampler, graphs)
         log.info(
             "model %s loaded in %.1fs: dtype %s, %d KV blocks x %d tokens (%.1f MiB%s)",
             mc.path,
@@ -150,6 +154,15 @@ class LLMEngine:
             if spec is not None
             else None
         )
+
+    def _decode_graphs(self, model: CausalLM, kv_cache: torch.Tensor) -> DecodeGraphs | None:
+        """CUDA graphs for decode steps: on CUDA with the Triton kernels, the native model path,
+        unless --enforce-eager."""
+        if self.device.type != "cuda" or self.config.enforce_eager or self.model_config.impl == "transformers":
+            return None
+        if not kernels.attention.use_triton(kv_cache):
+            return None
+        return DecodeGraphs(model, kv_cache, self.config.scheduler.max_num_seqs, self.max_model_len)
 
     def _draft_config(self) -> ModelConfig | None:
         """The draft model's config (--speculative-config '{"model": DIR, ...}'), checked to

@@ -10,6 +10,7 @@ import torch
 
 from pdserve.engine.batch import ForwardBatch, build_batch
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.cuda_graphs import DecodeGraphs
 from pdserve.engine.gguf_file import is_gguf
 from pdserve.engine.models.gemma import GemmaForCausalLM
 from pdserve.engine.models.interface import CausalLM, LayerInputs
@@ -78,10 +79,20 @@ class ForwardPass:
     computed_upto: list[tuple[Sequence, int]] = field(default_factory=list)
     # tensor parallelism: `on_layer_stored` runs once a whole layer is done (every rank's KV stored)
     after_layer: Callable[[int], None] | None = None
+    graphed: bool = False  # a decode step replayed from a CUDA graph: `x` is set by run_layers
+    graph_logits: torch.Tensor | None = None  # [S, V] the replay's logits
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv_cache: torch.Tensor, block_size: int, sampler: Sampler) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        kv_cache: torch.Tensor,
+        block_size: int,
+        sampler: Sampler,
+        decode_graphs: DecodeGraphs | None = None,
+    ) -> None:
+        """`decode_graphs`: CUDA graphs for pure decode steps (engine/cuda_graphs.py); None: eager."""
         self.model = model
         self.kv_cache = kv_cache  # [L, 2, N, bs, Hkv, D]
         self.block_size = block_size
@@ -89,6 +100,7 @@ class ModelRunner:
         self.device = kv_cache.device
         self.num_layers = len(model.layers)
         self.decode_layers = model.describe_decode_layers(kv_cache)  # None: small decode steps go layer by layer
+        self.decode_graphs = decode_graphs
 
     @torch.inference_mode()
     def begin(self, sched: SchedulerOutput, on_layer_stored: Callable[[int], None] | None = None) -> ForwardPass:
@@ -99,13 +111,32 @@ class ModelRunner:
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]  # [L, 2, C, bs, Hkv, D]
         batch = build_batch(sched.chunks, len(sched.decodes), self.block_size, self.device)
         ctx = ForwardContext(batch.attn, batch.slot_mapping, self.kv_cache, on_layer_stored)
+        if self._graphable(batch, on_layer_stored):
+            return ForwardPass(batch, ctx, batch.input_ids, None, graphed=True)  # x: set by the replay
         x, rope = self.model.embed(batch.input_ids, batch.positions)
         return ForwardPass(batch, ctx, x, rope)
+
+    def _graphable(self, batch: ForwardBatch, on_layer_stored: Callable[[int], None] | None) -> bool:
+        """Whether this step replays a CUDA graph: only one-token decodes (no drafts), nobody
+        streaming its layers, a batch within the largest bucket."""
+        graphs, attn = self.decode_graphs, batch.attn
+        return (
+            graphs is not None
+            and on_layer_stored is None
+            and attn.num_decode_seqs == attn.num_seqs == batch.input_ids.shape[0] == len(batch.sampled)
+            and graphs.bucket(attn.num_seqs) is not None
+        )
 
     @torch.inference_mode()
     def run_layers(self, fp: ForwardPass, count: int | None = None) -> None:
         """The pass's next `count` layers (default: all that are left)."""
         stop = self.num_layers if count is None else min(self.num_layers, fp.next_layer + count)
+        if fp.graphed:  # every layer in one replay, whatever `count` asked
+            if fp.next_layer == 0:
+                assert self.decode_graphs is not None
+                fp.x, fp.graph_logits = self.decode_graphs.run(fp.batch)  # [B, H], [B, V]
+                fp.next_layer = self.num_layers
+            return
         if self.decode_layers is not None and fp.next_layer == 0 and stop == self.num_layers:
             fused = self.model.fused_decode(
                 self.decode_layers, fp.x, fp.rope, fp.ctx
@@ -131,4 +162,6 @@ class ModelRunner:
         """[S, V] for the chunks that complete their sequence; None when none does."""
         if not fp.batch.sampled:
             return None
+        if fp.graph_logits is not None:
+            return fp.graph_logits  # every row is a decode's, in the batch's order
         return self.model.head(fp.x, fp.batch.logits_indices)

@@ -82,8 +82,8 @@ class ClusterBackend(Backend):
         worker_advertise: str | None = None,
         allow_wildcard_bind: bool = False,
     ) -> None:
-        if kv_transport not in ("auto", "shm", "zmq"):
-            raise ValueError("kv_transport must be auto, shm or zmq")
+        if kv_transport not in ("auto", "shm", "cuda-ipc", "zmq"):
+            raise ValueError("kv_transport must be auto, shm, cuda-ipc or zmq")
         if on_decode_failure not in ("migrate", "fail"):
             raise ValueError("on_decode_failure must be migrate or fail")
         self.auth = auth

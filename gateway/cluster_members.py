@@ -144,6 +144,9 @@ class ClusterMembers:
                         "blocks_used": st.kv_blocks_total - st.kv_blocks_free,
                         "blocks_cached": st.kv_blocks_cached,
                         "usage": round(1 - st.kv_blocks_free / st.kv_blocks_total, 4) if st.kv_blocks_total else 0.0,
+                        "device": f"cuda (GPU {w.info.kv_device})" if w.info.kv_device else "cpu",
+                        # how prefill workers on its host write its pool in place (None: they send frames)
+                        "shared_as": ("cuda-ipc" if w.info.kv_device else "shm") if w.info.shm_name else None,
                     },
                 }
             )

@@ -35,7 +35,8 @@ class GatewayOptions:
     kv_transport: Annotated[
         str,
         Flag(
-            "how KV moves to decode workers (auto: shared memory on one host, else zmq)", choices=("auto", "shm", "zmq")
+            "how KV moves to decode workers (auto: shared memory on one host, CUDA IPC on one GPU, else zmq)",
+            choices=("auto", "shm", "cuda-ipc", "zmq"),
         ),
     ] = "auto"
     api_key: Annotated[

@@ -331,9 +331,19 @@ class DisaggregatedFlow:
             "no decode worker can take the request (" + "; ".join(reasons) + ")", retry_after_s=1.0
         )
 
-    def _transport_for(self, p: WorkerEntry, d: WorkerEntry) -> Literal["zmq", "shm"]:
-        can_shm = d.info.shm_name is not None and p.info.host == d.info.host
-        if self.kv_transport == "shm" and not can_shm:
-            why = "do not share a host" if d.info.shm_name else "(its KV pool is not shared: --no-shm)"
-            log.warning("shm transport asked for but %s and %s %s", p.worker_id, d.worker_id, why)
-        return "shm" if can_shm and self.kv_transport in ("auto", "shm") else "zmq"
+    def _transport_for(self, p: WorkerEntry, d: WorkerEntry) -> Literal["zmq", "shm", "cuda-ipc"]:
+        """shm: D's CPU pool, same host; cuda-ipc: D's GPU pool, P's KV on that same GPU; else zmq."""
+        shared = d.info.shm_name is not None and p.info.host == d.info.host
+        kind: Literal["shm", "cuda-ipc"] = "cuda-ipc" if d.info.kv_device else "shm"
+        if d.info.kv_device:  # a GPU pool: shared by CUDA IPC with a writer on the same GPU
+            can = shared and p.info.kv_device == d.info.kv_device
+        else:
+            can = shared and not p.info.kv_device
+        if self.kv_transport in ("shm", "cuda-ipc") and not can:
+            log.warning(
+                "%s transport asked for but %s cannot write %s's KV pool in place: zmq",
+                self.kv_transport,
+                p.worker_id,
+                d.worker_id,
+            )
+        return kind if can and self.kv_transport in ("auto", kind) else "zmq"

@@ -1,8 +1,9 @@
 """A decoder layer's elementwise ops: RMSNorm (optionally fused with the residual add before it),
 the MLP's silu(gate) * up, and rotary embedding fused with the KV store. fp32 CPU tensors go to
 kernels/cpu_layer_ops.c (one pass over the rows; torch needs six to eight ops, each a sweep over
-memory); everything else, and `PDSERVE_LAYER_OPS=torch`, takes the torch formulas (HF's), which
-are the reference.
+memory); CUDA tensors' norms to kernels/triton_norms.py (one kernel instead of eight launches);
+everything else, and `PDSERVE_LAYER_OPS=torch`, takes the torch formulas (HF's), which are the
+reference.
 """
 
 from __future__ import annotations
@@ -58,8 +59,28 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return weight * x32.to(x.dtype)
 
 
+def _gpu_norm(x: torch.Tensor, weight: torch.Tensor, delta: torch.Tensor | None = None) -> bool:
+    """CUDA rows the Triton norm takes (kernels/triton_norms.py), with triton installed and the
+    ops not switched off (`PDSERVE_LAYER_OPS=torch`)."""
+    if not (x.is_cuda and settings().layer_ops != "torch"):
+        return False
+    from pdserve.kernels.attention import triton_available
+
+    if not triton_available():
+        return False
+    from pdserve.kernels import triton_norms
+
+    if delta is not None and not (delta.shape == x.shape and delta.dtype == x.dtype and delta.stride(-1) == 1):
+        return False
+    return triton_norms.takes(x, weight)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [T, H] -> [T, H]."""
+    if _gpu_norm(x, weight):
+        from pdserve.kernels import triton_norms
+
+        return triton_norms.rms_norm(x, weight, eps)
     if not (_native(x) and weight.dtype == torch.float32 and weight.is_contiguous()):
         return rms_norm_torch(x, weight, eps)
     rows, n = x.shape
@@ -74,6 +95,10 @@ def add_rms_norm(
     x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual add and the norm after it: x, delta [T, H] -> (x + delta, rms_norm(x + delta))."""
+    if _gpu_norm(x, weight, delta):
+        from pdserve.kernels import triton_norms
+
+        return triton_norms.add_rms_norm(x, delta, weight, eps)
     if not (_native(x, delta) and x.is_contiguous() and weight.dtype == torch.float32 and weight.is_contiguous()):
         total = x + delta
         return total, rms_norm_torch(total, weight, eps)

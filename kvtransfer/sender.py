@@ -29,6 +29,7 @@ A sender is not thread-safe: one per destination, used from the forward-pass thr
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import logging
 import math
@@ -362,8 +363,9 @@ class ZmqKvSender(KvSender):
             )
         return sent
 
-    def _staging(self, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[torch.Tensor, int]:
-        """A contiguous CPU tensor of `shape` on the next ring buffer whose last frame has gone."""
+    def _staging(self, dtype: torch.dtype, shape: tuple[int, ...], pinned: bool = False) -> tuple[torch.Tensor, int]:
+        """A contiguous CPU tensor of `shape` on the next ring buffer whose last frame has gone
+        (`pinned`: page-locked, for a GPU source)."""
         slot = self._next_slot
         self._next_slot = (slot + 1) % len(self._ring)
         buf, tracker = self._ring[slot]
@@ -375,14 +377,15 @@ class ZmqKvSender(KvSender):
                     f"KV frames to {self.outbox.addr} not sent within {self.send_timeout_ms} ms"
                 ) from None
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        if buf is None or buf.numel() < nbytes:
-            buf = torch.empty(nbytes, dtype=torch.uint8)  # grown on demand, then reused
+        if buf is None or buf.numel() < nbytes or buf.is_pinned() != pinned:
+            # grown on demand, then reused; page-locked when a GPU copies into it (DMA, no bounce)
+            buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
         self._ring[slot] = (buf, None)
         return buf[:nbytes].view(dtype).view(shape), slot
 
     def _send_blocks(self, request_id, epoch, layer, src_kv_layer, src_ids, dst_ids, head_start) -> int:
         n = len(src_ids)
-        data, slot = self._staging(src_kv_layer.dtype, (2, n, *src_kv_layer.shape[2:]))
+        data, slot = self._staging(src_kv_layer.dtype, (2, n, *src_kv_layer.shape[2:]), src_kv_layer.is_cuda)
         if src_kv_layer.device.type == "cpu" and not _few(_runs(src_ids, list(range(n))), n):
             torch.index_select(src_kv_layer, 1, torch.as_tensor(src_ids, dtype=torch.long), out=data)
         else:
@@ -437,7 +440,7 @@ class ShmKvSender(KvSender):
         self.deadline_margin_s = deadline_margin_s
         start = layout.kv_head_start
         pools = pools or [ShmPool(shm_name, start, start + layout.num_kv_heads)]
-        self._mapped: list[SharedTensor] = []
+        self._mapped: list = []  # SharedTensor (or, CUDA IPC: CudaIpcTensor) mappings
         # (request id, epoch) -> (src ids, dst ids, source blocks, runs or None): see _plan
         self._plans: collections.OrderedDict[tuple[str, int], tuple] = collections.OrderedDict()
         self.shards: list[HeadShard] = []  # D's pools [L, 2, N, bs, h, D], each with its heads
@@ -446,7 +449,7 @@ class ShmKvSender(KvSender):
                 if not start <= p.kv_head_start < p.kv_head_end <= start + layout.num_kv_heads:
                     raise ValueError(f"shared pool {p.name}: KV heads outside the destination's layout")
                 shape = (layout.num_layers, 2, layout.num_blocks, layout.block_size, p.kv_head_end - p.kv_head_start)
-                pool = SharedTensor.attach(p.name, (*shape, layout.head_dim), torch_dtype(layout.dtype))
+                pool = self._attach(p.name, (*shape, layout.head_dim), torch_dtype(layout.dtype))
                 self._mapped.append(pool)
                 assert pool.tensor is not None
                 self.shards.append(HeadShard(p.kv_head_start, p.kv_head_end, pool.tensor, p.name))
@@ -480,17 +483,18 @@ class ShmKvSender(KvSender):
             raise ValueError(f"source layer {list(src_kv_layer.shape[2:])} does not match the destination pool's")
         if src_kv_layer.dtype != pool0.dtype:
             raise ValueError(f"source dtype {src_kv_layer.dtype} is not the destination pool's {pool0.dtype}")
-        for o in overlaps(h0, h1, self.shards):  # every rank pool holding some of these heads
-            self._check_deadline(deadline, self.deadline_margin_s)  # D may reuse the blocks after it
-            pool = o.shard.pool
-            whole = o.src == 0 and o.dst == 0 and o.count == src_kv_layer.shape[3] == pool.shape[4]
-            on_cpu = pool.device.type == "cpu" and src_kv_layer.device.type == "cpu"
-            if whole and on_cpu and runs is not None and src_kv_layer.is_contiguous() and pool.is_contiguous():
-                _copy_runs_flat(pool, layer, src_kv_layer, runs)
-                continue
-            dst = o.shard.pool[layer][:, :, :, o.dst : o.dst + o.count]  # [2, N, bs, count, D]
-            src = src_kv_layer[:, :, :, o.src : o.src + o.count]  # [2, N_src, bs, count, D]
-            copy_blocks(dst, list(dst_block_ids), src, list(src_block_ids))
+        with self._writing():
+            for o in overlaps(h0, h1, self.shards):  # every rank pool holding some of these heads
+                self._check_deadline(deadline, self.deadline_margin_s)  # D may reuse the blocks after it
+                pool = o.shard.pool
+                whole = o.src == 0 and o.dst == 0 and o.count == src_kv_layer.shape[3] == pool.shape[4]
+                on_cpu = pool.device.type == "cpu" and src_kv_layer.device.type == "cpu"
+                if whole and on_cpu and runs is not None and src_kv_layer.is_contiguous() and pool.is_contiguous():
+                    _copy_runs_flat(pool, layer, src_kv_layer, runs)
+                    continue
+                dst = o.shard.pool[layer][:, :, :, o.dst : o.dst + o.count]  # [2, N, bs, count, D]
+                src = src_kv_layer[:, :, :, o.src : o.src + o.count]  # [2, N_src, bs, count, D]
+                copy_blocks(dst, list(dst_block_ids), src, list(src_block_ids))
         shape = [2, len(dst_block_ids), *src_kv_layer.shape[2:]]
         nbytes = math.prod(shape) * src_kv_layer.element_size()  # the heads once, replicas not counted
         header = KvFrameHeader(
@@ -506,8 +510,21 @@ class ShmKvSender(KvSender):
             seq=self._next_seq(request_id, epoch),
             in_place=True,
         )
-        self._send(header, [])
+        self._publish(header)
         return nbytes
+
+    # --- what a GPU pool's sender (kvtransfer/cuda_ipc_sender.py) does otherwise ---------------
+    def _attach(self, name: str, shape: tuple[int, ...], dtype: torch.dtype):
+        """Map one of D's pools (shared memory here) as an object with `.tensor` and `close()`."""
+        return SharedTensor.attach(name, shape, dtype)
+
+    def _writing(self) -> contextlib.AbstractContextManager:
+        """Where a layer's copies run (here: inline, done when they return)."""
+        return contextlib.nullcontext()
+
+    def _publish(self, header: KvFrameHeader) -> None:
+        """Tell D the layer is written (here: at once, the copies are done)."""
+        self._send(header, [])
 
     def _plan(
         self,
@@ -584,14 +601,19 @@ def make_kv_sender(
     payload_mac: bool = False,
     **kwargs,
 ) -> KvSender:
-    """A new sender to one decode worker: `transport` "zmq" (tcp/ipc per kv_addr) or "shm" (needs
-    the worker's shm_name and its pool `layout`; a tensor-parallel worker's rank `shm_pools`). `payload_mac`: zmq only, MAC each payload's
+    """A new sender to one decode worker: `transport` "zmq" (tcp/ipc per kv_addr), "shm" (needs
+    the worker's shm_name and its pool `layout`; a tensor-parallel worker's rank `shm_pools`) or
+    "cuda-ipc" (the same for a GPU pool: shm_name is its CUDA IPC name, kvtransfer/cuda_ipc.py). `payload_mac`: zmq only, MAC each payload's
     bytes (shm writes in place: nothing travels to authenticate). A prefill worker keeps one per
     destination (kvtransfer/sender_cache.py)."""
-    if transport not in ("zmq", "shm"):
-        raise ValueError(f"unknown KV transport {transport!r} (zmq or shm)")
-    if transport == "shm":
+    if transport not in ("zmq", "shm", "cuda-ipc"):
+        raise ValueError(f"unknown KV transport {transport!r} (zmq, shm or cuda-ipc)")
+    if transport in ("shm", "cuda-ipc"):
         if not shm_name or layout is None:
-            raise ValueError("shm transport needs the decode worker's shared-memory name and KV layout")
+            raise ValueError(f"{transport} transport needs the decode worker's pool name and KV layout")
+        if transport == "cuda-ipc":
+            from pdserve.kvtransfer.cuda_ipc_sender import CudaIpcKvSender
+
+            return CudaIpcKvSender(auth, kv_addr, shm_name, layout, pools=shm_pools, ctx=ctx, **kwargs)
         return ShmKvSender(auth, kv_addr, shm_name, layout, pools=shm_pools, ctx=ctx, **kwargs)
     return ZmqKvSender(ctx, auth, kv_addr, payload_mac=payload_mac, **kwargs)

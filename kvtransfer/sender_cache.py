@@ -25,7 +25,7 @@ class KvSenderCache:
 
     def get(self, dest: KvDestination) -> KvSender:
         """The open sender to `dest` (made now if there is none, or the last one was closed)."""
-        shm = dest.transport == "shm"
+        shm = dest.transport in ("shm", "cuda-ipc")  # D's pool written in place
         mac = not shm and payload_mac_enabled(self.payload_mac_mode, dest.kv_addr, encryption=self.auth.encryption)
         pools = tuple(dest.shm_pools) if shm else ()
         key = (dest.transport, dest.kv_addr, dest.shm_name if shm else None, dest.layout if shm else None, pools, mac)

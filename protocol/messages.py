@@ -122,6 +122,9 @@ class WorkerInfo(msgspec.Struct, frozen=True):
     version: int = PROTOCOL_VERSION
     # D only, with shm_name: every rank's pool (rank 0's is shm_name); empty = one pool, all heads
     shm_pools: list[ShmPool] = msgspec.field(default_factory=list)
+    # the GPU (its UUID) holding this worker's KV pool; "" on the CPU. A D's pool on a GPU is
+    # shared by CUDA IPC (shm_name is then its handle, kvtransfer/cuda_ipc.py) with a P on that GPU
+    kv_device: str = ""
 
 
 class Register(_Msg, kw_only=True, frozen=True):
@@ -221,7 +224,7 @@ class KvDestination(msgspec.Struct, frozen=True):
     worker_id: str
     kv_addr: str
     shm_name: str | None
-    transport: Literal["zmq", "shm"]
+    transport: Literal["zmq", "shm", "cuda-ipc"]
     lease: Lease
     layout: KvLayout  # the decode worker's pool (shm writers map it with this shape)
     shm_pools: list[ShmPool] = msgspec.field(default_factory=list)  # its rank pools (WorkerInfo's)

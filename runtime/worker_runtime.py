@@ -25,6 +25,7 @@ from typing import Any, Callable
 import msgspec
 import zmq
 
+from pdserve.kvtransfer.cuda_ipc import device_uuid
 from pdserve.protocol.auth import FrameAuth
 from pdserve.protocol.block_hashes import short_id
 from pdserve.protocol.channel import Inbox, Outbox
@@ -101,6 +102,7 @@ def describe_worker(engine, role: Role, control_addr: str, host: str, **extra) -
         kv_layout=layout,
         max_model_len=engine.max_model_len,
         max_num_seqs=engine.config.scheduler.max_num_seqs,
+        kv_device=device_uuid(engine.device) if engine.device.type == "cuda" else "",
         **extra,
     )
 
