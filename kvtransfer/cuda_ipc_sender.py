@@ -39,8 +39,35 @@ class CudaIpcKvSender(ShmKvSender):
         self._stream: torch.cuda.Stream | None = None
         self._pending: collections.deque[tuple[torch.cuda.Event, KvFrameHeader]] = collections.deque()
         self._lock = threading.Lock()  # lanes publish layers while the worker's loop sends KvDone
+        # (request id, epoch) -> (src ids, dst ids, as device tensors): made once per lease, not per layer
+        self._ids: collections.OrderedDict[tuple[str, int], tuple[list[int], list[int], torch.Tensor, torch.Tensor]]
+        self._ids = collections.OrderedDict()
+        # a benchmark's (start, end) events of each layer's copies (None: not timed)
+        self.copy_times: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None
+        self._copy_started: torch.cuda.Event | None = None
         super().__init__(*args, **kwargs)
         self._stream = torch.cuda.Stream(self.shards[0].pool.device)
+
+    def _copy(
+        self, dst: torch.Tensor, dst_ids: list[int], src: torch.Tensor, src_ids: list[int], key: tuple[str, int]
+    ) -> None:
+        """Whole contiguous layers on one GPU: one gather-scatter launch (kvtransfer/gpu_block_copy.py)
+        with the lease's ids on the device; else the generic block copy."""
+        from pdserve.kvtransfer import gpu_block_copy
+
+        if not gpu_block_copy.takes(dst, src):
+            return super()._copy(dst, dst_ids, src, src_ids, key)
+        ids = self._ids.get(key)
+        if ids is None or ids[0] != src_ids or ids[1] != dst_ids:
+            both = torch.tensor([src_ids, dst_ids], dtype=torch.int32).to(src.device, non_blocking=True)  # [2, n]
+            ids = self._ids[key] = (list(src_ids), list(dst_ids), both[0], both[1])
+            while len(self._ids) > 1024:  # leases that never reached KvDone / KvRelease
+                self._ids.popitem(last=False)
+        gpu_block_copy.copy_blocks(dst, ids[3], src, ids[2])
+
+    def _forget(self, request_id: str, epoch: int) -> None:
+        super()._forget(request_id, epoch)
+        self._ids.pop((request_id, epoch), None)
 
     def _attach(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> CudaIpcTensor:
         return CudaIpcTensor.attach(name, shape, dtype)
@@ -50,12 +77,19 @@ class CudaIpcKvSender(ShmKvSender):
         layer's KV stores)."""
         assert self._stream is not None
         self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
+        if self.copy_times is not None:
+            self._copy_started = torch.cuda.Event(enable_timing=True)
+            self._copy_started.record(self._stream)
         return torch.cuda.stream(self._stream)
 
     def _publish(self, header: KvFrameHeader) -> None:
         assert self._stream is not None
-        done = torch.cuda.Event()
+        timed = self.copy_times is not None and self._copy_started is not None
+        done = torch.cuda.Event(enable_timing=timed)
         done.record(self._stream)
+        if timed:
+            assert self.copy_times is not None and self._copy_started is not None
+            self.copy_times.append((self._copy_started, done))
         with self._lock:
             self._pending.append((done, header))
         self._flush(wait=False)

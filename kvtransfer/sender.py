@@ -494,7 +494,7 @@ class ShmKvSender(KvSender):
                     continue
                 dst = o.shard.pool[layer][:, :, :, o.dst : o.dst + o.count]  # [2, N, bs, count, D]
                 src = src_kv_layer[:, :, :, o.src : o.src + o.count]  # [2, N_src, bs, count, D]
-                copy_blocks(dst, list(dst_block_ids), src, list(src_block_ids))
+                self._copy(dst, list(dst_block_ids), src, list(src_block_ids), (request_id, epoch))
         shape = [2, len(dst_block_ids), *src_kv_layer.shape[2:]]
         nbytes = math.prod(shape) * src_kv_layer.element_size()  # the heads once, replicas not counted
         header = KvFrameHeader(
@@ -517,6 +517,13 @@ class ShmKvSender(KvSender):
     def _attach(self, name: str, shape: tuple[int, ...], dtype: torch.dtype):
         """Map one of D's pools (shared memory here) as an object with `.tensor` and `close()`."""
         return SharedTensor.attach(name, shape, dtype)
+
+    def _copy(
+        self, dst: torch.Tensor, dst_ids: list[int], src: torch.Tensor, src_ids: list[int], key: tuple[str, int]
+    ) -> None:
+        """dst[:, dst_ids] = src[:, src_ids] for one pool's heads of a layer (`key`: the lease's
+        (request id, epoch), whose ids repeat for each of its layers)."""
+        copy_blocks(dst, dst_ids, src, src_ids)
 
     def _writing(self) -> contextlib.AbstractContextManager:
         """Where a layer's copies run (here: inline, done when they return)."""
