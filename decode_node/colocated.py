@@ -11,6 +11,7 @@ import time
 from pdserve.decode_node.request_record import DecodeRecord
 from pdserve.decode_node.settings import ColocatedSettings
 from pdserve.engine.llm_engine import LLMEngine, StepOutput, wire_finish_reason
+from pdserve.engine.structured.matcher import TokenizerLoad
 from pdserve.protocol.auth import FrameAuth
 from pdserve.protocol.messages import Abort, GenerateRequest, TokenOutput, WorkerStats
 from pdserve.runtime.worker_base import WorkerBase
@@ -24,8 +25,9 @@ class ColocatedWorker(WorkerBase):
 
     def __init__(self, settings: ColocatedSettings, auth: FrameAuth) -> None:
         super().__init__(settings, auth)
+        tokenizer = TokenizerLoad(settings.engine.model)  # (overlaps the model load: engine/structured/)
         self.engine = LLMEngine(settings.engine)
-        self.engine.grammars.warm_in_background()  # a first constraint costs no tokenizer load
+        self.engine.grammars.warm_in_background(tokenizer)  # a first constraint costs no tokenizer load
         self.describe(describe_worker(self.engine, "colocated", self.rt.control_addr, settings.host))
         if self.engine.hasher is not None:
             self.kv_report = PrefixCacheReport(self.engine.pool)

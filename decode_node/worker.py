@@ -30,6 +30,7 @@ from pdserve.decode_node.settings import DecodeSettings
 from pdserve.decode_node.step_pacing import StepPacer
 from pdserve.decode_node.thread_lending import ThreadLending
 from pdserve.engine.llm_engine import LLMEngine, StepOutput
+from pdserve.engine.structured.matcher import TokenizerLoad
 from pdserve.kvtransfer.cuda_ipc import CudaIpcTensor
 from pdserve.kvtransfer.lease import LeaseTable
 from pdserve.kvtransfer.receiver import KvReceiver
@@ -57,6 +58,7 @@ class DecodeWorker(WorkerBase):
     role = "decode"
 
     def __init__(self, settings: DecodeSettings, auth: FrameAuth) -> None:
+        tokenizer = TokenizerLoad(settings.engine.model)  # (overlaps the model load: engine/structured/)
         super().__init__(settings, auth)
         self._shm: SharedTensor | CudaIpcTensor | None = None
 
@@ -67,7 +69,7 @@ class DecodeWorker(WorkerBase):
         # under tensor parallelism every rank's pool is shared memory; on a GPU, CUDA IPC where it can
         shared = settings.shared_memory and can_share_pool(settings.engine.device)
         self.engine = LLMEngine(settings.engine, kv_allocator=shm_allocator if shared else None)
-        self.engine.grammars.warm_in_background()  # a first constraint costs no tokenizer load
+        self.engine.grammars.warm_in_background(tokenizer)  # a first constraint costs no tokenizer load
         draft = self.engine.draft  # its layers may come with the target's (KvLayout.draft_fingerprint)
         self.leases = LeaseTable(  # every block not in a sequence
             self.engine.model_config.num_layers, draft_layers=draft.kv_cache.shape[0] if draft else 0

@@ -24,6 +24,7 @@ import msgspec
 
 from pdserve import tracing
 from pdserve.engine.llm_engine import PREFILLED, LLMEngine, wire_finish_reason
+from pdserve.engine.structured.matcher import TokenizerLoad
 from pdserve.kvtransfer.sender_cache import KvSenderCache
 from pdserve.prefill_node.kv_streamer import KvStreamer
 from pdserve.prefill_node.lane_split import step_budget_for_lanes
@@ -53,8 +54,9 @@ class PrefillWorker(WorkerBase):
     def __init__(self, settings: PrefillSettings, auth: FrameAuth) -> None:
         super().__init__(settings, auth)
         tp = settings.engine.tensor_parallel_size > 1  # then each rank sends its own KV heads
+        tokenizer = TokenizerLoad(settings.engine.model)  # (overlaps the model load: engine/structured/)
         self.engine = LLMEngine(settings.engine, rank_kv_sends=settings.kv_payload_mac if tp else None)
-        self.engine.grammars.warm_in_background()  # a first constraint costs no tokenizer load
+        self.engine.grammars.warm_in_background(tokenizer)  # a first constraint costs no tokenizer load
         self.describe(describe_worker(self.engine, "prefill", self.rt.control_addr, settings.host))
         if self.engine.hasher is not None:
             self.kv_report = PrefixCacheReport(self.engine.pool)

@@ -24,6 +24,34 @@ from pdserve.engine.structured.grammar import grammar_of
 from pdserve.protocol.sampling import StructuredOutput
 
 
+class TokenizerLoad:
+    """The model's Hugging Face tokenizer, loaded in a thread from now on: importing transformers
+    and loading a 49k vocabulary take seconds (5-12 s on a loaded 2-core machine). A worker starts
+    it before loading its model, so both loads overlap, and hands it to its engine's GrammarCache
+    (`warm_in_background`)."""
+
+    def __init__(self, model: str | Path) -> None:
+        self.model = str(model)
+        self._tokenizer: object = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._load, name="tokenizer-load", daemon=True)
+        self._thread.start()
+
+    def _load(self) -> None:
+        try:
+            from pdserve.engine.gguf_file import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self.model)
+        except BaseException as e:  # (no tokenizer files, say): raised to whoever asks for it
+            self._error = e
+
+    def result(self) -> object:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._tokenizer
+
+
 class Grammar:
     """A sequence's matcher: which tokens may come next; advanced with each accepted token."""
 
@@ -68,30 +96,31 @@ class GrammarCache:
         self._cache: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
         self.mask_stats = MaskStats()  # the engine's masking cost (constrain(..., stats=))
 
-    def warm_in_background(self) -> None:
-        """Build the llguidance tokenizer now, in a thread, instead of at the first constraint:
-        loading the model's tokenizer through transformers takes seconds (5-12 s for a 49k
-        vocabulary on a loaded 2-core machine), which a worker's loop would otherwise spend inside
-        its first constrained request (a decode worker's reservation answered that late timed out
-        at the gateway: docs/reliability.md). Workers call it at start; a failure here is left
-        for the first constraint to raise."""
+    def warm_in_background(self, loading: TokenizerLoad | None = None) -> None:
+        """Build the llguidance tokenizer now, in a thread (from `loading`, a load already under
+        way, if given), instead of at the first constraint: loading the model's tokenizer through
+        transformers takes seconds, which a worker's loop would otherwise spend inside its first
+        constrained request (a decode worker's reservation answered that late timed out at the
+        gateway: docs/reliability.md). Workers call it at start; a failure here is left for the
+        first constraint to raise."""
         if self._tokenizer is not None or self._warming is not None:
             return
-        self._warming = threading.Thread(target=self._warm, name="grammar-tokenizer", daemon=True)
+        self._warming = threading.Thread(target=self._warm, args=(loading,), name="grammar-tokenizer", daemon=True)
         self._warming.start()
 
-    def _warm(self) -> None:
+    def _warm(self, loading: TokenizerLoad | None) -> None:
         try:
-            self._tokenizer = self._build_tokenizer()
+            self._tokenizer = self._build_tokenizer(loading.result() if loading is not None else None)
         except Exception:  # (no tokenizer files, say): the first constraint builds it again and raises
             pass
 
-    def _build_tokenizer(self) -> llguidance.LLTokenizer:
+    def _build_tokenizer(self, hf: object = None) -> llguidance.LLTokenizer:
         import llguidance.hf
 
         from pdserve.engine.gguf_file import load_tokenizer
 
-        hf = load_tokenizer(self.model)
+        if hf is None:
+            hf = load_tokenizer(self.model)
         return llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size, eos_token=self.eos)  # type: ignore[arg-type]
 
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:

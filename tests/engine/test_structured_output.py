@@ -270,16 +270,16 @@ def test_constrained_greedy_equals_hf_generate_under_the_same_mask(tiny_llama, t
 def test_the_grammar_tokenizer_is_built_ahead_of_the_first_constraint(tiny_llama, tmp_path):
     """Workers warm it at start (a first constraint then costs no tokenizer load); a folder without
     a tokenizer fails at the first constraint, not in the warming thread."""
-    from pdserve.engine.structured.matcher import GrammarCache
+    from pdserve.engine.structured.matcher import GrammarCache, TokenizerLoad
 
     choice = StructuredOutput("choice", json.dumps(["yes", "no"]))
     cache = GrammarCache(tiny_llama, 512, [0])
-    cache.warm_in_background()
+    cache.warm_in_background(TokenizerLoad(tiny_llama))  # the HF tokenizer's load already under way
     assert cache._warming is not None
     cache._warming.join()
     assert cache._tokenizer is not None
     assert cache.new(choice).valid_prefix([]) == 0
     broken = GrammarCache(tmp_path, 512, [0])  # no tokenizer files there
-    broken.warm_in_background()
+    broken.warm_in_background(TokenizerLoad(tmp_path))
     with pytest.raises(Exception):
         broken.new(choice)
