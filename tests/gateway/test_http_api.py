@@ -213,7 +213,10 @@ def test_health_metrics_and_models(backend, tokenizer):
             backend.healthy = False
             down = await c.get("/health")
             # readiness is one notion: not ready, /v1/models and requests are 503 too (OpenAI envelope)
-            refused = [await c.get("/v1/models"), await c.post("/v1/completions", json={"prompt": [5], "max_tokens": 2})]
+            refused = [
+                await c.get("/v1/models"),
+                await c.post("/v1/completions", json={"prompt": [5], "max_tokens": 2}),
+            ]
             backend.healthy = True
             return ok, down, refused, await c.get("/metrics"), await c.get("/v1/models")
 

@@ -56,7 +56,9 @@ def test_a_late_answer_to_an_abandoned_reservation_answers_nothing(tmp_path):
         backend._dispatch(ReserveReply(request_id="r.r2", worker_id="d-1", local=True))
         await asyncio.sleep(0.05)
         backend._dispatch(TokenOutput(request_id="r.r2", worker_id="d-1", index=0, token_ids=[8]))
-        backend._dispatch(TokenOutput(request_id="r.r2", worker_id="d-1", index=1, token_ids=[9], finish_reason="length"))
+        backend._dispatch(
+            TokenOutput(request_id="r.r2", worker_id="d-1", index=1, token_ids=[9], finish_reason="length")
+        )
         got = []
         while (out := await asyncio.wait_for(stream.get(), 2)) is not None:
             got.append(out)
