@@ -56,10 +56,18 @@ def is_gguf(path: str | Path) -> bool:
 
 @lru_cache(maxsize=4)
 def open_gguf(path: str) -> "gguf.GGUFReader":
-    """The file's reader (memory-mapped: tensor data is read when touched)."""
+    """The file's reader (memory-mapped: tensor data is read when touched). Kept for the config,
+    tokenizer and weights readers of one start; `release_gguf` drops it once the weights are in."""
     import gguf
 
     return gguf.GGUFReader(path)
+
+
+def release_gguf() -> None:
+    """Forget the open readers (their maps go once nothing else holds them): every page of the
+    file the loader touched would otherwise stay in the process's resident memory beside the
+    weights copied out of it (a Q8_0 1B file: 1.0 GB more)."""
+    open_gguf.cache_clear()
 
 
 def metadata(reader: "gguf.GGUFReader", key: str, default: Any = None) -> Any:

@@ -49,6 +49,9 @@ class ModelPreset:
     tie_word_embeddings: bool = True
     rope_theta: float = 10000.0
     head_dim: int | None = None  # None: hidden_size // num_heads (qwen3: twice that, as in Qwen3)
+    # the embedding and LM head get vocab_size rows even past the tokenizer's tokens (which the
+    # synthetic corpus caps near 15k), as real checkpoints pad theirs: a 128k head's real cost
+    pad_vocab: bool = False
 
 
 PRESETS = {
@@ -57,6 +60,11 @@ PRESETS = {
     # a real small model's shape (SmolLM-135M: 30 layers, hidden 576, vocab 49152): its prefill
     # takes seconds here, so overload tests see what real models cost
     "real": ModelPreset(576, 30, 9, 3, 1536, 49152, 2048),
+    # the sizes CPU users run (shapes of Llama-3.2-1B / -3B and Llama-3.1-8B; random weights):
+    # speed and memory at size, not correctness (the small presets are for that)
+    "llama3.2-1b": ModelPreset(2048, 16, 32, 8, 8192, 128256, 8192, True, 500000.0, 64, True),
+    "llama3.2-3b": ModelPreset(3072, 28, 24, 8, 8192, 128256, 8192, True, 500000.0, 128, True),
+    "llama3.1-8b": ModelPreset(4096, 32, 32, 8, 14336, 128256, 8192, False, 500000.0, 128, True),
 }
 PRESETS["default"] = PRESETS["bench"]
 
@@ -162,6 +170,8 @@ def make_model(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent if out_dir.parent.exists() else None))
     try:
         vocab = build_tokenizer(tmp, p.vocab_size, seed=0)
+        if p.pad_vocab:
+            vocab = max(vocab, p.vocab_size)
         from tokenizers import Tokenizer
 
         eos_id = Tokenizer.from_file(str(tmp / "tokenizer.json")).token_to_id(EOS)

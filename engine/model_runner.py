@@ -11,7 +11,7 @@ import torch
 from pdserve.engine.batch import ForwardBatch, build_batch
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.cuda_graphs import DecodeGraphs
-from pdserve.engine.gguf_file import is_gguf
+from pdserve.engine.gguf_file import is_gguf, release_gguf
 from pdserve.engine.models.gemma import GemmaForCausalLM
 from pdserve.engine.models.interface import CausalLM, LayerInputs
 from pdserve.engine.models.llama import ForwardContext, LlamaForCausalLM
@@ -48,6 +48,8 @@ def load_model(
         keep_gguf_blocks(model, quantization, cfg.path)  # read as stored, never dequantized
     model.materialize(device, dtype)
     load_weights(model, cfg.path, show_progress=show_progress)
+    if is_gguf(cfg.path):  # the weights are copied out: unmap the file, or its pages stay resident
+        release_gguf()
     model.loaded()
     if quantization in ("int8", "int4"):
         quantize_model(model, quantization)  # the linears still float; before the relayout, which skips them

@@ -120,3 +120,14 @@ def test_make_model_cli_writes_gguf(tmp_path):
     assert make_model_main(["--out", str(tmp_path / "m"), "--arch", "qwen2", "--gguf", "q4_0"]) == 0
     cfg = ModelConfig.from_folder(tmp_path / "m" / "model-q4_0.gguf")
     assert cfg.architecture == "Qwen2ForCausalLM" and cfg.qkv_bias and cfg.tie_word_embeddings
+
+
+@pytest.mark.parametrize("qtype", ["q8_0", "f32"])
+def test_a_loaded_model_leaves_its_file_unmapped(root, qtype):
+    """The weights are copied out of the file: once loaded, no map of it remains (its pages would
+    stay in the worker's resident memory beside the copies: a Q8_0 1B file, 1.0 GB more)."""
+    file = gguf_file(root, "llama", qtype)
+    engine = make_engine(file)
+    with open("/proc/self/maps") as maps:
+        mapped = [line for line in maps if line.rstrip().endswith(str(file))]
+    assert mapped == [] and engine.generate([[5, 6, 7]], GREEDY)
