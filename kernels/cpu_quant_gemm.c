@@ -13,10 +13,14 @@
  *
  * `quant_gemm_f32` (decode: up to 48-64 rows) reads each quantized weight once a call, widens it to
  * fp32 in registers (w = q * d, the same fp32 product as the torch reference's dequantized
- * weight) and accumulates with FMA. A tile is J output rows x R input rows: each (output, row)
- * pair keeps one vector accumulator, summing its groups in order, then its lanes in order, so
- * a row's result depends neither on the other rows in the call nor on the thread count
- * (threads split output rows; each thread streams contiguous weight rows). No int8 x int8 dot
+ * weight) and accumulates with FMA. A tile is J output rows x R input rows (J1 x 1 when the call
+ * has fewer than R rows). Every build sums an (output, row) pair in LANES = 16 fp32 lanes (one
+ * zmm; two ymm with AVX2, four xmm without): lane i takes inputs i and i + 16 of each group, group
+ * after group, one FMA each; then the lanes in order. KEEP pins each step: -ffast-math lets GCC
+ * regroup a chain differently per tile shape (it did on AVX2, and int4 rows changed between 1- and
+ * 2-row tiles). So a row's result depends neither on the other rows in the call, nor on the thread
+ * count (threads split output rows; each streams contiguous weight rows), nor on AVX2 vs AVX-512
+ * (tests/kernels/test_quantized_gemv.py builds both). No int8 x int8 dot
  * (VNNI): that would quantize the activations too; the kernel is bound by reading weights, not
  * by FMAs, at these sizes.
  *
@@ -24,7 +28,7 @@
  * multiplies a tile at a time with torch's GEMM).
  *
  * Vector width: 16 floats with AVX-512, 8 with AVX2, else 4 (SSE2, or whatever the compiler
- * lowers GCC's vector extensions to). Threads: OpenMP on torch's own libgomp.
+ * lowers GCC's vector extensions to; no FMA there, so other bits). Threads: OpenMP on torch's libgomp.
  */
 #include <stdint.h>
 #include <string.h>
@@ -38,18 +42,33 @@
                             memory once (8-64 rows all gave 1.8-1.9x the GB/s of none here, one thread) */
 #endif
 
+#define LANES 16 /* fp32 lanes an (output, row) sum keeps, on every build */
 #if defined(__AVX512F__)
 #define VW 16
 #define J 4
+#define J1 4
 #define R 4
 #elif defined(__AVX2__)
 #define VW 8
-#define J 4
+#define J 2
+#define J1 4 /* one row: 4 outputs' 8 chains hide the FMA latency; 2 x 2 tiles share widened weights */
 #define R 2
 #else
 #define VW 4
 #define J 2
-#define R 2
+#define J1 2
+#define R 1
+#endif
+#define NV (LANES / VW) /* vectors a sum */
+#define JT (J > J1 ? J : J1) /* outputs a tile, at most: threads split whole multiples of it */
+
+/* v's value is taken as computed: the compiler may not regroup the operations around it */
+#if defined(__x86_64__)
+#define KEEP(v) __asm__("" : "+v"(v))
+#elif defined(__aarch64__)
+#define KEEP(v) __asm__("" : "+w"(v))
+#else
+#define KEEP(v) ((void)0)
 #endif
 
 typedef float vf __attribute__((vector_size(VW * 4)));
@@ -91,12 +110,25 @@ static inline __attribute__((always_inline)) vf widen(const int bits, const int 
         if (s) idx = _mm512_srli_epi32(idx, 4);
         const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
         vf table = (vf)(affine ? iota : _mm512_sub_ps(iota, _mm512_set1_ps(8.0f))) * d; /* (q - 8) * d */
-        __asm__("" : "+x"(table)); /* the same one product per value as widening each nibble */
+        KEEP(table); /* the same one product per value as widening each nibble */
         if (affine) {
             table += m;
-            __asm__("" : "+x"(table));
+            KEEP(table);
         }
         return (vf)_mm512_permutexvar_ps(idx, (__m512)table); /* permutes read an index's low 4 bits */
+    }
+#elif defined(__AVX2__)
+    if (bits == 4) { /* VW 8: s 0, 1 the low nibbles of bytes 0-7, 8-15; s 2, 3 the high ones */
+        __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(g + (s & 1) * 8)));
+        v = s < 2 ? _mm256_and_si256(v, _mm256_set1_epi32(15)) : _mm256_srli_epi32(v, 4);
+        if (!affine) v = _mm256_sub_epi32(v, _mm256_set1_epi32(8));
+        vf w = (vf)_mm256_cvtepi32_ps(v) * d;
+        KEEP(w);
+        if (affine) {
+            w += m;
+            KEEP(w);
+        }
+        return w;
     }
 #endif
     vq q;
@@ -110,14 +142,10 @@ static inline __attribute__((always_inline)) vf widen(const int bits, const int 
         if (!affine) q -= 8;
     }
     vf w = to_float(q) * d;
-#if defined(__x86_64__)
-    __asm__("" : "+x"(w)); /* w = q * d stays one product: -ffast-math may not regroup it per tile */
-#endif
+    KEEP(w); /* w = q * d stays one product: -ffast-math may not regroup it per tile */
     if (affine) {
         w += m;
-#if defined(__x86_64__)
-        __asm__("" : "+x"(w));
-#endif
+        KEEP(w);
     }
     return w;
 }
@@ -127,11 +155,13 @@ static inline int64_t scale_index(int64_t g, int s, int sg_shift) {
     return sg_shift == 5 ? g : g * (GROUP / 16) + ((s * VW) >> 4); /* sg 32 or 16 */
 }
 
-/* lanes in order; not inlined, so -ffast-math cannot regroup it with its neighbours per tile shape */
-static __attribute__((noinline)) float hsum(vf v) {
-    float s = 0.0f;
-    for (int i = 0; i < VW; i++) s += v[i];
-    return s;
+/* sum + v's lanes, in order (v by value: indexing the accumulators' lanes kept them in memory) */
+static inline __attribute__((always_inline)) float add_lanes(float sum, vf v) {
+    for (int i = 0; i < VW; i++) {
+        sum += v[i];
+        KEEP(sum);
+    }
+    return sum;
 }
 
 /* How a weight's scales are laid out: one per 2^sg_shift inputs; offsets NULL (symmetric) or like
@@ -141,16 +171,17 @@ typedef struct {
     int sg_shift;
 } qscales;
 
-/* jn (<= J) output rows from `o` times rn (<= R) rows of x -> y */
+/* jn (<= JT) output rows from `o` times rn (<= R) rows of x -> y */
 static inline __attribute__((always_inline)) void tile(const int bits, const int affine, const int sg_shift,
                                                        const int jn, const int rn, const float *x, int64_t ldx,
                                                        const uint8_t *q, qscales sc, const float *bias, float *y,
                                                        int64_t ldy, int64_t in, int64_t o) {
     const int64_t groups = in / GROUP, gbytes = GROUP * bits / 8, row_bytes = groups * gbytes;
     const int64_t row_scales = in >> sg_shift;
-    vf acc[J][R];
+    vf acc[JT][R][NV]; /* elements [s * VW, s * VW + VW) of a group go to acc[.][.][s % NV] */
     for (int j = 0; j < jn; j++)
-        for (int r = 0; r < rn; r++) acc[j][r] = (vf){0};
+        for (int r = 0; r < rn; r++)
+            for (int h = 0; h < NV; h++) acc[j][r][h] = (vf){0};
     for (int64_t g = 0; g < groups; g++) {
         for (int s = 0; s < GROUP / VW; s++) {
             vf xs[R];
@@ -160,12 +191,20 @@ static inline __attribute__((always_inline)) void tile(const int bits, const int
                 const int64_t k = (o + j) * row_scales + si;
                 const vf w = widen(bits, affine, q + (o + j) * row_bytes + g * gbytes, s, sc.scales[k],
                                    affine ? sc.offsets[k] : 0.0f);
-                for (int r = 0; r < rn; r++) acc[j][r] += w * xs[r];
+                for (int r = 0; r < rn; r++) {
+                    vf t = acc[j][r][s % NV] + w * xs[r];
+                    KEEP(t);
+                    acc[j][r][s % NV] = t;
+                }
             }
         }
     }
     for (int j = 0; j < jn; j++)
-        for (int r = 0; r < rn; r++) y[r * ldy + o + j] = hsum(acc[j][r]) + (bias ? bias[o + j] : 0.0f);
+        for (int r = 0; r < rn; r++) {
+            float sum = 0.0f; /* the LANES lanes in order */
+            for (int h = 0; h < NV; h++) sum = add_lanes(sum, acc[j][r][h]);
+            y[r * ldy + o + j] = sum + (bias ? bias[o + j] : 0.0f);
+        }
 }
 
 /* full tiles, then the leftover rows/outputs one at a time: constant sizes so tiles unroll */
@@ -187,14 +226,15 @@ static void rows_range(const int bits, const float *x, int64_t ldx, const uint8_
                        float *y, int64_t m, int64_t in, int64_t out, int64_t o0, int64_t o1) {
     const int affine = sc.offsets != 0;
     const int64_t row_bytes = in / GROUP * (GROUP * bits / 8), row_scales = in >> sc.sg_shift;
+    const int jt = m < R ? J1 : J;
     for (int64_t o = o0; o < o1;) {
-        const int jn = o + J <= o1 ? J : 1;
-        if (o + PREFETCH_ROWS + J <= o1) { /* the weights PREFETCH_ROWS rows ahead, on their way from memory */
+        const int jn = o + jt <= o1 ? jt : 1;
+        if (o + PREFETCH_ROWS + jt <= o1) { /* the weights PREFETCH_ROWS rows ahead, on their way from memory */
             const char *ahead = (const char *)(q + (o + PREFETCH_ROWS) * row_bytes);
-            for (int64_t b = 0; b < J * row_bytes; b += 64) __builtin_prefetch(ahead + b, 0, 0);
+            for (int64_t b = 0; b < jt * row_bytes; b += 64) __builtin_prefetch(ahead + b, 0, 0);
             for (int k = 0; k < 1 + affine; k++) { /* the scales (and offsets) of those rows */
                 const char *sahead = (const char *)((k ? sc.offsets : sc.scales) + (o + PREFETCH_ROWS) * row_scales);
-                for (int64_t b = 0; b < J * row_scales * 4; b += 64) __builtin_prefetch(sahead + b, 0, 0);
+                for (int64_t b = 0; b < jt * row_scales * 4; b += 64) __builtin_prefetch(sahead + b, 0, 0);
             }
         }
         int64_t r = 0;
@@ -204,6 +244,9 @@ static void rows_range(const int bits, const float *x, int64_t ldx, const uint8_
         }
         for (; r < m; r++) {
             if (jn == J) KIND(J, 1);
+#if J1 != J
+            else if (jn == J1) KIND(J1, 1);
+#endif
             else KIND(1, 1);
         }
         o += jn;
@@ -223,7 +266,7 @@ int quant_gemm_f32(const float *x, int64_t ldx, const uint8_t *q, const float *s
     if ((bits != 8 && bits != 4) || in % GROUP || m < 1 || sc.sg_shift < 0) return -1;
     if (nthreads < 1) nthreads = 1;
     int64_t per = (out + nthreads - 1) / nthreads;
-    per = (per + J - 1) / J * J; /* ranges of whole J-row tiles */
+    per = (per + JT - 1) / JT * JT; /* ranges of whole tiles */
     const int parts = (int)((out + per - 1) / per);
 #pragma omp parallel for num_threads(parts) schedule(static, 1) if (parts > 1)
     for (int t = 0; t < parts; t++) {

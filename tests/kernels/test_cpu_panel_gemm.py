@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import ctypes
-import platform
-import shutil
-import subprocess
 
 import pytest
 import torch
 
 from pdserve.kernels import panel_gemm
+from tests.kernels.isa_builds import build, cannot_run
 
 pytestmark = pytest.mark.skipif(not panel_gemm.available(), reason="no C compiler: oneDNN/torch only")
 
@@ -69,39 +67,12 @@ def test_bf16_weights_sum_in_fp32_and_round_once(n_in, n_out, rows):
     assert torch.equal(panel_gemm.linear(x[:1], panels, b, n_out), y[:1])
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        return {f for line in open("/proc/cpuinfo") if line.startswith("flags") for f in line.split()}
-    except OSError:
-        return set()
-
-
-@pytest.mark.skipif(
-    platform.machine() not in ("x86_64", "AMD64") or shutil.which("cc") is None or not {"avx2", "fma"} <= _cpu_flags(),
-    reason="x86 with AVX2 and a C compiler",
-)
+@pytest.mark.skipif(cannot_run("avx2") is not None, reason=str(cannot_run("avx2")))
 def test_the_ymm_only_build_gives_the_same_bits(tmp_path):
     """The AVX2 build (6-row ymm tiles only) and this machine's (with AVX-512: 7-16-row zmm tiles
     too) sum every output in the same order: equal bit for bit at every row count, so a sequence's
     logits do not depend on the CPU's vector width either."""
-    lib_path = tmp_path / "panel_avx2.so"
-    subprocess.run(
-        [
-            "cc",
-            "-O3",
-            "-mavx2",
-            "-mfma",
-            "-ffast-math",
-            "-fPIC",
-            "-std=gnu11",
-            "-shared",
-            str(panel_gemm.SOURCE),
-            "-o",
-            str(lib_path),
-        ],
-        check=True,
-    )
-    avx2 = ctypes.CDLL(str(lib_path))
+    avx2 = build(panel_gemm.SOURCE, "avx2", tmp_path)
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     avx2.panel_gemm_f32.argtypes = [p, i64, p, p, p, i64, i64, i64, ctypes.c_int]
     assert avx2.panel_tile_rows() == 6

@@ -4,6 +4,8 @@ Q8_0 / Q4_0 blocks (made by gguf.quants.quantize) alike."""
 
 from __future__ import annotations
 
+import ctypes
+
 import gguf
 import numpy as np
 import pytest
@@ -12,7 +14,8 @@ import torch.nn.functional as F
 
 from pdserve.engine.quantize import from_gguf_blocks, quantize
 from pdserve.kernels import quant_gemm
-from pdserve.kernels.quant_gemm import dequantize
+from pdserve.kernels.quant_gemm import QuantWeight, dequantize
+from tests.kernels.isa_builds import ISAS, build, cannot_run
 
 pytestmark = pytest.mark.skipif(not quant_gemm.available(), reason="no C compiler: torch reference only")
 
@@ -83,3 +86,52 @@ def test_many_rows_use_widened_tiles():
     w = quantize(torch.randn(quant_gemm.TILE_OUT + 37, 64), "int4")
     x, b = torch.randn(quant_gemm.FEW_ROWS[4] + 3, 64), torch.randn(quant_gemm.TILE_OUT + 37)
     close(quant_gemm.linear(x, w, b), reference(x, dequantize(w), b), 64)
+
+
+FORMATS = [(8, 32, False), (8, 16, True), (4, 32, False), (4, 32, True), (4, 16, True)]  # bits, scale group, affine
+
+
+def _weight(bits: int, sg: int, affine: bool, n_out: int, n_in: int, g: torch.Generator) -> QuantWeight:
+    q = (
+        torch.randint(-128, 128, (n_out, n_in), generator=g)
+        if bits == 8
+        else torch.randint(0, 256, (n_out, n_in // 2), generator=g)
+    )
+    scales = torch.rand(n_out, n_in // sg, generator=g) * 0.1
+    offsets = torch.randn(n_out, n_in // sg, generator=g) * 0.1 if affine else None
+    return QuantWeight(bits, q.to(torch.int8 if bits == 8 else torch.uint8), scales, n_in, offsets, sg)
+
+
+def _gemm(lib: ctypes.CDLL, x: torch.Tensor, w: QuantWeight, threads: int) -> torch.Tensor:
+    y = torch.empty(x.shape[0], w.out_features)
+    offsets = None if w.offsets is None else w.offsets.data_ptr()
+    args = (x.data_ptr(), x.stride(0), w.q.data_ptr(), w.scales.data_ptr(), offsets, None, y.data_ptr())
+    assert lib.quant_gemm_f32(*args, x.shape[0], w.padded_in, w.out_features, w.bits, w.scale_group, threads) == 0
+    return y
+
+
+@pytest.fixture(scope="module", params=list(ISAS))
+def isa_build(request, tmp_path_factory) -> tuple[str, ctypes.CDLL]:
+    if why := cannot_run(request.param):
+        pytest.skip(f"{request.param} build: {why}")
+    lib = build(quant_gemm.SOURCE, request.param, tmp_path_factory.mktemp(request.param))
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.quant_gemm_f32.argtypes = [p, i64, p, p, p, p, p, i64, i64, i64, i32, i32, i32]
+    return request.param, lib
+
+
+@pytest.mark.parametrize("bits,sg,affine", FORMATS)
+def test_every_isa_build_gives_a_row_the_same_bits_in_any_batch(isa_build, bits, sg, affine):
+    """Each vector path the machine can run (SSE2, AVX2, AVX-512), built as such: a row's bits do not
+    depend on its batch (every tile shape) nor on the thread count; the FMA builds (AVX2, AVX-512)
+    also equal this machine's own build, so a result does not depend on the CPU's vector width."""
+    isa, lib = isa_build
+    g = torch.Generator().manual_seed(bits * 100 + sg + affine)
+    w, x = _weight(bits, sg, affine, 75, 320, g), torch.randn(21, 330, generator=g)[:, :320]  # rows apart
+    full = _gemm(lib, x, w, 2)
+    assert torch.equal(_gemm(lib, x, w, 1), full)
+    for m in (1, 2, 3, 4, 5, 8, 21):
+        assert torch.equal(_gemm(lib, x[:m], w, 1), full[:m]), m
+    assert torch.equal(torch.cat([_gemm(lib, x[i : i + 1], w, 1) for i in range(21)]), full)
+    if isa != "sse2":  # no FMA there: other bits
+        assert torch.equal(_gemm(quant_gemm._library(), x, w, 1), full)
