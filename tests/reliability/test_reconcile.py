@@ -78,3 +78,25 @@ def test_a_request_its_decode_worker_forgot_is_reconciled(tiny_llama):
                 break
             time.sleep(0.25)
         assert free and free == total, (free, total)
+
+
+def test_a_request_its_colocated_worker_forgot_ends_with_a_clear_error(tiny_llama):
+    """Colocated: nothing to move it to, so the stream ends with an error event naming what
+    happened, within a few heartbeats, and the next request is served."""
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    (prompt,) = random_prompts(tok.vocab_size, [9], seed=22)
+    env = {**slow_env("colocated", 0.02), **drop_env("colocated", 1)}
+    with running_server(tiny_llama, "--colocated", env=env) as base:
+        body = {"prompt": prompt, "max_tokens": MAX_NEW, "temperature": 0, "stream": True, "min_tokens": MAX_NEW}
+        t0, errors = time.monotonic(), []
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    chunk = httpx.Response(200, content=line[6:]).json()
+                    if "error" in chunk:
+                        errors.append(chunk["error"])
+        assert time.monotonic() - t0 < 20
+        assert len(errors) == 1 and "no longer holds the request" in errors[0]["message"], errors
+        assert _metric(base, r'pdserve_requests_reconciled_total\{outcome="failed"\}') == [1.0]
+        text, finish, _ = _stream(base, prompt)  # served again, whole
+        assert finish == "length" and text
