@@ -169,7 +169,12 @@ class ClusterBackend(Backend):
 
     async def _check_liveness(self) -> None:
         while True:
+            asked = time.monotonic()
             await asyncio.sleep(LIVENESS_CHECK_S)
+            late = time.monotonic() - asked - LIVENESS_CHECK_S
+            if late > LIVENESS_CHECK_S:  # this loop was away: the heartbeats queued meanwhile are unread
+                log.warning("the gateway's loop was %.1f s late; not counted against the workers", late)
+                self.table.credit_pause(late)
             self.check_liveness()
 
     def check_liveness(self) -> None:

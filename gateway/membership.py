@@ -1,18 +1,41 @@
 """Which workers exist, which are alive, and how loaded they are (from Register/Heartbeat).
 
-Alive (`is_live`): heard within `dead_after_s`, engine loop not stuck, not deregistered; requests a
-worker holds are watched by this. Routable (`live(role)`): alive and not draining; new requests
+Alive (`is_live`): heard within its silence allowance, engine loop not stuck, not deregistered;
+requests a worker holds are watched by this. The allowance (`dead_after`) is `dead_after_s`, or
+GAP_FACTOR times the longest silence between its heartbeats seen lately if that is more (a worker
+whose heartbeats come late under load, as a real-size model's long steps on shared cores make
+them, is given room by its own record), never past `stuck_after_s`. A worker on this host whose
+process is running (not stopped, not a zombie) is given `stuck_after_s` of silence: it is busy,
+not gone. Time the gateway's own loop spent away (`credit_pause`) counts against no one. Routable (`live(role)`): alive and not draining; new requests
 go only there. A worker that deregistered is forgotten, and a heartbeat of it still in flight
 (sent on another socket just before) does not bring it back.
 """
 
 from __future__ import annotations
 
+import logging
+import socket
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from pdserve.protocol.messages import WorkerInfo, WorkerStats
+
+log = logging.getLogger(__name__)
+
+GAP_FACTOR = 3.0  # silence allowed, in multiples of the longest recent gap between heartbeats
+GAP_DECAY = 0.98  # per heartbeat: the longest gap seen fades over ~100 heartbeats (~50 s)
+THIS_HOST = socket.gethostname()
+
+
+def process_running(pid: int) -> bool:
+    """Whether process `pid` of this host exists and is neither stopped nor a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]  # the field after the command's name
+    except (OSError, IndexError):
+        return False
+    return state not in ("T", "t", "Z", "X")
 
 
 @dataclass
@@ -28,6 +51,7 @@ class WorkerEntry:
     held: frozenset[str] | None = None
     leased: frozenset[str] = frozenset()
     snapshot: int = 0
+    longest_gap: float = 0.0  # the longest silence between its heartbeats lately (decaying), s
 
     @property
     def worker_id(self) -> str:
@@ -56,7 +80,12 @@ class WorkerTable:
             self.workers[info.worker_id] = WorkerEntry(info, stats or WorkerStats())
             return True
         entry.info = info
-        entry.last_seen = time.monotonic()
+        now = time.monotonic()
+        gap = now - entry.last_seen
+        if gap > self.dead_after_s / 2:
+            log.warning("heard from %s after %.1f s of silence", info.worker_id, gap)
+        entry.longest_gap = max(gap, entry.longest_gap * GAP_DECAY)
+        entry.last_seen = now
         if stats is not None:
             entry.stats = stats
         return False
@@ -71,13 +100,25 @@ class WorkerTable:
             self.departed.popitem(last=False)
         return entry
 
+    def dead_after(self, entry: WorkerEntry) -> float:
+        """The silence after which `entry` counts as gone (the module docstring)."""
+        return min(self.stuck_after_s, max(self.dead_after_s, GAP_FACTOR * entry.longest_gap))
+
     def is_live(self, entry: WorkerEntry, now: float | None = None) -> bool:
         now = time.monotonic() if now is None else now
-        return (
-            not entry.gone
-            and now - entry.last_seen <= self.dead_after_s
-            and entry.stats.last_step_age_s <= self.stuck_after_s
-        )
+        if entry.gone or entry.stats.last_step_age_s > self.stuck_after_s:
+            return False
+        silence = now - entry.last_seen
+        if silence <= self.dead_after(entry):
+            return True
+        info = entry.info
+        return silence <= self.stuck_after_s and info.host == THIS_HOST and process_running(info.pid)
+
+    def credit_pause(self, seconds: float) -> None:
+        """The gateway's own loop was away `seconds` (blocked, or starved of the CPU): heartbeats
+        that arrived meanwhile wait unread, so that time counts against no worker."""
+        for entry in self.workers.values():
+            entry.last_seen += seconds
 
     def live(self, role: str) -> list[WorkerEntry]:
         """Alive workers of `role` that take new requests (not draining)."""
