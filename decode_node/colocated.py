@@ -27,6 +27,7 @@ class ColocatedWorker(WorkerBase):
         super().__init__(settings, auth)
         tokenizer = TokenizerLoad(settings.engine.model)  # (overlaps the model load: engine/structured/)
         self.engine = LLMEngine(settings.engine)
+        self.engine.runner.on_layer_done = self.rt.mark_progress  # a long step's layers: progress
         self.engine.grammars.warm_in_background(tokenizer)  # a first constraint costs no tokenizer load
         self.describe(describe_worker(self.engine, "colocated", self.rt.control_addr, settings.host))
         if self.engine.hasher is not None:

@@ -69,6 +69,7 @@ class DecodeWorker(WorkerBase):
         # under tensor parallelism every rank's pool is shared memory; on a GPU, CUDA IPC where it can
         shared = settings.shared_memory and can_share_pool(settings.engine.device)
         self.engine = LLMEngine(settings.engine, kv_allocator=shm_allocator if shared else None)
+        self.engine.runner.on_layer_done = self.rt.mark_progress  # a long step's layers: progress
         self.engine.grammars.warm_in_background(tokenizer)  # a first constraint costs no tokenizer load
         draft = self.engine.draft  # its layers may come with the target's (KvLayout.draft_fingerprint)
         self.leases = LeaseTable(  # every block not in a sequence

@@ -103,6 +103,9 @@ class ModelRunner:
         self.num_layers = len(model.layers)
         self.decode_layers = model.describe_decode_layers(kv_cache)  # None: small decode steps go layer by layer
         self.decode_graphs = decode_graphs
+        # called as each layer of a pass run layer by layer finishes (a worker: heartbeats report
+        # a long step's progress, runtime/worker_runtime.py), from the thread running it
+        self.on_layer_done: Callable[[], None] | None = None
 
     @torch.inference_mode()
     def begin(self, sched: SchedulerOutput, on_layer_stored: Callable[[int], None] | None = None) -> ForwardPass:
@@ -149,6 +152,8 @@ class ModelRunner:
         while fp.next_layer < stop:
             fp.x = self.model.layers[fp.next_layer](fp.x, fp.rope, fp.ctx)
             fp.next_layer += 1
+            if self.on_layer_done is not None:
+                self.on_layer_done()
 
     def close(self) -> None:
         """Release what the runner started (a tensor-parallel runner: its rank processes)."""

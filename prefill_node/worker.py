@@ -56,6 +56,7 @@ class PrefillWorker(WorkerBase):
         tp = settings.engine.tensor_parallel_size > 1  # then each rank sends its own KV heads
         tokenizer = TokenizerLoad(settings.engine.model)  # (overlaps the model load: engine/structured/)
         self.engine = LLMEngine(settings.engine, rank_kv_sends=settings.kv_payload_mac if tp else None)
+        self.engine.runner.on_layer_done = self.rt.mark_progress  # a long step's layers: progress
         self.engine.grammars.warm_in_background(tokenizer)  # a first constraint costs no tokenizer load
         self.describe(describe_worker(self.engine, "prefill", self.rt.control_addr, settings.host))
         if self.engine.hasher is not None:

@@ -142,6 +142,7 @@ class Heartbeater:
         self._held: HeldRequests | None = None  # as of the snapshot (None: the worker does not tell)
         self._snapshots = 0  # publishes so far: numbers the snapshot in each heartbeat
         self._step_at = 0.0  # when the loop last began an engine step (monotonic)
+        self._progress_at = 0.0  # when a step in progress last finished a layer (monotonic)
         # the prefix-cache digest to send next (KvDigest): whole set, or changes since the last
         self._kv_seq = 0
         self._kv_full: set[int] | None = None
@@ -191,6 +192,12 @@ class Heartbeater:
         snapshot and has not let the loop publish since is in progress (maybe stuck)."""
         self._step_at = time.monotonic()  # one float store: atomic, no lock needed
 
+    def mark_progress(self) -> None:
+        """Called as a step finishes a layer (from whichever thread runs it): a long step that
+        goes on finishing layers is making progress, not stuck (a real-size model's prefill of
+        thousands of tokens on a few cores takes minutes; each layer, seconds)."""
+        self._progress_at = time.monotonic()
+
     def ensure_started(self) -> None:
         if self._thread.ident is None and not self._stop.is_set():  # a thread starts once
             self._thread.start()
@@ -226,6 +233,9 @@ class Heartbeater:
         step_at = self._step_at
         if step_at > taken:  # a step began after the snapshot (work arrived while idle) and runs on
             age = max(age, now - step_at)
+        progress_at = self._progress_at
+        if progress_at > taken:  # it finished a layer since: progress, counted from there
+            age = min(age, now - progress_at)
         return age
 
     def step_age(self) -> float:
@@ -325,6 +335,10 @@ class WorkerRuntime:
         """The loop is about to run an engine step: lets heartbeats report a step that never
         returns even when the last published stats said idle (work arrived, then the loop stuck)."""
         self._heartbeater.mark_step()
+
+    def mark_progress(self) -> None:
+        """A step in progress finished a layer (any thread): `Heartbeater.mark_progress`."""
+        self._heartbeater.mark_progress()
 
     def drain(self, timeout_ms: int, wake_fd: int | None = None) -> list[Message]:
         """Messages now waiting; blocks up to `timeout_ms` for the first one, or until `wake_fd`

@@ -77,6 +77,25 @@ def test_heartbeats_continue_while_the_loop_blocks(runtime_and_gateway):
     assert beats and beats[-1].stats.last_step_age_s == 0.0
 
 
+def test_a_long_step_that_finishes_layers_is_not_reported_stuck(runtime_and_gateway):
+    """A real-size prefill of thousands of tokens takes minutes on a few cores; each of its layers
+    that finishes is progress (ModelRunner.on_layer_done -> mark_progress): the age counts from
+    the latest, while a step that finishes none ages on."""
+    rt, gateway = runtime_and_gateway
+    busy = WorkerStats(kv_blocks_free=8, kv_blocks_total=8, num_running=1, last_step_age_s=0.01)
+    rt.tick(lambda: busy)
+    rt.mark_step()  # the loop begins a long step
+    deadline = time.monotonic() + 1.6
+    while time.monotonic() < deadline:  # a layer finishes every 0.1 s
+        time.sleep(0.1)
+        rt.mark_progress()
+    assert rt.step_age() < 0.3
+    time.sleep(0.8)  # then no layer finishes: the age grows from the last one
+    assert 0.7 < rt.step_age() < 1.3
+    beats = _heartbeats(gateway, 0.6)
+    assert beats and beats[-1].stats.last_step_age_s > 0.7
+
+
 def test_held_outputs_go_out_as_one_frame_per_gateway(runtime_and_gateway):
     """A step's outputs for one gateway travel as one TokenOutputBatch (one HMAC, one send); a
     lone output stays a plain TokenOutput; nothing is sent before the flush."""
