@@ -234,7 +234,7 @@ class Heartbeater:
         if step_at > taken:  # a step began after the snapshot (work arrived while idle) and runs on
             age = max(age, now - step_at)
         progress_at = self._progress_at
-        if progress_at > taken:  # it finished a layer since: progress, counted from there
+        if progress_at > 0:  # a step finished a layer then (lanes run steps while the loop ticks on)
             age = min(age, now - progress_at)
         return age
 

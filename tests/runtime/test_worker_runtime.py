@@ -89,6 +89,9 @@ def test_a_long_step_that_finishes_layers_is_not_reported_stuck(runtime_and_gate
     while time.monotonic() < deadline:  # a layer finishes every 0.1 s
         time.sleep(0.1)
         rt.mark_progress()
+        # the loop ticks on meanwhile (a prefill worker's lanes run the step), publishing its own
+        # age since the last finished step
+        rt.tick(lambda: WorkerStats(kv_blocks_free=8, kv_blocks_total=8, num_running=1, last_step_age_s=5.0))
     assert rt.step_age() < 0.3
     time.sleep(0.8)  # then no layer finishes: the age grows from the last one
     assert 0.7 < rt.step_age() < 1.3
