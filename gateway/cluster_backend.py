@@ -91,6 +91,7 @@ class ClusterBackend(Backend):
         self.gateway_id = f"gw-{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
         self.plane = WorkerPlane(auth, inbox_bind, allow_wildcard_bind)
         self.table = WorkerTable(dead_after_s=dead_after_s, stuck_after_s=stuck_after_s)
+        self._reported_gone: set[str] = set()  # workers whose loss was logged (once each)
         self.members = ClusterMembers(self.plane, self.gateway_id, self.table, self._notify_queues)
         self.requests = RequestTable()
         # where each prompt is prefilled; at most local_prefill_max_tokens on a decode worker under auto
@@ -183,9 +184,13 @@ class ClusterBackend(Backend):
         live workers no longer hold (their heartbeats name what they hold: gateway/reconcile.py)."""
         now = time.monotonic()
         for rec in self.requests:
-            dead = [w.worker_id for w in rec.watched() if not self.table.is_live(w, now)]
-            if dead:
-                rec.end_attempt(WorkerLost(dead))
+            gone = [w for w in rec.watched() if not self.table.is_live(w, now)]
+            if gone:
+                for w in gone:
+                    if w.worker_id not in self._reported_gone:
+                        self._reported_gone.add(w.worker_id)
+                        log.warning("worker %s counted gone: %s", w.worker_id, self.table.why_gone(w, now))
+                rec.end_attempt(WorkerLost([w.worker_id for w in gone]))
         for rec in forgotten(self.requests):
             workers = [w.worker_id for w in rec.watched()]
             log.warning(

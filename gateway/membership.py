@@ -114,6 +114,15 @@ class WorkerTable:
         info = entry.info
         return silence <= self.stuck_after_s and info.host == THIS_HOST and process_running(info.pid)
 
+    def why_gone(self, entry: WorkerEntry, now: float | None = None) -> str:
+        """Why `is_live` says no, in words (for the log line that moves its requests)."""
+        now = time.monotonic() if now is None else now
+        if entry.gone:
+            return "deregistered"
+        if entry.stats.last_step_age_s > self.stuck_after_s:
+            return f"no engine progress for {entry.stats.last_step_age_s:.1f} s with work pending"
+        return f"silent for {now - entry.last_seen:.1f} s (allowed {self.dead_after(entry):.1f} s)"
+
     def credit_pause(self, seconds: float) -> None:
         """The gateway's own loop was away `seconds` (blocked, or starved of the CPU): heartbeats
         that arrived meanwhile wait unread, so that time counts against no worker."""
