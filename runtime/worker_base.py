@@ -56,7 +56,7 @@ class WorkerBase:
         self._idle_since: float | None = None  # while draining: since when it has held nothing
         self.health: HealthServer | None = None
         self.traced: dict[str, tuple[str, float]] = {}  # traced requests: traceparent, stage start
-        self._last_progress = time.monotonic()  # when an engine step last completed
+        self._last_progress = time.monotonic()  # when an engine step last completed, or the loop was idle
         self.kv_report: PrefixCacheReport | None = None  # set by workers with a prefix cache
 
     def describe(self, info: WorkerInfo) -> None:
@@ -152,6 +152,8 @@ class WorkerBase:
             self.health = HealthServer(self.settings.health_bind, self._health)
         try:
             while not self._stop:
+                if not self.has_work():  # idle time is no silence: the step age counts from here
+                    self._last_progress = time.monotonic()
                 self.run_once()
                 self.rt.tick(self._reported_stats, self.kv_report, self.held_requests)
                 if self.draining:
