@@ -18,6 +18,7 @@ ENGINE = {
     "--quantization": ("auto", ("auto", "none", "int8", "int4"), "", None),
     "--model-impl": ("auto", ("auto", "native", "transformers"), "", None),
     "--device": ("cpu", None, "", None),
+    "--enforce-eager": (False, None, "store_true", None),  # added with CUDA graphs
     "--block-size": (16, None, "", None),
     "--num-blocks": (None, None, "", None),
     "--kv-cache-memory": (1073741824, None, "", None),
@@ -84,7 +85,7 @@ GATEWAY = {
     "--worker-bind": ("tcp://127.0.0.1:7100", None, "", None),
     "--worker-advertise": (None, None, "", None),
     "--allow-wildcard-bind": (False, None, "store_true", None),
-    "--kv-transport": ("auto", ("auto", "shm", "zmq"), "", None),
+    "--kv-transport": ("auto", ("auto", "shm", "cuda-ipc", "zmq"), "", None),  # cuda-ipc added
     "--max-model-len": (None, None, "", None),
 }
 SERVE = {
@@ -99,7 +100,7 @@ SERVE = {
     "--prefill-tensor-parallel-size": (None, None, "", None),
     "--decode-tensor-parallel-size": (None, None, "", None),
     "--decode-idle-threads": (None, None, "", None),
-    "--kv-transport": ("auto", ("auto", "shm", "zmq-ipc", "zmq-tcp"), "", None),
+    "--kv-transport": ("auto", ("auto", "shm", "cuda-ipc", "zmq-ipc", "zmq-tcp"), "", None),  # cuda-ipc added
     "--lease-ttl": (30.0, None, "", None),
     "--prefill-nice": (0, None, "", None),
     "--prefill-idle-lanes": (None, None, "", None),

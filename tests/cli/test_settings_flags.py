@@ -88,6 +88,7 @@ SAMPLES: dict[str, tuple[list[str], object]] = {
     "--quantization": (["int8"], "int8"),
     "--model-impl": (["native"], "native"),
     "--device": (["cuda:1"], "cuda:1"),
+    "--enforce-eager": (["--enforce-eager"], True),
     "--block-size": (["32"], 32),
     "--num-blocks": (["100"], 100),
     "--kv-cache-memory": (["2MiB"], 2 * 2**20),
