@@ -8,6 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.runtime.thread_waits import use_passive_waits
+
+# the suite's own process waits as every pdserve process does (runtime/thread_waits.py): before
+# torch loads libgomp. Its in-process engines share the cores with the servers tests start.
+use_passive_waits()
+
 
 @pytest.fixture(autouse=True)
 def fresh_env_settings():
