@@ -25,7 +25,6 @@ from typing import Any, Callable
 import msgspec
 import zmq
 
-from pdserve.kvtransfer.cuda_ipc import device_uuid
 from pdserve.protocol.auth import FrameAuth
 from pdserve.protocol.block_hashes import short_id
 from pdserve.protocol.channel import Inbox, Outbox
@@ -80,6 +79,16 @@ def new_worker_id(role: Role) -> str:
     return f"{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
+def gpu_uuid(device) -> str:
+    """The UUID of the GPU `device` is (the same in every process), or "" for the CPU: where a
+    worker's KV lives, for the gateway's choice of CUDA IPC (WorkerInfo.kv_device)."""
+    if device.type != "cuda":
+        return ""
+    import torch
+
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
 def describe_worker(engine, role: Role, control_addr: str, host: str, **extra) -> WorkerInfo:
     """The WorkerInfo a worker registers with: identity, addresses, model and KV pool shape."""
     spec = engine.kv_spec
@@ -102,7 +111,7 @@ def describe_worker(engine, role: Role, control_addr: str, host: str, **extra) -
         kv_layout=layout,
         max_model_len=engine.max_model_len,
         max_num_seqs=engine.config.scheduler.max_num_seqs,
-        kv_device=device_uuid(engine.device) if engine.device.type == "cuda" else "",
+        kv_device=gpu_uuid(engine.device),
         **extra,
     )
 
