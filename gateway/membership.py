@@ -23,7 +23,7 @@ from pdserve.protocol.messages import WorkerInfo, WorkerStats
 
 log = logging.getLogger(__name__)
 
-GAP_FACTOR = 3.0  # silence allowed, in multiples of the longest recent gap between heartbeats
+GAP_FACTOR = 2.0  # silence allowed, in multiples of the longest recent gap between heartbeats
 GAP_DECAY = 0.98  # per heartbeat: the longest gap seen fades over ~100 heartbeats (~50 s)
 THIS_HOST = socket.gethostname()
 
