@@ -6,7 +6,7 @@ under a JSON-schema constraint vs none constrained, the same load, rounds interl
 Every request decodes the whole measured stretch (unconstrained ones ignore EOS; the
 constrained ones follow a schema that cannot end within it: an array of at least 400 integers),
 so both batches keep all their rows. A step's time includes filling the constrained rows'
-bitmasks and applying them (engine/structured/). Goal (issue 33): <= 10% slower.
+bitmasks and applying them (engine/structured/). Goal: <= 10% slower.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """`python -m pdserve.bench.prefill_overhead`: a prefill worker's CPU per prompt token under
-`pdserve serve` (1P1D) against the bare engine step on the same prompts (issue 35, item 2).
+`pdserve serve` (1P1D) against the bare engine step on the same prompts.
 
 Bare: an LLMEngine in this process, on the prefill worker's thread count, prefilling each prompt
 alone (`prefill_only`, as a prefill worker does; glibc's heap tuned as the worker's), CPU time
@@ -9,7 +9,7 @@ from /proc over the run, and each request's time to its first token. Distinct ra
 two alternate round by round; each figure is a round's CPU seconds / prompt tokens, and the
 ratio of their medians is printed. Beside it, the time a prompt's FLOPs need at the matmul rate
 measured in this run on the prefill worker's threads (decoder-layer linears, 2 x params a token,
-plus causal attention), against the served TTFT (issue 35: a lone 600-token prompt's TTFT vs its
+plus causal attention), against the served TTFT (a lone 600-token prompt's TTFT vs its
 FLOP time: `--prompt-len 600`).
 """
 
