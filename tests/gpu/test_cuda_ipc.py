@@ -155,7 +155,7 @@ def test_serve_1p1d_over_cuda_ipc_equals_hf_and_serves_every_kind_of_request(tin
         with cf.ThreadPoolExecutor(len(prompts)) as pool:
             assert list(pool.map(complete, prompts)) == want
             assert list(pool.map(stream, prompts)) == want
-        sampled = client.completions.create(
+        params = dict(
             model=model,
             prompt=prompts[1],
             max_tokens=12,
@@ -167,19 +167,9 @@ def test_serve_1p1d_over_cuda_ipc_equals_hf_and_serves_every_kind_of_request(tin
             presence_penalty=0.5,
             frequency_penalty=0.3,
         )
+        sampled = client.completions.create(**params)
         assert len(sampled.choices) == 3 and all(c.logprobs and len(c.logprobs.tokens) == 12 for c in sampled.choices)
-        again = client.completions.create(
-            model=model,
-            prompt=prompts[1],
-            max_tokens=12,
-            temperature=0.9,
-            top_p=0.9,
-            seed=7,
-            n=3,
-            logprobs=2,
-            presence_penalty=0.5,
-            frequency_penalty=0.3,
-        )
+        again = client.completions.create(**params)
         assert [c.text for c in again.choices] == [c.text for c in sampled.choices]  # a seed draws alike
         structured = client.completions.create(
             model=model,
