@@ -31,6 +31,12 @@ class TokenizerLoad:
     (`warm_in_background`)."""
 
     def __init__(self, model: str | Path) -> None:
+        # transformers' first import, here on the caller's thread (~1 s): two threads importing it
+        # at once fail in one of them ("cannot import name 'AutoConfig' from 'transformers'",
+        # transformers 5.24), and the caller may load a model through transformers meanwhile.
+        # Its names stay lazy; resolving them from two threads after this import is safe.
+        import transformers  # noqa: F401
+
         self.model = str(model)
         self._tokenizer: object = None
         self._error: BaseException | None = None

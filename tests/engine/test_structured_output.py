@@ -283,3 +283,28 @@ def test_the_grammar_tokenizer_is_built_ahead_of_the_first_constraint(tiny_llama
     broken.warm_in_background(TokenizerLoad(tmp_path))
     with pytest.raises(Exception):
         broken.new(choice)
+
+
+_IMPORTS_WHILE_THE_TOKENIZER_LOADS = """
+import sys
+from pdserve.engine.structured.matcher import TokenizerLoad
+loading = TokenizerLoad(sys.argv[1])
+from transformers import AutoConfig, AutoModelForCausalLM  # as the transformers backend's load does
+loading.result()
+"""
+
+
+def test_a_model_load_importing_transformers_beside_the_tokenizer_load_succeeds(tiny_llama):
+    """In a fresh process (transformers not yet imported) the worker's two threads both import it:
+    each of 3 starts loads both (a first import from two threads at once failed in one of them)."""
+    import subprocess
+    import sys
+
+    for _ in range(3):
+        run = subprocess.run(
+            [sys.executable, "-c", _IMPORTS_WHILE_THE_TOKENIZER_LOADS, str(tiny_llama)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert run.returncode == 0, run.stderr[-2000:]
