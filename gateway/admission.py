@@ -40,7 +40,7 @@ from pdserve.gateway.queue_stats import QueueStats
 T = TypeVar("T")
 
 # The priority of the request this task serves (lower = more urgent): set by the HTTP layer
-# (gateway/generation.py) for its backend streams, read where they call `admit`.
+# (gateway/generation.py) for its backend stream, read where they call `admit`.
 request_priority: ContextVar[int] = ContextVar("request_priority", default=0)
 
 

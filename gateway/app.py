@@ -17,7 +17,7 @@ reaches a worker (429 with Retry-After and OpenAI's x-ratelimit headers; a max_t
 key's cap: 400); its priority orders the admission queue (gateway/admission.py).
 
 Request ids are made here (`cmpl-...`/`chatcmpl-...`), never taken from the client. Leaving a
-request early for any reason (client gone, stop string, error) closes its backend streams,
+request early for any reason (client gone, stop string, error) closes its backend stream,
 which aborts the request on every worker holding it.
 """
 
@@ -39,8 +39,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from pdserve.gateway.backend import Backend
+from pdserve.gateway.bodies import Bounds
 from pdserve.gateway.errors import APIError, error_response, invalid
-from pdserve.gateway.generation import GenerationRun
+from pdserve.gateway.generation import GenerationRun, RunContext
 from pdserve.gateway.limits import GatewayLimits
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.openapi import openapi_endpoint
@@ -122,10 +123,23 @@ class GatewayApp:
         self.limits = limits
         self.chat_template = chat_template
         self.vocab_size = len(tokenizer)
+        self.bounds = Bounds.of(limits, model_name=model_name, max_model_len=max_model_len, vocab_size=self.vocab_size)
         self.metrics = GatewayMetrics(
             backend.worker_stats, backend.routed_requests, backend.queue_stats, tuple(backend.collectors())
         )
         self.in_flight = 0
+        self.run_context = RunContext(
+            backend=backend,
+            metrics=self.metrics,
+            limits=limits,
+            model_name=model_name,
+            token_text=self._token_text,
+            text_decoder=self.text_decoder,
+            tool_parser=tool_parser,
+            tool_markers=self.tool_markers,
+            on_cut=self.stream_cut,
+            on_done=self._done,
+        )
 
     # --- plumbing ---------------------------------------------------------------------------
     async def _read_json(self, request: Request):
@@ -151,7 +165,7 @@ class GatewayApp:
             if len(body) > self.limits.max_body_bytes:
                 raise APIError(413, f"request body over {self.limits.max_body_bytes} bytes", code="body_too_large")
         try:
-            return json.loads(body)
+            return json.loads(body, parse_float=_json_number)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise invalid(f"malformed JSON body: {e}") from None
 
@@ -189,20 +203,15 @@ class GatewayApp:
             }
             if seed is None and not req.use_beam_search and req.temperature > 0:
                 seed = secrets.randbits(63)
+        given = req.sampling | {
+            "min_tokens": min(req.sampling.get("min_tokens", 0), max_tokens),
+            "temperature": 0.0 if req.use_beam_search else req.temperature,
+            "seed": seed,
+        }
         return SamplingParams(
-            **group,
+            **(given | group),
             max_tokens=max_tokens,
-            temperature=0.0 if req.use_beam_search else req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
-            min_p=req.min_p,
-            seed=seed,
-            repetition_penalty=req.repetition_penalty,
-            presence_penalty=req.presence_penalty,
-            frequency_penalty=req.frequency_penalty,
             stop_token_ids=tuple(req.stop_token_ids),
-            ignore_eos=req.ignore_eos,
-            min_tokens=min(req.min_tokens, max_tokens),
             logprobs=req.logprobs,
             logit_bias=tuple(req.logit_bias),
             structured=req.structured,
@@ -268,7 +277,7 @@ class GatewayApp:
             refused = self.not_ready()
             if refused is not None:
                 raise refused
-            req = parse_request(await self._read_json(request), kind, self.limits, self.tool_parser)
+            req = parse_request(await self._read_json(request), kind, self.bounds, self.tool_parser)
             if req.model is not None and req.model != self.model_name:
                 raise APIError(
                     404,
@@ -305,8 +314,9 @@ class GatewayApp:
         base_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         priority = req.priority if req.priority is not None else gate.limits.priority
         try:
+            sampling = self._sampling(req, max_tokens, 0, priority)
             run = GenerationRun(
-                self, req, prompt, max_tokens, base_id, arrival, request.headers.get("traceparent"), admission, priority
+                self.run_context, req, prompt, sampling, base_id, arrival, request.headers.get("traceparent"), admission
             )
         except BaseException:
             admission.release(0)
@@ -462,6 +472,13 @@ def create_app(
     if tenants.requires_key:
         app.add_middleware(_ApiKeyMiddleware, tenants=tenants)
     return app
+
+
+def _json_number(text: str) -> int | float:
+    """A JSON number with a fraction or exponent: a whole one is an integer (5.0 is 5, as JSON
+    Schema counts it), so a body's integer fields take it."""
+    value = float(text)
+    return int(value) if value.is_integer() else value
 
 
 async def _guard(gw: GatewayApp, coro) -> Response:

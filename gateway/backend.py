@@ -1,16 +1,14 @@
-"""What the HTTP layer needs from whatever serves tokens (the cluster, or a fake in tests)."""
+"""What the HTTP layer needs from whatever serves tokens: `open` a request onto an OutputStream
+(the cluster, or a stub in tests, which implements the same call)."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import AsyncGenerator
 
 from pdserve.gateway.output_stream import OutputStream
 from pdserve.gateway.queue_stats import QueueStats
 from pdserve.protocol.join import JoinAnswer
-from pdserve.protocol.messages import TokenOutput, WorkerStats
+from pdserve.protocol.messages import WorkerStats
 from pdserve.protocol.sampling import SamplingParams
 
 
@@ -38,25 +36,17 @@ class RequestTooLarge(BackendUnavailable):
 
 
 class Backend(ABC):
-    @abstractmethod
-    def generate(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
-    ) -> AsyncGenerator[TokenOutput, None]:
-        """Yield TokenOutputs until one has finish_reason set. May raise BackendUnavailable
-        before the first yield. Closing the iterator early (aclose) aborts the request."""
+    """What the HTTP layer calls: production's ClusterBackend and the tests' stubs alike."""
 
+    @abstractmethod
     def open(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, stream: OutputStream
     ) -> None:
         """Start the request: its outputs go onto `stream` in token order, then `stream.end()`
         (with BackendUnavailable when refused before any token, or another error). The reader
-        closing the stream (or a cut) aborts it (`stream.on_abort`). Called in the request's
-        context (its priority and trace context variables set).
-
-        This default runs `generate` in a task (backends whose outputs come as they are
-        pulled); a backend with outputs of its own pushes them straight onto the stream."""
-        task = asyncio.create_task(_pump(self.generate(request_id, prompt_token_ids, sampling), stream))
-        stream.on_abort, stream.upstream = task.cancel, task
+        closing the stream (or a cut) aborts it (`stream.on_abort`; `stream.upstream` is the task
+        `aclose` waits for, if any). Called in the request's context (its priority and trace
+        context variables set)."""
 
     def stop_choice(self, request_id: str, index: int) -> None:
         """One choice of a group whose choices stream ended here (a stop string): let the worker
@@ -90,19 +80,3 @@ class Backend(ABC):
         """Answer a worker's `POST /cluster/join` (protocol/join.py), raising JoinRefused; None
         when this backend has no worker plane to join."""
         return None
-
-
-async def _pump(gen: AsyncGenerator[TokenOutput, None], stream: OutputStream) -> None:
-    error: BaseException | None = None
-    try:
-        async with contextlib.aclosing(gen):
-            async for out in gen:
-                stream.push(out)
-                if stream.done:  # cut, or the reader left: closing gen aborts the request
-                    break
-    except asyncio.CancelledError:
-        raise
-    except Exception as e:  # BackendUnavailable, or a backend failure: the reader's to see
-        error = e
-    finally:
-        stream.end(error)

@@ -11,7 +11,7 @@ The parts, one concept each:
     gateway/request_flow.py      disaggregated: admission -> lease -> prefill -> decode -> migration
     gateway/colocated_flow.py    colocated: admission -> one worker
     gateway/router.py, admission.py, membership.py, kv_index.py
-This file wires them: `dispatch` sends each message to its part (a token output straight to its
+This file wires them: `_dispatch` sends each message to its part (a token output straight to its
 record), one ticker checks the liveness of every worker a request depends on, and the Backend
 API the HTTP layer calls.
 """
@@ -23,7 +23,6 @@ import logging
 import socket
 import time
 import uuid
-from collections.abc import AsyncGenerator
 from typing import Any
 
 from prometheus_client import Counter, Histogram
@@ -32,14 +31,19 @@ from pdserve.gateway.admission import AdmissionQueue, QueueLimits
 from pdserve.gateway.backend import Backend, BackendUnavailable, RequestTooLarge
 from pdserve.gateway.cluster_members import ClusterMembers
 from pdserve.gateway.colocated_flow import ColocatedFlow
-from pdserve.gateway.membership import WorkerTable
+from pdserve.gateway.membership import STUCK_AFTER_S, WorkerTable
 from pdserve.gateway.output_stream import OutputStream
-from pdserve.gateway.prefill_placement import PrefillPlacement
+from pdserve.gateway.prefill_placement import DEFAULT_PREFILL_PLACEMENT, PrefillPlacement
 from pdserve.gateway.queue_stats import QueueStats
 from pdserve.gateway.reconcile import RequestForgotten, forgotten
-from pdserve.gateway.request_flow import DisaggregatedFlow
+from pdserve.gateway.request_flow import (
+    DEFAULT_KV_TRANSPORT,
+    DEFAULT_ON_DECODE_FAILURE,
+    KV_TRANSPORTS,
+    DisaggregatedFlow,
+)
 from pdserve.gateway.request_record import RequestRecord, RequestTable, WorkerLost
-from pdserve.gateway.router import DEFAULT_LOCAL_PREFILL_MAX_TOKENS, Router, RouterPolicy
+from pdserve.gateway.router import DEFAULT_LOCAL_PREFILL_MAX_TOKENS, DEFAULT_ROUTER, Router, RouterPolicy
 from pdserve.gateway.worker_plane import WorkerPlane
 from pdserve.protocol.auth import FrameAuth
 from pdserve.protocol.join import JoinAnswer, check_join, worker_plane_addr
@@ -69,20 +73,20 @@ class ClusterBackend(Backend):
         auth: FrameAuth,
         inbox_bind: str,
         *,
-        kv_transport: str = "auto",
+        kv_transport: str = DEFAULT_KV_TRANSPORT,
         dead_after_s: float = 2.0,
-        stuck_after_s: float = 30.0,
+        stuck_after_s: float = STUCK_AFTER_S,
         reserve_timeout_s: float = 5.0,
-        on_decode_failure: str = "migrate",
+        on_decode_failure: str = DEFAULT_ON_DECODE_FAILURE,
         max_attempts: int = 3,
         queue_limits: QueueLimits = QueueLimits(),
         local_prefill_max_tokens: int = DEFAULT_LOCAL_PREFILL_MAX_TOKENS,
-        router: RouterPolicy = "kv-aware",  # gateway/router.py
-        prefill_placement: PrefillPlacement = "remote",  # gateway/prefill_placement.py
+        router: RouterPolicy = DEFAULT_ROUTER,  # gateway/router.py
+        prefill_placement: PrefillPlacement = DEFAULT_PREFILL_PLACEMENT,  # gateway/prefill_placement.py
         worker_advertise: str | None = None,
         allow_wildcard_bind: bool = False,
     ) -> None:
-        if kv_transport not in ("auto", "shm", "cuda-ipc", "zmq"):
+        if kv_transport not in KV_TRANSPORTS:
             raise ValueError("kv_transport must be auto, shm, cuda-ipc or zmq")
         if on_decode_failure not in ("migrate", "fail"):
             raise ValueError("on_decode_failure must be migrate or fail")
@@ -283,17 +287,6 @@ class ClusterBackend(Backend):
             task.cancel,
             task,
         )  # the reader left, or was cut: the flow's end aborts it upstream
-
-    async def generate(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
-    ) -> AsyncGenerator[TokenOutput, None]:
-        stream = OutputStream()
-        self.open(request_id, prompt_token_ids, sampling, stream)
-        try:
-            while (out := await stream.get()) is not None:
-                yield out
-        finally:
-            stream.close()
 
     def stop_choice(self, request_id: str, index: int) -> None:
         # (a group that migrates later reruns every member; the gateway drops this one's tokens)

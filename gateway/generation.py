@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 from starlette.requests import Request
@@ -23,18 +23,21 @@ from starlette.responses import JSONResponse, Response
 
 from pdserve import tracing
 from pdserve.gateway.admission import request_priority
-from pdserve.gateway.backend import BackendUnavailable
+from pdserve.gateway.backend import Backend, BackendUnavailable
 from pdserve.gateway.detokenizer import IncrementalDetokenizer
 from pdserve.gateway.errors import error_response
 from pdserve.gateway.formats import FORMATS
+from pdserve.gateway.limits import GatewayLimits
+from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.output_stream import OutputStream
 from pdserve.gateway.schemas import ParsedRequest
 from pdserve.gateway.stop_strings import StopMatcher
+from pdserve.gateway.tools.parser import ToolParser
 from pdserve.gateway.tools.stream import ToolCallStream, message_calls
 from pdserve.protocol.messages import TokenLogprob, TokenOutput
+from pdserve.protocol.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from pdserve.gateway.app import GatewayApp
     from pdserve.gateway.rate_limits import Admission
 
 
@@ -67,22 +70,38 @@ class Choice:
 Event = tuple[Choice, str, list, str | None]  # (choice, text delta, logprob entries, finish_reason)
 
 
+@dataclass(frozen=True)
+class RunContext:
+    """What a run needs of the gateway, built once by gateway/app.py (the app itself stays out)."""
+
+    backend: Backend
+    metrics: GatewayMetrics
+    limits: GatewayLimits
+    model_name: str
+    token_text: Callable[[int], str]  # one token's text (logprob entries)
+    text_decoder: Any  # the detokenizers' decode (gateway/text_decoder.py)
+    tool_parser: ToolParser | None  # --tool-call-parser's
+    tool_markers: dict[int, str]  # its markers the tokenizer holds as special tokens
+    on_cut: Callable[[str], None]  # a stream cut for a slow client: counted
+    on_done: Callable[[GenerationRun], None]  # the run's end, once: in-flight counts, the key's usage
+
+
 class GenerationRun:
     """One HTTP request: its backend stream read into one sequence of events."""
 
     def __init__(
         self,
-        app: GatewayApp,
+        ctx: RunContext,
         req: ParsedRequest,
         prompt: list[int],
-        max_tokens: int,
+        sampling: SamplingParams,  # the whole request's (a group's too); its priority orders admission
         base_id: str,
         arrival: float,
         traceparent: str | None,  # the client's W3C trace context, if it sent one
-        admission: Admission,  # its API key's charge, released at the end (GatewayApp._done)
-        priority: int,  # its place in the admission queue (lower first)
+        admission: Admission,  # its API key's charge, released at the end (RunContext.on_done)
     ) -> None:
-        self.app, self.req, self.prompt, self.base_id, self.arrival = app, req, prompt, base_id, arrival
+        self.ctx, self.req, self.prompt, self.base_id, self.arrival = ctx, req, prompt, base_id, arrival
+        self.sampling = sampling
         self.admission = admission
         # one trace per request (pdserve/tracing.py): its context goes into every message sent
         self.span = tracing.start_span(
@@ -92,25 +111,25 @@ class GenerationRun:
         )
         self.created = int(time.time())
         self._chunk_head: bytes | None = None  # an SSE chunk's text before its choices (`_chunk`)
-        self.fmt = FORMATS[req.kind](app._token_text)  # the endpoint's response shapes
-        reads_calls = req.tools is not None and req.tools.parsed and app.tool_parser is not None
-        keep = app.tool_markers if reads_calls else None  # a format's special-token markers stay text
+        self.fmt = FORMATS[req.kind](ctx.token_text)  # the endpoint's response shapes
+        reads_calls = req.tools is not None and req.tools.parsed and ctx.tool_parser is not None
+        keep = ctx.tool_markers if reads_calls else None  # a format's special-token markers stay text
         self.choices = [
-            Choice(i, base_id, IncrementalDetokenizer(app.text_decoder, keep=keep), StopMatcher(req.stop))
+            Choice(i, base_id, IncrementalDetokenizer(ctx.text_decoder, keep=keep), StopMatcher(req.stop))
             for i in range(req.n)
         ]
         if reads_calls:
-            assert app.tool_parser is not None
+            assert ctx.tool_parser is not None
             for c in self.choices:
-                c.tools = ToolCallStream(app.tool_parser)
+                c.tools = ToolCallStream(ctx.tool_parser)
         self.unfinished = req.n  # choices without a finish_reason yet
         self._pending: object = _TAKEN  # the output `start` took, until the events read it
         # one backend stream for every choice (n > 1 is a group: its outputs carry their choice)
-        self.stream = OutputStream(app.limits.max_stream_buffer, on_cut=lambda: app.stream_cut("buffer_full"))
+        self.stream = OutputStream(ctx.limits.max_stream_buffer, on_cut=lambda: ctx.on_cut("buffer_full"))
         token = tracing.current_traceparent.set(self.span.traceparent if self.span else None)
-        priority_token = request_priority.set(priority)
+        priority_token = request_priority.set(sampling.priority)
         try:
-            app.backend.open(base_id, prompt, app._sampling(req, max_tokens, 0, priority), self.stream)
+            ctx.backend.open(base_id, prompt, sampling, self.stream)
         finally:
             tracing.current_traceparent.reset(token)  # (the backend's tasks took a copy of the context)
             request_priority.reset(priority_token)
@@ -121,7 +140,7 @@ class GenerationRun:
             return await self.stream.get()
         except BackendUnavailable as e:  # refused before any token: a status code
             await self.cancel()
-            self.app.metrics.http_errors.labels(status=str(e.status)).inc()
+            self.ctx.metrics.http_errors.labels(status=str(e.status)).inc()
             if e.status == 400:  # it can never fit: the client's to change, not to retry
                 return error_response(400, str(e), code=e.code)
             return error_response(
@@ -135,7 +154,7 @@ class GenerationRun:
             return e
 
     def _remaining(self) -> float | None:
-        timeout = self.app.limits.request_timeout_s
+        timeout = self.ctx.limits.request_timeout_s
         return None if timeout is None else max(0.0, self.arrival + timeout - time.monotonic())
 
     async def cancel(self) -> None:
@@ -189,7 +208,7 @@ class GenerationRun:
                 if not self.unfinished:
                     self.stream.close()
                 else:  # the worker stops this member alone
-                    self.app.backend.stop_choice(self.base_id, choice.index)
+                    self.ctx.backend.stop_choice(self.base_id, choice.index)
             if delta or lps or reason:
                 events.append((choice, delta, lps, reason))
         return events
@@ -218,12 +237,12 @@ class GenerationRun:
         for k, token in enumerate(out.token_ids):
             if choice.first_token_at is None:
                 choice.first_token_at = now
-                self.app.metrics.ttft.observe(now - self.arrival)
+                self.ctx.metrics.ttft.observe(now - self.arrival)
             choice.num_tokens += 1
             text, hit = choice.stop.feed(choice.detok.add(token))
             pieces.append(text)
             if out.logprobs is not None and k < len(out.logprobs):
-                lps.append((self.app._token_text(token), out.logprobs[k]))
+                lps.append((self.ctx.token_text(token), out.logprobs[k]))
             if hit:
                 break
         reason = "stop" if hit else out.finish_reason
@@ -242,7 +261,7 @@ class GenerationRun:
     def _finish(self, choice: Choice, reason: str, now: float) -> None:
         choice.finish_reason = reason
         self.unfinished -= 1
-        m = self.app.metrics
+        m = self.ctx.metrics
         m.finished.labels(finish_reason=reason).inc()
         m.e2e.observe(now - self.arrival)
         if choice.first_token_at is not None and choice.num_tokens > 1:
@@ -272,7 +291,7 @@ class GenerationRun:
             "id": self.base_id,
             "object": self.fmt.chunk_object_name,
             "created": self.created,
-            "model": self.app.model_name,
+            "model": self.ctx.model_name,
             "choices": choices,
         }
         if extra:
@@ -337,7 +356,7 @@ class GenerationRun:
         """The end of a streamed run, however it came (idempotent): client gone or done."""
         # _done() first: when the client hangs up, this runs inside a cancelled scope and the
         # await is cut short (cancel() has still told every backend stream to close).
-        self.app._done(self)
+        self.ctx.on_done(self)
         await self.cancel()  # close every backend stream
 
     def _final_choice(self, c: Choice, want_lp: bool) -> dict:
@@ -365,11 +384,11 @@ class GenerationRun:
         finally:
             await self.cancel()
         if any(c.timed_out for c in self.choices):
-            self.app.metrics.http_errors.labels(status="504").inc()
+            self.ctx.metrics.http_errors.labels(status="504").inc()
             return error_response(504, "request timed out (--request-timeout)", type_="server_error", code="timeout")
         errors = [c.error for c in self.choices if c.finish_reason == "error"]
         if errors:
-            self.app.metrics.http_errors.labels(status="500").inc()
+            self.ctx.metrics.http_errors.labels(status="500").inc()
             return error_response(
                 500, f"generation failed: {errors[0]}", type_="server_error", code="generation_failed"
             )
@@ -380,7 +399,7 @@ class GenerationRun:
                 "id": self.base_id,
                 "object": self.fmt.object_name,
                 "created": self.created,
-                "model": self.app.model_name,
+                "model": self.ctx.model_name,
                 "choices": choices,
                 "usage": self._usage(),
                 "pdserve_timings": self._timings(),

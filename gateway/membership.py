@@ -62,10 +62,13 @@ class WorkerEntry:
         return self.stats.draining
 
 
+STUCK_AFTER_S = 30.0  # the one default of --stuck-after (GatewayOptions, ClusterBackend, WorkerTable)
+
+
 class WorkerTable:
     """Liveness = a heartbeat within `dead_after_s`; a stuck engine loop counts as dead too."""
 
-    def __init__(self, dead_after_s: float = 2.0, stuck_after_s: float = 30.0) -> None:
+    def __init__(self, dead_after_s: float = 2.0, stuck_after_s: float = STUCK_AFTER_S) -> None:
         self.dead_after_s = dead_after_s
         self.stuck_after_s = stuck_after_s
         self.workers: dict[str, WorkerEntry] = {}

@@ -1,7 +1,7 @@
 """The gateway's OpenAPI 3.1 description, served at GET /openapi.json.
 
-Built from the serving app's own settings (limits, model name, context length, vocabulary) and
-`gateway/schemas.py`'s ranges, so that every body this document calls invalid is refused: 400,
+The request schemas are gateway/bodies.py's structs (their bounds resolved from the serving
+app's own settings: limits, model name, context length, vocabulary), so that every body this document calls invalid is refused: 400,
 404 for another model, 413 when over the size limit. Rules across fields that JSON Schema cannot
 state are only described, and also answered with a 400: prompt tokens + max_tokens must fit the
 context; best_of >= n, and not streamed when > n (without beam search); beam search takes no
@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any, get_args
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from pdserve.gateway.bodies import Bounds, ChatCompletionRequest, CompletionRequest, request_schemas
 from pdserve.gateway.limits import GatewayLimits
-from pdserve.gateway.schemas import LENGTH_PENALTY, MAX_LOGIT_BIAS, PRIORITY, SAMPLING_RANGES, STOP_TOKEN_ID, Range
 from pdserve.protocol.messages import FinishReason
 
 if TYPE_CHECKING:
@@ -39,195 +39,8 @@ def _optional(schema: dict) -> dict:
     return {"anyOf": [schema, {"type": "null"}]}
 
 
-def _number(r: Range) -> dict:
-    s: dict = {"type": "integer" if r.integer else "number"}
-    if r.lo is not None:
-        s["exclusiveMinimum" if r.lo_open else "minimum"] = r.lo
-    if r.hi is not None:
-        s["maximum"] = r.hi
-    return s
-
-
 def _object(required: list[str], **properties) -> dict:
     return {"type": "object", "required": required, "properties": properties}
-
-
-def _needs_true(*rules: tuple[str, str]) -> dict:
-    """For each (field, flag): `field`, when not null, needs `flag`: true.
-
-    Spelled as one anyOf over every combination of (field is null | flag is true): schemathesis's
-    coverage phase finds valid bodies for that, but hardly any for an allOf of several anyOfs."""
-    branches: list[dict[str, Any]] = [{"required": [], "properties": {}}]
-    for field, flag in rules:
-        branches = [
-            {"required": b["required"] + req, "properties": {**b["properties"], **props}}
-            for b in branches
-            for req, props in (([], {field: {"type": "null"}}), ([flag], {flag: {"const": True}}))
-        ]
-    return {"anyOf": branches}
-
-
-def _constraint_schemas() -> dict:
-    """Output constraints (gateway/constraints.py), both endpoints."""
-    nonempty = {"type": "string", "minLength": 1}
-    choice = {"type": "array", "minItems": 1, "items": nonempty}
-    schema = {"type": "object", "description": "a JSON Schema; invalid ones are a 400"}
-    json_schema = _object(
-        ["name", "schema"],
-        name={"type": "string"},
-        schema=schema,
-        strict=_optional({"type": "boolean"}),
-        description=_optional({"type": "string"}),
-    )
-    formats = [
-        _object(["type"], type={"enum": ["text", "json_object"]}),
-        _object(["type", "json_schema"], type={"const": "json_schema"}, json_schema=json_schema),
-    ]
-    for f in formats:
-        f["additionalProperties"] = False
-    json_schema["additionalProperties"] = False
-    structured = _object(
-        [],
-        json=_optional({"anyOf": [schema, nonempty]}),
-        regex=_optional(nonempty),
-        choice=_optional(choice),
-        grammar=_optional(nonempty | {"description": "Lark, or GBNF (with ::=)"}),
-        json_object=_optional({"type": "boolean"}),
-    ) | {"additionalProperties": False, "minProperties": 1, "description": "vLLM's: exactly one constraint"}
-    return {
-        "response_format": _optional({"anyOf": formats})
-        | {"description": "JSON mode or a JSON schema the output follows (compact JSON)"},
-        "structured_outputs": _optional(structured),
-        "guided_json": _optional({"anyOf": [schema, nonempty]}) | {"description": "vLLM's older name"},
-        "guided_regex": _optional(nonempty) | {"description": "the whole output matches it"},
-        "guided_choice": _optional(choice),
-        "guided_grammar": _optional(nonempty),
-    }
-
-
-def _tool_schemas() -> dict:
-    """Chat's tools (gateway/tools/request.py): a forced choice needs --tool-call-parser."""
-    string = {"type": "string"}
-    function = _object(
-        ["name"],
-        name={"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"},
-        description=_optional(string),
-        parameters={"type": "object", "description": "a JSON schema of an object (type: object)"},
-        strict=_optional({"type": "boolean"}),
-    ) | {"additionalProperties": False}
-    tool = _object(["type", "function"], type={"const": "function"}, function=function) | {
-        "additionalProperties": False
-    }
-    named = _object(
-        ["type", "function"],
-        type={"const": "function"},
-        function=_object(["name"], name=string) | {"additionalProperties": False},
-    ) | {"additionalProperties": False}
-    return {
-        "tools": _optional({"type": "array", "items": tool}),
-        "tool_choice": {"anyOf": [{"enum": ["none", "auto", "required", None]}, named]}
-        | {
-            "description": "auto (the default with tools): calls read from the output; required or a named "
-            "function: the call is forced by a grammar of --tool-call-parser's format"
-        },
-        "parallel_tool_calls": _optional({"type": "boolean"}),
-    }
-
-
-def _request_schemas(limits: GatewayLimits, model_name: str, max_model_len: int, vocab_size: int) -> dict:
-    tokens = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}}
-    text = {"type": "string", "minLength": 1}
-    # At least one prompt token, so never max_model_len itself.
-    max_tokens = _optional(_number(Range(True, 1, max_model_len - 1)))
-    stop = {"type": "string", "minLength": 1, "maxLength": limits.max_stop_len}
-    common = {
-        "model": {"enum": [model_name, None], "description": "404 model_not_found for any other name"},
-        "n": _optional(_number(Range(True, 1, limits.max_n))),
-        "stream": _optional({"type": "boolean"}),
-        "stream_options": _optional(_object([], include_usage=_optional({"type": "boolean"})))
-        | {"description": "only with stream: true"},
-        **{key: _optional(_number(r)) for key, r in SAMPLING_RANGES.items()},
-        "ignore_eos": _optional({"type": "boolean"}),
-        "stop": _optional({"anyOf": [stop, {"type": "array", "maxItems": limits.max_stop, "items": stop}]}),
-        "stop_token_ids": _optional({"type": "array", "items": _number(STOP_TOKEN_ID)}),
-        "logit_bias": _optional(
-            {
-                "type": "object",
-                "propertyNames": {"pattern": "^[0-9]{1,18}$"},
-                "additionalProperties": _number(Range(False, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)),
-            }
-        )
-        | {"description": "token id (below the vocabulary size) -> bias added to its logit"},
-        "user": _optional({"type": "string"}),
-        "best_of": _optional(_number(Range(True, 1, limits.max_n)))
-        | {"description": ">= n: sequences generated, the n with the highest cumulative logprob return"},
-        "use_beam_search": _optional({"type": "boolean"})
-        | {"description": "beam search of width best_of (or n); the n best beams return (vLLM's extra parameter)"},
-        "length_penalty": _optional(_number(LENGTH_PENALTY))
-        | {"description": "beam score = sum logprob / length ** length_penalty; beam search only"},
-        "early_stopping": _optional({"enum": [True, False, "never"]})
-        | {"description": "Hugging Face's beam stopping rule; beam search only"},
-        "priority": _optional(_number(PRIORITY))
-        | {
-            "description": "admission order while requests wait for a worker: lower first, arrival order "
-            "within one (vLLM's); null: the API key's default (0 without one)"
-        },
-        **_constraint_schemas(),
-    }
-    completion = _object(
-        ["prompt"],
-        **common,
-        **{
-            # One prompt per request: a batch of one is unwrapped.
-            "prompt": {
-                "anyOf": [
-                    text,
-                    tokens,
-                    {"type": "array", "minItems": 1, "maxItems": 1, "items": text},
-                    {"type": "array", "minItems": 1, "maxItems": 1, "items": tokens},
-                ],
-                "description": "text, or token ids below the vocabulary size",
-            },
-            "max_tokens": max_tokens | {"default": 16},
-            "logprobs": _optional(_number(Range(True, 0, limits.max_logprobs))),
-            "echo": {"enum": [False, None], "description": "not supported"},
-            "suffix": {"enum": ["", None], "description": "not supported"},
-        },
-    )
-    text_part = _object(["type", "text"], type={"const": "text"}, text={"type": "string"})
-    string = {"type": "string"}
-    past_call = _object(
-        ["function"],
-        id=string,
-        type={"const": "function"},
-        function=_object(["name", "arguments"], name=string, arguments=string | {"description": "JSON text"}),
-    )
-    message = _object(
-        ["role"],
-        role={"type": "string"},
-        content={"anyOf": [{"type": "string"}, {"type": "array", "items": text_part}, {"type": "null"}]},
-        tool_calls=_optional({"type": "array", "items": past_call}) | {"description": "assistant messages only"},
-        tool_call_id=_optional(string) | {"description": "tool messages (role: tool) only, and required there"},
-    )
-    chat = _object(
-        ["messages"],
-        **common,
-        **{
-            "messages": {"type": "array", "minItems": 1, "items": message},
-            "max_completion_tokens": max_tokens,
-            # The older name: the context bound applies only when max_completion_tokens is null.
-            "max_tokens": _optional(_number(Range(True, 1))),
-            "logprobs": _optional({"type": "boolean"}),
-            "top_logprobs": _optional(_number(Range(True, 0, limits.max_logprobs)))
-            | {"description": "only with logprobs: true"},
-            **_tool_schemas(),
-        },
-    )
-    for schema in (completion, chat):  # an unknown field is a 400: nothing is ignored silently
-        schema["additionalProperties"] = False
-    completion |= _needs_true(("stream_options", "stream"))
-    chat |= _needs_true(("stream_options", "stream"), ("top_logprobs", "logprobs"))
-    return {"CompletionRequest": completion, "ChatCompletionRequest": chat}
 
 
 def _response_schemas(model_name: str) -> dict:
@@ -424,6 +237,7 @@ def _get(
 
 
 def openapi_document(limits: GatewayLimits, *, model_name: str, max_model_len: int, vocab_size: int) -> dict:
+    bounds = Bounds.of(limits, model_name=model_name, max_model_len=max_model_len, vocab_size=vocab_size)
     health = {"type": "object", "required": ["status"], "properties": {"status": {"enum": ["ok", "unavailable"]}}}
     model = _object(
         ["id", "object", "created", "owned_by", "max_model_len"],
@@ -467,7 +281,7 @@ def openapi_document(limits: GatewayLimits, *, model_name: str, max_model_len: i
         },
         "components": {
             "schemas": {
-                **_request_schemas(limits, model_name, max_model_len, vocab_size),
+                **request_schemas([CompletionRequest, ChatCompletionRequest], bounds),
                 **_response_schemas(model_name),
             },
             "securitySchemes": {

@@ -9,8 +9,10 @@ from typing import Annotated
 
 from pdserve.flag import Flag, positive_float
 from pdserve.gateway.admission import QueueLimits
-from pdserve.gateway.prefill_placement import PrefillPlacement
-from pdserve.gateway.router import DEFAULT_LOCAL_PREFILL_MAX_TOKENS, RouterPolicy
+from pdserve.gateway.membership import STUCK_AFTER_S
+from pdserve.gateway.prefill_placement import DEFAULT_PREFILL_PLACEMENT, PrefillPlacement
+from pdserve.gateway.request_flow import DEFAULT_KV_TRANSPORT, DEFAULT_ON_DECODE_FAILURE, KV_TRANSPORTS
+from pdserve.gateway.router import DEFAULT_LOCAL_PREFILL_MAX_TOKENS, DEFAULT_ROUTER, RouterPolicy
 from pdserve.gateway.tools.registry import PARSERS
 from pdserve.tracing import OtlpEndpoint
 
@@ -36,9 +38,9 @@ class GatewayOptions:
         str,
         Flag(
             "how KV moves to decode workers (auto: shared memory on one host, CUDA IPC on one GPU, else zmq)",
-            choices=("auto", "shm", "cuda-ipc", "zmq"),
+            choices=KV_TRANSPORTS,
         ),
-    ] = "auto"
+    ] = DEFAULT_KV_TRANSPORT
     api_key: Annotated[
         str | None, Flag("the key clients must send (Authorization: Bearer KEY; default: PDSERVE_API_KEY)")
     ] = None
@@ -68,7 +70,7 @@ class GatewayOptions:
             "a dead decode worker's requests: re-prefill elsewhere and continue, or end with an error",
             choices=("migrate", "fail"),
         ),
-    ] = "migrate"
+    ] = DEFAULT_ON_DECODE_FAILURE
     request_timeout_s: Annotated[
         float | None, Flag("seconds; longer requests end with an error", name="--request-timeout")
     ] = None
@@ -101,7 +103,7 @@ class GatewayOptions:
             "dead (heartbeats alone do not keep it alive)",
             name="--stuck-after",
         ),
-    ] = 30.0
+    ] = STUCK_AFTER_S
     # a decode worker holding all but this many prompt tokens prefills them itself (0: never)
     local_prefill_max_tokens: Annotated[
         int,
@@ -116,7 +118,7 @@ class GatewayOptions:
             "which worker takes a request: kv-aware (the one holding most of the prompt, then the least loaded; "
             "short rests prefilled on the decode worker), least-loaded (load only), round-robin (gateway/router.py)"
         ),
-    ] = "kv-aware"
+    ] = DEFAULT_ROUTER
     prefill_placement: Annotated[  # gateway/prefill_placement.py
         PrefillPlacement,
         Flag(
@@ -125,4 +127,4 @@ class GatewayOptions:
             "remote (the prefill pool, but a prompt the decode worker holds all but --local-prefill-max-tokens "
             "of is prefilled there), local (always the decode worker, when it has a seat); docs/ARCHITECTURE.md"
         ),
-    ] = "auto"
+    ] = DEFAULT_PREFILL_PLACEMENT

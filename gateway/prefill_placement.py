@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 PrefillPlacement = Literal["auto", "remote", "local"]
+DEFAULT_PREFILL_PLACEMENT: PrefillPlacement = "auto"  # the one default: GatewayOptions, ClusterBackend, Router
 PREFILL_PLACEMENTS: tuple[PrefillPlacement, ...] = ("auto", "remote", "local")
 
 STALL_WEIGHT = 1.0  # seconds of cost per second a running sequence waits for a local prefill

@@ -37,6 +37,11 @@ from pdserve.gateway.request_record import RequestRecord, RequestTable, WorkerLo
 from pdserve.gateway.router import Router
 from pdserve.protocol.messages import Abort, KvDestination, PrefillRequest, ReserveReply, ReserveRequest, TokenOutput
 
+# the one default of each (GatewayOptions, ClusterBackend)
+KV_TRANSPORTS = ("auto", "shm", "cuda-ipc", "zmq")
+DEFAULT_KV_TRANSPORT = "auto"
+DEFAULT_ON_DECODE_FAILURE = "migrate"
+
 log = logging.getLogger(__name__)
 
 Pair = tuple[WorkerEntry | None, WorkerEntry, ReserveReply]  # (P or None: D prefills it itself, D, its reply)
@@ -135,7 +140,7 @@ class DisaggregatedFlow:
                     ),
                 )
             assert rec.outcome is not None
-            await rec.outcome  # the outputs arrive meanwhile (ClusterBackend.dispatch -> rec.accept)
+            await rec.outcome  # the outputs arrive meanwhile (ClusterBackend._dispatch -> rec.accept)
         except WorkerLost as lost:
             if rec.state == "prefilling" and rec.prefill is not None and rec.decode is not None:
                 if rec.prefill.worker_id in lost.worker_ids and not isinstance(lost, RequestForgotten):

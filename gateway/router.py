@@ -36,7 +36,13 @@ import itertools
 from typing import Literal
 
 from pdserve.gateway.membership import WorkerEntry
-from pdserve.gateway.prefill_placement import PREFILL_PLACEMENTS, PlacementInputs, PrefillPlacement, prefill_locally
+from pdserve.gateway.prefill_placement import (
+    DEFAULT_PREFILL_PLACEMENT,
+    PREFILL_PLACEMENTS,
+    PlacementInputs,
+    PrefillPlacement,
+    prefill_locally,
+)
 
 RouterPolicy = Literal["kv-aware", "least-loaded", "round-robin"]
 ROUTER_POLICIES: tuple[RouterPolicy, ...] = ("kv-aware", "least-loaded", "round-robin")
@@ -44,6 +50,7 @@ ROUTER_POLICIES: tuple[RouterPolicy, ...] = ("kv-aware", "least-loaded", "round-
 # Conditional disaggregation: the longest uncached rest of a prompt a decode worker prefills
 # itself under `auto` placement (measured: docs/benchmarks/README.md, prefill_placement.md).
 DEFAULT_LOCAL_PREFILL_MAX_TOKENS = 128
+DEFAULT_ROUTER: RouterPolicy = "kv-aware"
 LOCAL_ALWAYS_MAX_TOKENS = 1 << 30  # placement `local`: any prompt
 
 
@@ -86,9 +93,9 @@ class Router:
 
     def __init__(
         self,
-        policy: RouterPolicy = "kv-aware",
+        policy: RouterPolicy = DEFAULT_ROUTER,
         local_prefill_max_tokens: int = DEFAULT_LOCAL_PREFILL_MAX_TOKENS,
-        placement: PrefillPlacement = "remote",
+        placement: PrefillPlacement = DEFAULT_PREFILL_PLACEMENT,
     ):
         if policy not in ROUTER_POLICIES:
             raise ValueError(f"router policy must be one of {', '.join(ROUTER_POLICIES)}, got {policy!r}")

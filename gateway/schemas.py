@@ -1,27 +1,35 @@
-"""Parse and validate OpenAI request bodies into one typed `ParsedRequest` (400 on anything off).
-
-Checks are explicit rather than delegated to a schema library so each failure names its
-parameter in the OpenAI error envelope. A JSON bool is not accepted where a number is expected.
+"""The one internal request (`ParsedRequest`) every endpoint maps onto, and the OpenAI bodies'
+mapping: `parse_request` decodes a body as its endpoint's struct (gateway/bodies.py: types,
+ranges and unknown fields, each failure a 400 naming its parameter) and then checks what spans
+fields (prompt forms, group and beam rules, output constraints, tools).
 """
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
-from pdserve.gateway.constraints import CONSTRAINT_FIELDS, parse_constraint
+import msgspec
+
+from pdserve.gateway.bodies import (
+    Bounds,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ConstraintFields,
+    OpenAIFields,
+    SamplingFields,
+    decode,
+)
+from pdserve.gateway.constraints import parse_constraint
 from pdserve.gateway.errors import invalid
-from pdserve.gateway.limits import GatewayLimits
 from pdserve.gateway.tools.constraint import tool_constraint
 from pdserve.gateway.tools.parser import ToolParser
-from pdserve.gateway.tools.request import TOOL_FIELDS, ToolRequest, parse_tools, tool_message
-from pdserve.protocol.sampling import StructuredOutput
+from pdserve.gateway.tools.request import ToolRequest, parse_tools, tool_message
+from pdserve.protocol.sampling import SamplingParams, StructuredOutput
 
-_INT64 = 2**63
-
-RequestKind = Literal["completion", "chat"]  # the endpoint: /v1/completions or /v1/chat/completions
+RequestKind = Literal["completion", "chat"]  # the response shapes (gateway/formats.py); other APIs map onto chat
+_DEFAULTS = SamplingParams()
 
 
 @dataclass
@@ -35,18 +43,10 @@ class ParsedRequest:
     stream: bool = False
     include_usage: bool = False
     max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    # SamplingParams' keyword arguments the body gave (gateway/bodies.py SamplingFields: temperature, ...)
+    sampling: dict[str, Any] = field(default_factory=dict)
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    min_tokens: int = 0
     logprobs: int | None = None  # top-N alternatives; None = no logprobs
     logit_bias: list[tuple[int, float]] = field(default_factory=list)  # (token id, bias) added to logits
     # several sequences from one prompt (engine/sequence_group.py)
@@ -58,6 +58,14 @@ class ParsedRequest:
     structured: StructuredOutput | None = None  # response_format / structured_outputs / guided_* (constraints.py)
     tools: ToolRequest | None = None  # chat's tools and tool_choice (gateway/tools/)
     constraint_check_s: float = 0.0  # spent compiling its constraint and tool schemas to check them
+
+    @property
+    def temperature(self) -> float:
+        return self.sampling.get("temperature", _DEFAULTS.temperature)
+
+    @property
+    def seed(self) -> int | None:
+        return self.sampling.get("seed")
 
     @property
     def constraint_kind(self) -> str | None:
@@ -77,35 +85,6 @@ class ParsedRequest:
         return self.n > 1 or self.use_beam_search or (self.best_of or 1) > 1
 
 
-class Range(NamedTuple):
-    """Accepted values of a numeric field (also what gateway/openapi.py publishes)."""
-
-    integer: bool
-    lo: float | None = None
-    hi: float | None = None
-    lo_open: bool = False  # lo itself is refused
-
-    def admits(self, value: float) -> bool:
-        return (self.lo is None or (value > self.lo if self.lo_open else value >= self.lo)) and (
-            self.hi is None or value <= self.hi
-        )
-
-
-# Sampling fields both endpoints take; their defaults are ParsedRequest's.
-SAMPLING_RANGES = {
-    "temperature": Range(False, 0.0, 100.0),
-    "top_p": Range(False, 0.0, 1.0, lo_open=True),
-    "top_k": Range(True, -1, _INT64 - 1),  # more overflowed torch.tensor in a worker's sampler: it crashed
-    "min_p": Range(False, 0.0, 1.0),
-    "seed": Range(True, -_INT64, _INT64 - 1),
-    "presence_penalty": Range(False, -2.0, 2.0),
-    "frequency_penalty": Range(False, -2.0, 2.0),
-    "repetition_penalty": Range(False, 0.0, 10.0, lo_open=True),
-    "min_tokens": Range(True, 0),
-}
-STOP_TOKEN_ID = Range(True, -_INT64, _INT64 - 1)  # what msgpack carries to the workers
-LENGTH_PENALTY = Range(False, -10.0, 10.0)
-PRIORITY = Range(True, -_INT64, _INT64 - 1)  # vLLM's `priority`: any integer, lower first
 # what beam search leaves alone: it is deterministic and scores raw logprobs
 BEAM_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "temperature": (0, 0.0, None),
@@ -120,39 +99,8 @@ BEAM_NEUTRAL: dict[str, tuple[Any, ...]] = {
 }
 
 
-def _num(body: dict, key: str, default, *, integer: bool, lo=None, hi=None, lo_open=False):
-    value = body.get(key, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise invalid(f"'{key}' must be a {'integer' if integer else 'number'}", key)
-    if integer:
-        if isinstance(value, float):
-            if not value.is_integer():
-                raise invalid(f"'{key}' must be an integer, got {value}", key)
-            value = int(value)
-    else:
-        value = float(value)
-        if not math.isfinite(value):
-            raise invalid(f"'{key}' must be finite", key)
-    if lo is not None and (value <= lo if lo_open else value < lo):
-        raise invalid(f"'{key}' must be {'>' if lo_open else '>='} {lo}, got {value}", key)
-    if hi is not None and value > hi:
-        raise invalid(f"'{key}' must be <= {hi}, got {value}", key)
-    return value
-
-
-def _bool(body: dict, key: str, default: bool) -> bool:
-    value = body.get(key, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise invalid(f"'{key}' must be a boolean", key)
-    return value
-
-
 def _is_int(value: Any) -> bool:
-    """A JSON integer: 5.0 counts (as in `_num`), a bool does not."""
+    """A JSON integer: 5.0 counts, a bool does not."""
     return (isinstance(value, float) and value.is_integer()) or (isinstance(value, int) and not isinstance(value, bool))
 
 
@@ -177,84 +125,19 @@ def _message_text(content: Any, idx: int) -> str:
     raise invalid(f"messages[{idx}].content must be a string or a list of text parts", "messages")
 
 
-MAX_LOGIT_BIAS = 100.0  # OpenAI's range: [-100, 100]
-_COMMON_FIELDS = {
-    "model",
-    "n",
-    "stream",
-    "stream_options",
-    *SAMPLING_RANGES,
-    "ignore_eos",
-    "stop",
-    "stop_token_ids",
-    "logit_bias",
-    "user",
-    "best_of",
-    "use_beam_search",
-    "length_penalty",
-    "early_stopping",
-    "priority",
-    *CONSTRAINT_FIELDS,
-}  # user: the caller's end-user id, kept by nobody
-FIELDS = {
-    "completion": _COMMON_FIELDS | {"prompt", "max_tokens", "logprobs", "echo", "suffix"},
-    "chat": _COMMON_FIELDS
-    | {
-        "messages",
-        "max_tokens",
-        "max_completion_tokens",
-        "logprobs",
-        "top_logprobs",
-        *TOOL_FIELDS,
-    },
-}
+def _logit_bias(value: dict[str, float] | None) -> list[tuple[int, float]]:
+    """{"token id": bias} (checked by the body's type) -> sorted (id, bias) pairs; ids are checked
+    against the vocabulary by the caller."""
+    return sorted((int(key), float(bias)) for key, bias in (value or {}).items())
 
 
-def _refuse_what_is_not_implemented(body: dict, kind: str) -> None:
-    """Nothing is ignored silently: an unknown field, or one we do not implement, is a 400."""
-    unknown = sorted(set(body) - FIELDS[kind])
-    if unknown:
-        raise invalid(f"unrecognized request argument '{unknown[0]}'", unknown[0])
-
-
-def _logit_bias(value: Any) -> list[tuple[int, float]]:
-    """{"token id": bias in [-100, 100]} -> sorted (id, bias) pairs; ids are checked against the
-    vocabulary by the caller."""
-    if value is None:
-        return []
-    if not isinstance(value, dict):
-        raise invalid("'logit_bias' must be an object mapping token ids to biases", "logit_bias")
-    out = []
-    for key, bias in value.items():
-        if not (isinstance(key, str) and key.isdigit() and len(key) < 19):
-            raise invalid(f"logit_bias key {key!r} is not a token id", "logit_bias")
-        if (
-            isinstance(bias, bool)
-            or not isinstance(bias, (int, float))
-            or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS
-        ):
-            raise invalid(f"logit_bias[{key}] must be a number in [-100, 100]", "logit_bias")
-        out.append((int(key), float(bias)))
-    return sorted(out)
-
-
-def parse_request(
-    body: Any, kind: RequestKind, limits: GatewayLimits, tool_parser: ToolParser | None = None
-) -> ParsedRequest:
-    """`tool_parser`: --tool-call-parser's, which reads tool calls and writes the grammar of a
-    forced one (chat requests with tools other than tool_choice none need one)."""
-    if not isinstance(body, dict):
-        raise invalid("request body must be a JSON object")
-    _refuse_what_is_not_implemented(body, kind)
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise invalid("'model' must be a string", "model")
-    req = ParsedRequest(kind=kind, model=model)
-
+def parse_request(body: Any, kind: RequestKind, bounds: Bounds, tool_parser: ToolParser | None = None) -> ParsedRequest:
+    """An OpenAI body. `tool_parser`: --tool-call-parser's, which reads tool calls and writes the
+    grammar of a forced one (without one, a forced call is a JSON list of calls: gateway/tools/)."""
     if kind == "completion":
-        prompt = body.get("prompt")
-        if prompt is None:
-            raise invalid("'prompt' is required", "prompt")
+        comp = decode(body, CompletionRequest, bounds)
+        req = openai_request(comp, kind)
+        prompt = comp.prompt
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
@@ -267,88 +150,68 @@ def parse_request(
             req.prompt_ids = ids
         else:
             raise invalid("'prompt' must be a string or a list of token ids (one prompt per request)", "prompt")
-        if _bool(body, "echo", False):
-            raise invalid("'echo' is not supported", "echo")
-        if body.get("suffix") not in (None, ""):
-            raise invalid("'suffix' is not supported", "suffix")
-        logprobs = _num(body, "logprobs", None, integer=True, lo=0, hi=limits.max_logprobs)
-        req.logprobs = logprobs
-        req.max_tokens = _num(body, "max_tokens", 16, integer=True, lo=1)
-    else:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise invalid("'messages' must be a non-empty list", "messages")
-        clean = []
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise invalid(f"messages[{i}] must be an object with a string 'role'", "messages")
-            clean.append({"role": m["role"], "content": _message_text(m.get("content"), i), **tool_message(m, i)})
-        req.messages = clean
-        if _bool(body, "logprobs", False):
-            req.logprobs = _num(body, "top_logprobs", 0, integer=True, lo=0, hi=limits.max_logprobs)
-        elif body.get("top_logprobs") is not None:
-            raise invalid("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-        max_tokens = _num(body, "max_tokens", None, integer=True, lo=1)  # the older name: checked too
-        req.max_tokens = _num(body, "max_completion_tokens", max_tokens, integer=True, lo=1)
-
-    req.n = _num(body, "n", 1, integer=True, lo=1, hi=limits.max_n)
-    req.stream = _bool(body, "stream", False)
-    opts = body.get("stream_options")
-    if opts is not None:
-        if not req.stream:
-            raise invalid("'stream_options' is only allowed when 'stream' is true", "stream_options")
-        if not isinstance(opts, dict):
-            raise invalid("'stream_options' must be an object", "stream_options")
-        req.include_usage = _bool(opts, "include_usage", False)
-    for key, bounds in SAMPLING_RANGES.items():
-        setattr(req, key, _num(body, key, getattr(req, key), **bounds._asdict()))
-    req.ignore_eos = _bool(body, "ignore_eos", False)
-    req.logit_bias = _logit_bias(body.get("logit_bias"))
-    if body.get("user") is not None and not isinstance(body.get("user"), str):
-        raise invalid("'user' must be a string", "user")
-    stop = body.get("stop")
-    if stop is not None:
-        stops = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-            raise invalid("'stop' must be a non-empty string or a list of them", "stop")
-        if len(stops) > limits.max_stop:
-            raise invalid(f"at most {limits.max_stop} stop strings", "stop")
-        if any(len(s) > limits.max_stop_len for s in stops):
-            raise invalid(f"stop strings must be at most {limits.max_stop_len} characters", "stop")
-        req.stop = stops
-    ids = body.get("stop_token_ids")
-    if ids is not None:
-        stop_ids = _token_ids(ids)
-        if stop_ids is None or not all(STOP_TOKEN_ID.admits(t) for t in stop_ids):
-            raise invalid("'stop_token_ids' must be a list of 64-bit integers", "stop_token_ids")
-        req.stop_token_ids = stop_ids
-    req.priority = _num(body, "priority", None, **PRIORITY._asdict())
-    _parse_group(body, req, limits)
-    t0 = time.perf_counter()
-    req.structured = parse_constraint(body)
-    if kind == "chat":
-        req.tools = parse_tools(body)
-        if req.tools is not None:
-            req.structured = tool_constraint(req.tools, tool_parser, req.structured) or req.structured
-    req.constraint_check_s = time.perf_counter() - t0
-    if req.structured is not None and req.use_beam_search:
-        raise invalid("beam search with an output constraint is not supported", "use_beam_search")
+        req.logprobs = comp.logprobs
+        req.max_tokens = 16 if comp.max_tokens is None else comp.max_tokens
+        finish_openai(req, comp, body, tool_parser)
+        return req
+    chat = decode(body, ChatCompletionRequest, bounds)
+    req = openai_request(chat, kind)
+    req.messages = [
+        {"role": m["role"], "content": _message_text(m.get("content"), i), **tool_message(m, i)}
+        for i, m in enumerate(body["messages"])
+    ]
+    if chat.logprobs:
+        req.logprobs = chat.top_logprobs or 0
+    req.max_tokens = chat.max_completion_tokens if chat.max_completion_tokens is not None else chat.max_tokens
+    req.tools = parse_tools(body)
+    finish_openai(req, chat, body, tool_parser)
     return req
 
 
-def _parse_group(body: dict, req: ParsedRequest, limits: GatewayLimits) -> None:
+def sampling_fields(fields: SamplingFields) -> dict[str, Any]:
+    """The sampling parameters a body gave (null: SamplingParams' default)."""
+    return {k: v for k in SamplingFields.SAMPLING if (v := getattr(fields, k)) is not None}
+
+
+def openai_request(b: OpenAIFields, kind: RequestKind) -> ParsedRequest:
+    """What both OpenAI endpoints' bodies say alike."""
+    req = ParsedRequest(kind=kind, model=b.model, sampling=sampling_fields(b))
+    req.n = b.n or 1
+    req.stream = bool(b.stream)
+    req.include_usage = bool(b.stream_options is not None and b.stream_options.include_usage)
+    req.logit_bias = _logit_bias(b.logit_bias)
+    req.stop = [b.stop] if isinstance(b.stop, str) else list(b.stop or [])
+    req.stop_token_ids = list(b.stop_token_ids or [])
+    req.priority = b.priority
+    req.best_of = b.best_of
+    req.use_beam_search = bool(b.use_beam_search)
+    req.length_penalty = 1.0 if b.length_penalty is None else b.length_penalty
+    req.early_stopping = False if b.early_stopping is None else b.early_stopping
+    return req
+
+
+def finish_openai(req: ParsedRequest, b: OpenAIFields, body: dict, tool_parser: ToolParser | None) -> None:
+    """The rules across fields: groups and beam search, the output constraint and forced tools."""
+    _check_group(body, req)
+    apply_constraints(req, b, tool_parser)
+
+
+def apply_constraints(req: ParsedRequest, b: ConstraintFields, tool_parser: ToolParser | None) -> None:
+    """The body's output constraint, or its forced tool call's (compiled once to check them)."""
+    t0 = time.perf_counter()
+    req.structured = parse_constraint(msgspec.structs.asdict(b))
+    if req.tools is not None:
+        req.structured = tool_constraint(req.tools, tool_parser, req.structured) or req.structured
+    req.constraint_check_s = time.perf_counter() - t0
+    if req.structured is not None and req.use_beam_search:
+        raise invalid("beam search with an output constraint is not supported", "use_beam_search")
+
+
+def _check_group(body: dict, req: ParsedRequest) -> None:
     """best_of, and beam search (vLLM's extra parameters: use_beam_search, length_penalty,
     early_stopping): one prompt, several sequences sharing its KV blocks."""
-    req.best_of = _num(body, "best_of", None, integer=True, lo=1, hi=limits.max_n)
     if req.best_of is not None and req.best_of < req.n:
         raise invalid(f"'best_of' ({req.best_of}) must be >= 'n' ({req.n})", "best_of")
-    req.use_beam_search = _bool(body, "use_beam_search", False)
-    req.length_penalty = _num(body, "length_penalty", 1.0, **LENGTH_PENALTY._asdict())
-    early = body.get("early_stopping")
-    early = False if early is None else early
-    if not isinstance(early, bool) and early != "never":
-        raise invalid("'early_stopping' must be true, false or \"never\"", "early_stopping")
-    req.early_stopping = early
     if not req.use_beam_search:
         for key in ("length_penalty", "early_stopping"):
             if body.get(key) is not None:

@@ -1,12 +1,20 @@
 """A deterministic in-process Backend for HTTP-layer tests: echoes the prompt's tokens (a group
-request's n choices each, choice c shifted by c, tagged by `seq_index`)."""
+request's n choices each, choice c shifted by c, tagged by `seq_index`).
+
+It implements the call production makes (`Backend.open`, as gateway/cluster_backend.py does): a
+refusal ends the stream before any token, outputs are pushed onto the request's OutputStream by
+a task of its own, and the reader closing the stream cancels that task (an abort). Subclasses
+change what `outputs` yields."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncGenerator
 
 from pdserve.gateway.admission import request_priority
 from pdserve.gateway.backend import Backend, BackendUnavailable
+from pdserve.gateway.output_stream import OutputStream
 from pdserve.protocol.messages import TokenLogprob, TokenOutput, WorkerStats
 from pdserve.protocol.sampling import SamplingParams
 
@@ -26,11 +34,35 @@ class StubBackend(Backend):
         self.healthy = True
         self.delay_s = 0.0
 
-    async def generate(self, request_id, prompt_token_ids, sampling):
+    def open(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, stream: OutputStream
+    ) -> None:
         if self.unavailable:
-            raise BackendUnavailable("no capacity", retry_after_s=3)
+            stream.end(BackendUnavailable("no capacity", retry_after_s=3))
+            return
         if self.refusal is not None:
-            raise self.refusal
+            stream.end(self.refusal)
+            return
+        task = asyncio.create_task(self._push(self.outputs(request_id, prompt_token_ids, sampling), stream))
+        stream.on_abort, stream.upstream = task.cancel, task
+
+    async def _push(self, outputs: AsyncGenerator[TokenOutput, None], stream: OutputStream) -> None:
+        error: BaseException | None = None
+        try:
+            async with contextlib.aclosing(outputs):
+                async for out in outputs:
+                    stream.push(out)
+                    if stream.done:  # cut, or the reader left
+                        break
+        except Exception as e:  # a failure: the reader's to see
+            error = e
+        finally:
+            stream.end(error)
+
+    async def outputs(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
+    ) -> AsyncGenerator[TokenOutput, None]:
+        """The request's outputs, in token order (closing the generator early is an abort)."""
         self.started.append(request_id)
         self.sampling[request_id] = sampling
         self.prompts[request_id] = list(prompt_token_ids)

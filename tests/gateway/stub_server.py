@@ -35,8 +35,8 @@ class CountingBackend(StubBackend):
         self._arrived = 0
         self._all_started: asyncio.Event | None = None
 
-    async def generate(self, request_id, prompt_token_ids, sampling):
-        async with contextlib.aclosing(super().generate(request_id, prompt_token_ids, sampling)) as gen:
+    async def outputs(self, request_id, prompt_token_ids, sampling):
+        async with contextlib.aclosing(super().outputs(request_id, prompt_token_ids, sampling)) as gen:
             if self.hold_until:
                 await self._hold(request_id)
             async for out in gen:

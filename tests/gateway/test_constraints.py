@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from pdserve.gateway.bodies import Bounds
 from pdserve.gateway.errors import APIError
 from pdserve.gateway.limits import GatewayLimits
 from pdserve.gateway.schemas import parse_request
@@ -20,7 +21,8 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 
 def parse(extra: dict, kind: str = "chat"):
     body = {**CHAT, **extra} if kind == "chat" else {"prompt": "hi", **extra}
-    return parse_request(body, kind, GatewayLimits())  # type: ignore[arg-type]
+    bounds = Bounds.of(GatewayLimits(), model_name="m", max_model_len=4096, vocab_size=512)
+    return parse_request(body, kind, bounds)  # type: ignore[arg-type]
 
 
 def refused(extra: dict, kind: str = "chat") -> APIError:

@@ -52,7 +52,7 @@ def test_round_robin_rotates_each_pool_on_its_own():
 
 @pytest.mark.parametrize("policy", ["kv-aware", "least-loaded", "round-robin"])
 def test_only_kv_aware_prefills_a_short_held_rest_on_the_decode_worker(policy):
-    r = Router(policy)  # type: ignore[arg-type]  # (placement "remote", the default)
+    r = Router(policy, placement="remote")  # type: ignore[arg-type]
     limit = DEFAULT_LOCAL_PREFILL_MAX_TOKENS
     offered = r.local_prefill_offer(held_tokens=512, prompt_tokens=512 + limit, x=None)
     assert offered == (limit if policy == "kv-aware" else 0)

@@ -36,9 +36,9 @@ class GatedBackend(StubBackend):
         super().__init__()
         self.gate = asyncio.Event()
 
-    async def generate(self, request_id, prompt_token_ids, sampling):
+    async def outputs(self, request_id, prompt_token_ids, sampling):
         await self.gate.wait()
-        async for out in super().generate(request_id, prompt_token_ids, sampling):
+        async for out in super().outputs(request_id, prompt_token_ids, sampling):
             yield out
 
 

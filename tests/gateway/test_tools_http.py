@@ -39,7 +39,7 @@ class ScriptedBackend(StubBackend):
         super().__init__()
         self.ids = tokenizer.encode(script, add_special_tokens=False)
 
-    async def generate(self, request_id, prompt_token_ids, sampling):
+    async def outputs(self, request_id, prompt_token_ids, sampling):
         self.sampling[request_id] = sampling
         self.prompts[request_id] = list(prompt_token_ids)
         for i, token in enumerate(self.ids):
