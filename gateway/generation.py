@@ -32,6 +32,7 @@ from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.output_stream import OutputStream
 from pdserve.gateway.schemas import ParsedRequest
 from pdserve.gateway.stop_strings import StopMatcher
+from pdserve.gateway.tools.constraint import call_reader
 from pdserve.gateway.tools.parser import ToolParser
 from pdserve.gateway.tools.stream import ToolCallStream, message_calls
 from pdserve.protocol.messages import TokenLogprob, TokenOutput
@@ -112,16 +113,15 @@ class GenerationRun:
         self.created = int(time.time())
         self._chunk_head: bytes | None = None  # an SSE chunk's text before its choices (`_chunk`)
         self.fmt = FORMATS[req.kind](ctx.token_text)  # the endpoint's response shapes
-        reads_calls = req.tools is not None and req.tools.parsed and ctx.tool_parser is not None
-        keep = ctx.tool_markers if reads_calls else None  # a format's special-token markers stay text
+        reader = call_reader(req.tools, ctx.tool_parser)  # who reads its calls, if anyone
+        keep = ctx.tool_markers if reader is not None and reader is ctx.tool_parser else None  # its markers stay text
         self.choices = [
             Choice(i, base_id, IncrementalDetokenizer(ctx.text_decoder, keep=keep), StopMatcher(req.stop))
             for i in range(req.n)
         ]
-        if reads_calls:
-            assert ctx.tool_parser is not None
+        if reader is not None:
             for c in self.choices:
-                c.tools = ToolCallStream(ctx.tool_parser)
+                c.tools = ToolCallStream(reader)
         self.unfinished = req.n  # choices without a finish_reason yet
         self._pending: object = _TAKEN  # the output `start` took, until the events read it
         # one backend stream for every choice (n > 1 is a group: its outputs carry their choice)

@@ -16,6 +16,7 @@ import torch
 from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
 
 from pdserve.gateway.tools.constraint import tool_constraint
+from pdserve.gateway.tools.json_list import FORCED_JSON
 from pdserve.gateway.tools.registry import PARSERS, tool_parser
 from pdserve.gateway.tools.request import Function, ToolRequest
 
@@ -71,9 +72,9 @@ def _walk(matcher: llguidance.LLMatcher, rng: random.Random, vocab: int, eos: in
 
 @pytest.mark.parametrize("parallel", [False, True])
 @pytest.mark.parametrize("choice", ["required", "get_weather"])
-@pytest.mark.parametrize("name", sorted(PARSERS))
+@pytest.mark.parametrize("name", [*sorted(PARSERS), "json_list"])  # json_list: forced without a parser
 def test_every_walk_parses_into_valid_calls(tokenizer, llg_tokenizer, name, choice, parallel):
-    parser = tool_parser(name)
+    parser = FORCED_JSON if name == "json_list" else tool_parser(name)
     constraint = tool_constraint(ToolRequest(FUNCTIONS, choice, parallel), parser, None)
     assert constraint is not None and constraint.kind == "lark"
     allowed_names = {"get_weather", "get_time"} if choice == "required" else {choice}
@@ -89,15 +90,15 @@ def test_every_walk_parses_into_valid_calls(tokenizer, llg_tokenizer, name, choi
         for call in parsed.calls:
             assert call.name in allowed_names, text
             jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
-    if parallel:  # one call or several
+    if parallel and choice == "required":  # one call or several (a named function: exactly one)
         assert max(counts) > 1, counts
     else:
         assert counts == {1}
 
 
-@pytest.mark.parametrize("name", sorted(PARSERS))
+@pytest.mark.parametrize("name", [*sorted(PARSERS), "json_list"])  # json_list: forced without a parser
 def test_a_call_outside_the_schema_is_refused(tokenizer, llg_tokenizer, name):
-    parser = tool_parser(name)
+    parser = FORCED_JSON if name == "json_list" else tool_parser(name)
     constraint = tool_constraint(ToolRequest(FUNCTIONS, "get_time", False), parser, None)
     assert constraint is not None
     good = {
@@ -105,6 +106,7 @@ def test_a_call_outside_the_schema_is_refused(tokenizer, llg_tokenizer, name):
         "llama3_json": '{"name": "get_time", "parameters": {"zone":"utc"}}',
         "mistral": '[TOOL_CALLS][{"name": "get_time", "arguments": {"zone":"utc"}}]',
         "pythonic": '[get_time(zone="utc")]',
+        "json_list": '[{"name": "get_time", "parameters": {"zone":"utc"}}]',
     }[name]
 
     def accepts(text: str) -> bool:

@@ -9,6 +9,8 @@ import random
 
 import pytest
 
+from pdserve.gateway.tools.json_list import FORCED_JSON
+from pdserve.gateway.tools.parser import ToolParser
 from pdserve.gateway.tools.registry import PARSERS, tool_parser
 from pdserve.gateway.tools.stream import ToolCallStream, message_calls
 
@@ -72,7 +74,16 @@ CASES: dict[str, list[tuple[str, str, list[tuple[str, dict]]]]] = {
         ),
         ("[a(1)]", "[a(1)]", []),
     ],
+    # calls forced without --tool-call-parser (gateway/tools/json_list.py)
+    "json_list": [
+        ('[{"name": "get_weather", "parameters": ' + json.dumps(WEATHER) + "}]", "", [("get_weather", WEATHER)]),
+        ('[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "parameters": {}}]', "", [("a", {"x": 1}), ("b", {})]),
+    ],
 }
+
+
+def parser_named(name: str) -> ToolParser:
+    return FORCED_JSON if name == "json_list" else tool_parser(name)
 
 
 def _cases():
@@ -83,7 +94,7 @@ def _cases():
 
 def _accumulate(pieces: list[str], name: str) -> tuple[str, list[tuple[str, str]], list[str]]:
     """Feed `pieces` to a stream; (content, [(name, arguments)], each content delta)."""
-    stream = ToolCallStream(tool_parser(name))
+    stream = ToolCallStream(parser_named(name))
     content, deltas, calls = "", [], {}
     for k, piece in enumerate(pieces):
         delta, entries = stream.feed(piece, final=k == len(pieces) - 1)
@@ -103,7 +114,7 @@ def _accumulate(pieces: list[str], name: str) -> tuple[str, list[tuple[str, str]
 
 @pytest.mark.parametrize("name,text,content,calls", _cases())
 def test_whole_output(name, text, content, calls):
-    parsed = tool_parser(name).parse(text)
+    parsed = parser_named(name).parse(text)
     assert parsed.content == content
     assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == calls
     message = message_calls(parsed)
@@ -113,7 +124,7 @@ def test_whole_output(name, text, content, calls):
 
 @pytest.mark.parametrize("name,text,content,calls", _cases())
 def test_streamed_equals_whole_at_every_cut(name, text, content, calls):
-    whole = tool_parser(name).parse(text)
+    whole = parser_named(name).parse(text)
     want = (whole.content, [(c.name, c.arguments) for c in whole.calls])
     markers = ("<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>")
     for cut in range(len(text) + 1):  # two pieces, cut at every character

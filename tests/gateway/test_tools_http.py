@@ -214,12 +214,38 @@ def test_bad_tool_input_is_a_400_naming_the_field(tokenizer, extra, param, match
     assert c.chat.completions.create(model="m", messages=ASK).choices[0].finish_reason == "stop"  # still up
 
 
-def test_tools_need_a_parser(tokenizer):
+def test_auto_needs_a_parser(tokenizer):
     c, _ = client(tokenizer, parser=None)
     with pytest.raises(BadRequestError, match="--tool-call-parser"):
         c.chat.completions.create(model="m", messages=ASK, tools=TOOLS)
     r = c.chat.completions.create(model="m", messages=ASK, tools=TOOLS, tool_choice="none")
     assert r.choices[0].message.content == SCRIPT
+
+
+FORCED = '[{"name": "get_weather", "parameters": {"city": "Oslo", "days": 1}}]'
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_forced_calls_need_no_parser(tokenizer, choice):
+    """As vLLM: required or a named function without --tool-call-parser is forced as a JSON list
+    of calls (gateway/tools/json_list.py), read back as tool calls, streamed and not alike; a named
+    function (or parallel_tool_calls false) is exactly one call."""
+    c, backend = client(tokenizer, script=FORCED, parser=None)
+    parallel = choice == "required"
+    r = c.chat.completions.create(model="m", messages=ASK, tools=TOOLS, tool_choice=choice)  # type: ignore[arg-type]
+    structured = backend.sampling[r.id].structured
+    assert structured is not None and structured.kind == "lark"
+    assert structured.spec.startswith('start: "[" call')
+    assert ('(", " call)*' in structured.spec) == parallel  # a named function: one call, no more
+    assert ("get_time" in structured.spec) == parallel
+    message = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and message.content is None
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in message.tool_calls or []] == [
+        ("get_weather", {"city": "Oslo", "days": 1})
+    ]
+    content, calls, finish, _ = streamed(c, messages=ASK, tools=TOOLS, tool_choice=choice)
+    assert (content, finish) == ("", "tool_calls")
+    assert [(t["name"], json.loads(t["arguments"])) for t in calls] == [("get_weather", {"city": "Oslo", "days": 1})]
 
 
 def test_constrained_requests_are_counted_by_kind(tokenizer):
@@ -257,3 +283,16 @@ def test_a_marker_the_tokenizer_holds_as_a_special_token_is_seen_by_auto(tokeniz
     assert (content, [t["name"] for t in calls], finish) == ("Sure.", ["get_time"], "tool_calls")
     plain = c.chat.completions.create(model="m", messages=ASK)  # no tools: special tokens skipped as ever
     assert plain.choices[0].message.content == 'Sure.[{"name": "get_time", "arguments": {}}]'
+
+
+def test_a_named_function_is_called_once_with_a_parser_too(tokenizer):
+    """A named tool_choice forced `call (sep call)*` with parallel_tool_calls (the default): the
+    model wrote calls of it until max_tokens. OpenAI and vLLM answer one call."""
+    c, backend = client(tokenizer)
+    named = {"type": "function", "function": {"name": "get_time"}}
+    r = c.chat.completions.create(model="m", messages=ASK, tools=TOOLS, tool_choice=named)  # type: ignore[arg-type]
+    structured = backend.sampling[r.id].structured
+    assert structured is not None and "call)*" not in structured.spec
+    r = c.chat.completions.create(model="m", messages=ASK, tools=TOOLS, tool_choice="required")
+    structured = backend.sampling[r.id].structured
+    assert structured is not None and "call)*" in structured.spec  # required: one call or more
