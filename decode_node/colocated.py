@@ -10,8 +10,7 @@ import time
 
 from pdserve.decode_node.request_record import DecodeRecord
 from pdserve.decode_node.settings import ColocatedSettings
-from pdserve.engine.llm_engine import LLMEngine, StepOutput, wire_finish_reason
-from pdserve.engine.structured.matcher import TokenizerLoad
+from pdserve.engine.engine_core import EngineCore, StepOutput, start_engine, wire_finish_reason
 from pdserve.protocol.auth import FrameAuth
 from pdserve.protocol.messages import Abort, GenerateRequest, TokenOutput, WorkerStats
 from pdserve.runtime.worker_base import WorkerBase
@@ -25,13 +24,11 @@ class ColocatedWorker(WorkerBase):
 
     def __init__(self, settings: ColocatedSettings, auth: FrameAuth) -> None:
         super().__init__(settings, auth)
-        tokenizer = TokenizerLoad(settings.engine.model)  # (overlaps the model load: engine/structured/)
-        self.engine = LLMEngine(settings.engine)
-        self.engine.runner.on_layer_done = self.rt.mark_progress  # a long step's layers: progress
-        self.engine.grammars.warm_in_background(tokenizer)  # a first constraint costs no tokenizer load
-        self.describe(describe_worker(self.engine, "colocated", self.rt.control_addr, settings.host))
-        if self.engine.hasher is not None:
-            self.kv_report = PrefixCacheReport(self.engine.pool)
+        # (a long step's layers count as progress)
+        self.engine: EngineCore = start_engine(settings.engine, on_layer_done=self.rt.mark_progress)
+        self.describe(describe_worker(self.engine.info, "colocated", self.rt.control_addr, settings.host))
+        if self.engine.info.caches_prefixes:
+            self.kv_report = PrefixCacheReport(self.engine)
         self.handlers.update({GenerateRequest: self._on_generate, Abort: self._on_abort})
         self.requests: dict[str, DecodeRecord] = {}  # every request taken and not yet ended
 
@@ -103,13 +100,8 @@ class ColocatedWorker(WorkerBase):
             self._forget(out.request_id, out.finish_reason or "done", out.seq.num_output_tokens)
 
     def stats(self) -> WorkerStats:
-        spec = self.engine.speculator
-        return engine_stats(
-            self.engine,
-            self._last_progress,
-            sum(self.rt.inbox.dropped.values()),
-            **(spec.worker_stats() if spec is not None else {}),
-        )
+        st = self.engine.stats()
+        return engine_stats(st, self._last_progress, sum(self.rt.inbox.dropped.values()), **st.speculation)
 
     def has_work(self) -> bool:
         return self.engine.has_work() or bool(self.requests)

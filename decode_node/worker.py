@@ -29,8 +29,7 @@ from pdserve.decode_node.request_record import DecodeRecord
 from pdserve.decode_node.settings import DecodeSettings
 from pdserve.decode_node.step_pacing import StepPacer
 from pdserve.decode_node.thread_lending import ThreadLending
-from pdserve.engine.llm_engine import LLMEngine, StepOutput
-from pdserve.engine.structured.matcher import TokenizerLoad
+from pdserve.engine.engine_core import EngineCore, StepOutput, start_engine
 from pdserve.kvtransfer.cuda_ipc import CudaIpcTensor
 from pdserve.kvtransfer.lease import LeaseTable
 from pdserve.kvtransfer.receiver import KvReceiver
@@ -58,7 +57,6 @@ class DecodeWorker(WorkerBase):
     role = "decode"
 
     def __init__(self, settings: DecodeSettings, auth: FrameAuth) -> None:
-        tokenizer = TokenizerLoad(settings.engine.model)  # (overlaps the model load: engine/structured/)
         super().__init__(settings, auth)
         self._shm: SharedTensor | CudaIpcTensor | None = None
 
@@ -68,13 +66,13 @@ class DecodeWorker(WorkerBase):
 
         # under tensor parallelism every rank's pool is shared memory; on a GPU, CUDA IPC where it can
         shared = settings.shared_memory and can_share_pool(settings.engine.device)
-        self.engine = LLMEngine(settings.engine, kv_allocator=shm_allocator if shared else None)
-        self.engine.runner.on_layer_done = self.rt.mark_progress  # a long step's layers: progress
-        self.engine.grammars.warm_in_background(tokenizer)  # a first constraint costs no tokenizer load
-        draft = self.engine.draft  # its layers may come with the target's (KvLayout.draft_fingerprint)
-        self.leases = LeaseTable(  # every block not in a sequence
-            self.engine.model_config.num_layers, draft_layers=draft.kv_cache.shape[0] if draft else 0
+        self.engine: EngineCore = start_engine(
+            settings.engine,
+            kv_allocator=shm_allocator if shared else None,
+            on_layer_done=self.rt.mark_progress,  # a long step's layers: progress
         )
+        info = self.engine.info  # the draft's layers may come with the target's (KvLayout.draft_fingerprint)
+        self.leases = LeaseTable(info.num_layers, draft_layers=info.draft_num_layers)  # every block reserved
         self.lease_ttl_s = settings.lease_ttl_s
         self.receiver = KvReceiver(
             self.ctx,
@@ -85,14 +83,14 @@ class DecodeWorker(WorkerBase):
             payload_mac=payload_mac_enabled(
                 settings.kv_payload_mac, settings.kv_bind, settings.kv_advertise, encryption=auth.encryption
             ),
-            rank_pools=self.engine.runner.kv_head_shards,  # every rank's heads (one pool without TP)
+            rank_pools=self.engine.kv_head_shards,  # every rank's heads (one pool without TP)
             allow_in_place=shared,  # nobody can write an unshared pool in place
-            draft_kv_cache=draft.kv_cache if draft else None,
+            draft_kv_cache=self.engine.draft_kv_cache,
         )
         self.kv_advertised = settings.kv_advertise or self.receiver.addr
         self.describe(
             describe_worker(
-                self.engine,
+                info,
                 "decode",
                 self.rt.control_addr,
                 settings.host,
@@ -102,8 +100,8 @@ class DecodeWorker(WorkerBase):
             )
         )
         self.handlers.update({ReserveRequest: self._on_reserve, Abort: self._on_abort})
-        if self.engine.hasher is not None:
-            self.kv_report = PrefixCacheReport(self.engine.pool)
+        if info.caches_prefixes:
+            self.kv_report = PrefixCacheReport(self.engine)
         self.requests: dict[str, DecodeRecord] = {}  # every request taken and not yet ended
         self.blocks_skipped = 0  # prompt blocks found held at reservation: never transferred
         self.local_prefills = 0  # requests taken whole: the prompt's uncached rest prefilled here
@@ -114,11 +112,9 @@ class DecodeWorker(WorkerBase):
         self.pacer = StepPacer(settings.step_interval_ms)
         self.aimd: AimdLimit | None = None
         if settings.min_num_seqs is not None:
-            limits = AimdSettings(
-                settings.min_num_seqs, settings.engine.scheduler.max_num_seqs, settings.tpot_target_ms / 1000.0
-            )
+            limits = AimdSettings(settings.min_num_seqs, info.max_num_seqs, settings.tpot_target_ms / 1000.0)
             self.aimd = AimdLimit(limits)
-            self.engine.scheduler.max_num_seqs = self.aimd.limit
+            self.engine.set_max_num_seqs(self.aimd.limit)
         self._poller = zmq.Poller()  # both inboxes: control and KV
         self._poller.register(self.rt.inbox.socket, zmq.POLLIN)
         self._poller.register(self.receiver.socket, zmq.POLLIN)
@@ -128,7 +124,7 @@ class DecodeWorker(WorkerBase):
         """Every rank's shared pool with its KV heads, rank 0's first (empty: not shared)."""
         if self._shm is None:
             return []
-        shards = self.engine.runner.kv_head_shards
+        shards = self.engine.kv_head_shards
         names = [self._shm.name] + [s.shm_name for s in shards[1:]]
         if None in names:
             raise RuntimeError("a tensor-parallel rank's KV pool is not in shared memory")
@@ -148,35 +144,33 @@ class DecodeWorker(WorkerBase):
         if req.to_worker and req.to_worker != self.worker_id:
             log.info("ignoring reservation %s meant for %s", req.request_id, req.to_worker)
             return "refused"  # queued for a previous worker on this address
-        eng = self.engine
-        n_blocks = -(-req.num_prompt_tokens // eng.block_size)
+        info, st = self.engine.info, self.engine.stats()
+        n_blocks = -(-req.num_prompt_tokens // info.block_size)
         held = self._held_prefix(req)  # leading blocks this worker holds already: not transferred
         need = n_blocks - len(held)
-        sch = eng.scheduler
-        seats = sch.max_num_seqs - sch.num_seats - self.leases.num_active
-        wanted = min(req.num_seqs, sch.max_num_seqs)  # a wider group runs alone
+        seats = st.seq_limit - st.num_seats - self.leases.num_active
+        wanted = min(req.num_seqs, st.seq_limit)  # a wider group runs alone
         reason, full = "", False  # full: refused for lack of room now, worth retrying later
         if req.request_id in self.requests or self.leases.get(req.request_id) is not None:
             reason = "duplicate request id"
         elif self.draining:  # (asked before the gateway heard): another worker, or later
             reason, full = "draining", True
-        elif req.num_prompt_tokens + req.max_tokens > eng.max_model_len:
-            reason = f"prompt + max_tokens exceeds max_model_len {eng.max_model_len}"
+        elif req.num_prompt_tokens + req.max_tokens > info.max_model_len:
+            reason = f"prompt + max_tokens exceeds max_model_len {info.max_model_len}"
         elif seats < wanted:
             reason, full = "no free decode seats", True
-        elif need + eng.pool.num_evictable(held) > eng.pool.num_free:
-            reason, full = f"no KV blocks ({need} needed, {eng.pool.num_free} free)", True
+        elif not self.engine.can_reserve(need, held):
+            reason, full = f"no KV blocks ({need} needed, {st.num_free_blocks} free)", True
         if reason:
             self.rt.to_gateway(
                 req.gateway_id,
                 ReserveReply(request_id=req.request_id, worker_id=self.worker_id, reason=reason, capacity=full),
             )
             return "refused"
-        taken = self._prefill_here(req, len(held))
+        taken = self._prefill_here(req, len(held), st.num_waiting)
         if taken is not None:
             return "local" if taken else "refused"
-        eng.pool.acquire(held)
-        blocks = eng.pool.allocate(need, after=held[-1] if held else None)
+        blocks = self.engine.reserve_blocks(need, held)
         lease = self.leases.grant(req.request_id, blocks, self.lease_ttl_s, prefix_block_ids=held)
         self.blocks_skipped += len(held)
         self.requests[req.request_id] = DecodeRecord(req.gateway_id)
@@ -185,7 +179,7 @@ class DecodeWorker(WorkerBase):
         )
         return "lease"
 
-    def _prefill_here(self, req: ReserveRequest, held_blocks: int) -> bool | None:
+    def _prefill_here(self, req: ReserveRequest, held_blocks: int, num_waiting: int) -> bool | None:
         """Conditional disaggregation: take the whole request when the gateway offers it, the
         prompt's rest beyond the blocks held here is at most its `local_prefill_max_tokens`, and
         no other prompt waits here (two would stall the decode batch twice), unless the gateway
@@ -193,13 +187,13 @@ class DecodeWorker(WorkerBase):
         hashes and prefills the rest in a mixed step. Returns None when it does not apply (a
         lease follows), else whether it was taken (answered either way)."""
         eng = self.engine
-        rest = req.num_prompt_tokens - held_blocks * eng.block_size
+        rest = req.num_prompt_tokens - held_blocks * eng.info.block_size
         if (
             not req.local_prefill_max_tokens
             or req.sampling is None
             or len(req.prompt_token_ids) != req.num_prompt_tokens
             or rest > req.local_prefill_max_tokens
-            or (eng.scheduler.waiting and not req.local_prefill_always)
+            or (num_waiting and not req.local_prefill_always)
         ):
             return None
         try:
@@ -219,19 +213,8 @@ class DecodeWorker(WorkerBase):
     def _held_prefix(self, req: ReserveRequest) -> list[int]:
         """Blocks of this pool holding the longest run of the prompt's leading full blocks (by
         the hashes the gateway sent), leaving at least its last block to be written."""
-        if self.engine.hasher is None or not req.block_hashes:
-            return []
-        usable = (req.num_prompt_tokens - 1) // self.engine.block_size
-        return self.engine.pool.lookup(req.block_hashes[:usable])
-
-    def _prefix_matches(self, prefix: list[int], prompt: list[int]) -> bool:
-        """The pinned prefix blocks hold this very prompt's KV (their hashes, checked against the
-        prompt P sent, not only the gateway's word)."""
-        if not prefix:
-            return True
-        assert self.engine.hasher is not None  # no prefix is pinned without a cache
-        want = self.engine.hasher.hashes(prompt, len(prefix))
-        return [self.engine.pool.block_hash[b] for b in prefix] == want
+        usable = (req.num_prompt_tokens - 1) // self.engine.info.block_size
+        return self.engine.cached_prefix(req.block_hashes[:usable])
 
     def _on_kv_done(self, done: KvDone) -> None:
         lease = self.leases.get(done.request_id)
@@ -241,23 +224,20 @@ class DecodeWorker(WorkerBase):
         self.leases.release(done.request_id)  # blocks now belong to the sequence
         rec.waiting_since = time.monotonic()
         self.trace_start(done.request_id, done.traceparent, rec.waiting_since)
-        blocks = lease.prefix_block_ids + lease.block_ids
-        try:
-            if not self._prefix_matches(lease.prefix_block_ids, done.prompt_token_ids):
-                raise ValueError("the cached prefix blocks do not hold this prompt")
+        try:  # the engine owns the lease's blocks from this call on, admitted or refused
             outputs = self.engine.add_prefilled(
                 done.request_id,
                 done.prompt_token_ids,
                 done.first_token,
                 done.first_logprob,
                 done.sampling,
-                blocks,
+                lease.prefix_block_ids + lease.block_ids,
                 fork=done.fork or None,
                 # the draft's layers came too: its KV for the leased blocks (the others: cached here)
                 draft_kv_blocks=len(lease.block_ids) if done.num_layers > self.leases.num_layers else 0,
+                num_prefix_blocks=len(lease.prefix_block_ids),  # checked to hold this prompt
             )
-        except ValueError as e:  # e.g. a prompt that does not fit: give the blocks back, report
-            self.engine.pool.free(blocks)
+        except ValueError as e:  # e.g. a prompt that does not fit: its blocks went back, report
             self._emit(done.request_id, [], None, "error", 1, error=str(e))
             return
         for i, out in enumerate(outputs):  # a group's first tokens (P's timings go with them)
@@ -269,7 +249,7 @@ class DecodeWorker(WorkerBase):
         blocks = self.leases.release_early(done.request_id, done.lease_epoch)
         if not blocks:
             return  # not this lease's epoch (a stale or replayed KvDone): nothing to end
-        self.engine.pool.free(blocks)
+        self.engine.release_blocks(blocks)
         self._emit(
             done.request_id,
             [],
@@ -290,7 +270,7 @@ class DecodeWorker(WorkerBase):
                 self.rt.flush_outputs()
             return
         if not self.engine.abort(msg.request_id):
-            self.engine.pool.free(self.leases.abort(msg.request_id, writer_gone=msg.lease_unused))
+            self.engine.release_blocks(self.leases.abort(msg.request_id, writer_gone=msg.lease_unused))
         self._forget(msg.request_id, "aborted")
 
     def _forget(self, request_id: str, reason: str, tokens: int | None = None) -> DecodeRecord | None:
@@ -331,7 +311,7 @@ class DecodeWorker(WorkerBase):
                 )
         blocks = self.leases.reclaimable(now)
         if blocks:
-            self.engine.pool.free(blocks)
+            self.engine.release_blocks(blocks)
 
     # --- outputs (held, then sent one frame a gateway by rt.flush_outputs) --------------------
     def _emit_step(self, out: StepOutput, timings: dict[str, float] | None = None) -> None:
@@ -387,7 +367,7 @@ class DecodeWorker(WorkerBase):
 
     def step(self) -> None:
         self.rt.mark_step()
-        self.threads.update(self.leases.num_active, len(self.engine.scheduler.running))
+        self.threads.update(self.leases.num_active, self.engine.stats().num_running)
         started = time.monotonic()
         self.pacer.started(started)
         sched = self.engine.schedule()
@@ -407,15 +387,16 @@ class DecodeWorker(WorkerBase):
         """AIMD on the limit of running sequences; the heartbeats carry it to the gateway."""
         assert self.aimd is not None
         limit = self.aimd.observe(step_s, running, preempted)
-        if limit != self.engine.scheduler.max_num_seqs:
-            self.engine.scheduler.max_num_seqs = limit
+        if limit != self.engine.stats().seq_limit:
+            self.engine.set_max_num_seqs(limit)
             assert self.rt.info is not None
             self.rt.info = msgspec.structs.replace(self.rt.info, max_num_seqs=limit)
 
     def stats(self) -> WorkerStats:
         dropped = sum(self.rt.inbox.dropped.values()) + sum(self.receiver.dropped.values())
+        st = self.engine.stats()
         return engine_stats(
-            self.engine,
+            st,
             self._last_progress,
             dropped,
             extra_waiting=self.leases.num_active,
@@ -424,7 +405,7 @@ class DecodeWorker(WorkerBase):
             lease_renewals=self.leases.num_renewals,
             kv_blocks_skipped=self.blocks_skipped,
             local_prefills=self.local_prefills,
-            **(self.engine.speculator.worker_stats() if self.engine.speculator is not None else {}),
+            **st.speculation,
         )
 
     def describe_start(self) -> str:
@@ -457,7 +438,7 @@ class DecodeWorker(WorkerBase):
             self._on_kv_failed(done, reason)
         self.receiver.failed_done.clear()
         if self.receiver.released:  # leases P gave back early: reusable now
-            self.engine.pool.free(self.receiver.released)
+            self.engine.release_blocks(self.receiver.released)
             self.receiver.released.clear()
         self._report_renewals()
         self._reclaim()

@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from functools import partial
-from typing import Callable, cast, get_args
+from typing import Callable
 
 import torch
 
@@ -31,6 +30,13 @@ from pdserve.engine.config import (
     resolve_dtype,
 )
 from pdserve.engine.cuda_graphs import DecodeGraphs
+from pdserve.engine.engine_core import (
+    PREFILLED,
+    EngineCore,
+    EngineInfo,
+    EngineStats,
+    StepOutput,
+)
 from pdserve.engine.kv_cache import KvAllocator, KVCacheSpec, allocate_kv_cache, plan_num_blocks
 from pdserve.engine.model_runner import ForwardPass, ModelRunner, load_model
 from pdserve.engine.models.interface import CausalLM
@@ -46,42 +52,18 @@ from pdserve.engine.spec.eagle import EagleRunner
 from pdserve.engine.spec.speculator import Speculator
 from pdserve.engine.spec.verify import num_accepted
 from pdserve.engine.structured.matcher import GrammarCache, constrain
-from pdserve.protocol.messages import FinishReason, TokenLogprob
+from pdserve.kvtransfer.head_ranges import HeadShard
+from pdserve.protocol.messages import TokenLogprob
 from pdserve.protocol.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
-
-PREFILLED = "prefilled"  # finish reason of a prefill-only sequence that got its first token
-
-
-def wire_finish_reason(reason: str | None) -> FinishReason | None:
-    """An engine finish reason as outputs carry it: a prefill-only sequence's PREFILLED is no end."""
-    if reason is None or reason == PREFILLED:
-        return None
-    if reason not in get_args(FinishReason):
-        raise ValueError(f"unknown finish reason {reason!r}")
-    return cast(FinishReason, reason)
-
-
-@dataclass(frozen=True)
-class StepOutput:
-    request_id: str
-    new_token_ids: list[int]
-    logprobs: list[TokenLogprob] | None
-    finish_reason: str | None  # stop | length | abort | prefilled | None (still running)
-    seq: Sequence
-    request_done: bool = False  # the request's last output (a group's: after its last choice)
-    seq_index: int = 0  # the choice (n > 1, best_of, beams)
-    # a group's root on a prefill worker: each member's first token (n, best_of), or the top
-    # candidates for the first beam step, for the decode worker to fork from
-    fork: list[TokenLogprob] | None = None
 
 
 def _output(seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None, reason: str | None) -> StepOutput:
     return StepOutput(seq.request_id, tokens, logprobs, reason, seq, request_done=reason is not None)
 
 
-class LLMEngine:
+class LLMEngine(EngineCore):
     def __init__(
         self,
         config: EngineConfig,
@@ -154,6 +136,23 @@ class LLMEngine:
             if spec is not None
             else None
         )
+        draft = self.draft
+        self.info = EngineInfo(
+            model_fingerprint=mc.fingerprint(self.dtype),
+            draft_fingerprint=self.draft_config.fingerprint(self.dtype) if self.draft_config is not None else None,
+            num_layers=mc.num_layers,
+            draft_num_layers=draft.kv_cache.shape[0] if draft is not None else 0,
+            num_blocks=num_blocks,
+            block_size=self.block_size,
+            num_kv_heads=self.kv_spec.num_kv_heads,
+            head_dim=self.kv_spec.head_dim,
+            kv_dtype=str(self.kv_spec.dtype).removeprefix("torch."),
+            max_model_len=self.max_model_len,
+            max_num_seqs=config.scheduler.max_num_seqs,
+            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+            device=str(self.device),
+            caches_prefixes=self.hasher is not None,
+        )
 
     def _decode_graphs(self, model: CausalLM, kv_cache: torch.Tensor) -> DecodeGraphs | None:
         """CUDA graphs for decode steps: on CUDA with the Triton kernels, the native model path,
@@ -213,6 +212,70 @@ class LLMEngine:
     def close(self) -> None:
         """Stop what the engine started (tensor-parallel rank processes); idempotent."""
         self.runner.close()
+
+    @property
+    def draft_kv_cache(self) -> torch.Tensor | None:
+        draft = self.draft
+        return draft.kv_cache if draft is not None else None
+
+    @property
+    def kv_head_shards(self) -> list[HeadShard]:
+        return self.runner.kv_head_shards
+
+    def find(self, request_id: str) -> Sequence | None:
+        return self.seqs.get(request_id)
+
+    def set_max_num_seqs(self, limit: int) -> None:
+        self.scheduler.max_num_seqs = limit
+
+    def stats(self) -> EngineStats:
+        sch, pool = self.scheduler, self.pool
+        return EngineStats(
+            num_blocks=pool.num_blocks,
+            num_free_blocks=pool.num_free,
+            num_cached_blocks=pool.num_cached,
+            num_running=len(sch.running),
+            num_waiting=len(sch.waiting),
+            num_seats=sch.num_seats,
+            seq_limit=sch.max_num_seqs,
+            steps=self.num_steps,
+            preemptions=sch.num_preemptions,
+            prefix_query_tokens=sch.prefix_query_tokens,
+            prefix_hit_tokens=sch.prefix_hit_tokens,
+            has_work=self.has_work(),
+            structured_mask_rows=self.grammars.mask_stats.rows,
+            structured_mask_seconds=self.grammars.mask_stats.seconds,
+            speculation=self.speculator.worker_stats() if self.speculator is not None else {},
+        )
+
+    def prefix_cache_changes(self) -> list[tuple[bool, bytes]]:
+        events, self.pool.events = self.pool.events or [], []
+        return events
+
+    def prefix_cache_hashes(self) -> list[bytes]:
+        return self.pool.hashes()
+
+    # --- blocks for a decode worker's leases (EngineCore: one owner, the scheduler) -----------
+    def cached_prefix(self, block_hashes: list[bytes]) -> list[int]:
+        return self.pool.lookup(block_hashes) if self.hasher is not None and block_hashes else []
+
+    def can_reserve(self, num_blocks: int, prefix: list[int]) -> bool:
+        return self.scheduler.can_reserve(num_blocks, prefix)
+
+    def reserve_blocks(self, num_blocks: int, prefix: list[int]) -> list[int]:
+        return self.scheduler.reserve(num_blocks, prefix)
+
+    def release_blocks(self, block_ids: list[int]) -> None:
+        self.scheduler.release_reserved(block_ids)
+
+    def _holds_prefix(self, prefix: list[int], prompt: list[int]) -> bool:
+        """The prefix blocks hold this very prompt's KV (their hashes, checked against the prompt
+        the prefill worker sent, not only the gateway's word)."""
+        if not prefix:
+            return True
+        if self.hasher is None:
+            return False
+        return [self.pool.block_hash[b] for b in prefix] == self.hasher.hashes(prompt, len(prefix))
 
     # --- intake ---------------------------------------------------------------------------
     def _new_sequence(
@@ -288,18 +351,27 @@ class LLMEngine:
         block_ids: list[int],
         fork: list[TokenLogprob] | None = None,
         draft_kv_blocks: int = 0,
+        num_prefix_blocks: int = 0,
     ) -> list[StepOutput]:
-        """Admit a sequence whose prompt KV sits in `block_ids` (owned from now on by the engine).
-        `draft_kv_blocks`: the last that many of them hold the draft model's KV too (shipped by
-        the prefill worker); without it the draft rebuilds its KV at the first proposal.
+        """Admit a sequence whose prompt KV sits in `block_ids` (owned from now on by the engine:
+        a refused request's blocks go back before the ValueError). `draft_kv_blocks`: the last
+        that many of them hold the draft model's KV too (shipped by the prefill worker); without
+        it the draft rebuilds its KV at the first proposal. `num_prefix_blocks`: the first that
+        many were found in this pool's prefix cache (`cached_prefix`): checked to hold this prompt.
 
         The first token was sampled by the prefill worker (it told the gateway); returns a
         finished output when that token already ends the request (the blocks are freed). A group
         forks here from `fork` (StepOutput.fork) and returns its members' first outputs.
         """
-        if sampling.is_group and len(fork or ()) < sampling.num_seqs:
-            raise ValueError("a sequence group needs its members' first tokens (KvDone.fork)")
-        seq = self._new_sequence(request_id, prompt_token_ids, sampling)  # (raises before taking the blocks)
+        try:
+            if not self._holds_prefix(block_ids[:num_prefix_blocks], prompt_token_ids):
+                raise ValueError("the cached prefix blocks do not hold this prompt")
+            if sampling.is_group and len(fork or ()) < sampling.num_seqs:
+                raise ValueError("a sequence group needs its members' first tokens (KvDone.fork)")
+            seq = self._new_sequence(request_id, prompt_token_ids, sampling)
+        except ValueError:
+            self.scheduler.release_reserved(block_ids)
+            raise
         seq.block_table = list(block_ids)
         seq.num_computed_tokens = len(prompt_token_ids)
         self._publish(seq, seq.num_computed_tokens)
@@ -380,6 +452,18 @@ class LLMEngine:
             if seq.num_draft_tokens and id(seq) not in verifying:
                 seq.drop_drafts()
         return sched
+
+    def schedule_prefill(self, in_flight: frozenset[int], token_budget: int) -> SchedulerOutput:
+        return self.scheduler.schedule(in_flight, token_budget)
+
+    def queued_prompt_tokens(self) -> int:
+        return sum(s.num_uncomputed for s in (*self.scheduler.running, *self.scheduler.waiting))
+
+    def run_layers(self, fp: ForwardPass, count: int | None = None) -> None:
+        self.runner.run_layers(fp, count)
+
+    def logits(self, fp: ForwardPass) -> torch.Tensor | None:
+        return self.runner.logits(fp)
 
     def execute(self, sched: SchedulerOutput, on_layer_stored: Callable[[int], None] | None = None) -> list[StepOutput]:
         if sched.is_empty:
@@ -506,10 +590,7 @@ class LLMEngine:
             self._finish(seq, reason)
         else:
             seq.num_computed_tokens = real + len(emitted) - 1  # the last emitted token has no KV yet
-            keep = -(-seq.num_tokens // self.block_size)
-            if len(seq.block_table) > keep:
-                self.pool.free(seq.block_table[: keep - 1 : -1])  # tail first; none is registered
-                del seq.block_table[keep:]
+            self.scheduler.truncate(seq, -(-seq.num_tokens // self.block_size))
             self._publish(seq, seq.num_computed_tokens)
         return _output(seq, emitted, logprobs or None, reason)
 

@@ -20,6 +20,11 @@ will fork into. A member about to write into a block another member still holds 
 first (copy-on-write: `SchedulerOutput.block_copies`, applied before the step's forward). The
 beams of a beam search decode together or not at all, are preempted together, and a beam
 recomputed after preemption stops its prefill one token short, so it rejoins the lockstep.
+
+Block lifetimes: this class is the one place the engine's pool frees a block (a sequence's at
+finish, preemption, copy-on-write, out of its window or past its accepted drafts; a reservation's
+that never became a sequence's). Reservations (`reserve`) are a decode worker's leases, through
+`EngineCore.reserve_blocks`.
 """
 
 from __future__ import annotations
@@ -389,6 +394,27 @@ class Scheduler:
         self._release(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
+
+    def truncate(self, seq: Sequence, keep: int) -> None:
+        """Free `seq`'s blocks past its first `keep` (rejected drafts' KV; none is registered)."""
+        if len(seq.block_table) > keep:
+            self.pool.free(seq.block_table[: keep - 1 : -1])  # tail first
+            del seq.block_table[keep:]
+
+    # --- blocks reserved for something outside the engine (a decode worker's leases) -----------
+    def can_reserve(self, num_blocks: int, prefix: list[int]) -> bool:
+        """Room for `num_blocks` new blocks once `prefix` (cached blocks, maybe unowned) is held."""
+        return num_blocks + self.pool.num_evictable(prefix) <= self.pool.num_free
+
+    def reserve(self, num_blocks: int, prefix: list[int]) -> list[int]:
+        """Hold `prefix` and `num_blocks` new blocks right after it; returns the new ones. Each
+        comes back once: in a sequence (`add_running`) or through `release_reserved`."""
+        self.pool.acquire(prefix)
+        return self.pool.allocate(num_blocks, after=prefix[-1] if prefix else None)
+
+    def release_reserved(self, block_ids: list[int]) -> None:
+        """Give back reserved blocks that never became a sequence's."""
+        self.pool.free(block_ids)
 
     def _release(self, seq: Sequence) -> None:
         if seq.block_table:

@@ -39,24 +39,26 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from pdserve.gateway.backend import Backend
-from pdserve.gateway.bodies import Bounds
+from pdserve.gateway.bodies import Bounds, DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest, decode
 from pdserve.gateway.errors import APIError, error_response, invalid
 from pdserve.gateway.generation import GenerationRun, RunContext
 from pdserve.gateway.limits import GatewayLimits
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.openapi import openapi_endpoint
 from pdserve.gateway.rate_limits import Admission, RateLimited, RequestOverLimit, TenantGate
-from pdserve.gateway.schemas import ParsedRequest, RequestKind, parse_request
+from pdserve.gateway.schemas import ParsedRequest, RequestKind, chat_messages, parse_request
 from pdserve.gateway.tenants import TenantDirectory
 from pdserve.gateway.text_decoder import special_markers, text_decoder
 from pdserve.gateway.tools.parser import ToolParser
 from pdserve.gateway.tools.registry import tool_parser
+from pdserve.gateway.tools.request import ToolRequest, parse_tools
 from pdserve.protocol.join import JOIN_PATH, JoinRefused
 from pdserve.protocol.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
 MAX_JOIN_BYTES = 4096
+KEYED_PATHS = ("/tokenize", "/detokenize")  # besides /v1/*: what needs the API key when the server has one
 TENANT_SCOPE_KEY = "pdserve.tenant"  # where _ApiKeyMiddleware leaves the request's TenantGate
 
 
@@ -89,7 +91,7 @@ class _ApiKeyMiddleware:
         self.app, self.tenants = app, tenants
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and (scope["path"].startswith("/v1") or scope["path"] in KEYED_PATHS):
             gate = self.tenants.lookup(dict(scope.get("headers", [])).get(b"authorization", b""))
             if gate is None:
                 resp = error_response(
@@ -173,18 +175,91 @@ class GatewayApp:
         if req.prompt_ids is not None:
             return req.prompt_ids
         if req.messages is not None:
-            if self.chat_template is None and not getattr(self.tokenizer, "chat_template", None):
-                raise invalid(
-                    "this model has no chat template: use /v1/completions, or start the server "
-                    "with --chat-template FILE",
-                    "messages",
-                )
-            tools = [f.template_entry() for f in req.tools.functions] if req.tools is not None else None
-            text = self.tokenizer.apply_chat_template(
-                req.messages, tools=tools, chat_template=self.chat_template, add_generation_prompt=True, tokenize=False
-            )
-            return self.tokenizer.encode(text, add_special_tokens=False)
+            return self.chat_ids(req.messages, req.tools)
         return self.tokenizer.encode(req.prompt_text)
+
+    def chat_ids(
+        self,
+        messages: list[dict],
+        tools: ToolRequest | None,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        add_special_tokens: bool = False,
+    ) -> list[int]:
+        """A chat's prompt through the model's chat template (or --chat-template's)."""
+        if self.chat_template is None and not getattr(self.tokenizer, "chat_template", None):
+            raise invalid(
+                "this model has no chat template: use /v1/completions, or start the server with --chat-template FILE",
+                "messages",
+            )
+        entries = [f.template_entry() for f in tools.functions] if tools is not None else None
+        extra = {"continue_final_message": True} if continue_final_message else {}
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages,
+                tools=entries,
+                chat_template=self.chat_template,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+                **extra,
+            )
+        except Exception as e:  # noqa: BLE001 - the template's own refusal (raise_exception) is the client's
+            raise invalid(f"the chat template refused these messages: {e}", "messages") from None
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def check_model(self, model: str | None) -> None:
+        """404 for a model this server does not serve (None: the served one)."""
+        if model is not None and model != self.model_name:
+            raise APIError(
+                404,
+                f"model '{model}' does not exist; this server serves '{self.model_name}'",
+                param="model",
+                code="model_not_found",
+            )
+
+    # --- /tokenize and /detokenize (vLLM's shapes; the tokenizer only, no worker needed) ----
+    async def tokenize(self, request: Request) -> Response:
+        body = await self._read_json(request)
+        if isinstance(body, dict) and "messages" in body:
+            chat = decode(body, TokenizeChatRequest, self.bounds)
+            self.check_model(chat.model)
+            if chat.add_generation_prompt and chat.continue_final_message:
+                raise invalid(
+                    "'add_generation_prompt' and 'continue_final_message' cannot both be true",
+                    "continue_final_message",
+                )
+            messages = chat_messages(body["messages"])
+            tools = parse_tools({"tools": body.get("tools")})
+            ids = await asyncio.to_thread(
+                self.chat_ids,
+                messages,
+                tools,
+                add_generation_prompt=chat.add_generation_prompt is not False and not chat.continue_final_message,
+                continue_final_message=bool(chat.continue_final_message),
+                add_special_tokens=bool(chat.add_special_tokens),
+            )
+            strs = chat.return_token_strs
+        else:
+            text = decode(body, TokenizeCompletionRequest, self.bounds)
+            self.check_model(text.model)
+            ids = await asyncio.to_thread(
+                self.tokenizer.encode, text.prompt, add_special_tokens=text.add_special_tokens is not False
+            )
+            strs = text.return_token_strs
+        return JSONResponse(
+            {
+                "count": len(ids),
+                "max_model_len": self.max_model_len,
+                "tokens": ids,
+                "token_strs": self.tokenizer.convert_ids_to_tokens(ids) if strs else None,
+            }
+        )
+
+    async def detokenize(self, request: Request) -> Response:
+        body = decode(await self._read_json(request), DetokenizeRequest, self.bounds)
+        self.check_model(body.model)
+        return JSONResponse({"prompt": await asyncio.to_thread(self.tokenizer.decode, body.tokens)})
 
     def _sampling(self, req: ParsedRequest, max_tokens: int, i: int, priority: int = 0) -> SamplingParams:
         """Choice i's parameters (n independent requests), or, for a group (i = 0), the whole
@@ -278,13 +353,7 @@ class GatewayApp:
             if refused is not None:
                 raise refused
             req = parse_request(await self._read_json(request), kind, self.bounds, self.tool_parser)
-            if req.model is not None and req.model != self.model_name:
-                raise APIError(
-                    404,
-                    f"model '{req.model}' does not exist; this server serves '{self.model_name}'",
-                    param="model",
-                    code="model_not_found",
-                )
+            self.check_model(req.model)
             prompt = await asyncio.to_thread(self._tokenize, req)
             if not prompt:
                 raise invalid("the prompt is empty after tokenization", "prompt")
@@ -395,6 +464,12 @@ def create_app(
     async def chat(request: Request) -> Response:
         return await _guard(gw, gw.handle(request, "chat"))
 
+    async def tokenize(request: Request) -> Response:
+        return await _guard(gw, gw.tokenize(request))
+
+    async def detokenize(request: Request) -> Response:
+        return await _guard(gw, gw.detokenize(request))
+
     async def models(_: Request) -> Response:
         refused = gw.not_ready()
         if refused is not None:
@@ -460,6 +535,8 @@ def create_app(
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/chat/completions", chat, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
+            Route("/tokenize", tokenize, methods=["POST"]),
+            Route("/detokenize", detokenize, methods=["POST"]),
             Route("/v1/workers", workers, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/health/live", live, methods=["GET"]),

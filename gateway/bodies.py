@@ -325,6 +325,33 @@ class ChatCompletionRequest(OpenAIFields, kw_only=True, forbid_unknown_fields=Tr
     NEEDS_TRUE: ClassVar[tuple[tuple[str, str], ...]] = (("stream_options", "stream"), ("top_logprobs", "logprobs"))
 
 
+# --- /tokenize and /detokenize (vLLM's) ---------------------------------------------------------
+class TokenizeCompletionRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    prompt: str
+    model: ServedModel = None
+    add_special_tokens: Annotated[bool | None, doc("the tokenizer's special tokens around the text (default true)")] = (
+        None
+    )
+    return_token_strs: Annotated[bool | None, doc("each token's text too")] = None
+
+
+class TokenizeChatRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    model: ServedModel = None
+    add_generation_prompt: Annotated[bool | None, doc("end with the assistant's turn opening (default true)")] = None
+    continue_final_message: Annotated[
+        bool | None, doc("leave the last message open, to be continued (default false)")
+    ] = None
+    add_special_tokens: Annotated[bool | None, doc("special tokens besides the template's (default false)")] = None
+    return_token_strs: bool | None = None
+    tools: Annotated[Any, schema(anyOf=[{"type": "array", "items": _TOOL}, {"type": "null"}])] = None
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    tokens: list[Annotated[int, Meta(ge=0), limit(maximum="max_token_id")]]
+    model: ServedModel = None
+
+
 # --- parsing --------------------------------------------------------------------------------------
 _PATH = re.compile(r" - at `(?:key` in `)?\$\.?([^`]*)`$")
 _UNKNOWN = re.compile(r"unknown field `([^`]*)`")

@@ -19,7 +19,15 @@ from typing import TYPE_CHECKING, Any, get_args
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from pdserve.gateway.bodies import Bounds, ChatCompletionRequest, CompletionRequest, request_schemas
+from pdserve.gateway.bodies import (
+    Bounds,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    request_schemas,
+)
 from pdserve.gateway.limits import GatewayLimits
 from pdserve.protocol.messages import FinishReason
 
@@ -220,6 +228,24 @@ def _generate(request: str, result: str, chunk: str, summary: str) -> dict:
     }
 
 
+def _post(request: dict, result: dict, summary: str) -> dict:
+    """A JSON in, JSON out operation that needs no worker (the API key when the server has one)."""
+    return {
+        "post": {
+            "summary": summary,
+            "security": _API_KEY,
+            "requestBody": {"required": True, "content": {"application/json": {"schema": request}}},
+            "responses": {
+                "200": {"description": "OK", "content": {"application/json": {"schema": result}}},
+                "400": _error("invalid request"),
+                "401": _error("missing or wrong API key (servers started with --api-key)"),
+                "404": _error("unknown model"),
+                "413": _error("request body over the size limit"),
+            },
+        }
+    }
+
+
 def _get(
     summary: str, media_type: str, schema: dict, *, secured: bool = False, more_responses: dict[str, dict] | None = None
 ) -> dict:
@@ -255,6 +281,22 @@ def openapi_document(limits: GatewayLimits, *, model_name: str, max_model_len: i
             "/v1/chat/completions": _generate(
                 "ChatCompletionRequest", "ChatCompletion", "ChatCompletionChunk", "chat completion"
             ),
+            "/tokenize": _post(
+                {"anyOf": [_ref("TokenizeCompletionRequest"), _ref("TokenizeChatRequest")]},
+                _object(
+                    ["count", "max_model_len", "tokens", "token_strs"],
+                    count={"type": "integer", "minimum": 0},
+                    max_model_len={"const": max_model_len},
+                    tokens={"type": "array", "items": {"type": "integer", "minimum": 0}},
+                    token_strs=_optional({"type": "array", "items": {"type": "string"}}),
+                ),
+                "text, or chat messages through the chat template, to token ids (vLLM's)",
+            ),
+            "/detokenize": _post(
+                _ref("DetokenizeRequest"),
+                _object(["prompt"], prompt={"type": "string"}),
+                "token ids to text (vLLM's)",
+            ),
             "/v1/models": _get(
                 "the served model",
                 "application/json",
@@ -281,7 +323,16 @@ def openapi_document(limits: GatewayLimits, *, model_name: str, max_model_len: i
         },
         "components": {
             "schemas": {
-                **request_schemas([CompletionRequest, ChatCompletionRequest], bounds),
+                **request_schemas(
+                    [
+                        CompletionRequest,
+                        ChatCompletionRequest,
+                        TokenizeCompletionRequest,
+                        TokenizeChatRequest,
+                        DetokenizeRequest,
+                    ],
+                    bounds,
+                ),
                 **_response_schemas(model_name),
             },
             "securitySchemes": {

@@ -156,16 +156,21 @@ def parse_request(body: Any, kind: RequestKind, bounds: Bounds, tool_parser: Too
         return req
     chat = decode(body, ChatCompletionRequest, bounds)
     req = openai_request(chat, kind)
-    req.messages = [
-        {"role": m["role"], "content": _message_text(m.get("content"), i), **tool_message(m, i)}
-        for i, m in enumerate(body["messages"])
-    ]
+    req.messages = chat_messages(body["messages"])
     if chat.logprobs:
         req.logprobs = chat.top_logprobs or 0
     req.max_tokens = chat.max_completion_tokens if chat.max_completion_tokens is not None else chat.max_tokens
     req.tools = parse_tools(body)
     finish_openai(req, chat, body, tool_parser)
     return req
+
+
+def chat_messages(messages: list[dict]) -> list[dict]:
+    """Chat messages (their types already checked) as chat templates take them."""
+    return [
+        {"role": m["role"], "content": _message_text(m.get("content"), i), **tool_message(m, i)}
+        for i, m in enumerate(messages)
+    ]
 
 
 def sampling_fields(fields: SamplingFields) -> dict[str, Any]:

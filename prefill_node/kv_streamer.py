@@ -30,16 +30,19 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import msgspec
 import torch
 
-from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.kvtransfer.head_ranges import HeadShard, distinct_shards
 from pdserve.kvtransfer.rank_sends import RankKvJob, encode_plan
 from pdserve.kvtransfer.sender import KvSender, KvTransferError
 from pdserve.prefill_node.request_record import PrefillRecord, TransferStats
 from pdserve.protocol.messages import KvDestination, Lease
+
+if TYPE_CHECKING:
+    from pdserve.engine.engine_core import SchedulerOutput
 
 
 @dataclass

@@ -29,11 +29,12 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from pdserve.engine.model_runner import ForwardPass, ModelRunner
-from pdserve.engine.scheduler import SchedulerOutput
+    from pdserve.engine.engine_core import ForwardPass, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +63,19 @@ def make_idle_priority() -> str:
         return "nice 19"
 
 
+class LayerRunner(Protocol):
+    """What the lanes run a launched step with: the worker's engine (EngineCore)."""
+
+    @property
+    def num_layers(self) -> int: ...
+
+    def run_layers(self, fp: ForwardPass, count: int | None = None) -> None: ...
+
+    def logits(self, fp: ForwardPass) -> torch.Tensor | None: ...
+
+
 class PrefillLanes:
-    def __init__(self, runner: ModelRunner, lanes: int = 1, idle_lanes: int = 0) -> None:
+    def __init__(self, runner: LayerRunner, lanes: int = 1, idle_lanes: int = 0) -> None:
         if lanes < 1 or idle_lanes < 0:
             raise ValueError(f"need lanes >= 1 and idle_lanes >= 0 (got {lanes}, {idle_lanes})")
         self.runner = runner

@@ -1,7 +1,7 @@
 """Prefill worker process: batches prompts (ragged, chunked), streams KV to decode workers,
 sends each request's first token to its gateway (that is TTFT) and `KvDone` to its decode worker.
 
-The loop (this thread) owns the sockets and the scheduler; it launches steps while a lane is
+The loop (this thread) owns the sockets and calls the engine; it launches steps while a lane is
 free and its lanes (prefill_node/lanes.py) run them a layer at a time, the idle lanes on cycles
 no other process on the machine wants.
 
@@ -23,8 +23,7 @@ import time
 import msgspec
 
 from pdserve import tracing
-from pdserve.engine.llm_engine import PREFILLED, LLMEngine, wire_finish_reason
-from pdserve.engine.structured.matcher import TokenizerLoad
+from pdserve.engine.engine_core import PREFILLED, EngineCore, start_engine, wire_finish_reason
 from pdserve.kvtransfer.sender_cache import KvSenderCache
 from pdserve.prefill_node.kv_streamer import KvStreamer
 from pdserve.prefill_node.lane_split import step_budget_for_lanes
@@ -54,13 +53,15 @@ class PrefillWorker(WorkerBase):
     def __init__(self, settings: PrefillSettings, auth: FrameAuth) -> None:
         super().__init__(settings, auth)
         tp = settings.engine.tensor_parallel_size > 1  # then each rank sends its own KV heads
-        tokenizer = TokenizerLoad(settings.engine.model)  # (overlaps the model load: engine/structured/)
-        self.engine = LLMEngine(settings.engine, rank_kv_sends=settings.kv_payload_mac if tp else None)
-        self.engine.runner.on_layer_done = self.rt.mark_progress  # a long step's layers: progress
-        self.engine.grammars.warm_in_background(tokenizer)  # a first constraint costs no tokenizer load
-        self.describe(describe_worker(self.engine, "prefill", self.rt.control_addr, settings.host))
-        if self.engine.hasher is not None:
-            self.kv_report = PrefixCacheReport(self.engine.pool)
+        self.engine: EngineCore = start_engine(
+            settings.engine,
+            rank_kv_sends=settings.kv_payload_mac if tp else None,
+            on_layer_done=self.rt.mark_progress,  # a long step's layers: progress
+        )
+        info = self.engine.info
+        self.describe(describe_worker(info, "prefill", self.rt.control_addr, settings.host))
+        if info.caches_prefixes:
+            self.kv_report = PrefixCacheReport(self.engine)
         self.handlers.update(
             {
                 PrefillRequest: self._on_prefill,
@@ -71,20 +72,17 @@ class PrefillWorker(WorkerBase):
         self.requests: dict[str, PrefillRecord] = {}  # by request id, until KvDone or release
         self.senders = KvSenderCache(self.ctx, auth, settings.kv_payload_mac)  # one per decode worker
         self._send_lock = threading.Lock()  # senders are shared by this loop and the lanes
-        draft = self.engine.draft
         self.streamer = KvStreamer(
             self.engine.kv_cache,
-            self.engine.block_size,
+            info.block_size,
             self._send_lock,
-            self.engine.runner.kv_head_shards,
-            draft.kv_cache if draft else None,
+            self.engine.kv_head_shards,
+            self.engine.draft_kv_cache,
             rank_sends=tp,
         )
         # the draft's fingerprint a decode worker's layout must name to get the draft's KV too
-        self.draft_fingerprint = (
-            self.engine.draft_config.fingerprint(self.engine.dtype) if self.engine.draft_config else None
-        )
-        self.lanes = PrefillLanes(self.engine.runner, settings.lanes, settings.idle_lanes)
+        self.draft_fingerprint = info.draft_fingerprint
+        self.lanes = PrefillLanes(self.engine, settings.lanes, settings.idle_lanes)
         self._abort_after: set[str] = set()  # aborted while a lane computes its chunk
         # requests let go (KV and first token handed over, or ended) -> when: still named in
         # heartbeats for HANDED_OVER_S, while their KvDone travels to the decode worker
@@ -95,7 +93,7 @@ class PrefillWorker(WorkerBase):
     def _on_prefill(self, req: PrefillRequest) -> None:
         try:
             lease = req.dest.lease
-            if (len(lease.prefix_block_ids) + len(lease.block_ids)) * self.engine.block_size < len(
+            if (len(lease.prefix_block_ids) + len(lease.block_ids)) * self.engine.info.block_size < len(
                 req.prompt_token_ids
             ):
                 raise ValueError("lease holds too few blocks for the prompt")
@@ -160,7 +158,7 @@ class PrefillWorker(WorkerBase):
             self._handed[request_id] = time.monotonic()
 
     def _in_flight(self, request_id: str) -> bool:
-        seq = self.engine.seqs.get(request_id)
+        seq = self.engine.find(request_id)
         return seq is not None and id(seq) in self.lanes.busy_sequences()
 
     def _on_abort(self, msg: Abort) -> None:
@@ -180,11 +178,11 @@ class PrefillWorker(WorkerBase):
     def launch(self) -> bool:
         """Launch steps while a lane is free; returns whether any was launched."""
         launched = False
-        scheduler = self.engine.scheduler
+        info = self.engine.info
         while (free := self.lanes.capacity - self.lanes.in_flight()) > 0:
-            queued = sum(s.num_uncomputed for s in (*scheduler.running, *scheduler.waiting))
-            budget = step_budget_for_lanes(queued, free, scheduler.cfg.max_num_batched_tokens, self.engine.block_size)
-            sched = scheduler.schedule(self.lanes.busy_sequences(), budget)
+            queued = self.engine.queued_prompt_tokens()
+            budget = step_budget_for_lanes(queued, free, info.max_num_batched_tokens, info.block_size)
+            sched = self.engine.schedule_prefill(self.lanes.busy_sequences(), budget)
             if sched.is_empty:
                 break
             self.rt.mark_step()
@@ -217,10 +215,8 @@ class PrefillWorker(WorkerBase):
                 "kv_bytes": float(ts.bytes),
             }
             self._trace(r, done_at, out.seq.num_cached_tokens)
-            num_layers = self.engine.model_config.num_layers  # (+ the draft's when they went too)
-            if r.ships_draft:
-                assert self.engine.draft_config is not None
-                num_layers += self.engine.draft_config.num_layers
+            info = self.engine.info  # its layers (+ the draft's when they went too)
+            num_layers = info.num_layers + (info.draft_num_layers if r.ships_draft else 0)
             if ts.error is not None:  # the decode side never got its KV: fail the request
                 self.rt.to_gateway(
                     req.gateway_id,
@@ -280,7 +276,7 @@ class PrefillWorker(WorkerBase):
         )
 
     def stats(self) -> WorkerStats:
-        return engine_stats(self.engine, self._last_progress, sum(self.rt.inbox.dropped.values()))
+        return engine_stats(self.engine.stats(), self._last_progress, sum(self.rt.inbox.dropped.values()))
 
     def has_work(self) -> bool:
         return bool(self.requests) or self.engine.has_work()

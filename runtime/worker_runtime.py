@@ -25,6 +25,7 @@ from typing import Any, Callable
 import msgspec
 import zmq
 
+from pdserve.engine.engine_core import EngineCore, EngineInfo, EngineStats
 from pdserve.protocol.auth import FrameAuth
 from pdserve.protocol.block_hashes import short_id
 from pdserve.protocol.channel import Inbox, Outbox
@@ -57,21 +58,21 @@ HeldRequests = tuple[list[str], list[str]]
 
 
 class PrefixCacheReport:
-    """Drains an engine pool's prefix-cache events (engine/block_pool.py) as block ids
+    """Drains an engine's prefix-cache events (EngineCore.prefix_cache_changes) as block ids
     (`short_id`) for heartbeats, with the whole set every KV_FULL_EVERY_S."""
 
-    def __init__(self, pool) -> None:
-        self.pool = pool
-        pool.events = []
+    def __init__(self, engine: EngineCore) -> None:
+        self.engine = engine
+        engine.prefix_cache_changes()  # recording starts now
         self._full_at = 0.0
 
     def __call__(self) -> KvChanges:
-        events, self.pool.events = self.pool.events, []
+        events = self.engine.prefix_cache_changes()
         now = time.monotonic()
         full = None
         if now - self._full_at >= KV_FULL_EVERY_S:
             self._full_at = now
-            full = [short_id(h) for h in self.pool.hashes()]
+            full = [short_id(h) for h in self.engine.prefix_cache_hashes()]
         return [(stored, short_id(h)) for stored, h in events], full
 
 
@@ -79,27 +80,26 @@ def new_worker_id(role: Role) -> str:
     return f"{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
-def gpu_uuid(device) -> str:
+def gpu_uuid(device: str) -> str:
     """The UUID of the GPU `device` is (the same in every process), or "" for the CPU: where a
     worker's KV lives, for the gateway's choice of CUDA IPC (WorkerInfo.kv_device)."""
-    if device.type != "cuda":
+    if not device.startswith("cuda"):
         return ""
     import torch
 
-    return str(torch.cuda.get_device_properties(device).uuid)
+    return str(torch.cuda.get_device_properties(torch.device(device)).uuid)
 
 
-def describe_worker(engine, role: Role, control_addr: str, host: str, **extra) -> WorkerInfo:
+def describe_worker(info: EngineInfo, role: Role, control_addr: str, host: str, **extra: Any) -> WorkerInfo:
     """The WorkerInfo a worker registers with: identity, addresses, model and KV pool shape."""
-    spec = engine.kv_spec
     layout = KvLayout(
-        spec.num_layers,
-        engine.pool.num_blocks,
-        spec.block_size,
-        spec.num_kv_heads,
-        spec.head_dim,
-        str(spec.dtype).removeprefix("torch."),
-        draft_fingerprint=engine.draft_config.fingerprint(engine.dtype) if engine.draft_config is not None else "",
+        info.num_layers,
+        info.num_blocks,
+        info.block_size,
+        info.num_kv_heads,
+        info.head_dim,
+        info.kv_dtype,
+        draft_fingerprint=info.draft_fingerprint or "",
     )
     return WorkerInfo(
         worker_id=new_worker_id(role),
@@ -107,35 +107,35 @@ def describe_worker(engine, role: Role, control_addr: str, host: str, **extra) -
         control_addr=control_addr,
         host=host,
         pid=os.getpid(),
-        model_fingerprint=engine.model_config.fingerprint(engine.dtype),
+        model_fingerprint=info.model_fingerprint,
         kv_layout=layout,
-        max_model_len=engine.max_model_len,
-        max_num_seqs=engine.config.scheduler.max_num_seqs,
-        kv_device=gpu_uuid(engine.device),
+        max_model_len=info.max_model_len,
+        max_num_seqs=info.max_num_seqs,
+        kv_device=gpu_uuid(info.device),
         **extra,
     )
 
 
 def engine_stats(
-    engine, last_progress: float, dropped_frames: int, extra_waiting: int = 0, **lease_stats: Any
+    stats: EngineStats, last_progress: float, dropped_frames: int, extra_waiting: int = 0, **lease_stats: Any
 ) -> WorkerStats:
-    """Heartbeat stats; `last_step_age_s` grows only while there is work and no step completes."""
-    sch = engine.scheduler
+    """Heartbeat stats from the engine's (EngineCore.stats) and the worker's own counters;
+    `last_step_age_s` grows only while there is work and no step completes."""
     return WorkerStats(
-        kv_blocks_free=engine.pool.num_free,
-        kv_blocks_total=engine.pool.num_blocks,
-        kv_blocks_cached=engine.pool.num_cached,
-        prefix_query_tokens=sch.prefix_query_tokens,
-        prefix_hit_tokens=sch.prefix_hit_tokens,
-        num_running=len(sch.running),
-        num_waiting=len(sch.waiting) + extra_waiting,
-        steps=engine.num_steps,
-        preemptions=sch.num_preemptions,
-        seq_limit=sch.max_num_seqs,
-        last_step_age_s=time.monotonic() - last_progress if engine.has_work() else 0.0,
+        kv_blocks_free=stats.num_free_blocks,
+        kv_blocks_total=stats.num_blocks,
+        kv_blocks_cached=stats.num_cached_blocks,
+        prefix_query_tokens=stats.prefix_query_tokens,
+        prefix_hit_tokens=stats.prefix_hit_tokens,
+        num_running=stats.num_running,
+        num_waiting=stats.num_waiting + extra_waiting,
+        steps=stats.steps,
+        preemptions=stats.preemptions,
+        seq_limit=stats.seq_limit,
+        last_step_age_s=time.monotonic() - last_progress if stats.has_work else 0.0,
         dropped_frames=dropped_frames,
-        structured_mask_rows=engine.grammars.mask_stats.rows,
-        structured_mask_seconds=engine.grammars.mask_stats.seconds,
+        structured_mask_rows=stats.structured_mask_rows,
+        structured_mask_seconds=stats.structured_mask_seconds,
         **lease_stats,
     )
 

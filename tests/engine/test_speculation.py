@@ -198,7 +198,9 @@ def test_counters_travel_in_worker_heartbeats(tiny_llama):
     assert engine.speculator is not None
     st = engine.speculator.stats
     assert st.num_accepted_tokens == sum(st.accepted_per_pos) and st.accepted_per_pos[0] >= st.accepted_per_pos[-1]
-    sent = engine_stats(engine, 0.0, 0, **st.as_worker_stats())
+    stats = engine.stats()
+    assert stats.speculation == engine.speculator.worker_stats()
+    sent = engine_stats(stats, 0.0, 0, **stats.speculation)
     got = msgspec.msgpack.decode(msgspec.msgpack.encode(sent), type=WorkerStats)
     assert (got.spec_num_drafts, got.spec_num_draft_tokens, got.spec_num_accepted_tokens) == (
         st.num_drafts,

@@ -127,7 +127,16 @@ def test_prefix_cache_digests_are_numbered_full_first_then_deltas():
     ctx = zmq.Context()
     hb = Heartbeater(ctx, FrameAuth(b"k" * 32), ["ipc://unused"])
     pool = BlockPool(8)
-    report = PrefixCacheReport(pool)
+
+    class Engine:  # an engine's prefix-cache calls (EngineCore) over a bare pool
+        def prefix_cache_changes(self):
+            events, pool.events = pool.events or [], []
+            return events
+
+        def prefix_cache_hashes(self):
+            return pool.hashes()
+
+    report = PrefixCacheReport(Engine())  # type: ignore[arg-type]
     a, b = pool.allocate(1), pool.allocate(1)
     pool.register(a[0], b"ha" * 8)
     hb.publish(_info(), WorkerStats(), report())  # first report: the whole set
