@@ -76,7 +76,11 @@ class LLMEngine(EngineCore):
         tensor-parallel prefill worker's --kv-payload-mac mode, its ranks sending their own KV heads."""
         self.config = config
         self.device = torch.device(config.device)
-        self.model_config = quantized(ModelConfig.from_folder(config.model, config.model_impl), config.quantization)
+        self.model_config = quantized(
+            ModelConfig.from_folder(config.model, config.model_impl),
+            config.quantization,
+            config.activation_quantization,
+        )
         quantized_weights = keeps_weights_quantized(self.model_config)
         self.dtype = resolve_dtype(config.dtype, self.device, quantized_weights, self.model_config.approx_params)
         if config.dtype == "auto":
@@ -102,7 +106,15 @@ class LLMEngine(EngineCore):
             args = (config, mc, self.dtype, self.kv_spec, num_blocks, self.max_model_len, sampler, show_progress)
             runner: ModelRunner = start_tensor_parallel(*args, kv_allocator=kv_allocator, kv_payload_mac=rank_kv_sends)
         else:
-            model = load_model(mc, self.dtype, self.device, self.max_model_len, show_progress, config.quantization)
+            model = load_model(
+                mc,
+                self.dtype,
+                self.device,
+                self.max_model_len,
+                show_progress,
+                config.quantization,
+                activations=config.activation_quantization,
+            )
             kv_cache = allocate_kv_cache(self.kv_spec, num_blocks, self.device, kv_allocator)
             graphs = self._decode_graphs(model, kv_cache)
             runner = ModelRunner(model, kv_cache, self.block_size, sampler, graphs)

@@ -15,7 +15,7 @@ from pdserve.engine.gguf_file import is_gguf, release_gguf
 from pdserve.engine.models.gemma import GemmaForCausalLM
 from pdserve.engine.models.interface import CausalLM, LayerInputs
 from pdserve.engine.models.llama import ForwardContext, LlamaForCausalLM
-from pdserve.engine.models.quantized_linear import keep_gguf_blocks, quantize_model
+from pdserve.engine.models.quantized_linear import keep_gguf_blocks, quantize_model, use_int8_activations
 from pdserve.engine.parallel.group import TensorParallelGroup
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import SchedulerOutput
@@ -34,8 +34,10 @@ def load_model(
     show_progress: bool = True,
     quantization: str = "auto",
     tp: TensorParallelGroup | None = None,
+    activations: str = "none",
 ) -> CausalLM:
-    """`tp`: this process's rank of a tensor-parallel group; it loads that rank's shard only."""
+    """`tp`: this process's rank of a tensor-parallel group; it loads that rank's shard only.
+    `activations` int8: the quantized linears quantize their inputs (few-row calls)."""
     if cfg.impl == "transformers":  # any other decoder-only model (models/transformers_backend.py)
         from pdserve.engine.models.transformers_backend import load_transformers_model
 
@@ -53,6 +55,8 @@ def load_model(
     model.loaded()
     if quantization in ("int8", "int4"):
         quantize_model(model, quantization)  # the linears still float; before the relayout, which skips them
+    if activations == "int8":
+        log.info("int8 activations on %d quantized linears", use_int8_activations(model))
     if device.type == "cpu":
         kind = model.use_cpu_weight_layout()
         from pdserve.kernels import (

@@ -43,7 +43,8 @@ typedef struct {  /* the kernels, loaded by their own modules */
     rope_store_fn rope_store;
     attention_fn attention;
     gemm_fn gemm;
-    quant_gemm_fn quant_gemm; /* NULL when no layer has a quantized linear */
+    quant_gemm_fn quant_gemm;       /* NULL when no layer has a quantized linear */
+    quant_gemm_fn quant_gemm_int8x; /* the same, x quantized to int8 first (cpu_quant_dot.c); or NULL */
 } kernel_table;
 
 typedef struct {  /* rows [out0, out0 + out) of a quantized linear, in one format */
@@ -58,6 +59,7 @@ typedef struct {  /* a linear: fp32 panels [P, in, 16], or quantized row segment
     const float *bias;              /* [out] or NULL */
     const quant_segment *segments;  /* quantized: num_segments of them, in output order */
     int32_t num_segments;
+    int32_t int8_activations;       /* quantized: through quant_gemm_int8x */
 } linear_desc;
 
 typedef struct {  /* one decoder layer, as laid out after loading */
@@ -87,13 +89,15 @@ int64_t decode_layers_work_floats(const stack_shape *s, int64_t m) {
 static int linear(const kernel_table *k, const linear_desc *w, const float *x, int64_t ldx, float *y, int64_t m,
                   int64_t in, int64_t out, float *seg_y, int nthreads) {
     if (w->panels) return k->gemm(x, ldx, w->panels, w->bias, y, m, in, out, nthreads);
+    const quant_gemm_fn quant_gemm = w->int8_activations ? k->quant_gemm_int8x : k->quant_gemm;
+    if (!quant_gemm) return LINEAR_REFUSED;
     if (w->num_segments == 1) {
         const quant_segment *g = &w->segments[0];
-        return k->quant_gemm(x, ldx, g->q, g->scales, g->offsets, w->bias, y, m, in, out, g->bits, g->sg, nthreads);
+        return quant_gemm(x, ldx, g->q, g->scales, g->offsets, w->bias, y, m, in, out, g->bits, g->sg, nthreads);
     }
     for (int32_t i = 0; i < w->num_segments; i++) {
         const quant_segment *g = &w->segments[i];
-        int rc = k->quant_gemm(x, ldx, g->q, g->scales, g->offsets, NULL, seg_y, m, in, g->out, g->bits, g->sg,
+        int rc = quant_gemm(x, ldx, g->q, g->scales, g->offsets, NULL, seg_y, m, in, g->out, g->bits, g->sg,
                                nthreads);
         if (rc) return rc;
         for (int64_t r = 0; r < m; r++)

@@ -29,7 +29,16 @@ SLOT_PAST_POOL, ATTENTION_REFUSED, LINEAR_REFUSED = -1, -2, -3
 class KernelTable(ctypes.Structure):
     _fields_ = [
         (name, ctypes.c_void_p)
-        for name in ("rmsnorm", "add_rmsnorm", "silu_mul", "rope_store", "attention", "gemm", "quant_gemm")
+        for name in (
+            "rmsnorm",
+            "add_rmsnorm",
+            "silu_mul",
+            "rope_store",
+            "attention",
+            "gemm",
+            "quant_gemm",
+            "quant_gemm_int8x",
+        )
     ]
 
 
@@ -55,6 +64,7 @@ class LinearDesc(ctypes.Structure):
         ("bias", ctypes.c_void_p),
         ("segments", ctypes.POINTER(QuantSegment)),
         ("num_segments", ctypes.c_int32),
+        ("int8_activations", ctypes.c_int32),
     ]
 
 
@@ -72,14 +82,18 @@ class LayerWeights(ctypes.Structure):
 
 def panel_linear(panels: torch.Tensor, bias: torch.Tensor | None) -> LinearDesc:
     """An fp32 linear by its few-row panels (engine/models/cpu_linear.py PackedLinear)."""
-    return LinearDesc(panels.data_ptr(), None if bias is None else bias.data_ptr(), None, 0)
+    return LinearDesc(panels.data_ptr(), None if bias is None else bias.data_ptr(), None, 0, 0)
 
 
-def quant_linear(parts: list[QuantWeight], bias: torch.Tensor | None) -> tuple[LinearDesc, ctypes.Array] | None:
+def quant_linear(
+    parts: list[QuantWeight], bias: torch.Tensor | None, int8_activations: bool = False
+) -> tuple[LinearDesc, ctypes.Array] | None:
     """A quantized linear by its parts (models/quantized_linear.py QuantizedLinear), with the
     segment array it points into (keep it alive); None when a part's rows carry input padding
-    (the per-op path pads x; the driver does not)."""
+    (the per-op path pads x; the driver does not) or its int8-activation kernel is not built."""
     if any(p.padded_in != p.in_features for p in parts):
+        return None
+    if int8_activations and not quant_gemm.int8x_available():
         return None
     segments = (QuantSegment * len(parts))()
     out0 = 0
@@ -88,7 +102,7 @@ def quant_linear(parts: list[QuantWeight], bias: torch.Tensor | None) -> tuple[L
         seg.q, seg.scales, seg.offsets = p.q.data_ptr(), p.scales.data_ptr(), offsets
         seg.out0, seg.out, seg.bits, seg.sg = out0, p.out_features, p.bits, p.scale_group
         out0 += p.out_features
-    desc = LinearDesc(None, None if bias is None else bias.data_ptr(), segments, len(parts))
+    desc = LinearDesc(None, None if bias is None else bias.data_ptr(), segments, len(parts), int(int8_activations))
     return desc, segments
 
 
@@ -115,7 +129,7 @@ def _library() -> tuple[ctypes.CDLL, KernelTable] | None:
     ops, gemm, attention = layer_ops._library(), panel_gemm._library(), cpu_native._library()
     if not (ops and gemm and attention):
         return None
-    quant = quant_gemm._library()  # optional: only quantized layers need it
+    quant, int8x = quant_gemm._library(), quant_gemm._int8x_library()  # optional: only quantized layers need them
     lib = load_kernel(SOURCE)
     if lib is None:
         return None
@@ -132,6 +146,7 @@ def _library() -> tuple[ctypes.CDLL, KernelTable] | None:
         _address(attention, "paged_decode_attention_f32"),
         _address(gemm, "panel_gemm_f32"),
         _address(quant, "quant_gemm_f32") if quant is not None else None,
+        _address(int8x, "quant_gemm_int8x") if int8x is not None else None,
     )
     return lib, table
 

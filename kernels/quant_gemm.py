@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from pdserve.kernels.cpu_native import built, load_kernel
 
 SOURCE = Path(__file__).with_name("cpu_quant_gemm.c")
+INT8X_SOURCE = Path(__file__).with_name("cpu_quant_dot.c")  # the same formats, int8 activations
 GROUP = 32  # inputs a scale; the library is refused if it says otherwise
 BITS = {"int8": 8, "int4": 4}
 # Up to this many rows (by bits) the C kernel; beyond, widened tiles + torch's GEMM. The C kernel
@@ -102,12 +103,33 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
+@functools.lru_cache(maxsize=None)
+def _int8x_library() -> ctypes.CDLL | None:
+    lib = load_kernel(INT8X_SOURCE)
+    if lib is None:
+        return None
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.quant_gemm_int8x.restype = i32
+    lib.quant_gemm_int8x.argtypes = [p, i64, p, p, p, p, p, i64, i64, i64, i32, i32, i32]
+    lib.quant_dot_group.restype = i32
+    if lib.quant_dot_group() != GROUP:
+        raise RuntimeError(f"{INT8X_SOURCE.name} groups {lib.quant_dot_group()} inputs a scale, quant_gemm.py {GROUP}")
+    return lib
+
+
 def available() -> bool:
     """Whether the kernels are built and loaded (tried once per process)."""
     return _library() is not None
 
 
+def int8x_available() -> bool:
+    """Whether the int8-activation kernel is built and loaded (tried once per process)."""
+    return _int8x_library() is not None
+
+
 def _check(rc: int) -> None:
+    if rc == -2:
+        raise MemoryError("quant_gemm: no memory for the quantized activations")
     if rc != 0:
         raise ValueError("quant_gemm: bad arguments")
 
@@ -140,8 +162,10 @@ def _dense_linear(x: torch.Tensor, dense: torch.Tensor, bias: torch.Tensor | Non
     return F.linear(x, dense, bias)  # [m, o]
 
 
-def linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [m, in] fp32 CPU (the last dim dense; rows may lie apart) -> [m, out] fp32."""
+def linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, int8_activations: bool = False) -> torch.Tensor:
+    """x [m, in] fp32 CPU (the last dim dense; rows may lie apart) -> [m, out] fp32.
+    `int8_activations`: few-row calls quantize x's rows per group of 32 and multiply in integers
+    (kernels/cpu_quant_dot.c; as llama.cpp's dot products); many-row calls are unchanged."""
     m = x.shape[0]
     if not available():
         return F.linear(x, dequantize(w), bias)  # [m, out]
@@ -152,7 +176,9 @@ def linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None) -> torch.
     assert x.dtype == torch.float32 and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
     if m <= FEW_ROWS[w.bits]:
         y = torch.empty(m, w.out_features, dtype=torch.float32)
-        rc = built(_library()).quant_gemm_f32(
+        int8x = int8_activations and int8x_available()
+        kernel = built(_int8x_library()).quant_gemm_int8x if int8x else built(_library()).quant_gemm_f32
+        rc = kernel(
             x.data_ptr(),
             x.stride(0),
             w.q.data_ptr(),

@@ -149,7 +149,7 @@ def _driver_linear(module: nn.Module, keep: list) -> decode_layers.LinearDesc | 
     if isinstance(module, PackedLinear) and module.panels is not None:
         return decode_layers.panel_linear(module.panels, module.bias)
     if isinstance(module, QuantizedLinear) and decode_layers.quantized_available():
-        got = decode_layers.quant_linear(module.parts, module.bias)
+        got = decode_layers.quant_linear(module.parts, module.bias, module.int8_activations)
         if got is not None:
             keep.append(got[1])
             return got[0]

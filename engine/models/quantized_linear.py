@@ -48,6 +48,7 @@ class QuantizedLinear(nn.Module):
             off = None if p.offsets is None else nn.Parameter(p.offsets, requires_grad=False)
             self.register_parameter(f"offsets{i}", off)
         self.bias = None if bias is None else nn.Parameter(bias.detach().float().contiguous(), requires_grad=False)
+        self.int8_activations = False  # few-row calls quantize x per group of 32 (`use_int8_activations`)
 
     @property
     def parts(self) -> list[QuantWeight]:
@@ -75,9 +76,9 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         parts = self.parts
         if len(parts) == 1:
-            y = quant_gemm.linear(x.float(), parts[0], self.bias)  # [T, out] fp32
+            y = quant_gemm.linear(x.float(), parts[0], self.bias, self.int8_activations)  # [T, out] fp32
         else:
-            y = torch.cat([quant_gemm.linear(x.float(), p, None) for p in parts], dim=1)  # [T, out]
+            y = torch.cat([quant_gemm.linear(x.float(), p, None, self.int8_activations) for p in parts], dim=1)
             if self.bias is not None:
                 y += self.bias
         return y.to(x.dtype)
@@ -118,6 +119,17 @@ def keep_gguf_blocks(model: LlamaForCausalLM, scheme: str, path: str | Path) -> 
     )
     if table is not None and len(table) == 1 and model.tp is None:  # (vocab-parallel ranks keep a float slice)
         model.embed_tokens = QuantizedEmbedding(table[0])  # a tied head's blocks shared, no float table
+
+
+def use_int8_activations(model: nn.Module) -> int:
+    """`--activation-quantization int8`: every QuantizedLinear's few-row calls (decode steps,
+    short prompts) quantize their input rows to int8 per group of 32 and multiply in integers
+    (kernels/cpu_quant_dot.c, as llama.cpp does); many-row calls keep fp32 activations. Returns
+    how many linears it set."""
+    linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    for m in linears:
+        m.int8_activations = True
+    return len(linears)
 
 
 def quantize_model(model: LlamaForCausalLM, scheme: str) -> None:

@@ -23,11 +23,12 @@ from tests.engine.gguf_fixtures import gguf_file
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def quant_engine(model: Path, quantization: str) -> LLMEngine:
+def quant_engine(model: Path, quantization: str, activations: str = "none") -> LLMEngine:
     cfg = EngineConfig(
         model=str(model),
         dtype="float32",
         quantization=quantization,
+        activation_quantization=activations,
         cache=CacheConfig(block_size=4, num_blocks=256),
         scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512, max_model_len=256),
     )

@@ -131,17 +131,20 @@ def k_quant_llama(tmp_path_factory):
 
 @pytest.mark.skipif(not decode_layers.quantized_available(), reason="the quantized GEMM did not build")
 @pytest.mark.parametrize("batch", [1, few_rows(), QUANT_ROWS])
-@pytest.mark.parametrize("source", ["int8", "int4", "q4_k_m"])
+@pytest.mark.parametrize("source", ["int8", "int4", "q4_k_m", "int4+int8x", "q4_k_m+int8x"])
 @torch.inference_mode()
 def test_quantized_layers_fused_equal_per_op_bit_for_bit(tiny_llama, k_quant_llama, source, batch):
+    """+int8x: the linears quantize their input rows (--activation-quantization int8), in both paths."""
     from pdserve.engine.models.quantized_linear import QuantizedLinear
     from tests.engine.test_quantization import quant_engine
 
+    source, _, activations = source.partition("+")
     model_path, quantization = (k_quant_llama, "auto") if source == "q4_k_m" else (tiny_llama, source)
-    engine = to_decode(quant_engine(model_path, quantization), batch)
+    engine = to_decode(quant_engine(model_path, quantization, "int8" if activations else "none"), batch)
     model, kv = engine.runner.model, engine.runner.kv_cache
     qkv = model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, QuantizedLinear) and isinstance(model.layers[0].mlp.down_proj, QuantizedLinear)
+    assert qkv.int8_activations == bool(activations)
     if source == "q4_k_m":
         assert len(qkv.parts) == 2  # Q4_K q/k rows, Q6_K v rows
     fp = engine.launch(engine.schedule())

@@ -1,0 +1,40 @@
+"""--activation-quantization int8 on a GGUF file's kept K-quant blocks (Q4_K_M): the decode-size
+calls quantize their input rows to int8 (kernels/cpu_quant_dot.c), so greedy output is no longer
+bit for bit HF's on the dequantized weights. Measured teacher-forced: at each position of HF's
+greedy continuation, the engine's next token given HF's prefix is HF's next token."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.engine.models.quantized_linear import QuantizedLinear
+from pdserve.kernels import quant_gemm
+from pdserve.protocol.sampling import SamplingParams
+from tests.conftest import hf_greedy
+from tests.engine.family_checks import prompts_for
+from tests.engine.test_gguf_blocks_kept import _dequantized_hf_folder, k_quant_source  # noqa: F401 (fixture)
+from tests.engine.test_quantization import quant_engine
+
+pytestmark = pytest.mark.skipif(not quant_gemm.int8x_available(), reason="no C compiler: no int8-activation kernel")
+NEW = 24  # HF tokens a prompt: positions measured
+
+
+def test_int8_activations_agree_with_hf_teacher_forced(k_quant_source, tmp_path):  # noqa: F811
+    from pdserve.engine.gguf_writer import write_gguf
+
+    file = write_gguf(k_quant_source, tmp_path / "m.gguf", "q4_k_m")
+    engine = quant_engine(file, "auto", "int8")
+    assert all(m.int8_activations for m in engine.runner.model.modules() if isinstance(m, QuantizedLinear))
+    assert engine.model_config.weights_tag.endswith("auto+int8x")  # its KV is not fp32 activations' KV
+    reference = _dequantized_hf_folder(k_quant_source, file, tmp_path / "hf")
+    prompts = prompts_for(engine.model_config.vocab_size)
+    want = [hf_greedy(str(reference), tuple(p), NEW) for p in prompts]
+    assert max(map(len, prompts)) <= min(quant_gemm.FEW_ROWS.values())  # a step's rows: the int8 kernel's
+    # one at a time, so each step computes one prompt's rows past its cached prefix (few: the int8 kernel)
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    got = [engine.generate([p + w[:k]], one)[0][0] for p, w in zip(prompts, want) for k in range(len(w))]
+    expected = [t for w in want for t in w]
+    agree = sum(a == b for a, b in zip(got, expected))
+    print(f"teacher-forced top-1 agreement with HF: {agree}/{len(expected)}")
+    assert agree >= 0.99 * len(expected), f"{agree} of {len(expected)} positions agree with HF"
+    engine.pool.assert_all_free()
