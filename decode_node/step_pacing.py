@@ -7,7 +7,7 @@ that core. While prompts for this worker queue behind a prefill (n KV leases act
 prompt prefilling, n - 1 waiting), the pacer starts decode steps no closer than
 `max_interval_ms * min(n - 1, RAMP_QUEUED) / RAMP_QUEUED`. The gaps go to prefill, and the
 decode batch grows: each running request stays longer, so more of them share every pass over
-the weights (bench-engine, two threads, session 10: 6.9 ms a step at batch 1, 11.0 at batch 8), and
+the weights (bench-engine, two threads, 2026-11-23: 6.9 ms a step at batch 1, 11.0 at batch 8), and
 decode's CPU per request falls.
 
 A lone prefill does not slow decode at all (nothing queues behind it, so TTFT is its compute);

@@ -1,4 +1,4 @@
-"""A draft model's KV built by the prefill pool and shipped with the target's (issue 34, item 1),
+"""A draft model's KV built by the prefill pool and shipped with the target's,
 over HTTP with real processes: `serve --speculative-config '{"model": DRAFT, ...}'` gives the
 draft to the prefill worker too. Greedy text equals HF's (so the output without speculation),
 with chunked prefill and a repeated prompt that hits both prefix caches; the decode worker

@@ -1,4 +1,4 @@
-"""`pdserve serve` 1P1D with a tensor-parallel degree per pool (issue 36): real processes on
+"""`pdserve serve` 1P1D with a tensor-parallel degree per pool: real processes on
 loopback, greedy output == HF generate (fp32) token for token while the KV crosses between
 degrees (re-sliced by KV head), a prefix-cache hit on a repeated prompt, every block back after."""
 
