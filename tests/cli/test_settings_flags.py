@@ -86,6 +86,7 @@ def test_bad_flag_text_is_a_usage_error(capsys):
 SAMPLES: dict[str, tuple[list[str], object]] = {
     "--dtype": (["float32"], "float32"),
     "--quantization": (["int8"], "int8"),
+    "--activation-quantization": (["int8"], "int8"),
     "--model-impl": (["native"], "native"),
     "--device": (["cuda:1"], "cuda:1"),
     "--enforce-eager": (["--enforce-eager"], True),
