@@ -457,8 +457,20 @@ SCHEDULING_POLICIES = ("fcfs", "shortest-first")
 # --quantization; auto: a GGUF file's quantized linears kept as stored (engine/quantize.py
 # KEPT_GGUF_TYPES), float weights as they are
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
-# --activation-quantization: int8, a quantized linear's few-row calls quantize their input rows
-ACTIVATION_QUANTIZATIONS = ("none", "int8")
+# --activation-quantization: int8, a quantized linear's few-row calls quantize their input rows;
+# auto: int8 for a GGUF file's kept blocks (as llama.cpp runs the same file), else none
+ACTIVATION_QUANTIZATIONS = ("auto", "none", "int8")
+
+
+def resolve_activations(activations: str, quantization: str, model: str) -> str:
+    """--activation-quantization as applied: "int8" or "none"."""
+    from pdserve.engine.gguf_file import is_gguf
+
+    if activations != "auto":
+        return activations
+    return "int8" if quantization == "auto" and is_gguf(model) else "none"
+
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # --dtype
 
 
@@ -541,11 +553,13 @@ class EngineConfig:
         str,
         Flag(
             "int8: the quantized linears' decode-size calls (up to 48-64 rows) quantize their input rows "
-            "to int8 per group of 32 and multiply in integers, as llama.cpp does (faster on the CPU; "
-            "outputs agree with fp32 activations to ~1e-3, not bit for bit); none (default): fp32",
+            "to int8 per group of 32 and multiply in integers, as llama.cpp does (2-3x faster decode "
+            "linears on the CPU; logits agree with fp32 activations to ~1e-3, not bit for bit); none: fp32 "
+            "(bit for bit HF on the dequantized weights); auto (default): int8 for a GGUF file's kept "
+            "blocks, none otherwise",
             choices=ACTIVATION_QUANTIZATIONS,
         ),
-    ] = "none"
+    ] = "auto"
     model_impl: Annotated[  # ModelConfig.from_folder
         str,
         Flag(
@@ -586,7 +600,7 @@ class EngineConfig:
             raise ValueError(
                 f"activation_quantization must be one of {ACTIVATION_QUANTIZATIONS}, got {self.activation_quantization!r}"
             )
-        if self.activation_quantization != "none" and self.quantization == "none":
+        if self.activation_quantization == "int8" and self.quantization == "none":
             raise ValueError(
                 "--activation-quantization int8 applies to quantized weights: not with --quantization none"
             )

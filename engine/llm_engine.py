@@ -27,6 +27,7 @@ from pdserve.engine.config import (
     auto_dtype_reason,
     keeps_weights_quantized,
     quantized,
+    resolve_activations,
     resolve_dtype,
 )
 from pdserve.engine.cuda_graphs import DecodeGraphs
@@ -76,10 +77,9 @@ class LLMEngine(EngineCore):
         tensor-parallel prefill worker's --kv-payload-mac mode, its ranks sending their own KV heads."""
         self.config = config
         self.device = torch.device(config.device)
+        activations = resolve_activations(config.activation_quantization, config.quantization, config.model)
         self.model_config = quantized(
-            ModelConfig.from_folder(config.model, config.model_impl),
-            config.quantization,
-            config.activation_quantization,
+            ModelConfig.from_folder(config.model, config.model_impl), config.quantization, activations
         )
         quantized_weights = keeps_weights_quantized(self.model_config)
         self.dtype = resolve_dtype(config.dtype, self.device, quantized_weights, self.model_config.approx_params)
@@ -113,7 +113,7 @@ class LLMEngine(EngineCore):
                 self.max_model_len,
                 show_progress,
                 config.quantization,
-                activations=config.activation_quantization,
+                activations=activations,
             )
             kv_cache = allocate_kv_cache(self.kv_spec, num_blocks, self.device, kv_allocator)
             graphs = self._decode_graphs(model, kv_cache)

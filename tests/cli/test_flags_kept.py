@@ -16,7 +16,7 @@ ENGINE = {
     "--model": (None, None, "", None),
     "--dtype": ("auto", ("auto", "float32", "bfloat16", "float16"), "", None),
     "--quantization": ("auto", ("auto", "none", "int8", "int4"), "", None),
-    "--activation-quantization": ("none", ("none", "int8"), "", None),  # added with the int8-activation kernel
+    "--activation-quantization": ("auto", ("auto", "none", "int8"), "", None),  # added with the int8-activation kernel
     "--model-impl": ("auto", ("auto", "native", "transformers"), "", None),
     "--device": ("cpu", None, "", None),
     "--enforce-eager": (False, None, "store_true", None),  # added with CUDA graphs

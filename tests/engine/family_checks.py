@@ -22,8 +22,12 @@ def make_engine(model: Path, **kw) -> LLMEngine:
         max_num_batched_tokens=kw.pop("max_num_batched_tokens", 512),
         max_model_len=kw.pop("max_model_len", 256),
     )
+    activations = kw.pop("activation_quantization", "auto")
     assert not kw, kw
-    return LLMEngine(EngineConfig(model=str(model), dtype="float32", cache=cache, scheduler=sched), show_progress=False)
+    config = EngineConfig(
+        model=str(model), dtype="float32", cache=cache, scheduler=sched, activation_quantization=activations
+    )
+    return LLMEngine(config, show_progress=False)
 
 
 def prompts_for(vocab: int) -> list[list[int]]:

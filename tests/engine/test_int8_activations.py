@@ -38,3 +38,20 @@ def test_int8_activations_agree_with_hf_teacher_forced(k_quant_source, tmp_path)
     print(f"teacher-forced top-1 agreement with HF: {agree}/{len(expected)}")
     assert agree >= 0.99 * len(expected), f"{agree} of {len(expected)} positions agree with HF"
     engine.pool.assert_all_free()
+
+
+def test_auto_quantizes_the_activations_of_a_gguf_files_kept_blocks_only(tmp_path):
+    from pdserve.engine.config import EngineConfig, resolve_activations
+
+    file, folder = tmp_path / "m.gguf", str(tmp_path)
+    file.write_bytes(b"GGUF" + bytes(12))  # is_gguf reads the magic
+    assert resolve_activations("auto", "auto", str(file)) == "int8"  # as llama.cpp runs the file
+    assert resolve_activations("auto", "none", str(file)) == "none"  # dequantized: float linears
+    assert resolve_activations("auto", "auto", folder) == "none"  # a float folder
+    assert resolve_activations("auto", "int4", folder) == "none"  # quantized at load: weight-only, as before
+    assert (
+        resolve_activations("int8", "int4", folder) == "int8"
+        and resolve_activations("none", "auto", str(file)) == "none"
+    )
+    with pytest.raises(ValueError, match="applies to quantized weights"):
+        EngineConfig(model=folder, quantization="none", activation_quantization="int8")
