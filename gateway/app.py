@@ -29,7 +29,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 
 import msgspec
 from starlette.applications import Starlette
@@ -38,15 +38,18 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from pdserve.gateway.anthropic import MESSAGES, anthropic_error, count_tokens
 from pdserve.gateway.backend import Backend
 from pdserve.gateway.bodies import Bounds, DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest, decode
+from pdserve.gateway.dialects import CHAT, COMPLETIONS, Dialect
 from pdserve.gateway.errors import APIError, error_response, invalid
 from pdserve.gateway.generation import GenerationRun, RunContext
 from pdserve.gateway.limits import GatewayLimits
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.openapi import openapi_endpoint
 from pdserve.gateway.rate_limits import Admission, RateLimited, RequestOverLimit, TenantGate
-from pdserve.gateway.schemas import ParsedRequest, RequestKind, chat_messages, parse_request
+from pdserve.gateway.responses import RESPONSES
+from pdserve.gateway.schemas import ParsedRequest, chat_messages
 from pdserve.gateway.tenants import TenantDirectory
 from pdserve.gateway.text_decoder import special_markers, text_decoder
 from pdserve.gateway.tools.parser import ToolParser
@@ -69,10 +72,10 @@ class _EventStream(StreamingResponse):
     garbage collection; one gone before the first write leaves the generator unstarted, whose own
     cleanup then never runs."""
 
-    body_iterator: AsyncGenerator[bytes, None]  # GenerationRun.sse()
+    body_iterator: AsyncGenerator[bytes, None]  # the dialect's events (GenerationRun.sse() for OpenAI's)
 
-    def __init__(self, run: GenerationRun, first, headers: dict[str, str]) -> None:
-        super().__init__(run.sse(first), media_type="text/event-stream", headers=headers)
+    def __init__(self, run: GenerationRun, events: AsyncGenerator[bytes, None], headers: dict[str, str]) -> None:
+        super().__init__(events, media_type="text/event-stream", headers=headers)
         self.run = run
 
     async def __call__(self, scope, receive, send) -> None:
@@ -92,11 +95,14 @@ class _ApiKeyMiddleware:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and (scope["path"].startswith("/v1") or scope["path"] in KEYED_PATHS):
-            gate = self.tenants.lookup(dict(scope.get("headers", [])).get(b"authorization", b""))
+            headers = dict(scope.get("headers", []))
+            key = headers.get(b"x-api-key")  # Anthropic's clients send the key so
+            gate = self.tenants.lookup(headers.get(b"authorization", b"") if key is None else b"Bearer " + key)
             if gate is None:
-                resp = error_response(
+                refusal = APIError(
                     401, "invalid or missing API key", type_="authentication_error", code="invalid_api_key"
                 )
+                resp = anthropic_error(refusal) if scope["path"].startswith("/v1/messages") else refusal.response()
                 return await resp(scope, receive, send)
             scope[TENANT_SCOPE_KEY] = gate
         return await self.app(scope, receive, send)
@@ -144,7 +150,7 @@ class GatewayApp:
         )
 
     # --- plumbing ---------------------------------------------------------------------------
-    async def _read_json(self, request: Request):
+    async def read_json(self, request: Request):
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.limits.max_body_bytes:
             raise APIError(413, f"request body over {self.limits.max_body_bytes} bytes", code="body_too_large")
@@ -220,7 +226,7 @@ class GatewayApp:
 
     # --- /tokenize and /detokenize (vLLM's shapes; the tokenizer only, no worker needed) ----
     async def tokenize(self, request: Request) -> Response:
-        body = await self._read_json(request)
+        body = await self.read_json(request)
         if isinstance(body, dict) and "messages" in body:
             chat = decode(body, TokenizeChatRequest, self.bounds)
             self.check_model(chat.model)
@@ -257,7 +263,7 @@ class GatewayApp:
         )
 
     async def detokenize(self, request: Request) -> Response:
-        body = decode(await self._read_json(request), DetokenizeRequest, self.bounds)
+        body = decode(await self.read_json(request), DetokenizeRequest, self.bounds)
         self.check_model(body.model)
         return JSONResponse({"prompt": await asyncio.to_thread(self.tokenizer.decode, body.tokens)})
 
@@ -345,14 +351,14 @@ class GatewayApp:
             headers={"Retry-After": "2"},
         )
 
-    async def handle(self, request: Request, kind: RequestKind) -> Response:
+    async def handle(self, request: Request, dialect: Dialect) -> Response:
         arrival = time.monotonic()
         gate: TenantGate = request.scope.get(TENANT_SCOPE_KEY) or self.tenants.anonymous
         try:
             refused = self.not_ready()
             if refused is not None:
                 raise refused
-            req = parse_request(await self._read_json(request), kind, self.bounds, self.tool_parser)
+            req = dialect.parse(await self.read_json(request), self.bounds, self.tool_parser)
             self.check_model(req.model)
             prompt = await asyncio.to_thread(self._tokenize, req)
             if not prompt:
@@ -379,8 +385,8 @@ class GatewayApp:
                 self.metrics.structured_compile.observe(req.constraint_check_s)
         except APIError as e:
             self.metrics.http_errors.labels(status=str(e.status)).inc()
-            return e.response()
-        base_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+            return dialect.error(e)
+        base_id = dialect.id_prefix + uuid.uuid4().hex
         priority = req.priority if req.priority is not None else gate.limits.priority
         try:
             sampling = self._sampling(req, max_tokens, 0, priority)
@@ -397,14 +403,16 @@ class GatewayApp:
         except BaseException:
             self._done(run)
             raise
-        if isinstance(first, Response):
+        if isinstance(first, APIError):
             self._done(run)
-            first.headers.update(admission.headers)
-            return first
+            refusal = dialect.error(first)
+            refusal.headers.update(admission.headers)
+            return refusal
         if req.stream:
-            return _EventStream(run, first, headers={"Cache-Control": "no-cache", **admission.headers})
+            events = dialect.sse(run, first)
+            return _EventStream(run, events, headers={"Cache-Control": "no-cache", **admission.headers})
         try:
-            response = await run.collect(first, request)
+            response = await dialect.respond(run, first, request)
         finally:
             self._done(run)
         response.headers.update(admission.headers)
@@ -459,10 +467,19 @@ def create_app(
     )
 
     async def completions(request: Request) -> Response:
-        return await _guard(gw, gw.handle(request, "completion"))
+        return await _guard(gw, gw.handle(request, COMPLETIONS))
 
     async def chat(request: Request) -> Response:
-        return await _guard(gw, gw.handle(request, "chat"))
+        return await _guard(gw, gw.handle(request, CHAT))
+
+    async def responses(request: Request) -> Response:
+        return await _guard(gw, gw.handle(request, RESPONSES))
+
+    async def messages(request: Request) -> Response:
+        return await _guard(gw, gw.handle(request, MESSAGES), anthropic_error)
+
+    async def messages_count_tokens(request: Request) -> Response:
+        return await _guard(gw, count_tokens(gw, request), anthropic_error)
 
     async def tokenize(request: Request) -> Response:
         return await _guard(gw, gw.tokenize(request))
@@ -524,16 +541,20 @@ def create_app(
     async def metrics(_: Request) -> Response:
         return Response(gw.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    async def http_error(_: Request, exc: Exception) -> Response:  # unknown path, wrong method
+    async def http_error(request: Request, exc: Exception) -> Response:  # unknown path, wrong method
         assert isinstance(exc, HTTPException)  # the only exception it is registered for
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return error_response(exc.status_code, str(exc.detail), code=code, headers=exc.headers)
+        error = APIError(exc.status_code, str(exc.detail), code=code, headers=dict(exc.headers or {}))
+        return anthropic_error(error) if request.url.path.startswith("/v1/messages") else error.response()
 
     app = Starlette(
         exception_handlers={HTTPException: http_error},
         routes=[
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/chat/completions", chat, methods=["POST"]),
+            Route("/v1/responses", responses, methods=["POST"]),
+            Route("/v1/messages", messages, methods=["POST"]),
+            Route("/v1/messages/count_tokens", messages_count_tokens, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/tokenize", tokenize, methods=["POST"]),
             Route("/detokenize", detokenize, methods=["POST"]),
@@ -558,13 +579,14 @@ def _json_number(text: str) -> int | float:
     return int(value) if value.is_integer() else value
 
 
-async def _guard(gw: GatewayApp, coro) -> Response:
+async def _guard(gw: GatewayApp, coro, error: Callable[[APIError], Response] = APIError.response) -> Response:
+    """The handler's answer; an APIError (or an unexpected error: 500) written by `error`."""
     try:
         return await coro
     except APIError as e:
         gw.metrics.http_errors.labels(status=str(e.status)).inc()
-        return e.response()
+        return error(e)
     except Exception:
         log.exception("unhandled error")
         gw.metrics.http_errors.labels(status="500").inc()
-        return error_response(500, "internal server error", type_="server_error")
+        return error(APIError(500, "internal server error", type_="server_error"))

@@ -27,6 +27,7 @@ from pdserve.gateway.errors import invalid
 from pdserve.gateway.limits import GatewayLimits
 
 _INT64 = 2**63
+REF = "#/components/schemas/{name}"  # where the OpenAPI description keeps the structs' schemas
 T = TypeVar("T")
 
 
@@ -352,6 +353,228 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     model: ServedModel = None
 
 
+# --- Anthropic's /v1/messages and /v1/messages/count_tokens -------------------------------------
+class CacheControl(msgspec.Struct):
+    type: str = "ephemeral"  # (prompt caching is the prefix cache's, automatic: accepted, not needed)
+    ttl: str | None = None
+
+
+class AnthropicText(msgspec.Struct, tag_field="type", tag="text", kw_only=True):
+    text: str
+    cache_control: CacheControl | None = None
+    citations: Annotated[list[Any] | None, doc("accepted; not produced")] = None
+
+
+class AnthropicTextPart(msgspec.Struct, kw_only=True):
+    """A text block where only text blocks go (system, a tool result's content): its type stated."""
+
+    type: Literal["text"]
+    text: str
+    cache_control: CacheControl | None = None
+    citations: Annotated[list[Any] | None, doc("accepted; not produced")] = None
+
+
+class AnthropicToolUse(msgspec.Struct, tag_field="type", tag="tool_use", kw_only=True):
+    id: str
+    name: str
+    input: dict[str, Any]
+    cache_control: CacheControl | None = None
+
+
+class AnthropicToolResult(msgspec.Struct, tag_field="type", tag="tool_result", kw_only=True):
+    tool_use_id: str
+    content: str | list[AnthropicTextPart] | None = None
+    is_error: bool | None = None
+    cache_control: CacheControl | None = None
+
+
+AnthropicBlock = Union[AnthropicText, AnthropicToolUse, AnthropicToolResult]
+
+
+class AnthropicMessage(msgspec.Struct, forbid_unknown_fields=True):
+    role: Literal["user", "assistant"]
+    content: Annotated[str | list[AnthropicBlock], doc("text, or text, tool_use and tool_result blocks")]
+
+
+class AnthropicTool(msgspec.Struct, kw_only=True):
+    name: Annotated[str, Meta(pattern="^[a-zA-Z0-9_-]{1,64}$")]
+    input_schema: Annotated[dict[str, Any], doc("a JSON schema of the input object (type: object)")]
+    description: str | None = None
+    type: Literal["custom"] | None = None
+    cache_control: CacheControl | None = None
+
+
+class AnthropicToolChoice(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    type: Annotated[
+        Literal["auto", "any", "tool", "none"],
+        doc("auto: calls read from the output (needs --tool-call-parser); any or tool (with name): forced"),
+    ]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class AnthropicOutputFormat(msgspec.Struct, forbid_unknown_fields=True):
+    type: Literal["json_schema"]
+    schema: Annotated[dict[str, Any], doc("a JSON Schema the answer follows; invalid ones are a 400")]
+
+
+class AnthropicOutputConfig(msgspec.Struct, forbid_unknown_fields=True):
+    format: AnthropicOutputFormat | None = None
+    effort: Annotated[
+        Literal["low", "medium", "high", "xhigh", "max"] | None, doc("accepted; no effect (no reasoning output)")
+    ] = None
+
+
+class AnthropicThinking(msgspec.Struct, forbid_unknown_fields=True):
+    type: Annotated[Literal["disabled", "enabled", "adaptive"], doc("only disabled: no reasoning output yet")]
+    budget_tokens: int | None = None
+
+
+class AnthropicMetadata(msgspec.Struct):
+    user_id: str | None = None  # kept by nobody
+
+
+class MessagesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    model: ServedModel
+    messages: Annotated[list[AnthropicMessage], Meta(min_length=1)]
+    max_tokens: NewTokens
+    system: str | list[AnthropicTextPart] | None = None
+    stop_sequences: Annotated[list[StopString], limit(maxItems="max_stop")] | None = None
+    stream: bool | None = None
+    temperature: Annotated[float, Meta(ge=0.0, le=100.0)] | None = None
+    top_p: TopP | None = None
+    top_k: Annotated[int, Meta(ge=0, le=_INT64 - 1)] | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: AnthropicToolChoice | None = None
+    metadata: AnthropicMetadata | None = None
+    output_config: AnthropicOutputConfig | None = None
+    thinking: AnthropicThinking | None = None
+    cache_control: Annotated[CacheControl | None, doc("accepted: the prefix cache reuses prompts by itself")] = None
+
+
+class CountTokensRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    model: ServedModel
+    messages: Annotated[list[AnthropicMessage], Meta(min_length=1)]
+    system: str | list[AnthropicTextPart] | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: AnthropicToolChoice | None = None
+
+
+# --- OpenAI's /v1/responses (stateless) -----------------------------------------------------------
+class ResponseInputText(msgspec.Struct, kw_only=True):
+    type: Literal["input_text", "output_text"]  # (an earlier answer's text comes back as output_text)
+    text: str
+    annotations: list[Any] | None = None
+    logprobs: list[Any] | None = None
+
+
+class ResponseInputMessage(msgspec.Struct, kw_only=True):
+    """A turn: `type` may be left out (the SDK's easy form)."""
+
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[ResponseInputText]
+    type: Literal["message"] | None = None
+    id: str | None = None
+    status: str | None = None
+
+
+class ResponseFunctionCall(msgspec.Struct, kw_only=True):
+    """An earlier answer's call, sent back with its output."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: Annotated[str, doc("JSON text")]
+    id: str | None = None
+    status: str | None = None
+
+
+class ResponseFunctionCallOutput(msgspec.Struct, kw_only=True):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[ResponseInputText]
+    id: str | None = None
+    status: str | None = None
+
+
+RESPONSE_ITEMS = {
+    "message": ResponseInputMessage,
+    "function_call": ResponseFunctionCall,
+    "function_call_output": ResponseFunctionCallOutput,
+}
+_RESPONSE_INPUT = {
+    "anyOf": [
+        {"type": "string"},
+        {"type": "array", "items": {"anyOf": [{"$ref": REF.format(name=t.__name__)} for t in RESPONSE_ITEMS.values()]}},
+    ]
+}
+
+
+class ResponseFunctionTool(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    type: Annotated[Literal["function"], doc("function tools only")]
+    name: Annotated[str, Meta(pattern="^[a-zA-Z0-9_-]{1,64}$")]
+    parameters: Annotated[dict[str, Any] | None, doc("a JSON schema of an object (type: object)")] = None
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseNamedTool(msgspec.Struct, forbid_unknown_fields=True):
+    type: Literal["function"]
+    name: str
+
+
+class FormatText(msgspec.Struct, tag_field="type", tag="text", forbid_unknown_fields=True):
+    pass
+
+
+class FormatJsonObject(msgspec.Struct, tag_field="type", tag="json_object", forbid_unknown_fields=True):
+    pass
+
+
+class FormatJsonSchema(msgspec.Struct, tag_field="type", tag="json_schema", kw_only=True, forbid_unknown_fields=True):
+    name: str
+    schema: Annotated[dict[str, Any], doc("a JSON Schema; invalid ones are a 400")]
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseText(msgspec.Struct, forbid_unknown_fields=True):
+    format: Union[FormatText, FormatJsonObject, FormatJsonSchema, None] = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
+class ResponseReasoning(msgspec.Struct):
+    effort: Annotated[str | None, doc("accepted; no effect (no reasoning output)")] = None
+    summary: str | None = None
+
+
+class ResponsesRequest(SamplingFields, kw_only=True, forbid_unknown_fields=True):
+    model: ServedModel = None
+    input: Annotated[
+        Any,
+        schema(
+            "text, or items: messages (role and content), function_call and function_call_output", **_RESPONSE_INPUT
+        ),
+    ]
+    instructions: Annotated[str | None, doc("a system message before the input")] = None
+    max_output_tokens: NewTokens | None = None
+    stream: bool | None = None
+    tools: list[ResponseFunctionTool] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], ResponseNamedTool, None] = None
+    parallel_tool_calls: bool | None = None
+    text: ResponseText | None = None
+    store: Annotated[bool | None, doc("accepted; nothing is stored (stateless)")] = None
+    previous_response_id: Annotated[
+        str | None, doc("not supported: nothing is stored; send the whole conversation as input")
+    ] = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    reasoning: ResponseReasoning | None = None
+    include: list[str] | None = None
+    truncation: Literal["disabled", "auto"] | None = None
+    stop: Annotated[Stop, doc("pdserve's: stop strings, as chat's")] = None
+
+
 # --- parsing --------------------------------------------------------------------------------------
 _PATH = re.compile(r" - at `(?:key` in `)?\$\.?([^`]*)`$")
 _UNKNOWN = re.compile(r"unknown field `([^`]*)`")
@@ -460,7 +683,6 @@ def _check_limits(value: Any, t: Any, bounds: Bounds, path: str, param: str) -> 
 
 
 # --- the OpenAPI description ----------------------------------------------------------------------
-REF = "#/components/schemas/{name}"
 
 
 def request_schemas(types: list[type], bounds: Bounds) -> dict[str, dict]:

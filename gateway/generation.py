@@ -25,7 +25,7 @@ from pdserve import tracing
 from pdserve.gateway.admission import request_priority
 from pdserve.gateway.backend import Backend, BackendUnavailable
 from pdserve.gateway.detokenizer import IncrementalDetokenizer
-from pdserve.gateway.errors import error_response
+from pdserve.gateway.errors import APIError
 from pdserve.gateway.formats import FORMATS
 from pdserve.gateway.limits import GatewayLimits
 from pdserve.gateway.metrics import GatewayMetrics
@@ -134,16 +134,17 @@ class GenerationRun:
             tracing.current_traceparent.reset(token)  # (the backend's tasks took a copy of the context)
             request_priority.reset(priority_token)
 
-    async def start(self) -> Response | TokenOutput | Exception | None:
-        """Wait for the first output so capacity errors can still be a 503 status."""
+    async def start(self) -> APIError | TokenOutput | Exception | None:
+        """Wait for the first output so capacity errors can still be a status code (an APIError
+        the endpoint writes in its own shape)."""
         try:
             return await self.stream.get()
         except BackendUnavailable as e:  # refused before any token: a status code
             await self.cancel()
             self.ctx.metrics.http_errors.labels(status=str(e.status)).inc()
             if e.status == 400:  # it can never fit: the client's to change, not to retry
-                return error_response(400, str(e), code=e.code)
-            return error_response(
+                return APIError(400, str(e), code=e.code)
+            return APIError(
                 e.status,
                 str(e),
                 type_="server_error",
@@ -360,14 +361,14 @@ class GenerationRun:
         await self.cancel()  # close every backend stream
 
     def _final_choice(self, c: Choice, want_lp: bool) -> dict:
-        text, calls = "".join(c.text), []
-        if c.tools is not None:  # the whole output read at once, as the stream reads it
-            parsed = c.tools.parser.parse(text)
-            text, calls = parsed.content, message_calls(parsed)
+        text, calls = self.final_text(c)
         lp = self.fmt.logprobs(c.logprobs) if want_lp else None
         return self.fmt.final_choice(c.index, text, lp, c.answer_reason(bool(calls)), calls)
 
-    async def collect(self, first, request: Request) -> Response:
+    async def drain(self, first, request: Request) -> Response | APIError | None:
+        """Read the whole run (not streamed): None when every choice ended well, else a 499 for a
+        client gone, or the error to answer (504 past --request-timeout, 500 a failed generation)."""
+
         async def drain():
             async for _ in self.events(first):
                 pass
@@ -385,13 +386,28 @@ class GenerationRun:
             await self.cancel()
         if any(c.timed_out for c in self.choices):
             self.ctx.metrics.http_errors.labels(status="504").inc()
-            return error_response(504, "request timed out (--request-timeout)", type_="server_error", code="timeout")
+            return APIError(504, "request timed out (--request-timeout)", type_="server_error", code="timeout")
         errors = [c.error for c in self.choices if c.finish_reason == "error"]
         if errors:
             self.ctx.metrics.http_errors.labels(status="500").inc()
-            return error_response(
-                500, f"generation failed: {errors[0]}", type_="server_error", code="generation_failed"
-            )
+            return APIError(500, f"generation failed: {errors[0]}", type_="server_error", code="generation_failed")
+        return None
+
+    def final_text(self, c: Choice) -> tuple[str, list[dict]]:
+        """A choice's whole answer: its text outside tool calls, and the calls (OpenAI's shape)."""
+        text = "".join(c.text)
+        if c.tools is None:
+            return text, []
+        parsed = c.tools.parser.parse(text)  # the whole output read at once, as the stream reads it
+        return parsed.content, message_calls(parsed)
+
+    async def collect(self, first, request: Request) -> Response:
+        """OpenAI's answer (completions or chat) of a run read whole."""
+        outcome = await self.drain(first, request)
+        if isinstance(outcome, APIError):
+            return outcome.response()
+        if outcome is not None:
+            return outcome
         want_lp = self.req.logprobs is not None
         choices = [self._final_choice(c, want_lp) for c in self.choices]
         return JSONResponse(

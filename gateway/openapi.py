@@ -20,10 +20,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pdserve.gateway.bodies import (
+    RESPONSE_ITEMS,
     Bounds,
     ChatCompletionRequest,
     CompletionRequest,
+    CountTokensRequest,
     DetokenizeRequest,
+    MessagesRequest,
+    ResponsesRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     request_schemas,
@@ -36,6 +40,7 @@ if TYPE_CHECKING:
 
 _REF = "#/components/schemas/"
 _API_KEY: list[dict[str, list[str]]] = [{}, {"bearer": []}]  # /v1/* needs the bearer key only when the server has one
+_ANTHROPIC_KEY: list[dict[str, list[str]]] = [{}, {"bearer": []}, {"x_api_key": []}]  # Anthropic's clients: x-api-key
 
 
 def _ref(name: str) -> dict:
@@ -182,8 +187,151 @@ def _response_schemas(model_name: str) -> dict:
     }
 
 
+def _responses_schemas(model_name: str) -> dict:
+    """The Responses API's answer and stream events (gateway/responses.py)."""
+    string, integer = {"type": "string"}, {"type": "integer", "minimum": 0}
+    part = _object(["type", "text"], type={"const": "output_text"}, text=string)
+    message = _object(
+        ["type", "id", "status", "role", "content"],
+        type={"const": "message"},
+        id=string,
+        status=string,
+        role={"const": "assistant"},
+        content={"type": "array", "items": part},
+    )
+    call = _object(
+        ["type", "id", "call_id", "name", "arguments", "status"],
+        type={"const": "function_call"},
+        id=string,
+        call_id=string,
+        name=string,
+        arguments=string,
+        status=string,
+    )
+    item = {"anyOf": [message, call]}
+    usage = _object(
+        ["input_tokens", "output_tokens", "total_tokens"],
+        input_tokens=integer,
+        output_tokens=integer,
+        total_tokens=integer,
+    )
+    response = _object(
+        ["id", "object", "created_at", "status", "model", "output", "usage"],
+        id=string,
+        object={"const": "response"},
+        created_at=integer,
+        status={"enum": ["completed", "incomplete", "in_progress", "failed"]},
+        model={"const": model_name},
+        output={"type": "array", "items": item},
+        usage=usage,
+    )
+    seq = {"sequence_number": integer}
+    whole = ["response.created", "response.in_progress", "response.completed", "response.incomplete", "response.failed"]
+    events = [
+        _object(["type", "sequence_number", "response"], type={"enum": whole}, response=response, **seq),
+        _object(
+            ["type", "sequence_number", "output_index", "item"],
+            type={"enum": ["response.output_item.added", "response.output_item.done"]},
+            output_index=integer,
+            item=item,
+            **seq,
+        ),
+        _object(
+            ["type", "sequence_number", "item_id", "output_index", "content_index", "part"],
+            type={"enum": ["response.content_part.added", "response.content_part.done"]},
+            item_id=string,
+            output_index=integer,
+            content_index=integer,
+            part=part,
+            **seq,
+        ),
+        _object(
+            ["type", "sequence_number", "item_id", "output_index", "delta"],
+            type={"enum": ["response.output_text.delta", "response.function_call_arguments.delta"]},
+            item_id=string,
+            output_index=integer,
+            delta=string,
+            **seq,
+        ),
+        _object(
+            ["type", "sequence_number", "item_id", "output_index", "text"],
+            type={"const": "response.output_text.done"},
+            item_id=string,
+            output_index=integer,
+            text=string,
+            **seq,
+        ),
+        _object(
+            ["type", "sequence_number", "item_id", "output_index", "arguments"],
+            type={"const": "response.function_call_arguments.done"},
+            item_id=string,
+            output_index=integer,
+            arguments=string,
+            **seq,
+        ),
+    ]
+    return {"Response": response, "ResponseStreamEvent": {"anyOf": events}}
+
+
+def _anthropic_schemas(model_name: str) -> dict:
+    """Anthropic's answer, stream events and error (gateway/anthropic.py)."""
+    string, integer = {"type": "string"}, {"type": "integer", "minimum": 0}
+    stop = _optional({"enum": ["end_turn", "max_tokens", "stop_sequence", "tool_use"]})
+    usage = _object(["input_tokens", "output_tokens"], input_tokens=integer, output_tokens=integer)
+    text = _object(["type", "text"], type={"const": "text"}, text=string)
+    use = _object(
+        ["type", "id", "name", "input"], type={"const": "tool_use"}, id=string, name=string, input={"type": "object"}
+    )
+    message = _object(
+        ["id", "type", "role", "model", "content", "stop_reason", "stop_sequence", "usage"],
+        id=string,
+        type={"const": "message"},
+        role={"const": "assistant"},
+        model={"const": model_name},
+        content={"type": "array", "items": {"anyOf": [text, use]}},
+        stop_reason=stop,
+        stop_sequence=_optional(string),
+        usage=usage,
+    )
+    index = {"type": "integer", "minimum": 0}
+    delta = {
+        "anyOf": [
+            _object(["type", "text"], type={"const": "text_delta"}, text=string),
+            _object(["type", "partial_json"], type={"const": "input_json_delta"}, partial_json=string),
+        ]
+    }
+    events = [
+        _object(["type", "message"], type={"const": "message_start"}, message=message),
+        _object(
+            ["type", "index", "content_block"],
+            type={"const": "content_block_start"},
+            index=index,
+            content_block={"anyOf": [text, use]},
+        ),
+        _object(["type", "index", "delta"], type={"const": "content_block_delta"}, index=index, delta=delta),
+        _object(["type", "index"], type={"const": "content_block_stop"}, index=index),
+        _object(
+            ["type", "delta", "usage"],
+            type={"const": "message_delta"},
+            delta=_object(["stop_reason", "stop_sequence"], stop_reason=stop, stop_sequence=_optional(string)),
+            usage=_object(["output_tokens"], output_tokens=integer),
+        ),
+        _object(["type"], type={"const": "message_stop"}),
+    ]
+    error = _object(
+        ["type", "error"],
+        type={"const": "error"},
+        error=_object(["type", "message"], type=string, message=string) | {"additionalProperties": False},
+    ) | {"additionalProperties": False}
+    return {"Message": message, "MessageStreamEvent": {"anyOf": events}, "AnthropicError": error}
+
+
 def _error(description: str, *, retry_after: bool = False) -> dict:
-    resp = {"description": description, "content": {"application/json": {"schema": _ref("Error")}}}
+    return _error_of("Error", description, retry_after=retry_after)
+
+
+def _error_of(schema: str, description: str, *, retry_after: bool = False) -> dict:
+    resp = {"description": description, "content": {"application/json": {"schema": _ref(schema)}}}
     if retry_after:
         resp["headers"] = {
             "Retry-After": {"required": True, "description": "seconds", "schema": {"type": "integer", "minimum": 1}}
@@ -191,20 +339,28 @@ def _error(description: str, *, retry_after: bool = False) -> dict:
     return resp
 
 
-def _generate(request: str, result: str, chunk: str, summary: str) -> dict:
-    event = _object(
-        ["data"],
-        data={
-            "anyOf": [
-                {"const": "[DONE]"},
-                {"contentMediaType": "application/json", "contentSchema": {"anyOf": [_ref(chunk), _ref("Error")]}},
-            ]
-        },
-    )
+def _generate(
+    request: str,
+    result: str,
+    chunk: str,
+    summary: str,
+    *,
+    error: str = "Error",
+    done: bool = True,
+    security: list[dict[str, list[str]]] = _API_KEY,
+) -> dict:
+    """A generating endpoint: `result` as JSON, or with stream: true `chunk` events (an `error`
+    event if generation fails; OpenAI's end with [DONE]); errors as `error`."""
+    data = {"contentMediaType": "application/json", "contentSchema": {"anyOf": [_ref(chunk), _ref(error)]}}
+    event = _object(["data"], data={"anyOf": [{"const": "[DONE]"}, data]} if done else data)
+
+    def _error(description: str, *, retry_after: bool = False) -> dict:
+        return _error_of(error, description, retry_after=retry_after)
+
     return {
         "post": {
             "summary": summary,
-            "security": _API_KEY,
+            "security": security,
             "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}},
             "responses": {
                 "200": {
@@ -228,19 +384,26 @@ def _generate(request: str, result: str, chunk: str, summary: str) -> dict:
     }
 
 
-def _post(request: dict, result: dict, summary: str) -> dict:
+def _post(
+    request: dict,
+    result: dict,
+    summary: str,
+    *,
+    error: str = "Error",
+    security: list[dict[str, list[str]]] = _API_KEY,
+) -> dict:
     """A JSON in, JSON out operation that needs no worker (the API key when the server has one)."""
     return {
         "post": {
             "summary": summary,
-            "security": _API_KEY,
+            "security": security,
             "requestBody": {"required": True, "content": {"application/json": {"schema": request}}},
             "responses": {
                 "200": {"description": "OK", "content": {"application/json": {"schema": result}}},
-                "400": _error("invalid request"),
-                "401": _error("missing or wrong API key (servers started with --api-key)"),
-                "404": _error("unknown model"),
-                "413": _error("request body over the size limit"),
+                "400": _error_of(error, "invalid request"),
+                "401": _error_of(error, "missing or wrong API key (servers started with --api-key)"),
+                "404": _error_of(error, "unknown model"),
+                "413": _error_of(error, "request body over the size limit"),
             },
         }
     }
@@ -297,6 +460,29 @@ def openapi_document(limits: GatewayLimits, *, model_name: str, max_model_len: i
                 _object(["prompt"], prompt={"type": "string"}),
                 "token ids to text (vLLM's)",
             ),
+            "/v1/responses": _generate(
+                "ResponsesRequest",
+                "Response",
+                "ResponseStreamEvent",
+                "OpenAI's Responses API, stateless (nothing stored; previous_response_id is a 400)",
+                done=False,
+            ),
+            "/v1/messages": _generate(
+                "MessagesRequest",
+                "Message",
+                "MessageStreamEvent",
+                "Anthropic's Messages API",
+                error="AnthropicError",
+                done=False,
+                security=_ANTHROPIC_KEY,
+            ),
+            "/v1/messages/count_tokens": _post(
+                _ref("CountTokensRequest"),
+                _object(["input_tokens"], input_tokens={"type": "integer", "minimum": 0}),
+                "the prompt's tokens as /v1/messages would send them (Anthropic's)",
+                error="AnthropicError",
+                security=_ANTHROPIC_KEY,
+            ),
             "/v1/models": _get(
                 "the served model",
                 "application/json",
@@ -330,9 +516,15 @@ def openapi_document(limits: GatewayLimits, *, model_name: str, max_model_len: i
                         TokenizeCompletionRequest,
                         TokenizeChatRequest,
                         DetokenizeRequest,
+                        ResponsesRequest,
+                        *RESPONSE_ITEMS.values(),
+                        MessagesRequest,
+                        CountTokensRequest,
                     ],
                     bounds,
                 ),
+                **_responses_schemas(model_name),
+                **_anthropic_schemas(model_name),
                 **_response_schemas(model_name),
             },
             "securitySchemes": {
@@ -340,7 +532,8 @@ def openapi_document(limits: GatewayLimits, *, model_name: str, max_model_len: i
                     "type": "http",
                     "scheme": "bearer",
                     "description": "the server's --api-key; needed on /v1/* when set",
-                }
+                },
+                "x_api_key": {"type": "apiKey", "in": "header", "name": "x-api-key", "description": "the same keys"},
             },
         },
     }

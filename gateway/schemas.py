@@ -57,6 +57,7 @@ class ParsedRequest:
     priority: int | None = None  # vLLM's: lower is admitted first; None = the API key's default
     structured: StructuredOutput | None = None  # response_format / structured_outputs / guided_* (constraints.py)
     tools: ToolRequest | None = None  # chat's tools and tool_choice (gateway/tools/)
+    source: Any = None  # the endpoint's own body, where its answer repeats it (Responses)
     constraint_check_s: float = 0.0  # spent compiling its constraint and tool schemas to check them
 
     @property
@@ -201,10 +202,12 @@ def finish_openai(req: ParsedRequest, b: OpenAIFields, body: dict, tool_parser: 
     apply_constraints(req, b, tool_parser)
 
 
-def apply_constraints(req: ParsedRequest, b: ConstraintFields, tool_parser: ToolParser | None) -> None:
-    """The body's output constraint, or its forced tool call's (compiled once to check them)."""
+def apply_constraints(req: ParsedRequest, b: ConstraintFields | dict | None, tool_parser: ToolParser | None) -> None:
+    """The body's output constraint (its ConstraintFields, or those fields as a dict), or its
+    forced tool call's, compiled once to check them."""
     t0 = time.perf_counter()
-    req.structured = parse_constraint(msgspec.structs.asdict(b))
+    fields = msgspec.structs.asdict(b) if isinstance(b, ConstraintFields) else (b or {})
+    req.structured = parse_constraint(fields)
     if req.tools is not None:
         req.structured = tool_constraint(req.tools, tool_parser, req.structured) or req.structured
     req.constraint_check_s = time.perf_counter() - t0

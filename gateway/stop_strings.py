@@ -8,16 +8,18 @@ class StopMatcher:
     def __init__(self, stops: list[str]) -> None:
         self.stops = [s for s in stops if s]
         self._held = ""
+        self.hit: str | None = None  # the stop string that ended the output, once one has
 
     def feed(self, text: str) -> tuple[str, bool]:
         """-> (text safe to emit now, whether a stop string was hit)."""
         if not self.stops:
             return text, False
         s = self._held + text
-        hits = [i for i in (s.find(stop) for stop in self.stops) if i >= 0]
+        hits = [(i, stop) for stop in self.stops if (i := s.find(stop)) >= 0]
         if hits:
             self._held = ""
-            return s[: min(hits)], True
+            at, self.hit = min(hits, key=lambda h: h[0])
+            return s[:at], True
         hold = 0
         for stop in self.stops:
             for k in range(min(len(stop) - 1, len(s)), hold, -1):

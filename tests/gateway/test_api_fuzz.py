@@ -32,8 +32,9 @@ from tests.e2e.cluster import running_server
 from tests.gateway.stub_backend import StubBackend
 from tests.reliability.ledger import assert_canary_served, wait_ledger_balanced
 
-GENERATING = {"POST /v1/completions", "POST /v1/chat/completions"}
+GENERATING = {"POST /v1/completions", "POST /v1/chat/completions", "POST /v1/responses", "POST /v1/messages"}
 OPERATIONS = GENERATING | {
+    "POST /v1/messages/count_tokens",
     "POST /tokenize",
     "POST /detokenize",
     "GET /v1/models",
@@ -50,10 +51,15 @@ CONFIG = schemathesis.Config.from_dict(
 
 
 def error_envelope(ctx, response, case) -> bool | None:
-    """An error answer is exactly {"error": {"message", "type", "param", "code"}}."""
+    """An error answer is exactly {"error": {"message", "type", "param", "code"}}; Anthropic's
+    Messages API's is {"type": "error", "error": {"type", "message"}}."""
     if response.status_code < 400 or case.path == "/health":  # /health's 503 is its status report
         return None
     body = response.json()
+    if case.path.startswith("/v1/messages"):
+        assert list(body) == ["type", "error"] and body["type"] == "error", body
+        assert sorted(body["error"]) == ["message", "type"] and body["error"]["message"], body
+        return True
     assert list(body) == ["error"], body
     err = body["error"]
     assert sorted(err) == ["code", "message", "param", "type"], err
