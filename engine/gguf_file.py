@@ -1,5 +1,5 @@
-"""`--model` as a GGUF file: its config and tokenizer (chat template included), read with ggml's
-own `gguf` reader. Torch-free: the gateway reads the config through ModelConfig.from_folder.
+"""`--model` as a GGUF file: its config and tokenizer (chat template included), its header read by
+engine/gguf_reader.py (ggml's own reader took seconds a process for a Llama 3 tokenizer). Torch-free: the gateway reads the config through ModelConfig.from_folder.
 The weights are engine/gguf_weights.py's.
 
 GGUF key ({arch}.*)                         -> ModelConfig field
@@ -19,6 +19,10 @@ hidden / heads for the 27B shapes), norm weights stored as 1 + w by llama.cpp's 
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import os
+import shutil
 import tempfile
 from collections import Counter
 from functools import lru_cache
@@ -26,10 +30,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    import gguf
     from transformers import PreTrainedTokenizerBase
 
     from pdserve.engine.config import ModelConfig
+    from pdserve.engine.gguf_reader import GgufFile
 
 # GGUF general.architecture -> ours (llama.cpp converts Mistral v0.1-style models as llama)
 ARCHITECTURES = {
@@ -55,12 +59,12 @@ def is_gguf(path: str | Path) -> bool:
 
 
 @lru_cache(maxsize=4)
-def open_gguf(path: str) -> "gguf.GGUFReader":
-    """The file's reader (memory-mapped: tensor data is read when touched). Kept for the config,
+def open_gguf(path: str) -> "GgufFile":
+    """The file's header (memory-mapped: tensor data is read when touched). Kept for the config,
     tokenizer and weights readers of one start; `release_gguf` drops it once the weights are in."""
-    import gguf
+    from pdserve.engine.gguf_reader import GgufFile
 
-    return gguf.GGUFReader(path)
+    return GgufFile(path)
 
 
 def release_gguf() -> None:
@@ -70,7 +74,7 @@ def release_gguf() -> None:
     open_gguf.cache_clear()
 
 
-def metadata(reader: "gguf.GGUFReader", key: str, default: Any = None) -> Any:
+def metadata(reader: "GgufFile", key: str, default: Any = None) -> Any:
     field = reader.fields.get(key)
     return default if field is None else field.contents()
 
@@ -131,7 +135,7 @@ def gguf_model_config(path: str | Path) -> "ModelConfig":
     )
 
 
-def _gemma_fields(reader: "gguf.GGUFReader", arch: str, num_layers: int, per_head: int, head_dim: int) -> dict:
+def _gemma_fields(reader: "GgufFile", arch: str, num_layers: int, per_head: int, head_dim: int) -> dict:
     """ModelConfig's Gemma fields, as llama.cpp reads a gemma2 / gemma3 file."""
     from pdserve.engine.config import RopeConfig
 
@@ -157,7 +161,7 @@ def _gemma_fields(reader: "gguf.GGUFReader", arch: str, num_layers: int, per_hea
     )
 
 
-def weight_types(reader: "gguf.GGUFReader") -> str:
+def weight_types(reader: "GgufFile") -> str:
     """The file's tensor types, most common first (e.g. `Q4_0+F32`): part of the model fingerprint,
     so workers that load different quantizations of one model never share KV."""
     counts = Counter(t.tensor_type.name for t in reader.tensors)
@@ -166,13 +170,50 @@ def weight_types(reader: "gguf.GGUFReader") -> str:
 
 def load_tokenizer(model: str | Path) -> "PreTrainedTokenizerBase":
     """The tokenizer (and chat template) of `--model`: an HF folder, or a GGUF file's metadata
-    (transformers builds it; its GGUF reader imports torch)."""
+    (transformers builds it, once per file: `_converted_tokenizer`)."""
     from transformers import AutoTokenizer
 
     path = Path(model)
     if not is_gguf(path):
         return AutoTokenizer.from_pretrained(str(model))
+    try:
+        return _converted_tokenizer(path)
+    except OSError:  # no writable cache: convert here
+        return _convert_tokenizer(path)
+
+
+def _convert_tokenizer(path: Path) -> "PreTrainedTokenizerBase":
+    """transformers' conversion of the file's tokenizer metadata (its GGUF reader: 17 s of CPU for a
+    Llama 3 vocabulary on a loaded 2-core machine)."""
+    from transformers import AutoTokenizer
+
     # From an empty folder: transformers mixes in the file's folder's tokenizer_config.json, if any
     # (one beside the GGUF left it with no chat template and no EOS).
     with tempfile.TemporaryDirectory() as empty:
         return AutoTokenizer.from_pretrained(empty, gguf_file=str(path.resolve()))
+
+
+def _converted_tokenizer(path: Path) -> "PreTrainedTokenizerBase":
+    """The converted tokenizer, saved under the cache (PDSERVE_CACHE_DIR) for this file (its path,
+    size and mtime) and transformers version: the gateway and each worker of a start, and every
+    restart, load it in a fraction of a second. A lock makes one process convert while the others
+    of a start wait for it."""
+    import transformers
+    from transformers import AutoTokenizer
+
+    from pdserve.env import settings
+
+    st = path.stat()
+    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
+    folder = settings().model_cache_dir / "gguf-tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:24]
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (folder / "tokenizer_config.json").is_file():
+            return AutoTokenizer.from_pretrained(str(folder))
+        tokenizer = _convert_tokenizer(path)
+        partial = folder.with_name(folder.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        tokenizer.save_pretrained(str(partial))
+        os.replace(partial, folder)  # whole or absent
+        return tokenizer

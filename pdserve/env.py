@@ -10,7 +10,8 @@
     PDSERVE_PLANE_ENCRYPTION   auto | on | off         CURVE on the worker/KV planes: auto = tcp:// only
     PDSERVE_API_KEY            text                    the gateway's bearer key (or --api-key)
     PDSERVE_LOG_LEVEL          INFO, DEBUG, ...
-    PDSERVE_CACHE_DIR          path                    the default model's cache (~/.cache/pdserve)
+    PDSERVE_CACHE_DIR          path                    the default model's cache, GGUF files' converted
+                                                       tokenizers (~/.cache/pdserve)
     XDG_CACHE_HOME, CC                                 where C kernels are cached; the C compiler
     TRITON_INTERPRET           0 | 1                   Triton's interpreter (its kernels on CPU tensors)
 
