@@ -13,7 +13,7 @@ On the CPU each ceiling is measured before and after the rows and the higher tak
 row's figures are the best of --repeats runs: on a shared host the read rate alone was seen
 anywhere from 27 to 54 GB/s within minutes.
 
-The process allocates as a serving worker's does (cli/roles.py): glibc keeps large blocks in its
+The process is configured as a serving worker's (pdserve/worker_process.py): glibc keeps large blocks in its
 heap (kvtransfer/malloc_tuning.py), so a step's multi-MB activations reuse warm pages (1-2% of
 a 512-token prefill step here); --glibc-malloc-defaults measures without that.
 """
@@ -32,8 +32,8 @@ from pdserve.bench.machine import measure_matmul_gflops, measure_memcpy_gbps, me
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.models.llama import LlamaForCausalLM
-from pdserve.kvtransfer.malloc_tuning import keep_large_allocations_in_heap
 from pdserve.protocol.sampling import SamplingParams
+from pdserve.worker_process import configure_worker_process
 
 
 def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.decode_steps < 1:
         ap.error("--decode-steps must be at least 1")
     if not args.glibc_malloc_defaults:
-        keep_large_allocations_in_heap()  # as the workers do (cli/roles.py)
+        configure_worker_process()  # as the workers are
     if args.threads:
         torch.set_num_threads(args.threads)
     from pdserve.cli.engine_args import resolve_model

@@ -33,8 +33,8 @@ from pdserve.cli.engine_args import resolve_model
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.models.llama import LlamaForCausalLM
-from pdserve.kvtransfer.malloc_tuning import keep_large_allocations_in_heap
 from pdserve.protocol.sampling import SamplingParams
+from pdserve.worker_process import configure_worker_process
 
 
 def prompts_for(vocab: int, count: int, length: int, seed: int) -> list[list[int]]:
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log", default="/tmp/pdserve-prefill-overhead.log")
     args = ap.parse_args(argv)
     model = resolve_model(args.model)
-    keep_large_allocations_in_heap()  # the bare engine allocates as the worker does (cli/roles.py)
+    configure_worker_process()  # the bare engine allocates (and copies) as the worker does
     torch.set_num_threads(args.threads)
     engine = LLMEngine(
         EngineConfig(

@@ -83,11 +83,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return plan_main(argv[1:])
     if argv and argv[0] == "bench-kv":
-        from pdserve.kernels import stream_copy
-        from pdserve.kvtransfer.bench import bench_kv_main
-        from pdserve.kvtransfer.sender import use_contiguous_copy
+        from pdserve.bench.kv_transfer import bench_kv_main  # (configures the process as a worker's)
 
-        use_contiguous_copy(stream_copy.copy_addr)  # as the workers do (cli/roles.py)
         return bench_kv_main(argv[1:])
     if argv and argv[0] in ("prefill", "decode", "colocated", "gateway") and "--settings" in argv:
         if len(argv) != 3 or argv[1] != "--settings":

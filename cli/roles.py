@@ -23,12 +23,9 @@ log = logging.getLogger("pdserve")
 def _setup(role: str, threads: int | None) -> None:
     logging.basicConfig(level=settings().log_level, format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
     if role != "gateway":
-        from pdserve.kernels import stream_copy
-        from pdserve.kvtransfer.malloc_tuning import keep_large_allocations_in_heap
-        from pdserve.kvtransfer.sender import use_contiguous_copy
+        from pdserve.worker_process import configure_worker_process
 
-        keep_large_allocations_in_heap()
-        use_contiguous_copy(stream_copy.copy_addr)  # KV writes into another worker's pool bypass the caches
+        configure_worker_process()  # heap tuning; KV writes into another worker's pool bypass the caches
     if threads:
         import torch
 

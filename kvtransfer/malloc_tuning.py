@@ -8,7 +8,7 @@ too: a 512-token step's activations are multi-MB tensors ([T, 2 x intermediate] 
 model), which glibc's defaults may mmap, or trim off the heap's top, and fault in again; kept in the
 heap, a real-shape 512-token prefill step ran 1-2% faster on two threads (`pdserve bench-engine
 --glibc-malloc-defaults` for the figure without). Every worker process calls this at start
-(cli/roles.py), as do the benchmarks that time the engine as a worker runs it.
+(pdserve/worker_process.py), as do the benchmarks that time the engine as a worker runs it.
 """
 
 from __future__ import annotations

@@ -108,9 +108,10 @@ _contiguous_copy: Callable[[int, int, int], None] = _memmove
 
 def use_contiguous_copy(copy: Callable[[int, int, int], None]) -> None:
     """How this process copies `nbytes` of contiguous CPU memory (`copy(dst_addr, src_addr,
-    nbytes)`); ctypes.memmove until set. Workers and `bench-kv` set kernels/stream_copy.py's
-    streaming-store copy (cli/: kvtransfer/ does not import kernels/): a pool's blocks written by a
-    transfer are not read again soon (P never reads them; D when it decodes the request)."""
+    nbytes)`); ctypes.memmove until set. Workers and the KV benchmarks set kernels/stream_copy.py's
+    streaming-store copy (pdserve/worker_process.py: kvtransfer/ does not import kernels/): a
+    pool's blocks written by a transfer are not read again soon (P never reads them; D when it
+    decodes the request)."""
     global _contiguous_copy
     _contiguous_copy = copy
 

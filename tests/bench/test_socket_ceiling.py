@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.kvtransfer.socket_ceiling import UnixSocketSink
+from pdserve.bench.socket_ceiling import UnixSocketSink
 
 
 def test_sink_reads_whole_messages_and_exits_on_close():

@@ -1,8 +1,8 @@
 """bench-kv's decode side in a process of its own, as a decode worker is: the receivers, their
 lease table and the pool, so the prefill side's sends never wait on their GIL.
 
-The parent (`DecodeSide`) starts `pdserve bench-kv --decode-side` (through the CLI, which installs
-the workers' streaming copy) and speaks line-delimited JSON over its stdin/stdout:
+The parent (`DecodeSide`) starts `python -m pdserve.bench.kv_transfer --decode-side` (configured
+as a worker is, with the parent's `--contiguous-copy`: pdserve/worker_process.py) and speaks line-delimited JSON over its stdin/stdout:
 
     -> {"secret": hex, "pool": name, "shape": [...], "dtype": "float32", "threads": T,
         "transports": {name: {"bind": addr, "encryption": mode, "payload_mac": bool}}}
@@ -29,7 +29,6 @@ import torch
 import zmq
 
 from pdserve.kvtransfer.lease import LeaseTable
-from pdserve.kvtransfer.malloc_tuning import keep_large_allocations_in_heap
 from pdserve.kvtransfer.receiver import KvReceiver
 from pdserve.kvtransfer.shm import SharedTensor
 from pdserve.kvtransfer.wire import torch_dtype
@@ -42,9 +41,18 @@ START_TIMEOUT_S = 60.0
 class DecodeSide:
     """The parent's handle on the decode-side process."""
 
-    def __init__(self, secret: bytes, pool: SharedTensor, threads: int, transports: dict[str, dict]) -> None:
+    def __init__(
+        self, secret: bytes, pool: SharedTensor, threads: int, transports: dict[str, dict], contiguous_copy: str
+    ) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.cli", "bench-kv", "--decode-side"],
+            [
+                sys.executable,
+                "-m",
+                "pdserve.bench.kv_transfer",
+                "--decode-side",
+                "--contiguous-copy",
+                contiguous_copy,
+            ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -116,7 +124,6 @@ def serve_decode_side(stdin: IO[str] = sys.stdin, stdout: IO[str] = sys.stdout) 
         stdout.write(json.dumps(obj) + "\n")
         stdout.flush()
 
-    keep_large_allocations_in_heap()  # as the workers do (cli/roles.py)
     setup = json.loads(stdin.readline())
     torch.set_num_threads(setup["threads"])
     secret = bytes.fromhex(setup["secret"])

@@ -1,8 +1,9 @@
-"""`pdserve bench-kv`: KV transfer bandwidth per transport, against memcpy measured in the same run.
+"""`pdserve bench-kv` (or `python -m pdserve.bench.kv_transfer`): KV transfer bandwidth per
+transport, against memcpy measured in the same run.
 
 One request's KV (all layers, `--tokens` tokens) moves from a prefill-side pool to a decode-side
 pool through the real classes: ZmqKvSender / ShmKvSender -> KvReceiver with a LeaseTable, the
-receivers in a process of their own (kvtransfer/bench_decode_side.py) polling as a decode worker
+receivers in a process of their own (bench/kv_decode_side.py) polling as a decode worker
 does (they authenticate, check the lease, copy into the pool and verify completion). Time = first
 send_layer until the receiver has accepted the KvDone (the same monotonic clock in both
 processes). Every repeat's destination blocks are checked to equal the source blocks.
@@ -11,7 +12,7 @@ processes). Every repeat's destination blocks are checked to equal the source bl
     gbps         kv_bytes / seconds, best of --repeat (after one warm-up)
     ratios       gbps / memcpy_gbps  (targets: shm >= 0.8, zmq-ipc >= 0.3)
     unix socket  with zmq-ipc: the same bytes alone through a Unix socket into another process
-                 (kvtransfer/socket_ceiling.py), the ceiling of any socket transport here; zmq-ipc
+                 (bench/socket_ceiling.py), the ceiling of any socket transport here; zmq-ipc
                  adds P's gather and D's scatter to its two copies
 Rounds alternate memcpy and every transport, so a noisy machine affects all of them alike.
 `--kv-payload-mac` as the workers take it (auto: on for zmq-tcp only); each transport's result
@@ -20,7 +21,9 @@ says whether its payloads were MACed (`payload_mac`). Compare zmq-tcp with `on` 
 protocol/plane_encryption.py); `zmq-tcp-clear` is the same link unencrypted: the cost of
 encryption, measured in the same run (`curve` column).
 Sender and receivers are two processes, as P and D are: on a machine with few cores they compete
-for the cores, not for one interpreter's lock.
+for the cores, not for one interpreter's lock. Both are configured as the workers are
+(pdserve/worker_process.py): their block copies are the workers' streaming copy, unless
+`--contiguous-copy memmove` asks for plain memmove (to measure what the streaming copy buys).
 """
 
 from __future__ import annotations
@@ -34,22 +37,23 @@ import statistics
 import sys
 import tempfile
 import time
+from typing import get_args
 
 import torch
 import zmq
 
-from pdserve.kvtransfer.bench_decode_side import DecodeSide, serve_decode_side
-from pdserve.kvtransfer.malloc_tuning import keep_large_allocations_in_heap
+from pdserve.bench.kv_decode_side import DecodeSide, serve_decode_side
+from pdserve.bench.socket_ceiling import UnixSocketSink
 from pdserve.kvtransfer.sender import KvSender, ShmKvSender, ZmqKvSender
 from pdserve.kvtransfer.shm import SharedTensor
-from pdserve.kvtransfer.socket_ceiling import UnixSocketSink
 from pdserve.kvtransfer.wire import PAYLOAD_MAC_MODES, payload_mac_enabled, torch_dtype
 from pdserve.protocol import plane_encryption
 from pdserve.protocol.auth import FrameAuth, generate_cluster_secret
 from pdserve.protocol.messages import KvDone, KvLayout
+from pdserve.worker_process import ContiguousCopy, configure_worker_process
 
 TRANSPORTS = ("zmq-tcp", "zmq-tcp-clear", "zmq-ipc", "shm")  # zmq-tcp-clear: tcp with encryption off
-TARGETS = {"shm": 0.8, "zmq-ipc": 0.3}  # issue 35's
+TARGETS = {"shm": 0.8, "zmq-ipc": 0.3}  # the goals: fractions of memcpy
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -76,6 +80,12 @@ def _parser() -> argparse.ArgumentParser:
         "of a 1P1D pair; memcpy is measured with the same setting)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--contiguous-copy",
+        choices=get_args(ContiguousCopy),
+        default="streaming",
+        help="the block copies' contiguous copy: the workers' (streaming stores) or plain memmove",
+    )
     p.add_argument("--decode-side", action="store_true", help=argparse.SUPPRESS)  # the receivers' process
     p.add_argument(
         "--kv-payload-mac",
@@ -161,7 +171,6 @@ def run_bench(args: argparse.Namespace) -> dict:
     if unknown:
         raise ValueError(f"unknown transports {sorted(unknown)}")
     torch.set_num_threads(args.threads)
-    keep_large_allocations_in_heap()  # as the workers do (cli/roles.py)
     dtype = torch_dtype(args.dtype)
     L, bs, H, D = args.layers, args.block_size, args.kv_heads, args.head_dim
     n = -(-args.tokens // bs)
@@ -196,7 +205,7 @@ def run_bench(args: argparse.Namespace) -> dict:
             name: {"bind": _bind(name, tmpdir), "encryption": hows[name].encryption, "payload_mac": macs[name]}
             for name in transports
         }
-        decode = DecodeSide(secret, pool, args.threads, sides)
+        decode = DecodeSide(secret, pool, args.threads, sides, args.contiguous_copy)
         for name in transports:
             runs[name] = _Transport(name, ctx, hows[name], decode, pool, layout, macs[name])
         # Round robin (memcpy, then each transport) so that all share the machine's state of the
@@ -250,6 +259,7 @@ def run_bench(args: argparse.Namespace) -> dict:
         "blocks": n,
         "repeat": args.repeat,
         "scattered": args.scattered,
+        "contiguous_copy": args.contiguous_copy,
         "threads": torch.get_num_threads(),
         "kv_payload_mac": args.kv_payload_mac,
     }
@@ -262,7 +272,7 @@ def _table(res: dict) -> str:
         f"KV of one request: {c['tokens']} tokens, {c['layers']} layers x {c['kv_heads']} kv heads x "
         f"{c['head_dim']} dim, {c['dtype']}, block {c['block_size']} ({c['blocks']} blocks"
         f"{', scattered' if c['scattered'] else ''}) = {res['kv_bytes'] / 2**20:.1f} MiB; "
-        f"torch threads {c['threads']}",
+        f"torch threads {c['threads']}; block copies: {c['contiguous_copy']}",
         f"memcpy of the same size (best, interleaved with the transfers): {res['memcpy_gbps']:.2f} GB/s",
         f"each transport: best of {c['repeat']} transfers, first send_layer -> KvDone accepted by D",
         "",
@@ -285,6 +295,7 @@ def _table(res: dict) -> str:
 
 def bench_kv_main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    configure_worker_process(args.contiguous_copy)
     if args.decode_side:
         return serve_decode_side()
     if min(args.tokens, args.layers, args.kv_heads, args.head_dim, args.block_size) <= 0 or args.repeat < 1:

@@ -1,6 +1,6 @@
 """KV transfer bandwidth between tensor-parallel degrees: prefill TP=P -> decode TP=D, same run.
 
-    python -m pdserve.kvtransfer.bench_heads --pairs 1:1,2:1,1:2,2:2
+    python -m pdserve.bench.kv_heads --pairs 1:1,2:1,1:2,2:2
 
 One request's KV (all layers, `--tokens` tokens) moves from P rank pools (each its KV heads, as a
 TP prefill worker's rank 0 maps them) to D rank pools through the real classes: ZmqKvSender
@@ -29,15 +29,15 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import zmq
 
-from pdserve.kvtransfer.bench import _Memcpy
+from pdserve.bench.kv_transfer import _Memcpy
 from pdserve.kvtransfer.head_ranges import HeadShard, distinct_shards, rank_kv_heads
 from pdserve.kvtransfer.lease import LeaseTable
-from pdserve.kvtransfer.malloc_tuning import keep_large_allocations_in_heap
 from pdserve.kvtransfer.receiver import KvReceiver
 from pdserve.kvtransfer.sender import KvSender, ShmKvSender, ZmqKvSender
 from pdserve.kvtransfer.shm import SharedTensor
 from pdserve.protocol.auth import FrameAuth, generate_cluster_secret
 from pdserve.protocol.messages import KvDone, KvLayout, ShmPool
+from pdserve.worker_process import configure_worker_process
 
 
 def split(full: torch.Tensor, degree: int) -> list[HeadShard]:
@@ -169,7 +169,7 @@ class _Pair:
 
 def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
-    keep_large_allocations_in_heap()
+    configure_worker_process()  # the workers' block copy and heap tuning
     L, bs, H, D = args.layers, args.block_size, args.kv_heads, args.head_dim
     n = -(-args.tokens // bs)
     full = torch.randn(L, 2, 2 * n + 1, bs, H, D)  # the prefill worker's KV, every head
@@ -205,7 +205,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pdserve.kvtransfer.bench_heads", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m pdserve.bench.kv_heads", description=__doc__)
     p.add_argument("--pairs", default="1:1,2:1,1:2,2:2", help="prefill:decode degrees, comma-separated")
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--layers", type=int, default=8)
