@@ -96,7 +96,7 @@ class EngineStats:
 
     num_blocks: int
     num_free_blocks: int  # free or cached with no holder: what can be allocated now
-    num_cached_blocks: int  # registered with the prefix cache (owned or not)
+    num_cached_blocks: int  # in the prefix cache with no holder (their KV kept; reclaimable)
     num_running: int
     num_waiting: int
     num_seats: int  # running seats taken (a beam group takes one per beam)
