@@ -226,6 +226,11 @@ class LLMEngine(EngineCore):
         self.runner.close()
 
     @property
+    def num_layers(self) -> int:
+        """The layers a launched step's `run_layers` walks (the runner's own count)."""
+        return self.runner.num_layers
+
+    @property
     def draft_kv_cache(self) -> torch.Tensor | None:
         draft = self.draft
         return draft.kv_cache if draft is not None else None
