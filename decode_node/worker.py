@@ -367,7 +367,8 @@ class DecodeWorker(WorkerBase):
 
     def step(self) -> None:
         self.rt.mark_step()
-        self.threads.update(self.leases.num_active, self.engine.stats().num_running)
+        st = self.engine.stats()  # (one snapshot a step: the limit changes only in _adapt)
+        self.threads.update(self.leases.num_active, st.num_running)
         started = time.monotonic()
         self.pacer.started(started)
         sched = self.engine.schedule()
@@ -379,15 +380,15 @@ class DecodeWorker(WorkerBase):
         if decodes and not sched.prefills:  # does stepping on the lent cores pay? (thread_lending.py)
             self.threads.observe(decodes, time.monotonic() - started, emitted)
         if self.aimd is not None and decodes:
-            self._adapt(time.monotonic() - started, decodes, len(sched.preempted))
+            self._adapt(time.monotonic() - started, decodes, len(sched.preempted), st.seq_limit)
         self.rt.flush_outputs()
         self._last_progress = time.monotonic()
 
-    def _adapt(self, step_s: float, running: int, preempted: int) -> None:
+    def _adapt(self, step_s: float, running: int, preempted: int, seq_limit: int) -> None:
         """AIMD on the limit of running sequences; the heartbeats carry it to the gateway."""
         assert self.aimd is not None
         limit = self.aimd.observe(step_s, running, preempted)
-        if limit != self.engine.stats().seq_limit:
+        if limit != seq_limit:
             self.engine.set_max_num_seqs(limit)
             assert self.rt.info is not None
             self.rt.info = msgspec.structs.replace(self.rt.info, max_num_seqs=limit)
