@@ -48,6 +48,7 @@ from pdserve.gateway.limits import GatewayLimits
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.openapi import openapi_endpoint
 from pdserve.gateway.rate_limits import Admission, RateLimited, RequestOverLimit, TenantGate
+from pdserve.gateway.reasoning import REASONING_PARSERS, ReasoningParser
 from pdserve.gateway.responses import RESPONSES
 from pdserve.gateway.schemas import ParsedRequest, chat_messages
 from pdserve.gateway.tenants import TenantDirectory
@@ -119,6 +120,7 @@ class GatewayApp:
         chat_template: str | None,
         tenants: TenantDirectory,
         tool_parser: ToolParser | None = None,
+        reasoning: ReasoningParser | None = None,  # --reasoning-parser's (gateway/reasoning.py)
     ) -> None:
         self.backend = backend
         self.tool_parser = tool_parser  # --tool-call-parser's (gateway/tools/)
@@ -145,6 +147,8 @@ class GatewayApp:
             text_decoder=self.text_decoder,
             tool_parser=tool_parser,
             tool_markers=self.tool_markers,
+            reasoning=reasoning,
+            reasoning_markers=special_markers(tokenizer, reasoning.markers) if reasoning else {},
             on_cut=self.stream_cut,
             on_done=self._done,
         )
@@ -452,6 +456,7 @@ def create_app(
     chat_template: str | None = None,
     model_root: str | None = None,
     tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> Starlette:
     """`api_key`: one key (tenant `default`, no limits); `tenants`: the keys file's (which
     already holds `api_key`'s, TenantDirectory.build); neither: no key needed.
@@ -462,8 +467,17 @@ def create_app(
     elif api_key:
         raise ValueError("pass api_key inside tenants (TenantDirectory.build)")
     parser = tool_parser(tool_call_parser) if tool_call_parser is not None else None
+    thinking = REASONING_PARSERS[reasoning_parser] if reasoning_parser is not None else None
     gw = GatewayApp(
-        backend, tokenizer, model_name, max_model_len, limits or GatewayLimits(), chat_template, tenants, parser
+        backend,
+        tokenizer,
+        model_name,
+        max_model_len,
+        limits or GatewayLimits(),
+        chat_template,
+        tenants,
+        parser,
+        thinking,
     )
 
     async def completions(request: Request) -> Response:

@@ -30,6 +30,7 @@ from pdserve.gateway.formats import FORMATS
 from pdserve.gateway.limits import GatewayLimits
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.output_stream import OutputStream
+from pdserve.gateway.reasoning import ReasoningParser, ReasoningStream
 from pdserve.gateway.schemas import ParsedRequest
 from pdserve.gateway.stop_strings import StopMatcher
 from pdserve.gateway.tools.constraint import call_reader
@@ -62,6 +63,7 @@ class Choice:
     timed_out: bool = False
     cached_tokens: int = 0  # prompt tokens a worker found in its prefix cache
     tools: ToolCallStream | None = None  # its output read for tool calls (gateway/tools/)
+    reasoning: ReasoningStream | None = None  # its reasoning read apart (gateway/reasoning.py)
 
     def answer_reason(self, called: bool) -> str | None:
         """The finish_reason the client sees: OpenAI's "tool_calls" for an answer that called."""
@@ -85,6 +87,8 @@ class RunContext:
     tool_markers: dict[int, str]  # its markers the tokenizer holds as special tokens
     on_cut: Callable[[str], None]  # a stream cut for a slow client: counted
     on_done: Callable[[GenerationRun], None]  # the run's end, once: in-flight counts, the key's usage
+    reasoning: ReasoningParser | None = None  # --reasoning-parser's: chat answers carry it apart
+    reasoning_markers: dict[int, str] = field(default_factory=dict)  # its markers held as special tokens
 
 
 class GenerationRun:
@@ -114,14 +118,23 @@ class GenerationRun:
         self._chunk_head: bytes | None = None  # an SSE chunk's text before its choices (`_chunk`)
         self.fmt = FORMATS[req.kind](ctx.token_text)  # the endpoint's response shapes
         reader = call_reader(req.tools, ctx.tool_parser)  # who reads its calls, if anyone
-        keep = ctx.tool_markers if reader is not None and reader is ctx.tool_parser else None  # its markers stay text
+        keep = (
+            dict(ctx.tool_markers) if reader is not None and reader is ctx.tool_parser else {}
+        )  # its markers stay text
+        thinking = ctx.reasoning if req.splits_reasoning else None
+        if thinking is not None:
+            keep |= ctx.reasoning_markers
+            opened = thinking.opened("".join(ctx.token_text(t) for t in prompt[-4:]))
         self.choices = [
-            Choice(i, base_id, IncrementalDetokenizer(ctx.text_decoder, keep=keep), StopMatcher(req.stop))
+            Choice(i, base_id, IncrementalDetokenizer(ctx.text_decoder, keep=keep or None), StopMatcher(req.stop))
             for i in range(req.n)
         ]
         if reader is not None:
             for c in self.choices:
                 c.tools = ToolCallStream(reader)
+        if thinking is not None:
+            for c in self.choices:
+                c.reasoning = ReasoningStream(thinking, opened)
         self.unfinished = req.n  # choices without a finish_reason yet
         self._pending: object = _TAKEN  # the output `start` took, until the events read it
         # one backend stream for every choice (n > 1 is a group: its outputs carry their choice)
@@ -334,21 +347,28 @@ class GenerationRun:
         lp = self.fmt.logprobs(lps, text_pos[choice.index]) if want_lp else None
         text_pos[choice.index] += len(delta)
         calls: list[dict] = []
+        thought = ""
+        if choice.reasoning is not None:  # the reasoning apart; the answer is what follows
+            thought, delta = choice.reasoning.feed(delta, final=reason is not None)
         if choice.tools is not None:  # markup withheld, calls sent as tool-call deltas
             delta, calls = choice.tools.feed(delta, final=reason is not None)
             reason = choice.answer_reason(choice.tools.has_calls) if reason is not None else None
-            if not (delta or calls or lps or reason):
+            if not (delta or calls or lps or reason or thought):
                 return []
         # OpenAI's shape: the content (and logprobs) first, then one chunk per tool-call entry
         items: list[tuple[str, dict | None, tuple]] = (
             [(delta, lp, ())] if (delta or lp is not None or not calls) else []
         )
+        if choice.reasoning is not None and not (delta or thought or calls or lps or reason):
+            return []  # (held back: a marker may be starting)
         items += [("", None, (entry,)) for entry in calls]
         last = reason is not None and not self.unfinished
         chunks = []
         for k, (text, item_lp, entries) in enumerate(items):
             final_item = k == len(items) - 1
             item = self.fmt.stream_item(choice.index, text, item_lp, reason if final_item else None, entries)
+            if thought and k == 0:
+                item["delta"]["reasoning_content"] = thought
             timed = final_item and last and not self.req.include_usage
             chunks.append(self._chunk([item], **({"pdserve_timings": self._timings()} if timed else {})))
         return chunks
@@ -363,7 +383,11 @@ class GenerationRun:
     def _final_choice(self, c: Choice, want_lp: bool) -> dict:
         text, calls = self.final_text(c)
         lp = self.fmt.logprobs(c.logprobs) if want_lp else None
-        return self.fmt.final_choice(c.index, text, lp, c.answer_reason(bool(calls)), calls)
+        out = self.fmt.final_choice(c.index, text, lp, c.answer_reason(bool(calls)), calls)
+        if c.reasoning is not None:  # vLLM's field: null when the output had none
+            reasoning = c.reasoning.parser.split("".join(c.text), c.reasoning.opened)[0]
+            out["message"]["reasoning_content"] = reasoning or None
+        return out
 
     async def drain(self, first, request: Request) -> Response | APIError | None:
         """Read the whole run (not streamed): None when every choice ended well, else a 499 for a
@@ -394,8 +418,11 @@ class GenerationRun:
         return None
 
     def final_text(self, c: Choice) -> tuple[str, list[dict]]:
-        """A choice's whole answer: its text outside tool calls, and the calls (OpenAI's shape)."""
+        """A choice's whole answer: its text outside tool calls (and its reasoning), and the calls
+        (OpenAI's shape)."""
         text = "".join(c.text)
+        if c.reasoning is not None:
+            _, text = c.reasoning.parser.split(text, c.reasoning.opened)
         if c.tools is None:
             return text, []
         parsed = c.tools.parser.parse(text)  # the whole output read at once, as the stream reads it

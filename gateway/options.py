@@ -11,6 +11,7 @@ from pdserve.flag import Flag, positive_float
 from pdserve.gateway.admission import QueueLimits
 from pdserve.gateway.membership import STUCK_AFTER_S
 from pdserve.gateway.prefill_placement import DEFAULT_PREFILL_PLACEMENT, PrefillPlacement
+from pdserve.gateway.reasoning import REASONING_PARSERS
 from pdserve.gateway.request_flow import DEFAULT_KV_TRANSPORT, DEFAULT_ON_DECODE_FAILURE, KV_TRANSPORTS
 from pdserve.gateway.router import DEFAULT_LOCAL_PREFILL_MAX_TOKENS, DEFAULT_ROUTER, RouterPolicy
 from pdserve.gateway.tools.registry import PARSERS
@@ -92,6 +93,14 @@ class GatewayOptions:
             "calls in it, and tool_choice required or a named function is forced by a grammar of it (default: "
             "none, and a request with tools gets a 400 unless tool_choice is none)",
             choices=tuple(PARSERS),
+        ),
+    ] = None
+    reasoning_parser: Annotated[  # gateway/reasoning.py
+        str | None,
+        Flag(
+            "the model's reasoning markers (vLLM's names): chat answers carry the reasoning apart, as "
+            "reasoning_content and its streamed deltas (default: none, the reasoning stays in the content)",
+            choices=tuple(REASONING_PARSERS),
         ),
     ] = None
     queue_limits: QueueLimits = QueueLimits()  # per pool: waiting requests, tokens, seconds

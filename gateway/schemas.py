@@ -57,6 +57,7 @@ class ParsedRequest:
     priority: int | None = None  # vLLM's: lower is admitted first; None = the API key's default
     structured: StructuredOutput | None = None  # response_format / structured_outputs / guided_* (constraints.py)
     tools: ToolRequest | None = None  # chat's tools and tool_choice (gateway/tools/)
+    splits_reasoning: bool = False  # its reasoning goes apart under --reasoning-parser (chat's reasoning_content)
     source: Any = None  # the endpoint's own body, where its answer repeats it (Responses)
     constraint_check_s: float = 0.0  # spent compiling its constraint and tool schemas to check them
 
@@ -162,6 +163,7 @@ def parse_request(body: Any, kind: RequestKind, bounds: Bounds, tool_parser: Too
         req.logprobs = chat.top_logprobs or 0
     req.max_tokens = chat.max_completion_tokens if chat.max_completion_tokens is not None else chat.max_tokens
     req.tools = parse_tools(body)
+    req.splits_reasoning = True
     finish_openai(req, chat, body, tool_parser)
     return req
 

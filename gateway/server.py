@@ -88,6 +88,7 @@ def serve_gateway(opts: GatewayOptions, auth: FrameAuth) -> None:
         tenants=tenant_directory(opts.api_key, opts.api_keys_file),
         chat_template=_chat_template(opts.chat_template),
         tool_call_parser=opts.tool_call_parser,
+        reasoning_parser=opts.reasoning_parser,
         model_root=str(Path(opts.model).resolve()),
     )
 
