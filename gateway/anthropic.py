@@ -145,8 +145,7 @@ class MessagesDialect(Dialect):
         req.stop = list(m.stop_sequences or [])
         req.sampling = {k: v for k in ("temperature", "top_p", "top_k") if (v := getattr(m, k)) is not None}
         req.tools = tool_request(m.tools, m.tool_choice)
-        if m.thinking is not None and m.thinking.type != "disabled":
-            raise invalid("thinking is not supported by this server (no reasoning output)", "thinking")
+        req.splits_reasoning = True  # thinking blocks under --reasoning-parser (`thinking` itself changes nothing)
         fmt = m.output_config.format if m.output_config is not None else None
         schema = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt.schema}} if fmt else None
         apply_constraints(req, {"response_format": schema}, tool_parser)
@@ -163,7 +162,9 @@ class MessagesDialect(Dialect):
             return outcome
         choice = run.choices[0]
         text, calls = run.final_text(choice)
-        content: list[dict] = [{"type": "text", "text": text}] if text or not calls else []
+        reasoning = run.final_reasoning(choice)
+        content: list[dict] = [{"type": "thinking", "thinking": reasoning, "signature": ""}] if reasoning else []
+        content += [{"type": "text", "text": text}] if text or not calls else []
         content += [
             {
                 "type": "tool_use",
@@ -224,60 +225,62 @@ def _event(name: str, data: dict) -> bytes:
 
 
 async def _events(run: GenerationRun, first: Any) -> AsyncGenerator[bytes, None]:
-    """The streamed message: text and tool_use blocks as they come (a block stops when the next
-    starts), then message_delta with the stop reason and usage, and message_stop."""
+    """The streamed message: thinking (under --reasoning-parser), text and tool_use blocks as they
+    come (a block stops when the next starts), then message_delta with the stop reason and usage,
+    and message_stop."""
     choice = run.choices[0]
     block = -1  # the open block's index
-    text_open = False
+    open_kind: str | None = None  # "thinking", "text" or "tool_use": the block still open
     calls: dict[int, int] = {}  # tool call index -> its block's index
+
+    def start(kind: str, content_block: dict) -> list[bytes]:
+        nonlocal block, open_kind
+        out = [_event("content_block_stop", {"type": "content_block_stop", "index": block})] if block >= 0 else []
+        block += 1
+        open_kind = kind
+        body = {"type": "content_block_start", "index": block, "content_block": content_block}
+        return [*out, _event("content_block_start", body)]
+
+    def piece(index: int, delta: dict) -> bytes:
+        return _event("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta})
+
     try:
-        start = message(run) | {"content": [], "stop_reason": None, "stop_sequence": None, "usage": usage(run, 0)}
-        yield _event("message_start", {"type": "message_start", "message": start})
+        begin = message(run) | {"content": [], "stop_reason": None, "stop_sequence": None, "usage": usage(run, 0)}
+        yield _event("message_start", {"type": "message_start", "message": begin})
         async for _, delta, _, reason in run.events(first):
             if reason == "error":
                 body = error_body(500, choice.error or "generation failed")
                 yield _event("error", body)
                 return
+            thought = ""
+            if choice.reasoning is not None:  # the reasoning apart (--reasoning-parser)
+                thought, delta = choice.reasoning.feed(delta, final=reason is not None)
+            if thought:
+                if open_kind != "thinking":
+                    for chunk in start("thinking", {"type": "thinking", "thinking": "", "signature": ""}):
+                        yield chunk
+                yield piece(block, {"type": "thinking_delta", "thinking": thought})
             entries: list[dict] = []
             if choice.tools is not None:
                 delta, entries = choice.tools.feed(delta, final=reason is not None)
             if delta:
-                if not text_open:
-                    block += 1
-                    text_open = True
-                    yield _event(
-                        "content_block_start",
-                        {"type": "content_block_start", "index": block, "content_block": {"type": "text", "text": ""}},
-                    )
-                yield _event(
-                    "content_block_delta",
-                    {"type": "content_block_delta", "index": block, "delta": {"type": "text_delta", "text": delta}},
-                )
+                if open_kind != "text":
+                    for chunk in start("text", {"type": "text", "text": ""}):
+                        yield chunk
+                yield piece(block, {"type": "text_delta", "text": delta})
             for entry in entries:
                 if "id" in entry:  # a new call: the open block ends
-                    if block >= 0:
-                        yield _event("content_block_stop", {"type": "content_block_stop", "index": block})
-                    block += 1
-                    text_open = False
-                    calls[entry["index"]] = block
                     use = {"type": "tool_use", "id": tool_use_id(entry["id"]), "name": entry["function"]["name"]}
-                    yield _event(
-                        "content_block_start",
-                        {"type": "content_block_start", "index": block, "content_block": use | {"input": {}}},
-                    )
+                    for chunk in start("tool_use", use | {"input": {}}):
+                        yield chunk
+                    calls[entry["index"]] = block
                 elif entry["function"].get("arguments"):
-                    piece = {"type": "input_json_delta", "partial_json": entry["function"]["arguments"]}
-                    yield _event(
-                        "content_block_delta",
-                        {"type": "content_block_delta", "index": calls[entry["index"]], "delta": piece},
-                    )
+                    partial = {"type": "input_json_delta", "partial_json": entry["function"]["arguments"]}
+                    yield piece(calls[entry["index"]], partial)
             if reason is not None:
-                if block < 0:  # an empty answer still has its text block
-                    block = 0
-                    yield _event(
-                        "content_block_start",
-                        {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
-                    )
+                if open_kind in (None, "thinking") and not calls:  # an answer always has its text block
+                    for chunk in start("text", {"type": "text", "text": ""}):
+                        yield chunk
                 yield _event("content_block_stop", {"type": "content_block_stop", "index": block})
                 stop, sequence = stop_reason(choice, bool(calls))
                 yield _event(

@@ -426,7 +426,10 @@ class AnthropicOutputConfig(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class AnthropicThinking(msgspec.Struct, forbid_unknown_fields=True):
-    type: Annotated[Literal["disabled", "enabled", "adaptive"], doc("only disabled: no reasoning output yet")]
+    type: Annotated[
+        Literal["disabled", "enabled", "adaptive"],
+        doc("accepted: thinking blocks come from the model's reasoning under --reasoning-parser"),
+    ]
     budget_tokens: int | None = None
 
 

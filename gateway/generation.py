@@ -385,8 +385,7 @@ class GenerationRun:
         lp = self.fmt.logprobs(c.logprobs) if want_lp else None
         out = self.fmt.final_choice(c.index, text, lp, c.answer_reason(bool(calls)), calls)
         if c.reasoning is not None:  # vLLM's field: null when the output had none
-            reasoning = c.reasoning.parser.split("".join(c.text), c.reasoning.opened)[0]
-            out["message"]["reasoning_content"] = reasoning or None
+            out["message"]["reasoning_content"] = self.final_reasoning(c)
         return out
 
     async def drain(self, first, request: Request) -> Response | APIError | None:
@@ -427,6 +426,12 @@ class GenerationRun:
             return text, []
         parsed = c.tools.parser.parse(text)  # the whole output read at once, as the stream reads it
         return parsed.content, message_calls(parsed)
+
+    def final_reasoning(self, c: Choice) -> str | None:
+        """A choice's reasoning under --reasoning-parser (None without one, or when it had none)."""
+        if c.reasoning is None:
+            return None
+        return c.reasoning.parser.split("".join(c.text), c.reasoning.opened)[0] or None
 
     async def collect(self, first, request: Request) -> Response:
         """OpenAI's answer (completions or chat) of a run read whole."""

@@ -208,7 +208,14 @@ def _responses_schemas(model_name: str) -> dict:
         arguments=string,
         status=string,
     )
-    item = {"anyOf": [message, call]}
+    reasoning = _object(
+        ["type", "id", "summary", "content"],
+        type={"const": "reasoning"},
+        id=string,
+        summary={"type": "array"},
+        content={"type": "array", "items": _object(["type", "text"], type={"const": "reasoning_text"}, text=string)},
+    )
+    item = {"anyOf": [message, call, reasoning]}
     usage = _object(
         ["input_tokens", "output_tokens", "total_tokens"],
         input_tokens=integer,
@@ -247,7 +254,13 @@ def _responses_schemas(model_name: str) -> dict:
         ),
         _object(
             ["type", "sequence_number", "item_id", "output_index", "delta"],
-            type={"enum": ["response.output_text.delta", "response.function_call_arguments.delta"]},
+            type={
+                "enum": [
+                    "response.output_text.delta",
+                    "response.function_call_arguments.delta",
+                    "response.reasoning_text.delta",
+                ]
+            },
             item_id=string,
             output_index=integer,
             delta=string,
@@ -255,7 +268,7 @@ def _responses_schemas(model_name: str) -> dict:
         ),
         _object(
             ["type", "sequence_number", "item_id", "output_index", "text"],
-            type={"const": "response.output_text.done"},
+            type={"enum": ["response.output_text.done", "response.reasoning_text.done"]},
             item_id=string,
             output_index=integer,
             text=string,
@@ -282,13 +295,14 @@ def _anthropic_schemas(model_name: str) -> dict:
     use = _object(
         ["type", "id", "name", "input"], type={"const": "tool_use"}, id=string, name=string, input={"type": "object"}
     )
+    thinking = _object(["type", "thinking"], type={"const": "thinking"}, thinking=string, signature=string)
     message = _object(
         ["id", "type", "role", "model", "content", "stop_reason", "stop_sequence", "usage"],
         id=string,
         type={"const": "message"},
         role={"const": "assistant"},
         model={"const": model_name},
-        content={"type": "array", "items": {"anyOf": [text, use]}},
+        content={"type": "array", "items": {"anyOf": [thinking, text, use]}},
         stop_reason=stop,
         stop_sequence=_optional(string),
         usage=usage,
@@ -298,6 +312,7 @@ def _anthropic_schemas(model_name: str) -> dict:
         "anyOf": [
             _object(["type", "text"], type={"const": "text_delta"}, text=string),
             _object(["type", "partial_json"], type={"const": "input_json_delta"}, partial_json=string),
+            _object(["type", "thinking"], type={"const": "thinking_delta"}, thinking=string),
         ]
     }
     events = [
@@ -306,7 +321,7 @@ def _anthropic_schemas(model_name: str) -> dict:
             ["type", "index", "content_block"],
             type={"const": "content_block_start"},
             index=index,
-            content_block={"anyOf": [text, use]},
+            content_block={"anyOf": [thinking, text, use]},
         ),
         _object(["type", "index", "delta"], type={"const": "content_block_delta"}, index=index, delta=delta),
         _object(["type", "index"], type={"const": "content_block_stop"}, index=index),

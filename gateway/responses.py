@@ -125,6 +125,7 @@ class ResponsesDialect(Dialect):
         req.stream = bool(r.stream)
         req.stop = [r.stop] if isinstance(r.stop, str) else list(r.stop or [])
         req.tools = _tools(r)
+        req.splits_reasoning = True  # (a reasoning item under --reasoning-parser)
         req.source = r  # what the answer repeats of the request
         apply_constraints(req, {"response_format": _response_format(r.text)}, tool_parser)
         return req
@@ -137,6 +138,9 @@ class ResponsesDialect(Dialect):
             return outcome
         text, calls = run.final_text(run.choices[0])
         output = []
+        reasoning = run.final_reasoning(run.choices[0])
+        if reasoning:
+            output.append(_reasoning_item("rs_" + uuid.uuid4().hex, reasoning, "completed"))
         if text or not calls:
             output.append(_message_item("msg_" + uuid.uuid4().hex, text, "completed"))
         output += [
@@ -186,6 +190,11 @@ def _status(run: GenerationRun) -> str:
 def _message_item(item_id: str, text: str, status: str) -> dict:
     part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": [part]}
+
+
+def _reasoning_item(item_id: str, text: str, status: str) -> dict:
+    content = [{"type": "reasoning_text", "text": text}]
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
 
 
 def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict:
@@ -262,16 +271,24 @@ async def _events(run: GenerationRun, first: Any) -> AsyncGenerator[bytes, None]
 
     output: list[dict] = []  # the items so far (the open one last)
     text = ""  # the open message's text
-    open_kind: str | None = None  # "message" or "function_call": the item still being written
+    thinking = ""  # the open reasoning item's text
+    open_kind: str | None = None  # "reasoning", "message" or "function_call": the item still being written
 
     def close_open() -> list[bytes]:
-        nonlocal open_kind
+        nonlocal open_kind, thinking
         if open_kind is None:
             return []
         i, item = len(output) - 1, output[-1]
         item["status"] = "completed"
         out = []
-        if open_kind == "message":
+        if open_kind == "reasoning":
+            item["content"][0]["text"] = thinking
+            out.append(
+                event(
+                    "response.reasoning_text.done", item_id=item["id"], output_index=i, content_index=0, text=thinking
+                )
+            )
+        elif open_kind == "message":
             part = item["content"][0]
             part["text"] = text
             out.append(
@@ -313,6 +330,24 @@ async def _events(run: GenerationRun, first: Any) -> AsyncGenerator[bytes, None]
                 yield event("response.failed", response=failed)
                 return
             entries: list[dict] = []
+            thought = ""
+            if choice.reasoning is not None:  # the reasoning apart (--reasoning-parser)
+                thought, delta = choice.reasoning.feed(delta, final=reason is not None)
+            if thought:
+                if open_kind != "reasoning":
+                    for chunk in close_open():
+                        yield chunk
+                    output.append(_reasoning_item("rs_" + uuid.uuid4().hex, "", "in_progress"))
+                    open_kind, thinking = "reasoning", ""
+                    yield event("response.output_item.added", output_index=len(output) - 1, item=output[-1])
+                thinking += thought
+                yield event(
+                    "response.reasoning_text.delta",
+                    item_id=output[-1]["id"],
+                    output_index=len(output) - 1,
+                    content_index=0,
+                    delta=thought,
+                )
             if choice.tools is not None:
                 delta, entries = choice.tools.feed(delta, final=reason is not None)
             if delta:
@@ -363,18 +398,20 @@ async def _events(run: GenerationRun, first: Any) -> AsyncGenerator[bytes, None]
                         delta=piece,
                     )
             if reason is not None:
-                if not output:  # an empty answer is still a message
+                if not any(item["type"] != "reasoning" for item in output):  # an empty answer is still a message
+                    for chunk in close_open():
+                        yield chunk
                     item = _message_item("msg_" + uuid.uuid4().hex, "", "in_progress")
                     part = item["content"][0]
                     item["content"] = []
                     output.append(item)
                     open_kind, text = "message", ""
-                    yield event("response.output_item.added", output_index=0, item=dict(item))
+                    yield event("response.output_item.added", output_index=len(output) - 1, item=dict(item))
                     item["content"] = [part]
                     yield event(
                         "response.content_part.added",
                         item_id=item["id"],
-                        output_index=0,
+                        output_index=len(output) - 1,
                         content_index=0,
                         part=dict(part),
                     )

@@ -113,7 +113,6 @@ def test_a_tool_round_trip_without_a_parser(tokenizer):
     [
         ({"max_tokens": 0}, 400),
         ({"max_tokens": 5, "extra_body": {"top_p": 2}}, 400),
-        ({"max_tokens": 5, "thinking": {"type": "enabled", "budget_tokens": 1024}}, 400),
         ({"max_tokens": 5, "model": "other"}, 404),
         ({"max_tokens": 5, "tools": [WEATHER]}, 400),  # auto needs --tool-call-parser
         ({"max_tokens": 5, "tool_choice": {"type": "tool", "name": "nope"}, "tools": [WEATHER]}, 400),

@@ -93,3 +93,63 @@ def test_serve_and_gateway_offer_the_flag():
     for role in ("serve", "gateway"):
         flag = next(a for a in sub.choices[role]._actions if a.dest == "reasoning_parser")
         assert flag.default is None and set(flag.choices or ()) == set(REASONING_PARSERS)
+
+
+THINKING = "<think>\nLet me add.</think>\n\nIt is 4."
+
+
+def test_responses_answer_reasoning_as_an_item(tokenizer):
+    c = client(tokenizer, THINKING, "qwen3")
+    r = c.responses.create(model="m", input="2 + 2?")
+    assert [i.type for i in r.output] == ["reasoning", "message"] and r.output_text == "It is 4."
+    assert r.output[0].content[0].text == "\nLet me add."  # type: ignore[union-attr,index]
+    events = list(c.responses.create(model="m", input="2 + 2?", stream=True))
+    thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")  # type: ignore[union-attr]
+    said = "".join(e.delta for e in events if e.type == "response.output_text.delta")  # type: ignore[union-attr]
+    assert (thought, said) == ("\nLet me add.", "It is 4.")
+    final = events[-1].response  # type: ignore[union-attr]
+    assert [i.type for i in final.output] == ["reasoning", "message"] and final.output_text == "It is 4."
+
+
+def test_messages_answer_reasoning_as_a_thinking_block(tokenizer):
+    import anthropic
+
+    app = create_app(
+        ScriptedBackend(tokenizer, THINKING), tokenizer, model_name="m", max_model_len=2048, reasoning_parser="qwen3"
+    )
+    claude = anthropic.Anthropic(base_url="http://testserver", api_key="x", max_retries=0, http_client=TestClient(app))
+    ask = [{"role": "user", "content": "2 + 2?"}]
+    m = claude.messages.create(
+        model="m", max_tokens=50, messages=ask, thinking={"type": "enabled", "budget_tokens": 1024}
+    )
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in m.content] == [
+        ("thinking", "\nLet me add."),
+        ("text", "It is 4."),
+    ]
+    with claude.messages.stream(model="m", max_tokens=50, messages=ask) as stream:
+        final = stream.get_final_message()
+    assert [b.type for b in final.content] == ["thinking", "text"] and final.content[1].text == "It is 4."  # type: ignore[union-attr]
+    assert final.content[0].thinking == "\nLet me add."  # type: ignore[union-attr]
+
+
+def test_messages_stream_text_after_a_call_in_its_own_block(tokenizer):
+    import anthropic
+
+    script = 'Checking.\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\nDone.'
+    app = create_app(
+        ScriptedBackend(tokenizer, script),
+        tokenizer,
+        model_name="m",
+        max_model_len=2048,
+        chat_template=QWEN_TOOLS_TEMPLATE,
+        tool_call_parser="hermes",
+    )
+    claude = anthropic.Anthropic(base_url="http://testserver", api_key="x", max_retries=0, http_client=TestClient(app))
+    tool = {"name": "get_time", "input_schema": {"type": "object", "properties": {}}}
+    kw = dict(model="m", max_tokens=80, messages=[{"role": "user", "content": "time?"}], tools=[tool])
+    m = claude.messages.create(**kw)  # type: ignore[arg-type]
+    with claude.messages.stream(**kw) as stream:  # type: ignore[arg-type]
+        final = stream.get_final_message()
+    assert [b.type for b in final.content] == ["text", "tool_use", "text"]
+    assert "".join(b.text for b in final.content if b.type == "text") == m.content[0].text  # type: ignore[union-attr]
+    assert final.stop_reason == m.stop_reason == "tool_use"
