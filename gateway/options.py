@@ -9,6 +9,7 @@ from typing import Annotated
 
 from pdserve.flag import Flag, positive_float
 from pdserve.gateway.admission import QueueLimits
+from pdserve.gateway.limits import GatewayLimits
 from pdserve.gateway.membership import STUCK_AFTER_S
 from pdserve.gateway.prefill_placement import DEFAULT_PREFILL_PLACEMENT, PrefillPlacement
 from pdserve.gateway.reasoning import REASONING_PARSERS
@@ -74,7 +75,7 @@ class GatewayOptions:
     ] = DEFAULT_ON_DECODE_FAILURE
     request_timeout_s: Annotated[
         float | None, Flag("seconds; longer requests end with an error", name="--request-timeout")
-    ] = None
+    ] = GatewayLimits.request_timeout_s
     stream_write_timeout_s: Annotated[
         float,
         Flag(
@@ -82,7 +83,7 @@ class GatewayOptions:
             name="--stream-write-timeout",
             parse=positive_float,
         ),
-    ] = 30.0
+    ] = GatewayLimits.stream_write_timeout_s
     chat_template: Annotated[  # a Jinja file in place of the tokenizer's own template
         str | None, Flag("a Jinja chat template file for /v1/chat/completions (default: the tokenizer's own)")
     ] = None

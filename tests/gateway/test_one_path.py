@@ -8,6 +8,7 @@ import inspect
 
 from pdserve.gateway.backend import Backend
 from pdserve.gateway.cluster_backend import ClusterBackend
+from pdserve.gateway.limits import GatewayLimits
 from pdserve.gateway.options import GatewayOptions
 from pdserve.gateway.router import Router
 from tests.gateway.stub_backend import StubBackend
@@ -26,6 +27,11 @@ def test_cluster_backend_defaults_are_the_gateway_options_defaults():
     assert {"kv_transport", "on_decode_failure", "stuck_after_s", "router", "prefill_placement"} <= set(shared)
     for name in shared:
         assert params[name].default == options[name], name
+    limits = GatewayLimits()
+    assert (options["request_timeout_s"], options["stream_write_timeout_s"]) == (
+        limits.request_timeout_s,
+        limits.stream_write_timeout_s,
+    )
     router = inspect.signature(Router.__init__).parameters
     assert router["policy"].default == options["router"]
     assert router["placement"].default == options["prefill_placement"]
