@@ -72,7 +72,7 @@ class ColocatedWorker(WorkerBase):
                 first_seen[c.seq.request_id] = waited
         for out in self.engine.execute(sched):
             timings = {}
-            if out.seq.num_output_tokens == 1 and out.request_id in first_seen:
+            if out.num_output_tokens == 1 and out.request_id in first_seen:
                 timings = {"prefill_queue_s": first_seen[out.request_id], "prefill_compute_s": time.monotonic() - now}
             self._emit(out, timings)
         self.rt.flush_outputs()  # the step's outputs, one frame a gateway
@@ -87,17 +87,17 @@ class ColocatedWorker(WorkerBase):
             TokenOutput(
                 request_id=out.request_id,
                 worker_id=self.worker_id,
-                index=out.seq.num_output_tokens - len(out.new_token_ids),
+                index=out.num_output_tokens - len(out.new_token_ids),
                 token_ids=out.new_token_ids,
                 logprobs=out.logprobs,
                 finish_reason=wire_finish_reason(out.finish_reason),
                 timings=timings or {},
-                cached_tokens=out.seq.num_cached_tokens if out.seq.num_output_tokens == 1 else 0,
+                cached_tokens=out.num_cached_tokens if out.num_output_tokens == 1 else 0,
                 seq_index=out.seq_index,
             ),
         )
         if out.request_done:
-            self._forget(out.request_id, out.finish_reason or "done", out.seq.num_output_tokens)
+            self._forget(out.request_id, out.finish_reason or "done", out.num_output_tokens)
 
     def stats(self) -> WorkerStats:
         st = self.engine.stats()

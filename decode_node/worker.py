@@ -324,9 +324,9 @@ class DecodeWorker(WorkerBase):
             out.new_token_ids,
             out.logprobs,
             out.finish_reason,
-            out.seq.num_output_tokens - len(out.new_token_ids),
+            out.num_output_tokens - len(out.new_token_ids),
             timings,
-            cached_tokens=out.seq.num_cached_tokens if out.seq.num_output_tokens == 1 else 0,  # a local prefill's
+            cached_tokens=out.num_cached_tokens if out.num_output_tokens == 1 else 0,  # a local prefill's
             seq_index=out.seq_index,
             done=out.request_done,
         )

@@ -69,6 +69,16 @@ class StepOutput:
     # candidates for the first beam step, for the decode worker to fork from
     fork: list[TokenLogprob] | None = None
 
+    @property
+    def num_output_tokens(self) -> int:
+        """The sequence's output tokens so far, this output's included."""
+        return self.seq.num_output_tokens
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens its prefill found in the prefix cache (not computed)."""
+        return self.seq.num_cached_tokens
+
 
 @dataclass(frozen=True)
 class EngineInfo:

@@ -214,7 +214,7 @@ class PrefillWorker(WorkerBase):
                 "kv_transfer_s": ts.seconds,
                 "kv_bytes": float(ts.bytes),
             }
-            self._trace(r, done_at, out.seq.num_cached_tokens)
+            self._trace(r, done_at, out.num_cached_tokens)
             info = self.engine.info  # its layers (+ the draft's when they went too)
             num_layers = info.num_layers + (info.draft_num_layers if r.ships_draft else 0)
             if ts.error is not None:  # the decode side never got its KV: fail the request
@@ -248,7 +248,7 @@ class PrefillWorker(WorkerBase):
                         logprobs=out.logprobs,
                         finish_reason=wire_finish_reason(out.finish_reason),
                         timings=timings,
-                        cached_tokens=out.seq.num_cached_tokens,
+                        cached_tokens=out.num_cached_tokens,
                     ),
                 )
             self._forget(out.request_id)
