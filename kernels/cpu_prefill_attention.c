@@ -2,7 +2,7 @@
  * read in place from the paged pool (this step's rows are already stored there), online softmax
  * over tiles of 16 keys, as in FlashAttention.
  *
- * Since issue 35 the fallback of cpu_prefill_flash.c (~1.9x faster: full vector width, mask on the
+ * Now the fallback of cpu_prefill_flash.c (~1.9x faster: full vector width, mask on the
  * diagonal tiles only), taking the fp32 shapes whose head_dim that kernel's vectors do not divide.
  *
  * Why not torch's SDPA: its CPU flash kernel ran a 512-token causal prompt (8 heads, 4 KV
