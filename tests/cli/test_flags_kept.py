@@ -72,6 +72,7 @@ FRONT = {  # the gateway's flags that `serve` passes on to its gateway
     "--stream-write-timeout": (30.0, None, "", None),
     "--chat-template": (None, None, "", None),
     "--tool-call-parser": (None, ("hermes", "llama3_json", "mistral", "pythonic"), "", None),
+    "--reasoning-parser": (None, ("qwen3", "deepseek_r1"), "", None),  # added with reasoning output
     "--local-prefill-max-tokens": (128, None, "", None),
     "--prefill-placement": ("auto", ("auto", "remote", "local"), "", None),
     "--router": ("kv-aware", ("kv-aware", "least-loaded", "round-robin"), "", None),

@@ -133,6 +133,7 @@ SAMPLES: dict[str, tuple[list[str], object]] = {
     "--stream-write-timeout": (["3.5"], 3.5),
     "--chat-template": (["t.jinja"], "t.jinja"),
     "--tool-call-parser": (["hermes"], "hermes"),
+    "--reasoning-parser": (["qwen3"], "qwen3"),
     "--max-queued-requests": (["5"], 5),
     "--max-queued-tokens": (["99"], 99),
     "--max-queue-wait": (["2.5"], 2.5),
