@@ -14,20 +14,11 @@ import torch.nn.functional as F
 from pdserve.kernels import quant_gemm
 from pdserve.kernels.quant_gemm import QuantWeight, dequantize
 from tests.kernels.isa_builds import ISAS, build, cannot_run
+from tests.kernels.test_quantized_gemv import _weight  # random q, scales (and offsets) of one format
 
 pytestmark = pytest.mark.skipif(not quant_gemm.int8x_available(), reason="no C compiler: torch reference only")
 
 FORMATS = [(8, 32, False), (8, 16, False), (8, 32, True), (4, 32, False), (4, 32, True), (4, 16, True)]
-
-
-def _weight(bits: int, sg: int, affine: bool, n_out: int, n_in: int, g: torch.Generator) -> QuantWeight:
-    if bits == 8:
-        q = torch.randint(-128, 128, (n_out, n_in), generator=g).to(torch.int8)  # -128 too: |q| = 128
-    else:
-        q = torch.randint(0, 256, (n_out, n_in // 2), generator=g).to(torch.uint8)
-    scales = torch.rand(n_out, n_in // sg, generator=g) * 0.1
-    offsets = torch.randn(n_out, n_in // sg, generator=g) * 0.1 if affine else None
-    return QuantWeight(bits, q, scales, n_in, offsets, sg)
 
 
 def quantized_rows(x: torch.Tensor) -> torch.Tensor:
