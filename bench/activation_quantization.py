@@ -19,29 +19,7 @@ import subprocess
 import sys
 import time
 
-STEP = """
-import json, resource, sys, time, torch
-from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from pdserve.engine.llm_engine import LLMEngine
-from pdserve.protocol.sampling import SamplingParams
-model, threads, steps, activations = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-torch.set_num_threads(threads)
-cfg = EngineConfig(model=model, activation_quantization=activations, cache=CacheConfig(block_size=16, num_blocks=64),
-                   scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=512, max_model_len=1024))
-t0 = time.perf_counter()
-eng = LLMEngine(cfg, show_progress=False)
-load_s = time.perf_counter() - t0
-eng.add_request("r", list(range(10, 60)), SamplingParams(max_tokens=steps + 4, temperature=0, ignore_eos=True))
-eng.step(); eng.step()
-def cpu():
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-c0, t0 = cpu(), time.perf_counter()
-for _ in range(steps):
-    eng.step()
-print(json.dumps({"wall_ms": 1e3 * (time.perf_counter() - t0) / steps, "cpu_ms": 1e3 * (cpu() - c0) / steps,
-                  "load_s": load_s}))
-"""
+from pdserve.bench.thread_waits import STEP  # one batch-1 decode run in a fresh process
 
 
 def pdserve_run(model: str, threads: int, steps: int, activations: str) -> dict:

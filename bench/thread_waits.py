@@ -6,6 +6,8 @@ and a decode worker of one host share theirs).
     python -m pdserve.bench.thread_waits --model FILE.gguf|DIR [--threads 2] [--hogs 0,1] [--rounds 3]
 
 Prints each run's wall and CPU milliseconds per decode step (batch 1, after two warm-up steps).
+`STEP` (argv: model, threads, steps[, --activation-quantization]) is also
+bench/activation_quantization.py's run.
 """
 
 from __future__ import annotations
@@ -23,10 +25,13 @@ from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.protocol.sampling import SamplingParams
 model, threads, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+activations = sys.argv[4] if len(sys.argv) > 4 else "auto"
 torch.set_num_threads(threads)
-cfg = EngineConfig(model=model, cache=CacheConfig(block_size=16, num_blocks=64),
+cfg = EngineConfig(model=model, activation_quantization=activations, cache=CacheConfig(block_size=16, num_blocks=64),
                    scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=512, max_model_len=1024))
+t0 = time.perf_counter()
 eng = LLMEngine(cfg, show_progress=False)
+load_s = time.perf_counter() - t0
 eng.add_request("r", list(range(10, 60)), SamplingParams(max_tokens=steps + 4, temperature=0, ignore_eos=True))
 eng.step(); eng.step()
 def cpu():
@@ -35,7 +40,8 @@ def cpu():
 c0, t0 = cpu(), time.perf_counter()
 for _ in range(steps):
     eng.step()
-print(json.dumps({"wall_ms": 1e3 * (time.perf_counter() - t0) / steps, "cpu_ms": 1e3 * (cpu() - c0) / steps}))
+print(json.dumps({"wall_ms": 1e3 * (time.perf_counter() - t0) / steps, "cpu_ms": 1e3 * (cpu() - c0) / steps,
+                  "load_s": load_s}))
 """
 
 
