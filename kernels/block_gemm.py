@@ -1,0 +1,145 @@
+"""Linears on a GGUF file's blocks as the file stores them (kernels/cpu_block_dot.c): Q4_K, Q5_K,
+Q6_K and Q8_0, read in place from the memory-mapped file (no copy: workers mapping one file share
+its pages), with int8 activations as llama.cpp multiplies them.
+
+`BlockWeight` is such a tensor: `blocks` uint8 [out, in / 256 * bytes a super-block]. `linear`:
+up to FEW_ROWS rows (decode steps) run the C kernel (x quantized per 256 inputs, integer dot
+products); more rows (prefill) widen TILE_OUT output rows at a time to fp32, as ggml dequantizes
+them, and multiply with torch's GEMM (kernels/quant_gemm.py's `_dense_linear`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pdserve.kernels.cpu_native import built, load_kernel
+from pdserve.kernels.quant_gemm import TILE_OUT, _dense_linear
+
+SOURCE = Path(__file__).with_name("cpu_block_dot.c")
+SUPER_BLOCK = 256  # inputs a super-block: in_features must be a multiple
+# ggml type id -> (name, bytes per 256 inputs)
+TYPES = {8: ("Q8_0", 8 * 34), 12: ("Q4_K", 144), 13: ("Q5_K", 176), 14: ("Q6_K", 210)}
+FEW_ROWS = 32  # rows up to which the integer kernel runs (beyond: widened tiles + torch's GEMM)
+
+
+@dataclass(frozen=True)
+class BlockWeight:
+    """A linear weight [out_features, in_features] as a GGUF file stores it (rows of whole blocks)."""
+
+    qtype: int  # ggml's type id (TYPES)
+    blocks: torch.Tensor  # uint8 [out, in / 256 * TYPES[qtype][1]]
+    in_features: int
+
+    def __post_init__(self) -> None:
+        if self.qtype not in TYPES:
+            raise ValueError(f"GGUF type {self.qtype} is not read as blocks (read: {', '.join(n for n, _ in TYPES.values())})")
+        if self.in_features % SUPER_BLOCK or self.blocks.shape[1] != self.in_features // SUPER_BLOCK * TYPES[self.qtype][1]:
+            raise ValueError(f"blocks {tuple(self.blocks.shape)} do not hold {self.in_features} {self.name} inputs a row")
+
+    @property
+    def name(self) -> str:
+        return TYPES[self.qtype][0]
+
+    @property
+    def out_features(self) -> int:
+        return self.blocks.shape[0]
+
+    @property
+    def padded_in(self) -> int:
+        return self.in_features
+
+    def nbytes(self) -> int:
+        return self.blocks.numel()
+
+
+def readable(qtype: int, in_features: int) -> bool:
+    """Whether a tensor of this type and row length can be served as its blocks."""
+    return qtype in TYPES and in_features % SUPER_BLOCK == 0
+
+
+@functools.lru_cache(maxsize=None)
+def _library() -> ctypes.CDLL | None:
+    lib = load_kernel(SOURCE)
+    if lib is None:
+        return None
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.block_gemm_int8x.restype = i32
+    lib.block_gemm_int8x.argtypes = [p, i64, p, p, p, i64, i64, i64, i32, i32]
+    lib.block_dequant_f32.restype = i32
+    lib.block_dequant_f32.argtypes = [p, p, i64, i64, i64, i32, p, i32]
+    lib.block_bytes_per_256.restype = i64
+    lib.block_bytes_per_256.argtypes = [i32]
+    for qtype, (name, size) in TYPES.items():
+        if lib.block_bytes_per_256(qtype) != size:
+            raise RuntimeError(f"{SOURCE.name} reads {name} as {lib.block_bytes_per_256(qtype)} bytes, block_gemm.py {size}")
+    return lib
+
+
+def available() -> bool:
+    """Whether the kernel is built and loaded (tried once per process)."""
+    return _library() is not None
+
+
+def _check(rc: int) -> None:
+    if rc == -2:
+        raise MemoryError("block_gemm: no memory for the quantized activations")
+    if rc != 0:
+        raise ValueError("block_gemm: bad arguments")
+
+
+def dequantize_rows(w: BlockWeight, ids: torch.Tensor | None = None, o0: int = 0, o1: int | None = None) -> torch.Tensor:
+    """Rows `ids` (int64 [n]; None: rows o0..o1) widened to fp32 [n, in], as ggml dequantizes them."""
+    if ids is not None:
+        ids = ids.to(torch.int64).contiguous()
+        n = ids.numel()
+    else:
+        n = (w.out_features if o1 is None else o1) - o0
+    dense = torch.empty(n, w.in_features, dtype=torch.float32)
+    rc = built(_library()).block_dequant_f32(
+        w.blocks.data_ptr(),
+        None if ids is None else ids.data_ptr(),
+        o0,
+        n,
+        w.in_features,
+        w.qtype,
+        dense.data_ptr(),
+        torch.get_num_threads(),
+    )
+    _check(rc)
+    return dense
+
+
+def linear(x: torch.Tensor, w: BlockWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [m, in] fp32 CPU (the last dim dense) -> [m, out] fp32 (callers check `available()`)."""
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    assert x.dtype == torch.float32 and x.shape[1] == w.in_features
+    assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())
+    m = x.shape[0]
+    if m <= FEW_ROWS:
+        y = torch.empty(m, w.out_features, dtype=torch.float32)
+        rc = built(_library()).block_gemm_int8x(
+            x.data_ptr(),
+            x.stride(0),
+            w.blocks.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            y.data_ptr(),
+            m,
+            w.in_features,
+            w.out_features,
+            w.qtype,
+            torch.get_num_threads(),
+        )
+        _check(rc)
+        return y
+    tiles = []
+    for o0 in range(0, w.out_features, TILE_OUT):
+        o1 = min(o0 + TILE_OUT, w.out_features)
+        dense = dequantize_rows(w, o0=o0, o1=o1)  # [o1 - o0, in]
+        tiles.append(_dense_linear(x, dense, None if bias is None else bias[o0:o1]))  # [m, o1 - o0]
+    return tiles[0] if len(tiles) == 1 else torch.cat(tiles, dim=1)  # [m, out]

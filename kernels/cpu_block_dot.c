@@ -1,0 +1,495 @@
+/* A linear whose weight is a GGUF file's blocks as the file stores them (Q4_K, Q5_K, Q6_K, Q8_0),
+ * with int8 activations: y[m, out] = x[m, in] . dequant(W)^T. No copy of the weight is made: the
+ * kernel reads the (memory-mapped) blocks, 4.5-8.5 bits a weight, as llama.cpp does, where the
+ * group-wise format of cpu_quant_dot.c holds a K-quant in 1.3-1.5x its bytes (fp32 scales a group).
+ *
+ * x's rows are first quantized per 256 inputs (ggml's Q8_K: dx = max|x| / 127, xq = round(x / dx),
+ * and the sum of xq per 16). A super-block's products are then integers, summed exactly (AVX2's
+ * maddubs + madd; the scalar build the same integers):
+ *   Q4_K, Q5_K: y += (d dx) sum_j sc_j (q_j . xq_j)  -  (dmin dx) sum_j mn_j (sum xq_j)   (8 sub-blocks of 32)
+ *   Q6_K:       y += (d dx) sum_g sc_g (q_g . xq_g  -  32 sum xq_g)                     (16 groups of 16)
+ *   Q8_0:       y += dx sum_b d_b (q_b . xq_b)                                           (8 blocks of 32)
+ * so a super-block costs one or two fp32 multiply-adds where the group-wise kernel widens every
+ * group of 32 to fp32.
+ *
+ * Order: every (output, row) pair sums its super-blocks in turn in 8 fp32 lanes (lane k: inputs
+ * 4k..4k+3 of every 32, as AVX2's madd leaves them; each product rounded before it is added) and
+ * then the lanes in order, on every build: a row's result depends neither on the other rows in the
+ * call, nor on the thread count, nor on the instruction set (tests build the variants).
+ * Threads (OpenMP) split output rows.
+ *
+ * `block_dequant_f32` widens rows to fp32 exactly as ggml (and the gguf package) dequantize them,
+ * for many-row calls (torch's GEMM on widened tiles) and embedding lookups.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#define QK 256 /* inputs a super-block (and a quantized row of x's block) */
+#ifndef PREFETCH_ROWS
+#define PREFETCH_ROWS 16 /* output rows ahead whose blocks are prefetched */
+#endif
+
+enum { Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 }; /* ggml's type ids */
+
+/* v's value is taken as computed: the compiler may not fuse or regroup the operations around it */
+#if defined(__x86_64__) && defined(__SSE2__)
+#define KEEP(v) __asm__("" : "+x"(v)) /* a float */
+#else
+#define KEEP(v) __asm__("" : "+m"(v))
+#endif
+#if defined(__x86_64__) && defined(__AVX2__)
+#define KEEPV(v) __asm__("" : "+v"(v)) /* an 8-float vector */
+#else
+#define KEEPV(v) __asm__("" : "+m"(v))
+#endif
+
+/* bytes of one super-block's worth (256 inputs) of a row; 0: not a type this kernel reads */
+static int64_t sb_bytes(int type) {
+    switch (type) {
+    case Q8_0: return 8 * 34;
+    case Q4_K: return 144;
+    case Q5_K: return 176;
+    case Q6_K: return 210;
+    default: return 0;
+    }
+}
+
+int64_t block_bytes_per_256(int type) { return sb_bytes(type); } /* kernels/block_gemm.py checks its table */
+
+static inline float f16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+    uint32_t bits;
+    if (exp == 0x1F) {
+        bits = sign | 0x7F800000u | (man << 13);
+    } else if (exp) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (!man) {
+        bits = sign;
+    } else { /* subnormal: normalise */
+        int e = -1;
+        uint32_t m = man;
+        do {
+            e++;
+            m <<= 1;
+        } while (!(m & 0x400));
+        bits = sign | ((uint32_t)(112 - e) << 23) | ((m & 0x3FF) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+/* Q4_K / Q5_K's 12 bytes -> 6-bit scales and mins [8] each (ggml's packing), four bytes at a time:
+ * bytes 0-3 hold scales 0-3 (low 6 bits) and the top 2 bits of scales 4-7, bytes 4-7 the same for
+ * the mins, bytes 8-11 the low 4 bits of scales 4-7 (low nibble) and mins 4-7 (high nibble). */
+static inline void scale_min_k4(const uint8_t *p, uint8_t sc[8], uint8_t mn[8]) {
+    uint32_t u[3], out[4];
+    memcpy(u, p, 12);
+    out[0] = u[0] & 0x3F3F3F3Fu;
+    out[1] = (u[2] & 0x0F0F0F0Fu) | (((u[0] >> 6) & 0x03030303u) << 4);
+    out[2] = u[1] & 0x3F3F3F3Fu;
+    out[3] = ((u[2] >> 4) & 0x0F0F0F0Fu) | (((u[1] >> 6) & 0x03030303u) << 4);
+    memcpy(sc, out, 8);
+    memcpy(mn, out + 2, 8);
+}
+
+/* ---- x's rows quantized per 256 (Q8_K) ---- */
+
+typedef struct {
+    float d;
+    int8_t q[QK];
+    int16_t bsums[QK / 16]; /* sum of q per 16 */
+} q8k;
+
+static void quantize_row_q8k(const float *x, int64_t in, q8k *out) {
+    for (int64_t b = 0; b < in / QK; b++) {
+        const float *v = x + b * QK;
+        float amax = 0.0f, c127 = 127.0f;
+        KEEP(c127); /* true divisions, not a product by a rounded reciprocal (-ffast-math) */
+        for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(v[i]));
+        const float id = amax > 0.0f ? c127 / amax : 0.0f;
+        q8k *o = &out[b];
+        o->d = amax / c127;
+        for (int g = 0; g < QK / 16; g++) {
+            int32_t s = 0;
+            for (int i = 16 * g; i < 16 * g + 16; i++) {
+                const int32_t q = (int32_t)nearbyintf(v[i] * id);
+                o->q[i] = (int8_t)q;
+                s += q;
+            }
+            o->bsums[g] = (int16_t)s;
+        }
+    }
+}
+
+/* ---- one super-block: integer sums in 8 int32 lanes ----
+ * The AVX2 path's lanes, which the plain C path reproduces: a 32-input chunk's maddubs + madd puts
+ * inputs 4k..4k+3 of the chunk into lane k. Each lane's integer is exact; it is widened to fp32 and
+ * scaled once a super-block, into 8 fp32 lanes summed in order at the end of the row. */
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+/* a super-block's scales as the row loop needs them, decoded once for every row of x */
+typedef struct {
+    uint8_t sc[8], mn[8]; /* Q4_K / Q5_K: 6-bit scales and mins */
+    float d, dmin;
+} k4_scales;
+
+static inline void k4_decode(const uint8_t *blk, k4_scales *s) {
+    s->d = f16(blk);
+    s->dmin = f16(blk + 2);
+    scale_min_k4(blk + 4, s->sc, s->mn);
+}
+
+#if defined(__AVX2__)
+static inline v8i to_v8i(__m256i v) { return (v8i)v; }
+
+/* Q4_K / Q5_K: lane k of sum_j sc_j (q_j . xq_j); qh NULL for Q4_K */
+static inline v8i lanes_k4(const uint8_t *qs, const uint8_t *qh, const __m256i sc16x2[4][2], const int8_t *xq) {
+    const __m256i nib = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
+    const __m256i hbits = qh ? _mm256_loadu_si256((const __m256i *)qh) : _mm256_setzero_si256();
+    __m256i acc = _mm256_setzero_si256();
+    for (int c = 0; c < 4; c++) { /* 64 inputs: sub-blocks 2c (low nibbles) and 2c + 1 (high) */
+        const __m256i b = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+        __m256i lo = _mm256_and_si256(b, nib), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), nib);
+        if (qh) { /* bit 2c of byte l is lo[l]'s fifth bit, bit 2c + 1 hi[l]'s */
+            lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 2 * c), one), 4));
+            hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 2 * c + 1), one), 4));
+        }
+        const __m256i plo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(xq + 64 * c)));
+        const __m256i phi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xq + 64 * c + 32)));
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(plo, sc16x2[c][0]));
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(phi, sc16x2[c][1]));
+    }
+    return to_v8i(acc);
+}
+
+/* Q4_K / Q5_K's scales broadcast as int16 vectors, one a sub-block */
+static inline void k4_vectors(const k4_scales *s, __m256i out[4][2]) {
+    uint64_t s8;
+    memcpy(&s8, s->sc, 8);
+    const __m256i s16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)s8)));
+    for (int j = 0; j < 8; j++) /* int16 j of each 128-bit half, everywhere */
+        out[j / 2][j % 2] = _mm256_shuffle_epi8(s16, _mm256_set1_epi16((short)(0x0100 * (2 * j + 1) + 2 * j)));
+}
+
+/* lane j = mn_j (bsum_2j + bsum_2j+1) */
+static inline v8i lanes_mins(const uint8_t mn[8], const int16_t *bsums) {
+    uint64_t m8;
+    memcpy(&m8, mn, 8);
+    const __m128i m = _mm_cvtsi64_si128((long long)m8);
+    const __m256i dup = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m, m)); /* mn0 mn0 mn1 mn1 ... */
+    return to_v8i(_mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)bsums), dup));
+}
+
+/* Q6_K: lane k of sum_g sc_g (u_g . xq_g) - 32 (lane j of sum sc bsum), u the stored 0..63 */
+static inline v8i lanes_q6k(const uint8_t *ql, const uint8_t *qh, const __m256i sc16[8], __m256i sc_all16,
+                            const int8_t *xq, const int16_t *bsums) {
+    const __m256i nib = _mm256_set1_epi8(15), three = _mm256_set1_epi8(3);
+    __m256i acc = _mm256_setzero_si256();
+    for (int n = 0; n < 2; n++) { /* 128 inputs: ql[64], qh[32], 8 scales */
+        const __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * n));
+        const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * n + 32));
+        const __m256i h = _mm256_loadu_si256((const __m256i *)(qh + 32 * n));
+        const __m256i u[4] = {
+            _mm256_or_si256(_mm256_and_si256(l0, nib), _mm256_slli_epi16(_mm256_and_si256(h, three), 4)),
+            _mm256_or_si256(_mm256_and_si256(l1, nib),
+                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), three), 4)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), nib),
+                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), three), 4)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), nib),
+                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), three), 4)),
+        };
+        for (int k = 0; k < 4; k++) {
+            const __m256i p = _mm256_maddubs_epi16(u[k], _mm256_loadu_si256((const __m256i *)(xq + 128 * n + 32 * k)));
+            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, sc16[4 * n + k]));
+        }
+    }
+    const __m256i bias = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)bsums), sc_all16);
+    return to_v8i(_mm256_sub_epi32(acc, _mm256_slli_epi32(bias, 5)));
+}
+
+/* Q6_K's 16 int8 scales as int16 vectors: [sc_g x 8 | sc_g+1 x 8] for each chunk of 32, and all 16 */
+static inline void q6k_vectors(const int8_t *sc, __m256i out[8], __m256i *all16) {
+    const __m128i s = _mm_loadu_si128((const __m128i *)sc);
+    for (int c = 0; c < 8; c++) {
+        const __m128i pick = _mm_set_epi64x(0x0101010101010101LL * (2 * c + 1), 0x0101010101010101LL * (2 * c));
+        out[c] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(s, pick));
+    }
+    *all16 = _mm256_cvtepi8_epi16(s);
+}
+
+/* Q8_0: lane k of q . xq over one block of 32 */
+static inline v8i lanes_q8_0(const int8_t *q, const int8_t *xq) {
+    const __m256i w = _mm256_loadu_si256((const __m256i *)q), x = _mm256_loadu_si256((const __m256i *)xq);
+    const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)); /* |q| . x sign(q) */
+    return to_v8i(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+}
+#else
+static inline v8i lanes_k4(const uint8_t *qs, const uint8_t *qh, const k4_scales *s, const int8_t *xq) {
+    v8i acc = {0};
+    for (int c = 0; c < 4; c++)
+        for (int h = 0; h < 2; h++)
+            for (int k = 0; k < 8; k++) {
+                int32_t t = 0; /* maddubs + madd: inputs 4k..4k+3 of the chunk, then the scale */
+                for (int l = 4 * k; l < 4 * k + 4; l++) {
+                    int q = h ? qs[32 * c + l] >> 4 : qs[32 * c + l] & 15;
+                    if (qh) q |= ((qh[l] >> (2 * c + h)) & 1) << 4;
+                    t += q * xq[64 * c + 32 * h + l];
+                }
+                acc[k] += s->sc[2 * c + h] * t;
+            }
+    return acc;
+}
+
+static inline v8i lanes_mins(const uint8_t mn[8], const int16_t *bsums) {
+    v8i out;
+    for (int j = 0; j < 8; j++) out[j] = mn[j] * (bsums[2 * j] + bsums[2 * j + 1]);
+    return out;
+}
+
+static inline v8i lanes_q6k(const uint8_t *ql, const uint8_t *qh, const int8_t *sc, const int8_t *xq,
+                            const int16_t *bsums) {
+    v8i acc = {0};
+    for (int n = 0; n < 2; n++)
+        for (int k = 0; k < 4; k++)
+            for (int lane = 0; lane < 8; lane++) {
+                int32_t t = 0;
+                for (int l = 4 * lane; l < 4 * lane + 4; l++) {
+                    const uint8_t lb = ql[64 * n + l + (k & 1) * 32];
+                    const int u = ((k < 2 ? lb : lb >> 4) & 15) | (((qh[32 * n + l] >> (2 * k)) & 3) << 4);
+                    t += u * xq[128 * n + 32 * k + l];
+                }
+                acc[lane] += sc[8 * n + 2 * k + lane / 4] * t;
+            }
+    for (int j = 0; j < 8; j++) acc[j] -= 32 * (bsums[2 * j] * sc[2 * j] + bsums[2 * j + 1] * sc[2 * j + 1]);
+    return acc;
+}
+
+static inline v8i lanes_q8_0(const int8_t *q, const int8_t *xq) {
+    v8i out;
+    for (int k = 0; k < 8; k++) {
+        int32_t t = 0;
+        for (int l = 4 * k; l < 4 * k + 4; l++) t += q[l] * xq[l];
+        out[k] = t;
+    }
+    return out;
+}
+#endif
+
+/* lanes's widened integers times f, added to acc: the product rounded first (no FMA on any build) */
+static inline __attribute__((always_inline)) v8f add_scaled(v8f acc, v8i lanes, float f) {
+    v8f p = __builtin_convertvector(lanes, v8f) * f;
+    KEEPV(p);
+    v8f t = acc + p;
+    KEEPV(t);
+    return t;
+}
+
+static inline float lanes_sum(v8f acc) {
+    float sum = 0.0f;
+    for (int i = 0; i < 8; i++) {
+        sum += acc[i];
+        KEEP(sum);
+    }
+    return sum;
+}
+
+#define ROWS 8 /* rows of x a weight row's super-block is decoded once for */
+
+/* out[r] = weight row w . quantized x rows x[r * nsb ...] in 8 lanes, r < rn (a constant: the
+ * accumulators stay in registers) */
+static inline __attribute__((always_inline)) void row_tile(const int type, const uint8_t *w, const q8k *x,
+                                                           int64_t nsb, const int rn, v8f out[ROWS]) {
+    v8f acc[ROWS];
+    for (int r = 0; r < rn; r++) acc[r] = (v8f){0};
+    for (int64_t b = 0; b < nsb; b++) {
+        if (type == Q4_K || type == Q5_K) {
+            const uint8_t *blk = w + b * (type == Q4_K ? 144 : 176);
+            const uint8_t *qs = blk + (type == Q4_K ? 16 : 48);
+            k4_scales s;
+            k4_decode(blk, &s);
+#if defined(__AVX2__)
+            __m256i sv[4][2];
+            k4_vectors(&s, sv);
+#define K4_ARG sv
+#else
+#define K4_ARG &s
+#endif
+            for (int r = 0; r < rn; r++) {
+                const q8k *xb = &x[r * nsb + b];
+                float da = s.d * xb->d, dm = -(s.dmin * xb->d);
+                KEEP(da);
+                KEEP(dm);
+                const v8i lanes = type == Q4_K ? lanes_k4(qs, NULL, K4_ARG, xb->q) : lanes_k4(qs, blk + 16, K4_ARG, xb->q);
+                acc[r] = add_scaled(acc[r], lanes, da);
+                acc[r] = add_scaled(acc[r], lanes_mins(s.mn, xb->bsums), dm);
+            }
+#undef K4_ARG
+        } else if (type == Q6_K) {
+            const uint8_t *blk = w + b * 210;
+            const int8_t *sc = (const int8_t *)(blk + 192);
+            const float d = f16(blk + 208);
+#if defined(__AVX2__)
+            __m256i sv[8], all16;
+            q6k_vectors(sc, sv, &all16);
+#endif
+            for (int r = 0; r < rn; r++) {
+                const q8k *xb = &x[r * nsb + b];
+                float da = d * xb->d;
+                KEEP(da);
+#if defined(__AVX2__)
+                acc[r] = add_scaled(acc[r], lanes_q6k(blk, blk + 128, sv, all16, xb->q, xb->bsums), da);
+#else
+                acc[r] = add_scaled(acc[r], lanes_q6k(blk, blk + 128, sc, xb->q, xb->bsums), da);
+#endif
+            }
+        } else { /* Q8_0: 8 blocks of 32, each its own scale */
+            const uint8_t *blk = w + b * 8 * 34;
+            for (int k = 0; k < 8; k++) {
+                const float d = f16(blk + 34 * k);
+                for (int r = 0; r < rn; r++) {
+                    const q8k *xb = &x[r * nsb + b];
+                    float dd = d * xb->d;
+                    KEEP(dd);
+                    acc[r] = add_scaled(acc[r], lanes_q8_0((const int8_t *)(blk + 34 * k + 2), xb->q + 32 * k), dd);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < rn; r++) out[r] = acc[r];
+}
+
+static __thread void *tl_mem; /* grows to the largest call; one per calling thread */
+static __thread size_t tl_cap;
+
+static void *scratch(size_t bytes) {
+    if (bytes > tl_cap) {
+        free(tl_mem);
+        tl_cap = (bytes + 4095) / 4096 * 4096;
+        tl_mem = aligned_alloc(64, tl_cap);
+        if (!tl_mem) tl_cap = 0;
+    }
+    return tl_mem;
+}
+
+/* y [m, out] = x [m, in] (rows ldx floats apart) . dequant(w)^T (+ bias; may be NULL); w [out, in
+ * / 256 super-blocks' bytes] of `type`. Returns 0, -1 for a bad argument, -2 when out of memory. */
+int block_gemm_int8x(const float *x, int64_t ldx, const uint8_t *w, const float *bias, float *y, int64_t m,
+                     int64_t in, int64_t out, int type, int nthreads) {
+    const int64_t sbb = sb_bytes(type);
+    if (!sbb || in % QK || m < 1 || out < 1) return -1;
+    const int64_t nsb = in / QK, row_bytes = nsb * sbb;
+    q8k *xq = scratch((size_t)(m * nsb) * sizeof(q8k));
+    if (!xq) return -2;
+    for (int64_t r = 0; r < m; r++) quantize_row_q8k(x + r * ldx, in, xq + r * nsb);
+    if (nthreads < 1) nthreads = 1;
+    const int64_t per = (out + nthreads - 1) / nthreads;
+    const int parts = (int)((out + per - 1) / per);
+#pragma omp parallel for num_threads(parts) schedule(static, 1) if (parts > 1)
+    for (int t = 0; t < parts; t++) {
+        const int64_t o0 = t * per, o1 = o0 + per < out ? o0 + per : out;
+        for (int64_t o = o0; o < o1; o++) {
+            if (o + PREFETCH_ROWS < o1) {
+                const char *ahead = (const char *)(w + (o + PREFETCH_ROWS) * row_bytes);
+                for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(ahead + b, 0, 0);
+            }
+            for (int64_t r0 = 0; r0 < m;) {
+                const int rn = m - r0 >= 8 ? 8 : m - r0 >= 4 ? 4 : m - r0 >= 2 ? 2 : 1;
+                v8f acc[ROWS];
+                const uint8_t *wr = w + o * row_bytes;
+                const q8k *xr = xq + r0 * nsb;
+                switch (type * 16 + rn) { /* one copy of the loop a type and tile: accumulators in registers */
+#define CASE(T, RN) \
+    case T * 16 + RN: row_tile(T, wr, xr, nsb, RN, acc); break;
+#define CASES(T) CASE(T, 1) CASE(T, 2) CASE(T, 4) CASE(T, 8)
+                CASES(Q4_K)
+                CASES(Q5_K)
+                CASES(Q6_K)
+                CASES(Q8_0)
+#undef CASES
+#undef CASE
+                }
+                for (int r = 0; r < rn; r++) {
+                    float v = lanes_sum(acc[r]);
+                    if (bias) v += bias[o];
+                    y[(r0 + r) * out + o] = v;
+                }
+                r0 += rn;
+            }
+        }
+    }
+    return 0;
+}
+
+/* ---- widening, as ggml dequantizes ---- */
+
+static void dequant_row(const int type, const uint8_t *w, int64_t nsb, float *y) {
+    for (int64_t b = 0; b < nsb; b++, y += QK) {
+        if (type == Q4_K || type == Q5_K) {
+            const uint8_t *blk = w + b * (type == Q4_K ? 144 : 176);
+            const uint8_t *qh = blk + 16, *qs = blk + (type == Q4_K ? 16 : 48);
+            uint8_t sc[8], mn[8];
+            scale_min_k4(blk + 4, sc, mn);
+            const float d = f16(blk), dmin = f16(blk + 2);
+            for (int j = 0; j < 8; j++) {
+                float d1 = d * (float)sc[j], m1 = dmin * (float)mn[j];
+                KEEP(d1);
+                KEEP(m1);
+                const int c = j / 2, h = j % 2;
+                for (int l = 0; l < 32; l++) {
+                    int q = h ? qs[32 * c + l] >> 4 : qs[32 * c + l] & 15;
+                    if (type == Q5_K) q |= ((qh[l] >> j) & 1) << 4;
+                    float t = d1 * (float)q;
+                    KEEP(t);
+                    y[32 * j + l] = t - m1;
+                }
+            }
+        } else if (type == Q6_K) {
+            const uint8_t *blk = w + b * 210, *ql = blk, *qh = blk + 128;
+            const int8_t *sc = (const int8_t *)(blk + 192);
+            const float d = f16(blk + 208);
+            for (int n = 0; n < 2; n++)
+                for (int k = 0; k < 4; k++)
+                    for (int l = 0; l < 32; l++) {
+                        const uint8_t lb = ql[64 * n + l + (k & 1) * 32];
+                        const int u = ((k < 2 ? lb : lb >> 4) & 15) | (((qh[32 * n + l] >> (2 * k)) & 3) << 4);
+                        const int e = 128 * n + 32 * k + l;
+                        float ds = d * (float)sc[e / 16];
+                        KEEP(ds);
+                        y[e] = ds * (float)(u - 32);
+                    }
+        } else {
+            const uint8_t *blk = w + b * 8 * 34;
+            for (int k = 0; k < 8; k++) {
+                const float d = f16(blk + 34 * k);
+                const int8_t *q = (const int8_t *)(blk + 34 * k + 2);
+                for (int l = 0; l < 32; l++) y[32 * k + l] = d * (float)q[l];
+            }
+        }
+    }
+}
+
+/* dense [n, in] = the rows ids[i] (ids NULL: o0 + i) of w, widened to fp32. Returns 0 or -1. */
+int block_dequant_f32(const uint8_t *w, const int64_t *ids, int64_t o0, int64_t n, int64_t in, int type, float *dense,
+                      int nthreads) {
+    const int64_t sbb = sb_bytes(type);
+    if (!sbb || in % QK || n < 0) return -1;
+    const int64_t nsb = in / QK, row_bytes = nsb * sbb;
+    if (nthreads < 1 || n < 64) nthreads = 1;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
+    for (int64_t i = 0; i < n; i++) dequant_row(type, w + (ids ? ids[i] : o0 + i) * row_bytes, nsb, dense + i * in);
+    return 0;
+}
