@@ -47,7 +47,7 @@ def load_model(
     with torch.device("meta"):
         model = (GemmaForCausalLM if cfg.family == "gemma" else LlamaForCausalLM)(cfg, max_positions, tp)
     if quantization != "none" and is_gguf(cfg.path) and device.type == "cpu":
-        keep_gguf_blocks(model, quantization, cfg.path)  # read as stored, never dequantized
+        keep_gguf_blocks(model, quantization, cfg.path, as_stored=activations == "int8")  # never dequantized
     model.materialize(device, dtype)
     load_weights(model, cfg.path, show_progress=show_progress)
     if is_gguf(cfg.path):  # the weights are copied out: unmap the file, or its pages stay resident

@@ -8,8 +8,8 @@
  * the same calls, in the same order, on the same kernels, from C: it holds no arithmetic of its
  * own beyond the residual add, so its output is bit for bit the per-op path's (tests check).
  *
- * A linear is fp32 panels (the panel GEMM) or weight-only int8/int4 row segments (the quantized
- * GEMM, one call a segment, as models/quantized_linear.py makes them: one segment's bias added by
+ * A linear is fp32 panels (the panel GEMM) or weight-only quantized row segments (the group-wise
+ * quantized GEMM, or the block kernel on a GGUF file's blocks as stored; one call a segment, as models/quantized_linear.py makes them: one segment's bias added by
  * the kernel, several segments' after they are put side by side).
  *
  * The kernels are not linked in: the caller passes the addresses of the functions already loaded
@@ -36,6 +36,9 @@ typedef int (*quant_gemm_fn)(const float *x, int64_t ldx, const uint8_t *q, cons
                              const float *offsets, const float *bias, float *y, int64_t m, int64_t in, int64_t out,
                              int bits, int sg, int nthreads);
 
+typedef int (*block_gemm_fn)(const float *x, int64_t ldx, const uint8_t *w, const float *bias, float *y, int64_t m,
+                             int64_t in, int64_t out, int type, int nthreads);
+
 typedef struct {  /* the kernels, loaded by their own modules */
     rmsnorm_fn rmsnorm;
     add_rmsnorm_fn add_rmsnorm;
@@ -45,13 +48,15 @@ typedef struct {  /* the kernels, loaded by their own modules */
     gemm_fn gemm;
     quant_gemm_fn quant_gemm;       /* NULL when no layer has a quantized linear */
     quant_gemm_fn quant_gemm_int8x; /* the same, x quantized to int8 first (cpu_quant_dot.c); or NULL */
+    block_gemm_fn block_gemm;       /* a GGUF file's blocks as stored (cpu_block_dot.c); or NULL */
 } kernel_table;
 
 typedef struct {  /* rows [out0, out0 + out) of a quantized linear, in one format */
-    const uint8_t *q;
+    const uint8_t *q;              /* group-wise quants, or (qtype set) a GGUF file's blocks */
     const float *scales, *offsets; /* offsets NULL: symmetric */
     int64_t out0, out;
     int32_t bits, sg;
+    int32_t qtype;                 /* ggml's type id of blocks as stored; 0: group-wise */
 } quant_segment;
 
 typedef struct {  /* a linear: fp32 panels [P, in, 16], or quantized row segments */
@@ -85,20 +90,26 @@ int64_t decode_layers_work_floats(const stack_shape *s, int64_t m) {
     return m * (3 * s->hidden + qkv + q + (int64_t)s->hkv * s->d + q + 3 * s->intermediate + widest);
 }
 
+/* one segment's rows: y [m, g->out] (+ bias, may be NULL) */
+static int segment(const kernel_table *k, const linear_desc *w, const quant_segment *g, const float *x, int64_t ldx,
+                   const float *bias, float *y, int64_t m, int64_t in, int nthreads) {
+    if (g->qtype) {
+        if (!k->block_gemm) return LINEAR_REFUSED;
+        return k->block_gemm(x, ldx, g->q, bias, y, m, in, g->out, g->qtype, nthreads);
+    }
+    const quant_gemm_fn quant_gemm = w->int8_activations ? k->quant_gemm_int8x : k->quant_gemm;
+    if (!quant_gemm) return LINEAR_REFUSED;
+    return quant_gemm(x, ldx, g->q, g->scales, g->offsets, bias, y, m, in, g->out, g->bits, g->sg, nthreads);
+}
+
 /* y [m, out] = x [m, in] (ldx apart) through linear `w`; seg_y: scratch of m * out floats */
 static int linear(const kernel_table *k, const linear_desc *w, const float *x, int64_t ldx, float *y, int64_t m,
                   int64_t in, int64_t out, float *seg_y, int nthreads) {
     if (w->panels) return k->gemm(x, ldx, w->panels, w->bias, y, m, in, out, nthreads);
-    const quant_gemm_fn quant_gemm = w->int8_activations ? k->quant_gemm_int8x : k->quant_gemm;
-    if (!quant_gemm) return LINEAR_REFUSED;
-    if (w->num_segments == 1) {
-        const quant_segment *g = &w->segments[0];
-        return quant_gemm(x, ldx, g->q, g->scales, g->offsets, w->bias, y, m, in, out, g->bits, g->sg, nthreads);
-    }
+    if (w->num_segments == 1) return segment(k, w, &w->segments[0], x, ldx, w->bias, y, m, in, nthreads);
     for (int32_t i = 0; i < w->num_segments; i++) {
         const quant_segment *g = &w->segments[i];
-        int rc = quant_gemm(x, ldx, g->q, g->scales, g->offsets, NULL, seg_y, m, in, g->out, g->bits, g->sg,
-                               nthreads);
+        int rc = segment(k, w, g, x, ldx, NULL, seg_y, m, in, nthreads);
         if (rc) return rc;
         for (int64_t r = 0; r < m; r++)
             for (int64_t c = 0; c < g->out; c++) y[r * out + g->out0 + c] = seg_y[r * g->out + c];

@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 from pdserve.env import settings
-from pdserve.kernels import cpu_native, layer_ops, panel_gemm, quant_gemm
+from pdserve.kernels import block_gemm, cpu_native, layer_ops, panel_gemm, quant_gemm
+from pdserve.kernels.block_gemm import BlockWeight
 from pdserve.kernels.cpu_native import built, load_kernel
 from pdserve.kernels.quant_gemm import QuantWeight
 
@@ -38,12 +39,14 @@ class KernelTable(ctypes.Structure):
             "gemm",
             "quant_gemm",
             "quant_gemm_int8x",
+            "block_gemm",
         )
     ]
 
 
 class QuantSegment(ctypes.Structure):
-    """Rows [out0, out0 + out) of a quantized linear, in one format (kernels/quant_gemm.QuantWeight)."""
+    """Rows [out0, out0 + out) of a quantized linear, in one format: the group-wise one
+    (kernels/quant_gemm.QuantWeight) or a GGUF file's blocks (`qtype` set: block_gemm.BlockWeight)."""
 
     _fields_ = [
         ("q", ctypes.c_void_p),
@@ -53,6 +56,7 @@ class QuantSegment(ctypes.Structure):
         ("out", ctypes.c_int64),
         ("bits", ctypes.c_int32),
         ("sg", ctypes.c_int32),
+        ("qtype", ctypes.c_int32),
     ]
 
 
@@ -86,21 +90,28 @@ def panel_linear(panels: torch.Tensor, bias: torch.Tensor | None) -> LinearDesc:
 
 
 def quant_linear(
-    parts: list[QuantWeight], bias: torch.Tensor | None, int8_activations: bool = False
+    parts: list[QuantWeight | BlockWeight], bias: torch.Tensor | None, int8_activations: bool = False
 ) -> tuple[LinearDesc, ctypes.Array] | None:
     """A quantized linear by its parts (models/quantized_linear.py QuantizedLinear), with the
     segment array it points into (keep it alive); None when a part's rows carry input padding
-    (the per-op path pads x; the driver does not) or its int8-activation kernel is not built."""
+    (the per-op path pads x; the driver does not) or a kernel it needs is not built."""
     if any(p.padded_in != p.in_features for p in parts):
         return None
-    if int8_activations and not quant_gemm.int8x_available():
+    grouped = [p for p in parts if isinstance(p, QuantWeight)]
+    if grouped and int8_activations and not quant_gemm.int8x_available():
+        return None
+    if len(grouped) < len(parts) and not block_gemm.available():
         return None
     segments = (QuantSegment * len(parts))()
     out0 = 0
     for seg, p in zip(segments, parts):
-        offsets = None if p.offsets is None else p.offsets.data_ptr()
-        seg.q, seg.scales, seg.offsets = p.q.data_ptr(), p.scales.data_ptr(), offsets
-        seg.out0, seg.out, seg.bits, seg.sg = out0, p.out_features, p.bits, p.scale_group
+        if isinstance(p, BlockWeight):
+            seg.q, seg.scales, seg.offsets, seg.bits, seg.sg, seg.qtype = p.blocks.data_ptr(), None, None, 0, 0, p.qtype
+        else:
+            offsets = None if p.offsets is None else p.offsets.data_ptr()
+            seg.q, seg.scales, seg.offsets = p.q.data_ptr(), p.scales.data_ptr(), offsets
+            seg.bits, seg.sg, seg.qtype = p.bits, p.scale_group, 0
+        seg.out0, seg.out = out0, p.out_features
         out0 += p.out_features
     desc = LinearDesc(None, None if bias is None else bias.data_ptr(), segments, len(parts), int(int8_activations))
     return desc, segments
@@ -130,6 +141,7 @@ def _library() -> tuple[ctypes.CDLL, KernelTable] | None:
     if not (ops and gemm and attention):
         return None
     quant, int8x = quant_gemm._library(), quant_gemm._int8x_library()  # optional: only quantized layers need them
+    blocks = block_gemm._library()
     lib = load_kernel(SOURCE)
     if lib is None:
         return None
@@ -147,14 +159,15 @@ def _library() -> tuple[ctypes.CDLL, KernelTable] | None:
         _address(gemm, "panel_gemm_f32"),
         _address(quant, "quant_gemm_f32") if quant is not None else None,
         _address(int8x, "quant_gemm_int8x") if int8x is not None else None,
+        _address(blocks, "block_gemm_int8x") if blocks is not None else None,
     )
     return lib, table
 
 
 def quantized_available() -> bool:
-    """Whether the driver can run quantized linears (the quantized GEMM built too)."""
+    """Whether the driver can run quantized linears (a quantized GEMM built too)."""
     lib = _library()
-    return lib is not None and lib[1].quant_gemm is not None
+    return lib is not None and (lib[1].quant_gemm is not None or lib[1].block_gemm is not None)
 
 
 def available() -> bool:

@@ -25,7 +25,7 @@ from pdserve.engine.config import ModelConfig
 from pdserve.engine.models.cpu_linear import PackedLinear, cpu_linear_kind, gemv_copy_fits, relayout_linears
 from pdserve.engine.models.qk_norm import norm_qk_heads
 from pdserve.engine.models.quantized_embedding import QuantizedEmbedding
-from pdserve.engine.models.quantized_linear import QuantizedLinear
+from pdserve.engine.models.quantized_linear import QuantizedLinear, few_rows
 from pdserve.engine.models.rotary import RotaryEmbedding, rotate
 from pdserve.engine.parallel.group import TensorParallelGroup
 from pdserve.engine.parallel.shard import TensorParallelShard
@@ -139,7 +139,7 @@ def _driver_rows(module: nn.Module) -> int:
     """The most rows a step may have for this linear's kernel in the driver to be the per-op
     path's own: the panel GEMM's `few_rows()`, or the quantized GEMM's limit for each part's bits."""
     if isinstance(module, QuantizedLinear):
-        return min(quant_gemm.FEW_ROWS[p.bits] for p in module.parts)
+        return min(few_rows(p) for p in module.parts)
     return panel_gemm.few_rows()
 
 

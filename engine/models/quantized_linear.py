@@ -15,21 +15,26 @@ stay float. Decode steps of up to 48 (int4) / 64 (int8) rows run every layer in 
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch import nn
 
 from pdserve.engine.config import QUANTIZATIONS
 from pdserve.engine.models.quantized_embedding import QuantizedEmbedding
 from pdserve.engine.quantize import GGUF_TYPES, KEPT_GGUF_TYPES, concat_rows, from_gguf_blocks, quantize, same_format
-from pdserve.kernels import quant_gemm
+from pdserve.kernels import block_gemm, quant_gemm
+from pdserve.kernels.block_gemm import BlockWeight
 from pdserve.kernels.quant_gemm import QuantWeight
 
 if TYPE_CHECKING:
     from pdserve.engine.gguf_weights import GgufTensor
     from pdserve.engine.models.llama import LlamaForCausalLM
+
+Part = QuantWeight | BlockWeight  # a row segment in one format
 
 
 class QuantizedLinear(nn.Module):
@@ -37,12 +42,17 @@ class QuantizedLinear(nn.Module):
     (`parts`, one format each). x in the model's dtype (fp32 or bf16: the kernel computes in fp32
     and the result is cast back)."""
 
-    def __init__(self, parts: QuantWeight | list[QuantWeight], bias: torch.Tensor | None) -> None:
+    def __init__(self, parts: Part | list[Part], bias: torch.Tensor | None) -> None:
         super().__init__()
-        parts = [parts] if isinstance(parts, QuantWeight) else parts
+        parts = [parts] if isinstance(parts, (QuantWeight, BlockWeight)) else parts
         self.in_features, self.out_features = parts[0].in_features, sum(p.out_features for p in parts)
-        self._formats = [(p.bits, p.in_features, p.scale_group) for p in parts]
+        self._formats: list[tuple] = []
         for i, p in enumerate(parts):  # parameters, so .to() / state_dict see them
+            if isinstance(p, BlockWeight):  # a file's blocks as stored (no copy)
+                self._formats.append(("blocks", p.qtype, p.in_features))
+                self.register_parameter(f"q{i}", nn.Parameter(p.blocks, requires_grad=False))
+                continue
+            self._formats.append((p.bits, p.in_features, p.scale_group))
             self.register_parameter(f"q{i}", nn.Parameter(p.q, requires_grad=False))
             self.register_parameter(f"scales{i}", nn.Parameter(p.scales, requires_grad=False))
             off = None if p.offsets is None else nn.Parameter(p.offsets, requires_grad=False)
@@ -51,37 +61,43 @@ class QuantizedLinear(nn.Module):
         self.int8_activations = False  # few-row calls quantize x per group of 32 (`use_int8_activations`)
 
     @property
-    def parts(self) -> list[QuantWeight]:
-        out = []
-        for i, (bits, n_in, sg) in enumerate(self._formats):
+    def parts(self) -> list[Part]:
+        out: list[Part] = []
+        for i, fmt in enumerate(self._formats):
+            q = getattr(self, f"q{i}").data
+            if fmt[0] == "blocks":
+                out.append(BlockWeight(fmt[1], q, fmt[2]))
+                continue
+            bits, n_in, sg = fmt
             off = getattr(self, f"offsets{i}")
-            out.append(
-                QuantWeight(
-                    bits,
-                    getattr(self, f"q{i}").data,
-                    getattr(self, f"scales{i}").data,
-                    n_in,
-                    None if off is None else off.data,
-                    sg,
-                )
-            )
+            out.append(QuantWeight(bits, q, getattr(self, f"scales{i}").data, n_in, None if off is None else off.data, sg))
         return out
 
     @property
-    def weight(self) -> QuantWeight:
+    def weight(self) -> Part:
         """The one format's weight (a linear of several formats has `parts`)."""
         (only,) = self.parts
         return only
 
+    def _part(self, x: torch.Tensor, p: Part, bias: torch.Tensor | None) -> torch.Tensor:
+        if isinstance(p, BlockWeight):
+            return block_gemm.linear(x, p, bias)  # its few-row calls always quantize x (per 256)
+        return quant_gemm.linear(x, p, bias, self.int8_activations)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        parts = self.parts
+        parts, xf = self.parts, x.float()
         if len(parts) == 1:
-            y = quant_gemm.linear(x.float(), parts[0], self.bias, self.int8_activations)  # [T, out] fp32
+            y = self._part(xf, parts[0], self.bias)  # [T, out] fp32
         else:
-            y = torch.cat([quant_gemm.linear(x.float(), p, None, self.int8_activations) for p in parts], dim=1)
+            y = torch.cat([self._part(xf, p, None) for p in parts], dim=1)
             if self.bias is not None:
                 y += self.bias
         return y.to(x.dtype)
+
+
+def few_rows(p: Part) -> int:
+    """Rows up to which a part's few-row kernel runs (the decode driver's limit)."""
+    return block_gemm.FEW_ROWS if isinstance(p, BlockWeight) else quant_gemm.FEW_ROWS[p.bits]
 
 
 def _linear_owners(model: LlamaForCausalLM) -> dict[str, nn.Module]:
@@ -94,14 +110,18 @@ def _linear_owners(model: LlamaForCausalLM) -> dict[str, nn.Module]:
     return owners
 
 
-def keep_gguf_blocks(model: LlamaForCausalLM, scheme: str, path: str | Path) -> None:
+def keep_gguf_blocks(model: LlamaForCausalLM, scheme: str, path: str | Path, as_stored: bool = False) -> None:
     """Before the model gets storage: every linear a GGUF file stores whole in a kept type
     (`scheme` auto: any of KEPT_GGUF_TYPES; int8 / int4: Q8_0 / Q4_0) becomes a QuantizedLinear
     of those blocks, read straight from the file: its weight is never dequantized, so loading
-    needs no more memory than the quantized model (engine/weights.py skips these)."""
+    needs no more memory than the quantized model (engine/weights.py skips these).
+    `as_stored` (int8 activations, one rank): the blocks kernels/block_gemm.py reads stay the
+    file's own bytes, mapped, not copied (workers mapping one file share its pages); the rest are
+    copied into the group-wise format."""
     if scheme not in QUANTIZATIONS or scheme == "none":
         raise ValueError(f"unknown quantization {scheme!r}; choose {', '.join(QUANTIZATIONS)}")
-    stored = _gguf_blocks(model, path, scheme)
+    as_stored = as_stored and model.tp is None and block_gemm.available()
+    stored = _gguf_blocks(model, path, scheme, as_stored)
     for name, owner in _linear_owners(model).items():
         parts = stored.get(f"{name}.weight")
         if parts is None:
@@ -146,10 +166,12 @@ def quantize_model(model: LlamaForCausalLM, scheme: str) -> None:
                 setattr(owner, attr, QuantizedLinear(quantize(linear.weight, scheme), linear.bias))
 
 
-def _gguf_blocks(model: LlamaForCausalLM, path: str | Path, scheme: str) -> dict[str, list[QuantWeight]]:
-    """Our parameter name -> its weight from the file's blocks as row segments (parts of one
-    format stacked), for the linears stored whole in kept types: the scheme's own (int8: Q8_0,
-    int4: Q4_0), or with `auto` any of KEPT_GGUF_TYPES. Fused ones from their parts, in row order."""
+def _gguf_blocks(model: LlamaForCausalLM, path: str | Path, scheme: str, as_stored: bool) -> dict[str, list[Part]]:
+    """Our parameter name -> its weight from the file's blocks as row segments, for the linears
+    stored whole in kept types: the scheme's own (int8: Q8_0, int4: Q4_0), or with `auto` any of
+    KEPT_GGUF_TYPES. Fused ones from their parts, in row order: `as_stored`, each tensor the
+    block kernel reads is a segment of its own, its bytes the file's; the others are copied into
+    the group-wise format (neighbours of one format stacked into one segment)."""
     from pdserve.engine.gguf_weights import gguf_tensors
     from pdserve.engine.weights import fused_slices
 
@@ -163,15 +185,26 @@ def _gguf_blocks(model: LlamaForCausalLM, path: str | Path, scheme: str) -> dict
         target, start = fused[name][:2] if name in fused else (name, 0)
         if target.endswith("proj.weight") or target in ("lm_head.weight", "embed_tokens.weight"):
             parts.setdefault(target, []).append((start, tensor))
-    out: dict[str, list[QuantWeight]] = {}
+    out: dict[str, list[Part]] = {}
     for target, found in parts.items():
-        if all(t.qtype in kept for _, t in found):
-            rows = [from_gguf_blocks(t.hf_rows(), t.qtype, t.shape[1]) for _, t in sorted(found, key=lambda p: p[0])]
-            segments: list[list[QuantWeight]] = []
-            for w in rows:  # neighbours of one format stack into one segment
-                if segments and same_format(segments[-1][-1], w):
-                    segments[-1].append(w)
-                else:
-                    segments.append([w])
-            out[target] = [concat_rows(s) for s in segments]
+        if not all(t.qtype in kept for _, t in found):
+            continue
+        segments: list[list[Part]] = []
+        for _, t in sorted(found, key=lambda p: p[0]):
+            if as_stored and block_gemm.readable(int(t.qtype), t.shape[1]):
+                segments.append([BlockWeight(int(t.qtype), _mapped(t.hf_rows()), t.shape[1])])
+                continue
+            w = from_gguf_blocks(t.hf_rows(), t.qtype, t.shape[1])
+            if segments and isinstance(segments[-1][-1], QuantWeight) and same_format(segments[-1][-1], w):
+                segments[-1].append(w)  # neighbours of one format stack into one segment
+            else:
+                segments.append([w])
+        out[target] = [s[0] if isinstance(s[0], BlockWeight) else concat_rows(s) for s in segments]  # type: ignore[arg-type]
     return out
+
+
+def _mapped(rows: np.ndarray) -> torch.Tensor:
+    """A view of the file's (read-only) map as a uint8 tensor: never written (the kernels only read)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(rows)
