@@ -436,6 +436,17 @@ int block_gemm_int8x(const float *x, int64_t ldx, const uint8_t *w, const float 
 
 /* ---- widening, as ggml dequantizes ---- */
 
+typedef uint8_t v8u8 __attribute__((vector_size(8)));
+typedef int8_t v8s8 __attribute__((vector_size(8)));
+
+/* y[0..8) = p - m with p = d * float(q) rounded first (as ggml: no fused multiply-add) */
+static inline __attribute__((always_inline)) void scaled8(float *y, v8f q, float d, float m) {
+    v8f p = q * d;
+    KEEPV(p);
+    const v8f v = p - m;
+    memcpy(y, &v, sizeof v);
+}
+
 static void dequant_row(const int type, const uint8_t *w, int64_t nsb, float *y) {
     for (int64_t b = 0; b < nsb; b++, y += QK) {
         if (type == Q4_K || type == Q5_K) {
@@ -449,12 +460,16 @@ static void dequant_row(const int type, const uint8_t *w, int64_t nsb, float *y)
                 KEEP(d1);
                 KEEP(m1);
                 const int c = j / 2, h = j % 2;
-                for (int l = 0; l < 32; l++) {
-                    int q = h ? qs[32 * c + l] >> 4 : qs[32 * c + l] & 15;
-                    if (type == Q5_K) q |= ((qh[l] >> j) & 1) << 4;
-                    float t = d1 * (float)q;
-                    KEEP(t);
-                    y[32 * j + l] = t - m1;
+                for (int l = 0; l < 32; l += 8) {
+                    v8u8 q;
+                    memcpy(&q, qs + 32 * c + l, 8);
+                    q = h ? q >> 4 : q & 15;
+                    if (type == Q5_K) {
+                        v8u8 hb;
+                        memcpy(&hb, qh + l, 8);
+                        q |= ((hb >> j) & 1) << 4;
+                    }
+                    scaled8(y + 32 * j + l, __builtin_convertvector(q, v8f), d1, m1);
                 }
             }
         } else if (type == Q6_K) {
@@ -463,20 +478,26 @@ static void dequant_row(const int type, const uint8_t *w, int64_t nsb, float *y)
             const float d = f16(blk + 208);
             for (int n = 0; n < 2; n++)
                 for (int k = 0; k < 4; k++)
-                    for (int l = 0; l < 32; l++) {
-                        const uint8_t lb = ql[64 * n + l + (k & 1) * 32];
-                        const int u = ((k < 2 ? lb : lb >> 4) & 15) | (((qh[32 * n + l] >> (2 * k)) & 3) << 4);
+                    for (int l = 0; l < 32; l += 8) {
+                        v8u8 lb, hb;
+                        memcpy(&lb, ql + 64 * n + l + (k & 1) * 32, 8);
+                        memcpy(&hb, qh + 32 * n + l, 8);
+                        const v8u8 u = ((k < 2 ? lb : lb >> 4) & 15) | (((hb >> (2 * k)) & 3) << 4);
                         const int e = 128 * n + 32 * k + l;
                         float ds = d * (float)sc[e / 16];
                         KEEP(ds);
-                        y[e] = ds * (float)(u - 32);
+                        const v8s8 q = (v8s8)u - 32;
+                        scaled8(y + e, __builtin_convertvector(q, v8f), ds, 0.0f);
                     }
         } else {
             const uint8_t *blk = w + b * 8 * 34;
             for (int k = 0; k < 8; k++) {
                 const float d = f16(blk + 34 * k);
-                const int8_t *q = (const int8_t *)(blk + 34 * k + 2);
-                for (int l = 0; l < 32; l++) y[32 * k + l] = d * (float)q[l];
+                for (int l = 0; l < 32; l += 8) {
+                    v8s8 q;
+                    memcpy(&q, blk + 34 * k + 2 + l, 8);
+                    scaled8(y + 32 * k + l, __builtin_convertvector(q, v8f), d, 0.0f);
+                }
             }
         }
     }

@@ -1,0 +1,90 @@
+"""How closely pdserve serves a GGUF file against HF transformers on the file's own weights:
+teacher-forced top-1 agreement at real size.
+
+    python -m pdserve.bench.gguf_agreement --model FILE.gguf --source HF_DIR [--prompts 4] [--new 64]
+
+HF's model is `--source` (the folder the file was converted from: its config) with every weight
+replaced by the file's, dequantized to fp32 (exact: GGUF dequantization is arithmetic on the
+stored values). HF greedily continues random prompts; then, at each position of each
+continuation, pdserve's engine (the file served as `pdserve serve` would: kept blocks, int8
+activations unless `--activation-quantization none`) is given HF's prefix and asked for one greedy
+token. Agreement is the share of positions where it picks HF's token. The prefix cache makes each
+ask one decode-sized step, the calls the int8-activation kernels serve.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import torch
+
+
+def dequantized_hf_model(source: str, file: str) -> torch.nn.Module:
+    """`source`'s HF model with every weight the file's, dequantized to fp32."""
+    from transformers import AutoModelForCausalLM
+
+    from pdserve.engine.config import ModelConfig
+    from pdserve.engine.gguf_weights import gguf_tensors
+
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    state = model.state_dict()
+    with torch.no_grad():
+        for name, tensor in gguf_tensors(file, ModelConfig.from_folder(file)):
+            state[name].copy_(tensor.dequantize())
+    return model.eval()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="a GGUF file")
+    ap.add_argument("--source", required=True, help="the HF folder the file was converted from")
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--prompt-len", type=int, default=24)
+    ap.add_argument("--new", type=int, default=64, help="HF tokens a prompt: the positions measured")
+    ap.add_argument("--activation-quantization", default="auto", choices=["auto", "none", "int8"])
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.protocol.sampling import SamplingParams
+
+    t0 = time.perf_counter()
+    hf = dequantized_hf_model(args.source, args.model)
+    vocab = hf.config.vocab_size
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
+    want = []
+    with torch.no_grad():
+        for p in prompts:
+            out = hf.generate(
+                torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False, pad_token_id=0,
+            )
+            want.append(out[0, len(p) :].tolist())
+    del hf
+    print(f"HF greedy: {args.prompts} x {args.new} tokens in {time.perf_counter() - t0:.0f} s", flush=True)
+
+    cfg = EngineConfig(
+        model=args.model,
+        activation_quantization=args.activation_quantization,
+        cache=CacheConfig(block_size=16, num_blocks=64),
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=512, max_model_len=512),
+    )
+    engine = LLMEngine(cfg, show_progress=False)
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    agree = total = 0
+    for i, (p, w) in enumerate(zip(prompts, want)):
+        got = [engine.generate([p + w[:k]], one)[0][0] for k in range(len(w))]
+        agree += sum(a == b for a, b in zip(got, w))
+        total += len(w)
+        print(f"prompt {i + 1}/{len(prompts)}: {agree}/{total} positions agree so far", flush=True)
+    tag = engine.model_config.weights_tag
+    print(f"{args.model} ({tag}): teacher-forced top-1 agreement with HF {agree}/{total} ({agree / total:.1%})")
+
+
+if __name__ == "__main__":
+    main()
