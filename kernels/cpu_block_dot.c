@@ -307,7 +307,8 @@ static inline float lanes_sum(v8f acc) {
     return sum;
 }
 
-#define ROWS 8 /* rows of x a weight row's super-block is decoded once for */
+#define ROWS 8       /* rows of x a weight row's super-block is decoded once for */
+#define OUT_BLOCK 16 /* weight rows a tile of x's rows meets before the next tile */
 
 /* out[r] = weight row w . quantized x rows x[r * nsb ...] in 8 lanes, r < rn (a constant: the
  * accumulators stay in registers) */
@@ -401,31 +402,34 @@ int block_gemm_int8x(const float *x, int64_t ldx, const uint8_t *w, const float 
 #pragma omp parallel for num_threads(parts) schedule(static, 1) if (parts > 1)
     for (int t = 0; t < parts; t++) {
         const int64_t o0 = t * per, o1 = o0 + per < out ? o0 + per : out;
-        for (int64_t o = o0; o < o1; o++) {
-            if (o + PREFETCH_ROWS < o1) {
-                const char *ahead = (const char *)(w + (o + PREFETCH_ROWS) * row_bytes);
-                for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(ahead + b, 0, 0);
-            }
-            for (int64_t r0 = 0; r0 < m;) {
+        for (int64_t ob = o0; ob < o1; ob += OUT_BLOCK) { /* a block of weight rows, kept in cache over all of x */
+            const int64_t oe = ob + OUT_BLOCK < o1 ? ob + OUT_BLOCK : o1;
+            for (int64_t r0 = 0; r0 < m;) { /* a tile of x's rows, kept in L1 over the block */
                 const int rn = m - r0 >= 8 ? 8 : m - r0 >= 4 ? 4 : m - r0 >= 2 ? 2 : 1;
-                v8f acc[ROWS];
-                const uint8_t *wr = w + o * row_bytes;
                 const q8k *xr = xq + r0 * nsb;
-                switch (type * 16 + rn) { /* one copy of the loop a type and tile: accumulators in registers */
+                for (int64_t o = ob; o < oe; o++) {
+                    if (r0 == 0 && o + PREFETCH_ROWS < o1) { /* the weights on their way from memory */
+                        const char *ahead = (const char *)(w + (o + PREFETCH_ROWS) * row_bytes);
+                        for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(ahead + b, 0, 0);
+                    }
+                    v8f acc[ROWS];
+                    const uint8_t *wr = w + o * row_bytes;
+                    switch (type * 16 + rn) { /* one copy of the loop a type and tile: accumulators in registers */
 #define CASE(T, RN) \
     case T * 16 + RN: row_tile(T, wr, xr, nsb, RN, acc); break;
 #define CASES(T) CASE(T, 1) CASE(T, 2) CASE(T, 4) CASE(T, 8)
-                CASES(Q4_K)
-                CASES(Q5_K)
-                CASES(Q6_K)
-                CASES(Q8_0)
+                    CASES(Q4_K)
+                    CASES(Q5_K)
+                    CASES(Q6_K)
+                    CASES(Q8_0)
 #undef CASES
 #undef CASE
-                }
-                for (int r = 0; r < rn; r++) {
-                    float v = lanes_sum(acc[r]);
-                    if (bias) v += bias[o];
-                    y[(r0 + r) * out + o] = v;
+                    }
+                    for (int r = 0; r < rn; r++) {
+                        float v = lanes_sum(acc[r]);
+                        if (bias) v += bias[o];
+                        y[(r0 + r) * out + o] = v;
+                    }
                 }
                 r0 += rn;
             }

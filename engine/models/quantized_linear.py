@@ -81,7 +81,7 @@ class QuantizedLinear(nn.Module):
 
     def _part(self, x: torch.Tensor, p: Part, bias: torch.Tensor | None) -> torch.Tensor:
         if isinstance(p, BlockWeight):
-            return block_gemm.linear(x, p, bias)  # its few-row calls always quantize x (per 256)
+            return block_gemm.linear(x, p, bias)  # always x quantized per 256 (any number of rows)
         return quant_gemm.linear(x, p, bias, self.int8_activations)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -96,8 +96,9 @@ class QuantizedLinear(nn.Module):
 
 
 def few_rows(p: Part) -> int:
-    """Rows up to which a part's few-row kernel runs (the decode driver's limit)."""
-    return block_gemm.FEW_ROWS if isinstance(p, BlockWeight) else quant_gemm.FEW_ROWS[p.bits]
+    """Rows up to which a part's few-row kernel runs (the decode driver's limit): the block
+    kernel runs for any number."""
+    return 1 << 30 if isinstance(p, BlockWeight) else quant_gemm.FEW_ROWS[p.bits]
 
 
 def _linear_owners(model: LlamaForCausalLM) -> dict[str, nn.Module]:
