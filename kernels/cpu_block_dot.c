@@ -156,11 +156,11 @@ static inline void k4_decode(const uint8_t *blk, k4_scales *s) {
 #if defined(__AVX2__)
 static inline v8i to_v8i(__m256i v) { return (v8i)v; }
 
-/* Q4_K / Q5_K: lane k of sum_j sc_j (q_j . xq_j); qh NULL for Q4_K */
-static inline v8i lanes_k4(const uint8_t *qs, const uint8_t *qh, const __m256i sc16x2[4][2], const int8_t *xq) {
+/* Q4_K / Q5_K's 256 values as 8 vectors of 32 bytes, sub-block j in q[j] (qh NULL for Q4_K):
+ * unpacked once a super-block, for every row of x */
+static inline void unpack_k4(const uint8_t *qs, const uint8_t *qh, __m256i q[8]) {
     const __m256i nib = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
     const __m256i hbits = qh ? _mm256_loadu_si256((const __m256i *)qh) : _mm256_setzero_si256();
-    __m256i acc = _mm256_setzero_si256();
     for (int c = 0; c < 4; c++) { /* 64 inputs: sub-blocks 2c (low nibbles) and 2c + 1 (high) */
         const __m256i b = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
         __m256i lo = _mm256_and_si256(b, nib), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), nib);
@@ -168,21 +168,28 @@ static inline v8i lanes_k4(const uint8_t *qs, const uint8_t *qh, const __m256i s
             lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 2 * c), one), 4));
             hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 2 * c + 1), one), 4));
         }
-        const __m256i plo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(xq + 64 * c)));
-        const __m256i phi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xq + 64 * c + 32)));
-        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(plo, sc16x2[c][0]));
-        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(phi, sc16x2[c][1]));
+        q[2 * c] = lo;
+        q[2 * c + 1] = hi;
+    }
+}
+
+/* lane k of sum_j sc_j (q_j . xq_j), q the unpacked values (0..31), sc16 each scale broadcast */
+static inline v8i lanes_unpacked(const __m256i q[8], const __m256i sc16[8], const int8_t *xq) {
+    __m256i acc = _mm256_setzero_si256();
+    for (int j = 0; j < 8; j++) {
+        const __m256i p = _mm256_maddubs_epi16(q[j], _mm256_loadu_si256((const __m256i *)(xq + 32 * j)));
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, sc16[j]));
     }
     return to_v8i(acc);
 }
 
 /* Q4_K / Q5_K's scales broadcast as int16 vectors, one a sub-block */
-static inline void k4_vectors(const k4_scales *s, __m256i out[4][2]) {
+static inline void k4_vectors(const k4_scales *s, __m256i out[8]) {
     uint64_t s8;
     memcpy(&s8, s->sc, 8);
     const __m256i s16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)s8)));
     for (int j = 0; j < 8; j++) /* int16 j of each 128-bit half, everywhere */
-        out[j / 2][j % 2] = _mm256_shuffle_epi8(s16, _mm256_set1_epi16((short)(0x0100 * (2 * j + 1) + 2 * j)));
+        out[j] = _mm256_shuffle_epi8(s16, _mm256_set1_epi16((short)(0x0100 * (2 * j + 1) + 2 * j)));
 }
 
 /* lane j = mn_j (bsum_2j + bsum_2j+1) */
@@ -194,29 +201,27 @@ static inline v8i lanes_mins(const uint8_t mn[8], const int16_t *bsums) {
     return to_v8i(_mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)bsums), dup));
 }
 
-/* Q6_K: lane k of sum_g sc_g (u_g . xq_g) - 32 (lane j of sum sc bsum), u the stored 0..63 */
-static inline v8i lanes_q6k(const uint8_t *ql, const uint8_t *qh, const __m256i sc16[8], __m256i sc_all16,
-                            const int8_t *xq, const int16_t *bsums) {
+/* Q6_K's 256 stored values (0..63, before their -32) as 8 vectors: inputs 32c.. in u[c] */
+static inline void unpack_q6k(const uint8_t *ql, const uint8_t *qh, __m256i u[8]) {
     const __m256i nib = _mm256_set1_epi8(15), three = _mm256_set1_epi8(3);
-    __m256i acc = _mm256_setzero_si256();
-    for (int n = 0; n < 2; n++) { /* 128 inputs: ql[64], qh[32], 8 scales */
+    for (int n = 0; n < 2; n++) { /* 128 inputs: ql[64], qh[32] */
         const __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * n));
         const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * n + 32));
         const __m256i h = _mm256_loadu_si256((const __m256i *)(qh + 32 * n));
-        const __m256i u[4] = {
-            _mm256_or_si256(_mm256_and_si256(l0, nib), _mm256_slli_epi16(_mm256_and_si256(h, three), 4)),
-            _mm256_or_si256(_mm256_and_si256(l1, nib),
-                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), three), 4)),
-            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), nib),
-                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), three), 4)),
-            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), nib),
-                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), three), 4)),
-        };
-        for (int k = 0; k < 4; k++) {
-            const __m256i p = _mm256_maddubs_epi16(u[k], _mm256_loadu_si256((const __m256i *)(xq + 128 * n + 32 * k)));
-            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, sc16[4 * n + k]));
-        }
+        u[4 * n] = _mm256_or_si256(_mm256_and_si256(l0, nib), _mm256_slli_epi16(_mm256_and_si256(h, three), 4));
+        u[4 * n + 1] = _mm256_or_si256(_mm256_and_si256(l1, nib),
+                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), three), 4));
+        u[4 * n + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), nib),
+                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), three), 4));
+        u[4 * n + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), nib),
+                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), three), 4));
     }
+}
+
+/* Q6_K: lane k of sum_g sc_g (u_g . xq_g) - 32 (lane j of sum sc bsum) */
+static inline v8i lanes_q6k(const __m256i u[8], const __m256i sc16[8], __m256i sc_all16, const int8_t *xq,
+                            const int16_t *bsums) {
+    const __m256i acc = (__m256i)lanes_unpacked(u, sc16, xq);
     const __m256i bias = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)bsums), sc_all16);
     return to_v8i(_mm256_sub_epi32(acc, _mm256_slli_epi32(bias, 5)));
 }
@@ -323,36 +328,38 @@ static inline __attribute__((always_inline)) void row_tile(const int type, const
             k4_scales s;
             k4_decode(blk, &s);
 #if defined(__AVX2__)
-            __m256i sv[4][2];
+            __m256i sv[8], q[8];
             k4_vectors(&s, sv);
-#define K4_ARG sv
-#else
-#define K4_ARG &s
+            unpack_k4(qs, type == Q4_K ? NULL : blk + 16, q);
 #endif
             for (int r = 0; r < rn; r++) {
                 const q8k *xb = &x[r * nsb + b];
                 float da = s.d * xb->d, dm = -(s.dmin * xb->d);
                 KEEP(da);
                 KEEP(dm);
-                const v8i lanes = type == Q4_K ? lanes_k4(qs, NULL, K4_ARG, xb->q) : lanes_k4(qs, blk + 16, K4_ARG, xb->q);
+#if defined(__AVX2__)
+                const v8i lanes = lanes_unpacked(q, sv, xb->q);
+#else
+                const v8i lanes = lanes_k4(qs, type == Q4_K ? NULL : blk + 16, &s, xb->q);
+#endif
                 acc[r] = add_scaled(acc[r], lanes, da);
                 acc[r] = add_scaled(acc[r], lanes_mins(s.mn, xb->bsums), dm);
             }
-#undef K4_ARG
         } else if (type == Q6_K) {
             const uint8_t *blk = w + b * 210;
             const int8_t *sc = (const int8_t *)(blk + 192);
             const float d = f16(blk + 208);
 #if defined(__AVX2__)
-            __m256i sv[8], all16;
+            __m256i sv[8], all16, u[8];
             q6k_vectors(sc, sv, &all16);
+            unpack_q6k(blk, blk + 128, u);
 #endif
             for (int r = 0; r < rn; r++) {
                 const q8k *xb = &x[r * nsb + b];
                 float da = d * xb->d;
                 KEEP(da);
 #if defined(__AVX2__)
-                acc[r] = add_scaled(acc[r], lanes_q6k(blk, blk + 128, sv, all16, xb->q, xb->bsums), da);
+                acc[r] = add_scaled(acc[r], lanes_q6k(u, sv, all16, xb->q, xb->bsums), da);
 #else
                 acc[r] = add_scaled(acc[r], lanes_q6k(blk, blk + 128, sc, xb->q, xb->bsums), da);
 #endif
