@@ -50,7 +50,7 @@ def load_model(
         keep_gguf_blocks(model, quantization, cfg.path, as_stored=activations == "int8")  # never dequantized
     model.materialize(device, dtype)
     load_weights(model, cfg.path, show_progress=show_progress)
-    if is_gguf(cfg.path):  # the weights are copied out: unmap the file, or its pages stay resident
+    if is_gguf(cfg.path):  # drop the reader: the map stays only under blocks served as stored (views of it)
         release_gguf()
     model.loaded()
     if quantization in ("int8", "int4"):
