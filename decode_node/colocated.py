@@ -94,6 +94,7 @@ class ColocatedWorker(WorkerBase):
                 timings=timings or {},
                 cached_tokens=out.num_cached_tokens if out.num_output_tokens == 1 else 0,
                 seq_index=out.seq_index,
+                prompt_logprobs=out.prompt_logprobs,
             ),
         )
         if out.request_done:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.protocol.messages import PromptLogprobs
+
 
 @dataclass
 class DecodeRecord:
@@ -14,6 +16,9 @@ class DecodeRecord:
     # time.monotonic() its KV was admitted (decode) or it arrived (colocated): reported once, with
     # its first output (decode_admission_s / prefill_queue_s), then cleared
     waiting_since: float | None = None
+    # a group's prompt logprobs (KvDone's: its prefill worker sent the gateway nothing), sent with
+    # the first output that leaves here, then cleared
+    prompt_logprobs: PromptLogprobs | None = None
 
     def take_wait(self, now: float) -> float | None:
         """Seconds since `waiting_since`, once (None after the first call)."""

@@ -223,6 +223,7 @@ class DecodeWorker(WorkerBase):
             return
         self.leases.release(done.request_id)  # blocks now belong to the sequence
         rec.waiting_since = time.monotonic()
+        rec.prompt_logprobs = done.prompt_logprobs
         self.trace_start(done.request_id, done.traceparent, rec.waiting_since)
         try:  # the engine owns the lease's blocks from this call on, admitted or refused
             outputs = self.engine.add_prefilled(
@@ -329,6 +330,7 @@ class DecodeWorker(WorkerBase):
             cached_tokens=out.num_cached_tokens if out.num_output_tokens == 1 else 0,  # a local prefill's
             seq_index=out.seq_index,
             done=out.request_done,
+            prompt_logprobs=out.prompt_logprobs,  # a local prefill's
         )
 
     def _emit(
@@ -343,10 +345,13 @@ class DecodeWorker(WorkerBase):
         cached_tokens=0,
         seq_index=0,
         done=None,
+        prompt_logprobs=None,
     ) -> None:
         rec = self.requests.get(request_id)
         if rec is None:
             return
+        if rec.prompt_logprobs is not None:  # a group's, from its KvDone: with its first output
+            prompt_logprobs, rec.prompt_logprobs = rec.prompt_logprobs, None
         self.rt.hold_output(
             rec.gateway_id,
             TokenOutput(
@@ -360,6 +365,7 @@ class DecodeWorker(WorkerBase):
                 timings=timings or {},
                 cached_tokens=cached_tokens,
                 seq_index=seq_index,
+                prompt_logprobs=prompt_logprobs,
             ),
         )
         if done or (done is None and reason is not None):

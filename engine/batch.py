@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from pdserve.engine.scheduler import ScheduledChunk
+from pdserve.engine.sequence import Sequence
 from pdserve.kernels import AttentionMetadata
 from pdserve.kernels.metadata import run_start
 
@@ -23,6 +24,18 @@ class ForwardBatch:
     # d drafts has d + 1 logits rows (its last token's and each draft's), others one
     logits_offsets: list[int]
     num_drafts: list[int]
+    # prompt logprobs (engine/prompt_logprobs.py): rows of T scored after the S sampled ones, each
+    # row's next prompt token, and per chunk that asks (sequence, first position scored, rows)
+    prompt_rows: torch.Tensor | None = None  # [P] int64
+    prompt_targets: torch.Tensor | None = None  # [P] int64
+    prompt_spans: list[tuple[Sequence, int, int]] = field(default_factory=list)
+
+    @property
+    def head_rows(self) -> torch.Tensor:
+        """The rows of T the LM head computes: the sampled ones [S], then the prompt's [P]."""
+        if self.prompt_rows is None:
+            return self.logits_indices
+        return torch.cat([self.logits_indices, self.prompt_rows])
 
 
 def build_batch(chunks: list[ScheduledChunk], num_decodes: int, block_size: int, device: torch.device) -> ForwardBatch:
@@ -35,9 +48,17 @@ def build_batch(chunks: list[ScheduledChunk], num_decodes: int, block_size: int,
     sampled: list[ScheduledChunk] = []
     logits_offsets: list[int] = []
     num_drafts: list[int] = []
+    prompt_rows: list[int] = []
+    prompt_targets: list[int] = []
+    prompt_spans: list[tuple[Sequence, int, int]] = []
     for chunk in chunks:
         seq, start = chunk.seq, chunk.seq.num_computed_tokens
         end = start + chunk.num_tokens
+        scored = min(end, seq.num_prompt_tokens - 1) - start  # positions scoring a prompt token
+        if seq.prompt_scores is not None and scored > 0:
+            prompt_rows.extend(range(cu_seqlens[-1], cu_seqlens[-1] + scored))
+            prompt_targets.extend(seq.token_ids[start + 1 : start + 1 + scored])
+            prompt_spans.append((seq, start, scored))
         input_ids.extend(seq.token_ids[start:end])
         positions.extend(range(start, end))
         cu_seqlens.append(cu_seqlens[-1] + chunk.num_tokens)
@@ -78,4 +99,7 @@ def build_batch(chunks: list[ScheduledChunk], num_decodes: int, block_size: int,
         sampled=sampled,
         logits_offsets=logits_offsets,
         num_drafts=num_drafts,
+        prompt_rows=torch.tensor(prompt_rows, dtype=torch.int64, device=device) if prompt_spans else None,
+        prompt_targets=torch.tensor(prompt_targets, dtype=torch.int64, device=device) if prompt_spans else None,
+        prompt_spans=prompt_spans,
     )

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast, get_args
 
-from pdserve.protocol.messages import FinishReason, TokenLogprob
+from pdserve.protocol.messages import FinishReason, PromptLogprobs, TokenLogprob
 from pdserve.protocol.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -68,6 +68,8 @@ class StepOutput:
     # a group's root on a prefill worker: each member's first token (n, best_of), or the top
     # candidates for the first beam step, for the decode worker to fork from
     fork: list[TokenLogprob] | None = None
+    # the request's first output, when it asked for its prompt's logprobs (engine/prompt_logprobs.py)
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -138,7 +140,8 @@ class EngineCore(ABC):
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, *, prefill_only: bool = False
     ) -> Sequence:
         """Queue a prompt to prefill here (then decode, unless `prefill_only`: a prefill worker's,
-        which ends at its first token with PREFILLED). Raises ValueError for a request it cannot run."""
+        which ends at its first token with PREFILLED). Raises ValueError for a request it cannot run.
+        With `sampling.prompt_logprobs` its first output carries them (StepOutput.prompt_logprobs)."""
 
     @abstractmethod
     def add_prefilled(

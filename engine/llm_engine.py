@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from functools import partial
 from typing import Callable
 
@@ -43,6 +44,7 @@ from pdserve.engine.model_runner import ForwardPass, ModelRunner, load_model
 from pdserve.engine.models.interface import CausalLM
 from pdserve.engine.models.llama import LlamaForCausalLM
 from pdserve.engine.prefix_cache import BlockHasher
+from pdserve.engine.prompt_logprobs import PromptScores
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.engine.sequence import SeqStatus, Sequence
@@ -355,6 +357,8 @@ class LLMEngine(EngineCore):
     ) -> Sequence:
         seq = self._new_sequence(request_id, prompt_token_ids, sampling, prefill_only=prefill_only)
         seq.stop_after_first_token = prefill_only
+        if sampling.prompt_logprobs is not None:
+            seq.prompt_scores = PromptScores(len(prompt_token_ids), sampling.prompt_logprobs)
         self.scheduler.add(seq)
         return seq
 
@@ -515,6 +519,9 @@ class LLMEngine(EngineCore):
             self._publish(seq, upto)
         if self.speculator is not None and isinstance(self.speculator.draft, EagleRunner):
             self.speculator.draft.collect(fp)  # the head reads the target's hidden states
+        for scored, part in fp.prompt_scores:  # (by the step's head pass: ModelRunner.logits)
+            if scored.prompt_scores is not None:
+                scored.prompt_scores.add(part)
         if logits is None:
             return []
         rows: list[int] = []  # logits rows the sampler draws from, one per sequence in `drawn`
@@ -565,7 +572,21 @@ class LLMEngine(EngineCore):
             self._timed_step = None
             emitted = sum(len(o.new_token_ids) for o in results)
             self.speculator.payoff.observe(decoding, speculated, time.perf_counter() - started, emitted)
-        return results
+        return self._with_prompt_logprobs(results)
+
+    @staticmethod
+    def _with_prompt_logprobs(results: list[StepOutput]) -> list[StepOutput]:
+        """The first output of each request whose prompt is scored whole carries its scores
+        (once: a group's root holds them for all its members, best_of > n until its end)."""
+        out = []
+        for r in results:
+            root = r.seq.group.root if r.seq.group is not None else r.seq
+            scores = root.prompt_scores
+            if scores is not None and scores.complete:
+                root.prompt_scores = None
+                r = replace(r, prompt_logprobs=scores.message())
+            out.append(r)
+        return out
 
     # --- speculation (engine/spec/) ---------------------------------------------------------
     def _verify(self, seq: Sequence, rows: torch.Tensor) -> StepOutput:

@@ -17,6 +17,7 @@ from pdserve.engine.models.interface import CausalLM, LayerInputs
 from pdserve.engine.models.llama import ForwardContext, LlamaForCausalLM
 from pdserve.engine.models.quantized_linear import keep_gguf_blocks, quantize_model, use_int8_activations
 from pdserve.engine.parallel.group import TensorParallelGroup
+from pdserve.engine.prompt_logprobs import ChunkScores, score_rows
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.engine.sequence import Sequence
@@ -87,6 +88,8 @@ class ForwardPass:
     after_layer: Callable[[int], None] | None = None
     graphed: bool = False  # a decode step replayed from a CUDA graph: `x` is set by run_layers
     graph_logits: torch.Tensor | None = None  # [S, V] the replay's logits
+    # the prompt logprobs its chunks asked for, computed by `ModelRunner.logits` (engine/prompt_logprobs.py)
+    prompt_scores: list[tuple[Sequence, ChunkScores]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -170,9 +173,23 @@ class ModelRunner:
 
     @torch.inference_mode()
     def logits(self, fp: ForwardPass) -> torch.Tensor | None:
-        """[S, V] for the chunks that complete their sequence; None when none does."""
-        if not fp.batch.sampled:
-            return None
+        """[R, V] for the chunks that complete their sequence (a row each, a speculating one's
+        d + 1); None when none does. The same head pass scores the prompt positions its chunks
+        ask for (`fp.prompt_scores`)."""
         if fp.graph_logits is not None:
             return fp.graph_logits  # every row is a decode's, in the batch's order
-        return self.model.head(fp.x, fp.batch.logits_indices)
+        batch = fp.batch
+        if not batch.sampled and not batch.prompt_spans:
+            return None
+        logits = self.model.head(fp.x, batch.head_rows)  # [R + P, V]
+        num_sampled = batch.logits_indices.numel()  # R: a sampled chunk's rows (one, or drafts + 1)
+        if batch.prompt_spans:
+            assert batch.prompt_targets is not None
+            k = max(seq.sampling.prompt_logprobs or 0 for seq, _, _ in batch.prompt_spans)
+            lps, ranks, ids, tops = score_rows(logits[num_sampled:], batch.prompt_targets, k)
+            at = 0
+            for seq, first, n in batch.prompt_spans:
+                chunk = ChunkScores(first, lps[at : at + n], ranks[at : at + n], ids[at : at + n], tops[at : at + n])
+                fp.prompt_scores.append((seq, chunk))
+                at += n
+        return logits[:num_sampled] if num_sampled else None

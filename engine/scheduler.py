@@ -251,8 +251,9 @@ class Scheduler:
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """Blocks holding the longest cached run of `seq`'s leading full blocks, leaving at least
-        one token (a whole block) to compute: the step that computes it samples the next token."""
-        if self.hasher is None:
+        one token (a whole block) to compute: the step that computes it samples the next token.
+        None for a prompt scored whole (prompt logprobs need every position's logits)."""
+        if self.hasher is None or seq.prompt_scores is not None:
             return []
         usable = (seq.num_tokens - 1) // self.block_size
         return self.pool.lookup(self.hasher.extend(seq, usable)[:usable])

@@ -11,6 +11,7 @@ from pdserve.protocol.messages import TokenLogprob
 from pdserve.protocol.sampling import SamplingParams
 
 if TYPE_CHECKING:
+    from pdserve.engine.prompt_logprobs import PromptScores
     from pdserve.engine.sequence_group import SequenceGroup
     from pdserve.engine.spec.adaptive import DraftLength
     from pdserve.engine.structured.matcher import Grammar
@@ -63,6 +64,9 @@ class Sequence:
     report_logprobs: bool = True
     # Constrained decoding (sampling.structured): the matcher, advanced with every output token.
     grammar: Grammar | None = None
+    # Prompt logprobs (sampling.prompt_logprobs) gathered chunk by chunk, until the first output
+    # carries them out (None: not asked, or sent already): its prompt skips the prefix cache.
+    prompt_scores: PromptScores | None = None
     # Speculation (engine/spec/): the last `num_draft_tokens` of `token_ids` are tentative drafts,
     # appended before a step and removed by its verification; the sequence's adaptive draft length.
     num_draft_tokens: int = 0

@@ -183,6 +183,8 @@ class GatewayApp:
 
     def _tokenize(self, req: ParsedRequest) -> list[int]:
         if req.prompt_ids is not None:
+            if req.echo:  # echo repeats the prompt's text
+                req.prompt_text = self.tokenizer.decode(req.prompt_ids)
             return req.prompt_ids
         if req.messages is not None:
             return self.chat_ids(req.messages, req.tools)
@@ -298,6 +300,7 @@ class GatewayApp:
             max_tokens=max_tokens,
             stop_token_ids=tuple(req.stop_token_ids),
             logprobs=req.logprobs,
+            prompt_logprobs=req.prompt_top,
             logit_bias=tuple(req.logit_bias),
             structured=req.structured,
             priority=priority,
@@ -375,7 +378,8 @@ class GatewayApp:
                 raise invalid(
                     f"logit_bias token id {bad} is outside the vocabulary [0, {self.vocab_size})", "logit_bias"
                 )
-            max_tokens = self._max_tokens(req, prompt, gate)
+            # (max_tokens 0 scores the prompt: one token is still computed to end its prefill, then dropped)
+            max_tokens = max(1, self._max_tokens(req, prompt, gate))
             if len(prompt) + max_tokens > self.max_model_len:
                 raise invalid(
                     f"this model's maximum context length is {self.max_model_len} tokens; the "

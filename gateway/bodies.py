@@ -78,6 +78,7 @@ TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
 TopK = Annotated[int, Meta(ge=-1, le=_INT64 - 1)]  # more overflowed torch.tensor in a worker's sampler
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 NewTokens = Annotated[int, Meta(ge=1), limit(maximum="max_new_tokens")]
+TopLogprobs = Annotated[int, Meta(ge=0), limit(maximum="max_logprobs")]
 StopString = Annotated[str, Meta(min_length=1), limit(maxLength="max_stop_len")]
 Stop = Union[StopString, Annotated[list[StopString], limit(maxItems="max_stop")], None]
 ServedModel = Annotated[Union[str, None], schema("404 model_not_found for any other name", **{"x-served-model": True})]
@@ -256,6 +257,14 @@ class OpenAIFields(ConstraintFields, kw_only=True, forbid_unknown_fields=True):
             "null: the API key's default (0 without one)"
         ),
     ] = None
+    prompt_logprobs: Annotated[
+        TopLogprobs | None,
+        doc(
+            "vLLM's: each prompt token's logprob, rank and this many top alternatives, as `prompt_logprobs` (a list "
+            "per prompt token, the first null, each other a map token id -> {logprob, rank, decoded_token}; per "
+            "choice in completions, beside the choices in chat); the prompt is computed whole (no prefix-cache reuse)"
+        ),
+    ] = None
 
     NEEDS_TRUE: ClassVar[tuple[tuple[str, str], ...]] = (("stream_options", "stream"),)
 
@@ -274,9 +283,19 @@ class CompletionRequest(OpenAIFields, kw_only=True, forbid_unknown_fields=True):
             ],
         ),
     ]
-    max_tokens: Annotated[NewTokens | None, Meta(extra_json_schema={"default": 16})] = None
-    logprobs: Annotated[int, Meta(ge=0), limit(maximum="max_logprobs")] | None = None
-    echo: Annotated[Literal[False] | None, doc("not supported")] = None
+    max_tokens: Annotated[
+        Annotated[int, Meta(ge=0), limit(maximum="max_new_tokens")] | None,
+        Meta(extra_json_schema={"default": 16}),
+        doc("0: nothing generated, the prompt only scored (needs echo or prompt_logprobs)"),
+    ] = None
+    logprobs: TopLogprobs | None = None
+    echo: Annotated[
+        bool | None,
+        doc(
+            "the prompt first: its text before the generated text, and with logprobs its tokens before the "
+            "generated ones (the first token's logprob and top_logprobs null); the prompt is computed whole"
+        ),
+    ] = None
     suffix: Annotated[Literal[""] | None, doc("not supported")] = None
 
 
@@ -309,9 +328,7 @@ class ChatCompletionRequest(OpenAIFields, kw_only=True, forbid_unknown_fields=Tr
     # The older name: the context bound applies only when max_completion_tokens is null.
     max_tokens: Annotated[int, Meta(ge=1)] | None = None
     logprobs: bool | None = None
-    top_logprobs: Annotated[
-        Annotated[int, Meta(ge=0), limit(maximum="max_logprobs")] | None, doc("only with logprobs: true")
-    ] = None
+    top_logprobs: Annotated[TopLogprobs | None, doc("only with logprobs: true")] = None
     tools: Annotated[Any, schema(anyOf=[{"type": "array", "items": _TOOL}, {"type": "null"}])] = None
     tool_choice: Annotated[
         Any,

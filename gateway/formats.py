@@ -8,7 +8,8 @@ from collections.abc import Callable, Sequence
 
 from pdserve.protocol.messages import TokenLogprob
 
-LogprobEntries = list[tuple[str, TokenLogprob]]  # (token text, its logprob and top alternatives)
+# (token text, its logprob and top alternatives); None: a token nothing scores (an echoed prompt's first)
+LogprobEntries = list[tuple[str, TokenLogprob | None]]
 
 
 class CompletionFormat:
@@ -32,8 +33,11 @@ class CompletionFormat:
         tok = self.token_text
         return {
             "tokens": [t for t, _ in entries],
-            "token_logprobs": [lp.logprob for _, lp in entries],
-            "top_logprobs": [{tok(i): v for i, v in zip(lp.top_ids, lp.top_logprobs)} for _, lp in entries],
+            "token_logprobs": [lp.logprob if lp is not None else None for _, lp in entries],
+            "top_logprobs": [
+                {tok(i): v for i, v in zip(lp.top_ids, lp.top_logprobs)} if lp is not None else None
+                for _, lp in entries
+            ],
             "text_offset": offsets,
         }
 
@@ -69,6 +73,7 @@ class ChatFormat(CompletionFormat):
             "content": [
                 entry(t, lp.logprob) | {"top_logprobs": [entry(tok(i), v) for i, v in zip(lp.top_ids, lp.top_logprobs)]}
                 for t, lp in entries
+                if lp is not None  # (chat echoes no prompt)
             ]
         }
 

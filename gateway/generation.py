@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
+from msgspec.structs import replace
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -26,17 +27,18 @@ from pdserve.gateway.admission import request_priority
 from pdserve.gateway.backend import Backend, BackendUnavailable
 from pdserve.gateway.detokenizer import IncrementalDetokenizer
 from pdserve.gateway.errors import APIError
-from pdserve.gateway.formats import FORMATS
+from pdserve.gateway.formats import FORMATS, LogprobEntries
 from pdserve.gateway.limits import GatewayLimits
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.output_stream import OutputStream
+from pdserve.gateway.prompt_logprobs import echo_entries, vllm_prompt_logprobs
 from pdserve.gateway.reasoning import ReasoningParser, ReasoningStream
 from pdserve.gateway.schemas import ParsedRequest
 from pdserve.gateway.stop_strings import StopMatcher
 from pdserve.gateway.tools.constraint import call_reader
 from pdserve.gateway.tools.parser import ToolParser
 from pdserve.gateway.tools.stream import ToolCallStream, message_calls
-from pdserve.protocol.messages import TokenLogprob, TokenOutput
+from pdserve.protocol.messages import PromptLogprobs, TokenLogprob, TokenOutput
 from pdserve.protocol.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -136,6 +138,8 @@ class GenerationRun:
             for c in self.choices:
                 c.reasoning = ReasoningStream(thinking, opened)
         self.unfinished = req.n  # choices without a finish_reason yet
+        # the prompt's scores (echo with logprobs, prompt_logprobs), from the first output carrying them
+        self.prompt_scores: PromptLogprobs | None = None
         self._pending: object = _TAKEN  # the output `start` took, until the events read it
         # one backend stream for every choice (n > 1 is a group: its outputs carry their choice)
         self.stream = OutputStream(ctx.limits.max_stream_buffer, on_cut=lambda: ctx.on_cut("buffer_full"))
@@ -208,6 +212,8 @@ class GenerationRun:
             return self._end_all("backend stream ended")
         if isinstance(item, Exception):
             return self._end_all(str(item) or type(item).__name__)
+        if item.prompt_logprobs is not None and self.prompt_scores is None:  # (a group run again sends them again)
+            self.prompt_scores = item.prompt_logprobs
         if item.error is not None or item.finish_reason == "abort":  # the whole request
             targets = [c for c in self.choices if c.finish_reason is None]
         elif 0 <= item.seq_index < len(self.choices) and self.choices[item.seq_index].finish_reason is None:
@@ -248,7 +254,11 @@ class GenerationRun:
             return "", [], "error"
         pieces, lps = [], []
         hit = False
-        for k, token in enumerate(out.token_ids):
+        tokens = out.token_ids
+        if self.req.scores_only:  # max_tokens 0: the token that ended the prefill is not the client's
+            tokens = []
+            out = replace(out, finish_reason="length" if out.finish_reason is not None else None)
+        for k, token in enumerate(tokens):
             if choice.first_token_at is None:
                 choice.first_token_at = now
                 self.ctx.metrics.ttft.observe(now - self.arrival)
@@ -322,9 +332,15 @@ class GenerationRun:
             if opening:
                 yield self._chunk(opening)
             self._pending = first
+            prompt_first = self.req.echo or self.req.prompt_logprobs is not None
+            opened = [not prompt_first] * len(self.choices)  # a choice's prompt part sent (or none to send)
             while (batch := await self._next_events()) is not None:
                 for choice, delta, lps, reason in batch:
-                    for chunk in self._sse_chunks(choice, delta, lps, reason, want_lp, text_pos):
+                    extra: dict = {}
+                    if not opened[choice.index] and reason != "error":
+                        opened[choice.index] = True
+                        delta, lps, extra = self._prompt_part(delta, lps)
+                    for chunk in self._sse_chunks(choice, delta, lps, reason, want_lp, text_pos, extra):
                         yield chunk
             if self.req.include_usage:
                 yield self._chunk([], usage=self._usage(), pdserve_timings=self._timings())
@@ -332,8 +348,37 @@ class GenerationRun:
         finally:
             await self.close()
 
+    def _prompt_part(self, delta: str, lps: list) -> tuple[str, list, dict]:
+        """A completion choice's first streamed event with the prompt before it: echo's text and
+        logprob entries, and vLLM's prompt_logprobs (for the chunk's item)."""
+        extra = {}
+        if self.req.prompt_logprobs is not None:
+            extra["prompt_logprobs"] = self._vllm_prompt_logprobs()
+        if self.req.echo:
+            delta = self.echo_text() + delta
+            if self.req.logprobs is not None:
+                lps = self._echo_entries() + lps
+        return delta, lps, extra
+
+    def echo_text(self) -> str:
+        """The prompt's text, as echo repeats it (token ids decoded by the tokenizer)."""
+        return self.req.prompt_text or ""
+
+    def _echo_entries(self) -> LogprobEntries:
+        return echo_entries(self.prompt, self.prompt_scores, self.req.logprobs or 0, self.ctx.token_text)
+
+    def _vllm_prompt_logprobs(self) -> list | None:
+        return vllm_prompt_logprobs(self.prompt, self.prompt_scores, self.req.prompt_logprobs or 0, self.ctx.token_text)
+
     def _sse_chunks(
-        self, choice: Choice, delta: str, lps: list, reason: str | None, want_lp: bool, text_pos: list[int]
+        self,
+        choice: Choice,
+        delta: str,
+        lps: list,
+        reason: str | None,
+        want_lp: bool,
+        text_pos: list[int],
+        extra: dict | None = None,  # added to the first chunk's item (a choice's prompt_logprobs)
     ) -> list[bytes]:
         """One event's SSE chunks."""
         if reason == "error":
@@ -369,6 +414,8 @@ class GenerationRun:
             item = self.fmt.stream_item(choice.index, text, item_lp, reason if final_item else None, entries)
             if thought and k == 0:
                 item["delta"]["reasoning_content"] = thought
+            if extra and k == 0:
+                item |= extra
             timed = final_item and last and not self.req.include_usage
             chunks.append(self._chunk([item], **({"pdserve_timings": self._timings()} if timed else {})))
         return chunks
@@ -382,10 +429,16 @@ class GenerationRun:
 
     def _final_choice(self, c: Choice, want_lp: bool) -> dict:
         text, calls = self.final_text(c)
-        lp = self.fmt.logprobs(c.logprobs) if want_lp else None
+        entries: LogprobEntries = list(c.logprobs)
+        if self.req.echo:  # (completions) the prompt first
+            text = self.echo_text() + text
+            entries = self._echo_entries() + entries if want_lp else entries
+        lp = self.fmt.logprobs(entries) if want_lp else None
         out = self.fmt.final_choice(c.index, text, lp, c.answer_reason(bool(calls)), calls)
         if c.reasoning is not None:  # vLLM's field: null when the output had none
             out["message"]["reasoning_content"] = self.final_reasoning(c)
+        if self.req.prompt_logprobs is not None and self.req.kind == "completion":  # (chat: beside the choices)
+            out["prompt_logprobs"] = self._vllm_prompt_logprobs()
         return out
 
     async def drain(self, first, request: Request) -> Response | APIError | None:
@@ -442,14 +495,15 @@ class GenerationRun:
             return outcome
         want_lp = self.req.logprobs is not None
         choices = [self._final_choice(c, want_lp) for c in self.choices]
-        return JSONResponse(
-            {
-                "id": self.base_id,
-                "object": self.fmt.object_name,
-                "created": self.created,
-                "model": self.ctx.model_name,
-                "choices": choices,
-                "usage": self._usage(),
-                "pdserve_timings": self._timings(),
-            }
-        )
+        body = {
+            "id": self.base_id,
+            "object": self.fmt.object_name,
+            "created": self.created,
+            "model": self.ctx.model_name,
+            "choices": choices,
+            "usage": self._usage(),
+            "pdserve_timings": self._timings(),
+        }
+        if self.req.prompt_logprobs is not None and self.req.kind == "chat":  # (vLLM's place for chat's)
+            body["prompt_logprobs"] = self._vllm_prompt_logprobs()
+        return JSONResponse(body)

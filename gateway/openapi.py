@@ -5,9 +5,10 @@ app's own settings: limits, model name, context length, vocabulary), so that eve
 404 for another model, 413 when over the size limit. Rules across fields that JSON Schema cannot
 state are only described, and also answered with a 400: prompt tokens + max_tokens must fit the
 context; best_of >= n, and not streamed when > n (without beam search); beam search takes no
-sampling knobs, penalties, logit_bias, logprobs or output constraint; length_penalty and
+sampling knobs, penalties, logit_bias, logprobs, prompt_logprobs or output constraint; length_penalty and
 early_stopping need it; at most one output constraint (response_format other than text,
-structured_outputs, guided_*), whose schema, regex or grammar must compile.
+structured_outputs, guided_*), whose schema, regex or grammar must compile; a completion's
+max_tokens 0 needs echo or prompt_logprobs; chat's prompt_logprobs are not streamed.
 An optional field given as null means its default; a field not listed is refused (400).
 tests/gateway/test_api_fuzz.py fuzzes the server against this document.
 """
@@ -80,11 +81,24 @@ def _response_schemas(model_name: str) -> dict:
         _object(
             ["tokens", "token_logprobs", "top_logprobs", "text_offset"],
             tokens={"type": "array", "items": string},
-            token_logprobs={"type": "array", "items": num},
-            top_logprobs={"type": "array", "items": {"type": "object", "additionalProperties": num}},
+            # (null: an echoed prompt's first token, which nothing scores)
+            token_logprobs={"type": "array", "items": _optional(num)},
+            top_logprobs={"type": "array", "items": _optional({"type": "object", "additionalProperties": num})},
             text_offset={"type": "array", "items": integer},
         )
     )
+    # vLLM's prompt_logprobs: null first, then per prompt token {token id: {logprob, rank, decoded_token}}
+    prompt_lp = {
+        "type": "array",
+        "items": _optional(
+            {
+                "type": "object",
+                "additionalProperties": _object(
+                    ["logprob", "rank", "decoded_token"], logprob=num, rank=integer, decoded_token=string
+                ),
+            }
+        ),
+    }
     usage = _object(
         ["prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details"],
         prompt_tokens=integer,
@@ -94,7 +108,7 @@ def _response_schemas(model_name: str) -> dict:
     )
     timings = {"type": "object", "additionalProperties": num, "description": "pdserve's per-phase timings"}
 
-    def body(obj: str, choice: dict, *, chunk: bool = False) -> dict:
+    def body(obj: str, choice: dict, *, chunk: bool = False, **more: dict) -> dict:
         extra = {"usage": usage, "pdserve_timings": timings}
         required = ["id", "object", "created", "model", "choices"] + ([] if chunk else list(extra))
         return _object(
@@ -105,6 +119,7 @@ def _response_schemas(model_name: str) -> dict:
             model={"const": model_name},
             choices={"type": "array", "items": choice},
             **extra,
+            **more,
         )
 
     index = {"type": "integer", "minimum": 0}
@@ -142,6 +157,7 @@ def _response_schemas(model_name: str) -> dict:
                 text=string,
                 logprobs=text_lp,
                 finish_reason=finish,
+                prompt_logprobs=prompt_lp,
             ),
         ),
         "ChatCompletion": body(
@@ -158,6 +174,7 @@ def _response_schemas(model_name: str) -> dict:
                     tool_calls={"type": "array", "items": call},
                 ),
             ),
+            prompt_logprobs=prompt_lp,
         ),
         # Streams: one JSON object per `data:` event, an error event if generation fails, then [DONE].
         "CompletionChunk": body(
@@ -168,6 +185,7 @@ def _response_schemas(model_name: str) -> dict:
                 text=string,
                 logprobs=text_lp,
                 finish_reason=_optional(finish),
+                prompt_logprobs=prompt_lp | {"description": "in a choice's first chunk"},
             ),
             chunk=True,
         ),

@@ -283,8 +283,9 @@ class DisaggregatedFlow:
         sampling = rec.attempt_request()[1]
         held = {d.worker_id: self.members.held_blocks(d, prompt, memo) for d in decodes}
         for d in self.router.decode_order(decodes, held, len(prompt)):
-            # ask it to prefill the rest itself when that costs less (router.py, prefill placement)
-            held_tokens = held[d.worker_id] * d.info.kv_layout.block_size
+            # ask it to prefill the rest itself when that costs less (router.py, prefill placement);
+            # a scored prompt (prompt logprobs) is computed whole: what d caches of it saves nothing
+            held_tokens = 0 if sampling.prompt_logprobs is not None else held[d.worker_id] * d.info.kv_layout.block_size
             x = self._placement_inputs(d, held_tokens, prompt, memo) if self.router.weighs_placement else None
             local = self.router.local_prefill_offer(held_tokens, len(prompt), x)
             if x is not None and log.isEnabledFor(logging.DEBUG):

@@ -135,6 +135,7 @@ class RequestRecord:
             s,
             max_tokens=s.max_tokens - len(done),
             min_tokens=max(0, s.min_tokens - len(done)),
+            prompt_logprobs=None,  # (streamed with the first token already)
             # the constraint's matcher replays what was generated (the new prompt's tail)
             structured=None if s.structured is None else replace(s.structured, resumed_tokens=len(done)),
         )

@@ -48,6 +48,8 @@ class ParsedRequest:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     logprobs: int | None = None  # top-N alternatives; None = no logprobs
+    echo: bool = False  # completions: the prompt first (its text; with logprobs, its tokens' logprobs)
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob, rank and top-K; None = none
     logit_bias: list[tuple[int, float]] = field(default_factory=list)  # (token id, bias) added to logits
     # several sequences from one prompt (engine/sequence_group.py)
     best_of: int | None = None  # sequences generated; the n with the highest cumulative logprob return
@@ -75,6 +77,19 @@ class ParsedRequest:
         if self.structured is None:
             return None
         return "tool_call" if self.tools is not None and self.tools.forced else self.structured.kind
+
+    @property
+    def prompt_top(self) -> int | None:
+        """The top alternatives each prompt token is scored with (SamplingParams.prompt_logprobs):
+        enough for echo's logprobs and for prompt_logprobs; None when neither asks."""
+        asked = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        return max(asked) if asked else None
+
+    @property
+    def scores_only(self) -> bool:
+        """max_tokens 0: the prompt is scored and nothing generated (its one token, computed to
+        finish the prefill, is dropped at the gateway)."""
+        return self.max_tokens == 0
 
     @property
     def num_seqs(self) -> int:
@@ -153,7 +168,10 @@ def parse_request(body: Any, kind: RequestKind, bounds: Bounds, tool_parser: Too
         else:
             raise invalid("'prompt' must be a string or a list of token ids (one prompt per request)", "prompt")
         req.logprobs = comp.logprobs
+        req.echo = bool(comp.echo)
         req.max_tokens = 16 if comp.max_tokens is None else comp.max_tokens
+        if req.scores_only and not req.echo and req.prompt_logprobs is None:
+            raise invalid("'max_tokens' 0 generates nothing: it needs 'echo' or 'prompt_logprobs'", "max_tokens")
         finish_openai(req, comp, body, tool_parser)
         return req
     chat = decode(body, ChatCompletionRequest, bounds)
@@ -164,6 +182,8 @@ def parse_request(body: Any, kind: RequestKind, bounds: Bounds, tool_parser: Too
     req.max_tokens = chat.max_completion_tokens if chat.max_completion_tokens is not None else chat.max_tokens
     req.tools = parse_tools(body)
     req.splits_reasoning = True
+    if req.stream and req.prompt_logprobs is not None:  # (as vLLM: they belong beside the choices)
+        raise invalid("'prompt_logprobs' cannot be streamed in chat completions", "prompt_logprobs")
     finish_openai(req, chat, body, tool_parser)
     return req
 
@@ -195,6 +215,7 @@ def openai_request(b: OpenAIFields, kind: RequestKind) -> ParsedRequest:
     req.use_beam_search = bool(b.use_beam_search)
     req.length_penalty = 1.0 if b.length_penalty is None else b.length_penalty
     req.early_stopping = False if b.early_stopping is None else b.early_stopping
+    req.prompt_logprobs = b.prompt_logprobs
     return req
 
 
@@ -234,3 +255,5 @@ def _check_group(body: dict, req: ParsedRequest) -> None:
             raise invalid(f"beam search is deterministic: '{key}' does not apply to it", key)
     if req.logprobs is not None:
         raise invalid("beam search does not return logprobs", "logprobs")
+    if req.prompt_logprobs is not None:
+        raise invalid("beam search does not return prompt logprobs", "prompt_logprobs")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.kvtransfer.sender import KvSender
-from pdserve.protocol.messages import KvDestination, KvDone, PrefillRequest, TokenLogprob
+from pdserve.protocol.messages import KvDestination, KvDone, PrefillRequest, PromptLogprobs, TokenLogprob
 
 
 @dataclass
@@ -38,8 +38,10 @@ class PrefillRecord:
         num_layers: int,
         timings: dict[str, float],
         fork: list[TokenLogprob] | None = None,
+        prompt_logprobs: PromptLogprobs | None = None,
     ) -> KvDone:
-        """The message that hands the request (its KV, first token and sampling) to its decoder."""
+        """The message that hands the request (its KV, first token and sampling) to its decoder
+        (a group's prompt logprobs too: the decoder sends its outputs to the gateway)."""
         req = self.req
         return KvDone(
             request_id=req.request_id,
@@ -54,5 +56,6 @@ class PrefillRecord:
             range_dones=self.transfer.rank_streams,
             timings=timings,
             fork=fork or [],
+            prompt_logprobs=prompt_logprobs,
             traceparent=req.traceparent,
         )

@@ -229,8 +229,9 @@ class PrefillWorker(WorkerBase):
                     ),
                 )
             elif out.fork is not None:  # a group: D forks it and sends all its tokens
+                done = r.kv_done(out.fork[0].token_id, None, num_layers, timings, out.fork, out.prompt_logprobs)
                 with self._send_lock:
-                    r.sender.send_done(r.kv_done(out.fork[0].token_id, None, num_layers, timings, out.fork))
+                    r.sender.send_done(done)
             else:
                 lp = out.logprobs[0] if out.logprobs else None
                 if out.finish_reason == PREFILLED:
@@ -249,6 +250,7 @@ class PrefillWorker(WorkerBase):
                         finish_reason=wire_finish_reason(out.finish_reason),
                         timings=timings,
                         cached_tokens=out.num_cached_tokens,
+                        prompt_logprobs=out.prompt_logprobs,
                     ),
                 )
             self._forget(out.request_id)

@@ -21,7 +21,8 @@ Who sends what (G = gateway, P = prefill worker, D = decode worker, C = colocate
                                              extend its lease
     D -> G -> P  LeaseRenewed                the new deadline, once D has moved it (G forwards
                                              it to the prefill worker holding the request)
-    P,D,C -> G  TokenOutput                  new tokens / finish / error for one request
+    P,D,C -> G  TokenOutput                  new tokens / finish / error for one request (the
+                                             first one: the prompt's logprobs, when asked)
     D,C -> G  TokenOutputBatch               one step's TokenOutputs for one gateway, in one frame
     G -> P,D,C  Abort                        client went away or stop string hit
 """
@@ -254,6 +255,17 @@ class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
     top_logprobs: list[float]
 
 
+class PromptLogprobs(msgspec.Struct, frozen=True, array_like=True):
+    """A prompt's scores (SamplingParams.prompt_logprobs), from the logits of every prompt position
+    but the last: entry i is about prompt token i + 1 given tokens 0..i (the first token has none).
+    Columns, not one struct per token: a long prompt's scores stay one compact frame."""
+
+    logprobs: list[float]  # [L - 1] each token's log-probability (fp32 log_softmax of the raw logits)
+    ranks: list[int]  # [L - 1] its rank there (1: the most likely)
+    top_ids: list[list[int]]  # [L - 1][K] the K most likely tokens, best first
+    top_logprobs: list[list[float]]  # [L - 1][K]
+
+
 class KvDone(_Msg, kw_only=True, frozen=True):
     """Sent by P on the KV stream after the last layer frame: D verifies and admits."""
 
@@ -274,6 +286,8 @@ class KvDone(_Msg, kw_only=True, frozen=True):
     # first token, or the first beam step's candidates. D forks from them and sends every token,
     # the first ones included (P sends the gateway nothing for a group).
     fork: list[TokenLogprob] = []
+    # a group's prompt scores (SamplingParams.prompt_logprobs): D sends them on with its first output
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class KvRangeDone(_Msg, kw_only=True, frozen=True):
@@ -329,6 +343,8 @@ class TokenOutput(_Msg, kw_only=True, frozen=True):
     timings: dict[str, float] = {}
     cached_tokens: int = 0  # first output: prompt tokens whose KV came from the prefix cache
     seq_index: int = 0  # the choice these tokens belong to (n > 1, best_of, beams); `index` counts per choice
+    # the request's first output, when it asked for them (SamplingParams.prompt_logprobs)
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class TokenOutputBatch(_Msg, kw_only=True, frozen=True):

@@ -42,6 +42,9 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None  # None: no logprobs; N >= 0: chosen token + top-N
+    # None: none; K >= 0: every prompt token's logprob, rank and top-K (echo, vLLM's prompt_logprobs),
+    # from the prefill's logits at every prompt position: such a prompt takes no prefix-cache reuse
+    prompt_logprobs: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits (OpenAI)
     # Several sequences from one prompt (engine/sequence_group.py): one prefill, one transfer.
     n: int = 1  # sequences returned
@@ -69,6 +72,8 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError("repetition_penalty must be > 0")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError("logprobs must be >= 0")
+        if self.prompt_logprobs is not None and (self.prompt_logprobs < 0 or self.use_beam_search):
+            raise ValueError("prompt_logprobs must be >= 0, and beam search takes none")
         if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in self.logit_bias):
             raise ValueError("logit_bias needs token ids >= 0 and biases in [-100, 100]")
         if self.n < 1 or (self.best_of is not None and self.best_of < self.n):

@@ -45,7 +45,7 @@ def send_step(
         batch.input_ids.numel(),
         a.num_seqs,
         a.block_tables.shape[1],
-        batch.logits_indices.numel(),
+        batch.head_rows.numel(),
         len(copies),
         a.num_decode_seqs,
         a.max_q_len,
@@ -62,7 +62,7 @@ def send_step(
             a.cu_seqlens_q.to(torch.int64),
             a.context_lens.to(torch.int64),
             a.block_tables.to(torch.int64).flatten(),
-            batch.logits_indices,
+            batch.head_rows,  # (the sampled rows, then any prompt rows scored: ranks run the same head)
             torch.tensor(src + dst + (run_start or []), dtype=torch.int64),
         ]
     )  # [P]

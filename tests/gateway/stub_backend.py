@@ -15,8 +15,22 @@ from collections.abc import AsyncGenerator
 from pdserve.gateway.admission import request_priority
 from pdserve.gateway.backend import Backend, BackendUnavailable
 from pdserve.gateway.output_stream import OutputStream
-from pdserve.protocol.messages import TokenLogprob, TokenOutput, WorkerStats
+from pdserve.protocol.messages import PromptLogprobs, TokenLogprob, TokenOutput, WorkerStats
 from pdserve.protocol.sampling import SamplingParams
+
+
+def stub_prompt_logprobs(prompt: list[int], k: int | None) -> PromptLogprobs | None:
+    """Made-up prompt scores (None unless asked): token i + 1 scores -(i + 1) / 10 at rank
+    i % 3 + 1; the top k are the token itself, then ids 1, 2, ..."""
+    if k is None:
+        return None
+    rest = prompt[1:]
+    return PromptLogprobs(
+        [-(i + 1) / 10 for i in range(len(rest))],
+        [i % 3 + 1 for i in range(len(rest))],
+        [([t] + list(range(1, k)))[:k] for t in rest],
+        [[-(i + 1) / 10 - j for j in range(k)] for i in range(len(rest))],
+    )
 
 
 class StubBackend(Backend):
@@ -88,6 +102,7 @@ class StubBackend(Backend):
                 last = i == sampling.max_tokens - 1
                 stop = token in sampling.stop_token_ids
                 reason = "stop" if stop else ("length" if last else None)
+                scores = stub_prompt_logprobs(prompt_token_ids, sampling.prompt_logprobs) if k == 0 else None
                 yield TokenOutput(
                     request_id=request_id,
                     worker_id="stub",
@@ -97,6 +112,7 @@ class StubBackend(Backend):
                     finish_reason=reason,
                     timings={"prefill_queue_s": 0.001, "kv_bytes": 1024.0} if i == 0 else {},
                     seq_index=c,
+                    prompt_logprobs=scores,
                 )
                 if reason is not None:
                     ended.add(c)
