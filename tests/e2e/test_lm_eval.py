@@ -87,9 +87,7 @@ def evaluate(model: str, model_args: dict, task_dir: Path) -> dict[str, list]:
         bootstrap_iters=0,
     )
     assert out is not None
-    return {
-        task: [s["resps"] for s in sorted(out["samples"][task], key=lambda s: s["doc_id"])] for task in TASKS
-    }
+    return {task: [s["resps"] for s in sorted(out["samples"][task], key=lambda s: s["doc_id"])] for task in TASKS}
 
 
 @functools.lru_cache(maxsize=None)
