@@ -1,4 +1,5 @@
-"""Paged KV pool: sizing from a memory budget (checked at start-up) and allocation.
+"""Paged KV pool: sizing from a memory budget (checked at start-up against one max-length sequence
+and, on the CPU, against the host memory available) and allocation.
 
 Layout `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`: each layer's K and V
 are one contiguous slab, so a layer can be shipped (or mapped by a peer) as a unit. Under tensor
@@ -65,10 +66,43 @@ def plan_num_blocks(spec: KVCacheSpec, cache: CacheConfig, max_model_len: int, d
     return num_blocks
 
 
+HEADROOM_BYTES = 256 << 20  # host memory a pool must leave free (activations, buffers, the rest of the step)
+
+
+def available_host_memory() -> int | None:
+    """Bytes the kernel says can still be given out without swapping (MemAvailable), or None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_host_memory(pool_bytes: int, num_blocks: int, block_size: int) -> None:
+    """Refuse, with the numbers, a host KV pool the machine cannot hold next to what is loaded:
+    zeroing it would otherwise have the kernel kill the process mid-start."""
+    free = available_host_memory()
+    if free is None or pool_bytes + HEADROOM_BYTES <= free:
+        return
+    gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
+    fits = max(0, (free - HEADROOM_BYTES) * num_blocks // pool_bytes)
+    raise MemoryError(
+        f"KV cache of {num_blocks} blocks x {block_size} tokens needs {gib(pool_bytes)}, but this machine has "
+        f"{gib(free)} available after loading the model (and keeps {gib(HEADROOM_BYTES)} for the steps): "
+        f"about {fits} blocks ({fits * block_size} tokens) fit. Lower --kv-cache-memory (or --num-blocks), "
+        f"and --max-model-len with it."
+    )
+
+
 def allocate_kv_cache(
     spec: KVCacheSpec, num_blocks: int, device: torch.device, allocator: KvAllocator | None = None
 ) -> torch.Tensor:
     shape = spec.shape(num_blocks)
+    if device.type == "cpu":  # (a shared-memory allocator's pages are host memory too)
+        check_host_memory(spec.bytes_per_block * num_blocks, num_blocks, spec.block_size)
     if allocator is not None:
         cache = allocator(shape, spec.dtype)
         if tuple(cache.shape) != shape or cache.dtype != spec.dtype:
