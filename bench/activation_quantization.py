@@ -62,11 +62,34 @@ def main(argv: list[str] | None = None) -> int:
     if args.llama_bench:
         rows["llama.cpp"] = llama_bench(args.llama_bench, args.model, args.threads, args.steps)
     ref = rows.get("llama.cpp")
-    print(f"{'':16s} {'wall ms/token':>13s} {'cpu ms/token':>13s}" + ("  cpu / llama.cpp's" if ref else ""))
+    ceiling, weights = read_ceiling_gbps(args.threads), weight_bytes_per_token(args.model)
+    print(f"read ceiling ({args.threads} thread(s), this run): {ceiling:.1f} GB/s; weights read a token: {weights / 1e6:.0f} MB")
+    print(f"{'':16s} {'wall ms/token':>13s} {'cpu ms/token':>13s}  {'GB/s (wall)':>11s}  {'/ ceiling':>9s}" + ("  cpu / llama.cpp's" if ref else ""))
     for name, r in rows.items():
         ratio = f"  {r['cpu_ms'] / ref['cpu_ms']:.2f}x" if ref else ""
-        print(f"{name:16s} {r['wall_ms']:13.1f} {r['cpu_ms']:13.1f}{ratio}")
+        gbps = weights / r["wall_ms"] / 1e6
+        print(f"{name:16s} {r['wall_ms']:13.1f} {r['cpu_ms']:13.1f}  {gbps:11.1f}  {gbps / ceiling:9.2f}{ratio}")
     return 0
+
+
+def read_ceiling_gbps(threads: int) -> float:
+    """A plain read of 1 GiB (torch's sum) at the bench's thread count: a memory-bound step's ceiling."""
+    import torch
+
+    from pdserve.bench.machine import measure_read_gbps
+
+    torch.set_num_threads(threads)
+    return measure_read_gbps(1 << 30)
+
+
+def weight_bytes_per_token(model: str) -> int:
+    """Bytes of the file's weights a batch-1 decode step reads: every tensor but the embedding
+    table (one row of it), which is read whole as the LM head when the file has no output tensor."""
+    from pdserve.engine.gguf_reader import GgufFile
+
+    tensors = {t.name: t.data.nbytes for t in GgufFile(model).tensors}
+    table = tensors.pop("token_embd.weight", 0)
+    return sum(tensors.values()) + (0 if "output.weight" in tensors else table)
 
 
 if __name__ == "__main__":
