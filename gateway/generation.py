@@ -257,7 +257,8 @@ class GenerationRun:
         tokens = out.token_ids
         if self.req.scores_only:  # max_tokens 0: the token that ended the prefill is not the client's
             tokens = []
-            out = replace(out, finish_reason="length" if out.finish_reason is not None else None)
+            if out.finish_reason in ("stop", "length"):
+                out = replace(out, finish_reason="length")
         for k, token in enumerate(tokens):
             if choice.first_token_at is None:
                 choice.first_token_at = now
