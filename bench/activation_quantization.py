@@ -63,8 +63,13 @@ def main(argv: list[str] | None = None) -> int:
         rows["llama.cpp"] = llama_bench(args.llama_bench, args.model, args.threads, args.steps)
     ref = rows.get("llama.cpp")
     ceiling, weights = read_ceiling_gbps(args.threads), weight_bytes_per_token(args.model)
-    print(f"read ceiling ({args.threads} thread(s), this run): {ceiling:.1f} GB/s; weights read a token: {weights / 1e6:.0f} MB")
-    print(f"{'':16s} {'wall ms/token':>13s} {'cpu ms/token':>13s}  {'GB/s (wall)':>11s}  {'/ ceiling':>9s}" + ("  cpu / llama.cpp's" if ref else ""))
+    print(
+        f"read ceiling ({args.threads} thread(s), this run): {ceiling:.1f} GB/s; weights read a token: {weights / 1e6:.0f} MB"
+    )
+    print(
+        f"{'':16s} {'wall ms/token':>13s} {'cpu ms/token':>13s}  {'GB/s (wall)':>11s}  {'/ ceiling':>9s}"
+        + ("  cpu / llama.cpp's" if ref else "")
+    )
     for name, r in rows.items():
         ratio = f"  {r['cpu_ms'] / ref['cpu_ms']:.2f}x" if ref else ""
         gbps = weights / r["wall_ms"] / 1e6

@@ -17,12 +17,13 @@ from __future__ import annotations
 import argparse
 import random
 import time
+from typing import Any
 
 import torch
 
 
-def dequantized_hf_model(source: str, file: str) -> torch.nn.Module:
-    """`source`'s HF model with every weight the file's, dequantized to fp32."""
+def dequantized_hf_model(source: str, file: str) -> Any:
+    """`source`'s HF model (a PreTrainedModel) with every weight the file's, dequantized to fp32."""
     from transformers import AutoModelForCausalLM
 
     from pdserve.engine.config import ModelConfig
@@ -61,8 +62,12 @@ def main() -> None:
     with torch.no_grad():
         for p in prompts:
             out = hf.generate(
-                torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False, pad_token_id=0,
+                torch.tensor([p]),
+                attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                max_new_tokens=args.new,
+                min_new_tokens=args.new,
+                do_sample=False,
+                pad_token_id=0,
             )
             want.append(out[0, len(p) :].tolist())
     del hf

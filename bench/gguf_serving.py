@@ -48,8 +48,15 @@ class Stream:
 
 
 async def _stream(session: aiohttp.ClientSession, url: str, prompt: list[int], out: int) -> Stream:
-    body = {"prompt": prompt, "max_tokens": out, "temperature": 0.0, "stream": True,
-            "ignore_eos": True, "min_tokens": out, "stream_options": {"include_usage": True}}
+    body = {
+        "prompt": prompt,
+        "max_tokens": out,
+        "temperature": 0.0,
+        "stream": True,
+        "ignore_eos": True,
+        "min_tokens": out,
+        "stream_options": {"include_usage": True},
+    }
     start, ttft, chunks, usage = time.perf_counter(), None, 0, None
     try:
         async with session.post(url, json=body) as resp:
@@ -117,8 +124,20 @@ def _memory(pid: int) -> dict[str, float]:
 
 
 def _specs(model: str, llama_server: str | None, port: int, slots: int, threads: int) -> dict[str, ServerSpec]:
-    py = [sys.executable, "-m", "pdserve.cli", "serve", "--model", model, "--port", str(port),
-          "--kv-cache-memory", "512MiB", "--max-model-len", "4096"]
+    py = [
+        sys.executable,
+        "-m",
+        "pdserve.cli",
+        "serve",
+        "--model",
+        model,
+        "--port",
+        str(port),
+        "--kv-cache-memory",
+        "512MiB",
+        "--max-model-len",
+        "4096",
+    ]
     return {
         "pdserve-colocated": ServerSpec("pdserve-colocated", py + ["--colocated"], "/health"),
         "pdserve-1P1D": ServerSpec("pdserve-1P1D", py, "/health"),
@@ -194,8 +213,10 @@ def main() -> None:
         if not mine:
             continue
         med = lambda k: statistics.median(x[k] for x in mine if x[k] is not None)  # noqa: E731
-        print(f"| {name} | {med('ready_s'):.1f} | {med('rss_gb'):.2f} ({med('pss_gb'):.2f}) | "
-              f"{med('tpot_ms'):.1f} | {med('burst_output_tok_s'):.2f} |")
+        print(
+            f"| {name} | {med('ready_s'):.1f} | {med('rss_gb'):.2f} ({med('pss_gb'):.2f}) | "
+            f"{med('tpot_ms'):.1f} | {med('burst_output_tok_s'):.2f} |"
+        )
     print(f"record: {out / 'gguf_serving.json'}")
 
 

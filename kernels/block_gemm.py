@@ -37,9 +37,16 @@ class BlockWeight:
 
     def __post_init__(self) -> None:
         if self.qtype not in TYPES:
-            raise ValueError(f"GGUF type {self.qtype} is not read as blocks (read: {', '.join(n for n, _ in TYPES.values())})")
-        if self.in_features % SUPER_BLOCK or self.blocks.shape[1] != self.in_features // SUPER_BLOCK * TYPES[self.qtype][1]:
-            raise ValueError(f"blocks {tuple(self.blocks.shape)} do not hold {self.in_features} {self.name} inputs a row")
+            raise ValueError(
+                f"GGUF type {self.qtype} is not read as blocks (read: {', '.join(n for n, _ in TYPES.values())})"
+            )
+        if (
+            self.in_features % SUPER_BLOCK
+            or self.blocks.shape[1] != self.in_features // SUPER_BLOCK * TYPES[self.qtype][1]
+        ):
+            raise ValueError(
+                f"blocks {tuple(self.blocks.shape)} do not hold {self.in_features} {self.name} inputs a row"
+            )
 
     @property
     def name(self) -> str:
@@ -76,7 +83,9 @@ def _library() -> ctypes.CDLL | None:
     lib.block_bytes_per_256.argtypes = [i32]
     for qtype, (name, size) in TYPES.items():
         if lib.block_bytes_per_256(qtype) != size:
-            raise RuntimeError(f"{SOURCE.name} reads {name} as {lib.block_bytes_per_256(qtype)} bytes, block_gemm.py {size}")
+            raise RuntimeError(
+                f"{SOURCE.name} reads {name} as {lib.block_bytes_per_256(qtype)} bytes, block_gemm.py {size}"
+            )
     return lib
 
 
@@ -92,7 +101,9 @@ def _check(rc: int) -> None:
         raise ValueError("block_gemm: bad arguments")
 
 
-def dequantize_rows(w: BlockWeight, ids: torch.Tensor | None = None, o0: int = 0, o1: int | None = None) -> torch.Tensor:
+def dequantize_rows(
+    w: BlockWeight, ids: torch.Tensor | None = None, o0: int = 0, o1: int | None = None
+) -> torch.Tensor:
     """Rows `ids` (int64 [n]; None: rows o0..o1) widened to fp32 [n, in], as ggml dequantizes them."""
     if ids is not None:
         ids = ids.to(torch.int64).contiguous()

@@ -32,7 +32,9 @@ class QuantizedEmbedding(nn.Module):
         """input_ids [...] -> [..., H] in the model's dtype."""
         ids = input_ids.reshape(-1)  # [T]
         if self.qtype is not None:
-            rows_f32 = block_gemm.dequantize_rows(BlockWeight(self.qtype, self.q.data, self.embedding_dim), ids)  # [T, H]
+            rows_f32 = block_gemm.dequantize_rows(
+                BlockWeight(self.qtype, self.q.data, self.embedding_dim), ids
+            )  # [T, H]
             return rows_f32.to(self.dtype).reshape(*input_ids.shape, self.embedding_dim)  # [..., H]
         rows = QuantWeight(
             self.bits,

@@ -70,7 +70,9 @@ class QuantizedLinear(nn.Module):
                 continue
             bits, n_in, sg = fmt
             off = getattr(self, f"offsets{i}")
-            out.append(QuantWeight(bits, q, getattr(self, f"scales{i}").data, n_in, None if off is None else off.data, sg))
+            out.append(
+                QuantWeight(bits, q, getattr(self, f"scales{i}").data, n_in, None if off is None else off.data, sg)
+            )
         return out
 
     @property

@@ -160,8 +160,16 @@ def test_a_row_length_that_is_not_whole_super_blocks_is_refused():
 def _gemm(lib: ctypes.CDLL, x: torch.Tensor, w: BlockWeight, threads: int) -> torch.Tensor:
     y = torch.empty(x.shape[0], w.out_features)
     rc = lib.block_gemm_int8x(
-        x.data_ptr(), x.stride(0), w.blocks.data_ptr(), None, y.data_ptr(), x.shape[0], w.in_features, w.out_features,
-        w.qtype, threads,
+        x.data_ptr(),
+        x.stride(0),
+        w.blocks.data_ptr(),
+        None,
+        y.data_ptr(),
+        x.shape[0],
+        w.in_features,
+        w.out_features,
+        w.qtype,
+        threads,
     )
     assert rc == 0
     return y

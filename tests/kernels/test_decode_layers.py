@@ -145,7 +145,7 @@ def test_quantized_layers_fused_equal_per_op_bit_for_bit(tiny_llama, k_quant_lla
     qkv = model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, QuantizedLinear) and isinstance(model.layers[0].mlp.down_proj, QuantizedLinear)
     assert qkv.int8_activations == bool(activations)
-    if source == "q4_k_m":  # Q4_K q/k rows, Q6_K v rows: one group-wise segment a format, or each tensor's blocks as stored
+    if source == "q4_k_m":  # Q4_K q/k, Q6_K v: a group-wise segment a format, or each tensor's blocks
         assert len(qkv.parts) == (3 if activations else 2)
     fp = engine.launch(engine.schedule())
     kv_before = kv.clone()
