@@ -141,8 +141,16 @@ def _specs(model: str, llama_server: str | None, port: int, slots: int, threads:
     return {
         "pdserve-colocated": ServerSpec("pdserve-colocated", py + ["--colocated"], "/health"),
         "pdserve-1P1D": ServerSpec("pdserve-1P1D", py, "/health"),
-        "llama.cpp": llamacpp_spec(port, llama_server, model, slots, slots * 512, threads),
+        "llama.cpp": _http_threads(llamacpp_spec(port, llama_server, model, slots, slots * 512, threads), slots),
     }
+
+
+def _http_threads(spec: ServerSpec, slots: int) -> ServerSpec:
+    """llama-server's HTTP threads default to slots + 2: connections of an earlier phase still kept
+    alive then leave a burst's last requests unwritten ("Can not write request body")."""
+    if not spec.skip_reason:
+        spec.argv += ["--threads-http", str(2 * slots + 8)]
+    return spec
 
 
 def measure(spec: ServerSpec, port: int, vocab: int, args, round_no: int, log_dir: Path) -> dict:
@@ -206,8 +214,8 @@ def main() -> None:
     record = {"model": args.model, "date": time.strftime("%Y-%m-%d"), "args": vars(args), "rows": rows}
     (out / "gguf_serving.json").write_text(json.dumps(record, indent=1))
     print(f"\n{args.model}, {args.rounds} round(s), median round:")
-    print("| server | ready s | RSS GB (PSS) | TPOT ms, one at a time | burst output tok/s |")
-    print("|---|---:|---:|---:|---:|")
+    print("| server | ready s | RSS GB (PSS) | TPOT ms, one at a time | burst output tok/s | failed requests |")
+    print("|---|---:|---:|---:|---:|---:|")
     for name in names:
         mine = [x for x in rows if x["server"] == name]
         if not mine:
@@ -215,7 +223,7 @@ def main() -> None:
         med = lambda k: statistics.median(x[k] for x in mine if x[k] is not None)  # noqa: E731
         print(
             f"| {name} | {med('ready_s'):.1f} | {med('rss_gb'):.2f} ({med('pss_gb'):.2f}) | "
-            f"{med('tpot_ms'):.1f} | {med('burst_output_tok_s'):.2f} |"
+            f"{med('tpot_ms'):.1f} | {med('burst_output_tok_s'):.2f} | {sum(len(x['failed']) for x in mine)} |"
         )
     print(f"record: {out / 'gguf_serving.json'}")
 
