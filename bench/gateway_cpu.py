@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", metavar="FILE", help="run the gateway under cProfile, its stats written to FILE")
     args = ap.parse_args(argv)
 
-    from pdserve.engine.make_model import make_model
+    from pdserve.modelgen.make_model import make_model
 
     with tempfile.TemporaryDirectory(prefix="gwcpu-") as tmp:
         model = make_model(Path(tmp) / "m", preset="tiny", quiet=True)

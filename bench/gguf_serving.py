@@ -123,7 +123,9 @@ def _memory(pid: int) -> dict[str, float]:
     return {"rss_gb": round(rss, 2), "pss_gb": round(pss, 2), "largest_rss_gb": round(biggest, 2)}
 
 
-def _specs(model: str, llama_server: str | None, port: int, slots: int, threads: int) -> dict[str, ServerSpec]:
+def _specs(
+    model: str, llama_server: str | None, port: int, slots: int, threads: int, kv_memory: str
+) -> dict[str, ServerSpec]:
     py = [
         sys.executable,
         "-m",
@@ -134,7 +136,7 @@ def _specs(model: str, llama_server: str | None, port: int, slots: int, threads:
         "--port",
         str(port),
         "--kv-cache-memory",
-        "512MiB",
+        kv_memory,
         "--max-model-len",
         "4096",
     ]
@@ -191,6 +193,7 @@ def main() -> None:
     ap.add_argument("--single", type=int, default=4, help="requests one at a time")
     ap.add_argument("--burst", type=int, default=16, help="requests at once")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama-server's -t")
+    ap.add_argument("--kv-cache-memory", default="512MiB", help="pdserve's KV budget a worker (4096 tokens must fit)")
     ap.add_argument("--out", default=None, help="folder for the JSON record and server logs")
     args = ap.parse_args()
 
@@ -204,7 +207,7 @@ def main() -> None:
     for r in range(args.rounds):
         for name in names if r % 2 == 0 else names[::-1]:
             port = free_port()
-            spec = _specs(args.model, args.llama_server, port, args.burst, args.threads)[name]
+            spec = _specs(args.model, args.llama_server, port, args.burst, args.threads, args.kv_cache_memory)[name]
             if spec.skip_reason:
                 print(f"{name}: skipped ({spec.skip_reason})")
                 continue

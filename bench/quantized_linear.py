@@ -23,11 +23,11 @@ from torch import nn
 from pdserve.bench.engine_throughput import bench_decode
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.make_model import PRESETS, make_model
 from pdserve.engine.models.cpu_linear import PackedLinear, TransposedLinear, cpu_linear_kind
 from pdserve.engine.quantize import quantize
 from pdserve.env import settings
 from pdserve.kernels import quant_gemm
+from pdserve.modelgen.make_model import PRESETS, make_model
 
 P = PRESETS["real"]
 SHAPES = {  # name -> (out, in)

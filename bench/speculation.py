@@ -173,7 +173,7 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pdserve.engine.make_model import default_model_path
+    from pdserve.modelgen.make_model import default_model_path
 
     ap = argparse.ArgumentParser(prog="python -m pdserve.bench.speculation", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="HF folder (default: the bench model)")

@@ -1,7 +1,7 @@
 """Grammar libraries for constrained decoding, measured on this machine: xgrammar vs llguidance.
 
 `python -m pdserve.bench.structured_output [--vocab 512 49152]` builds a tokenizer of each size
-(engine/tokenizer_builder.py, the tokenizer `make_model` gives its models), then per library:
+(modelgen/tokenizer_builder.py, the tokenizer `make_model` gives its models), then per library:
   - tokenizer: building the library's tokenizer view (once per worker);
   - compile: a schema (or regex) to a ready matcher, first mask included, no cache;
   - mask: filling the next-token bitmask per decode step, for batch 1 and 32 (every row its
@@ -26,7 +26,7 @@ import torch
 from pdserve.bench.machine import best_of
 from pdserve.bench.real_world_schemas import REAL_WORLD_SCHEMAS
 from pdserve.engine.structured.bitmask import apply_bitmask
-from pdserve.engine.tokenizer_builder import EOS, build_tokenizer
+from pdserve.modelgen.tokenizer_builder import EOS, build_tokenizer
 
 # (name, JSON schema, a document it accepts)
 SCHEMAS: list[tuple[str, dict[str, Any], Any]] = [

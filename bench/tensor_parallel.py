@@ -42,7 +42,7 @@ def make_engine(model: str, tp: int, max_batch: int, prompt_len: int, context: i
 
 
 def real_shape_model(folder: Path) -> str:
-    from pdserve.engine.make_model import make_model
+    from pdserve.modelgen.make_model import make_model
 
     return str(make_model(folder, preset="real", arch="llama", seed=3, quiet=True, num_heads=12, num_kv_heads=4))
 

@@ -17,7 +17,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def resolve_model(model: str | None) -> str:
     if model:
         return model
-    from pdserve.engine.make_model import default_model_path
+    from pdserve.modelgen.make_model import default_model_path
 
     return str(default_model_path())
 

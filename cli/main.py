@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     use_passive_waits()  # before anything imports torch (runtime/thread_waits.py)
     # Tools with their own parsers get the rest of the command line untouched.
     if argv and argv[0] == "make-model":
-        from pdserve.engine.make_model import make_model_main
+        from pdserve.modelgen.make_model import make_model_main
 
         return make_model_main(argv[1:])
     if argv and argv[0] == "bench":

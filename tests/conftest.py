@@ -48,14 +48,14 @@ def models_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_llama(models_dir) -> Path:
-    from pdserve.engine.make_model import make_model
+    from pdserve.modelgen.make_model import make_model
 
     return make_model(models_dir / "tiny-llama", preset="tiny", arch="llama", seed=1)
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen2(models_dir) -> Path:
-    from pdserve.engine.make_model import make_model
+    from pdserve.modelgen.make_model import make_model
 
     return make_model(models_dir / "tiny-qwen2", preset="tiny", arch="qwen2", seed=2)
 
@@ -64,7 +64,7 @@ def tiny_qwen2(models_dir) -> Path:
 def real_llama(models_dir) -> Path:
     """A real small model's shape (30 layers, hidden 576; ~115M parameters): a 512-token
     prefill takes seconds here, so queueing and lease clocks behave as in production."""
-    from pdserve.engine.make_model import make_model
+    from pdserve.modelgen.make_model import make_model
 
     return make_model(models_dir / "real-llama", preset="real", arch="llama", seed=3)
 

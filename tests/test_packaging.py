@@ -19,7 +19,8 @@ FORBIDDEN = {
     "protocol": {"engine", "kernels", "kvtransfer", "gateway", "prefill_node", "decode_node", "bench", "cli"},
     "kvtransfer": {"engine", "kernels", "gateway", "prefill_node", "decode_node", "bench", "cli"},
     "kernels": {"engine", "kvtransfer", "gateway", "prefill_node", "decode_node", "bench", "cli"},
-    "engine": {"gateway", "prefill_node", "decode_node", "bench", "cli", "runtime"},
+    "engine": {"gateway", "prefill_node", "decode_node", "bench", "cli", "runtime", "modelgen"},
+    "modelgen": {"gateway", "prefill_node", "decode_node", "bench", "cli", "runtime", "kvtransfer"},
     # (and of the engine only its interface, engine/engine_core.py: tests/test_engine_boundary.py)
     "runtime": {"kernels", "kvtransfer", "gateway", "prefill_node", "decode_node", "bench", "cli"},
     "gateway": {"prefill_node", "decode_node", "kvtransfer", "kernels", "cli", "runtime"},
@@ -47,6 +48,7 @@ FOLDERS = {
     "prefill_node": "prefill_node",
     "decode_node": "decode_node",
     "runtime": "runtime",
+    "modelgen": "modelgen",
 }
 
 

@@ -15,7 +15,7 @@ def test_bench_rows(tiny_llama, capsys):
 
 
 def test_bench_rows_with_an_eagle_head_on_cpu_time(tiny_llama, tmp_path, capsys):
-    from pdserve.engine.make_eagle_head import make_eagle_head
+    from pdserve.modelgen.make_eagle_head import make_eagle_head
 
     head = make_eagle_head(tiny_llama, tmp_path / "head")
     argv = ["--model", str(tiny_llama), "--eagle", str(head), "--batches", "1", "--max-tokens", "16", "--repeats", "1"]

@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 from transformers import AutoTokenizer
 
-from pdserve.engine.make_model import make_model
+from pdserve.modelgen.make_model import make_model
 from tests.conftest import hf_greedy, random_prompts
 from tests.e2e.cluster import running_server
 

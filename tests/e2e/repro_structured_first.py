@@ -29,7 +29,7 @@ from pathlib import Path
 
 import httpx
 
-from pdserve.engine.make_model import make_model
+from pdserve.modelgen.make_model import make_model
 from tests.e2e.cluster import running_server
 
 SCHEMA = {

@@ -22,7 +22,7 @@ MAX_NEW = 24
 
 @pytest.fixture(scope="module", params=["gemma2", "gemma3", "mistral"])
 def windowed_family(request, models_dir):
-    from pdserve.engine.make_model import make_model
+    from pdserve.modelgen.make_model import make_model
 
     return make_model(
         models_dir / f"serve-swa-{request.param}", arch=request.param, seed=4, quiet=True, tie_word_embeddings=False

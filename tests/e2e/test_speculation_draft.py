@@ -14,7 +14,7 @@ import sys
 import pytest
 from transformers import AutoTokenizer
 
-from pdserve.engine.make_model import make_model
+from pdserve.modelgen.make_model import make_model
 from tests.conftest import hf_greedy, random_prompts
 from tests.e2e.cluster import running_server
 from tests.e2e.test_speculation import MAX_NEW, MODES, _total, complete, wait_for_metric

@@ -34,7 +34,7 @@ MODES = {
 
 @pytest.fixture(scope="module", params=["gpt_neox", "qwen2_moe"])
 def family(request, models_dir):
-    from pdserve.engine.make_model import make_model
+    from pdserve.modelgen.make_model import make_model
 
     return make_model(models_dir / f"serve-{request.param}", arch=request.param, seed=11, quiet=True)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from pdserve.engine.make_eagle_head import make_eagle_head
+from pdserve.modelgen.make_eagle_head import make_eagle_head
 from tests.conftest import _hf_model
 
 

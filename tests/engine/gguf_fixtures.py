@@ -9,8 +9,8 @@ import torch
 
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.gguf_weights import gguf_tensors
-from pdserve.engine.gguf_writer import write_gguf
-from pdserve.engine.make_model import make_model
+from pdserve.modelgen.gguf_writer import write_gguf
+from pdserve.modelgen.make_model import make_model
 
 SEEDS = {"llama": 21, "qwen2": 22, "qwen3": 23, "phi3": 24}
 

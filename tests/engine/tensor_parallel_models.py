@@ -6,7 +6,7 @@ from pathlib import Path
 
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.make_model import make_model
+from pdserve.modelgen.make_model import make_model
 
 
 def single_kv_head_qwen2(folder: Path) -> Path:

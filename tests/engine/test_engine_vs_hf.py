@@ -165,7 +165,7 @@ def test_loader_rejects_missing_and_leftover_weights(tmp_path, tiny_llama):
     "arch,overrides", [("llama", {"tie_word_embeddings": False}), ("qwen2", {"tie_word_embeddings": False})]
 )
 def test_untied_embeddings_match_hf(tmp_path, arch, overrides):
-    from pdserve.engine.make_model import make_model
+    from pdserve.modelgen.make_model import make_model
 
     model = make_model(tmp_path / arch, "tiny", arch, seed=7, quiet=True, **overrides)
     engine = make_engine(model)

@@ -21,7 +21,7 @@ MAX_NEW = 10
 
 @pytest.fixture(params=["qwen3", "phi4-mini"])
 def family_model(request, models_dir):
-    from pdserve.engine.make_model import make_model
+    from pdserve.modelgen.make_model import make_model
 
     if request.param == "qwen3":
         return make_model(models_dir / "serve-qwen3", arch="qwen3", seed=8, quiet=True)

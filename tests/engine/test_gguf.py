@@ -16,7 +16,7 @@ import torch
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.gguf_file import load_tokenizer
 from pdserve.engine.gguf_weights import GgufTensor
-from pdserve.engine.gguf_writer import llama_permute
+from pdserve.modelgen.gguf_writer import llama_permute
 from tests.engine.family_checks import GREEDY, expected, make_engine, prompts_for
 from tests.engine.gguf_fixtures import dequantized_folder, gguf_file, source_folder
 
@@ -115,7 +115,7 @@ def test_unsupported_architecture_is_refused(tmp_path):
 
 
 def test_make_model_cli_writes_gguf(tmp_path):
-    from pdserve.engine.make_model import make_model_main
+    from pdserve.modelgen.make_model import make_model_main
 
     assert make_model_main(["--out", str(tmp_path / "m"), "--arch", "qwen2", "--gguf", "q4_0"]) == 0
     cfg = ModelConfig.from_folder(tmp_path / "m" / "model-q4_0.gguf")

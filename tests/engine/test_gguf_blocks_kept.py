@@ -72,7 +72,7 @@ def test_kept_blocks_linear_matches_a_float_matmul(qtype, m):
 @pytest.fixture(scope="module")
 def k_quant_source(tmp_path_factory):
     """A llama whose linears' rows are whole 256-element K-quant super-blocks."""
-    from pdserve.engine.make_model import make_model
+    from pdserve.modelgen.make_model import make_model
 
     folder = tmp_path_factory.mktemp("kq") / "src"
     return make_model(folder, preset="tiny", arch="llama", seed=31, quiet=True, hidden_size=256, intermediate_size=512)
@@ -84,8 +84,8 @@ def test_a_k_quant_file_is_served_from_its_blocks_as_its_dequantized_floats_are(
     Q6_K v, so the fused qkv runs as two formats) and generates what the file's dequantized float
     weights generate (--quantization none), and what HF transformers generates on those very
     values (the source folder with every weight replaced by the file's, dequantized): 0 tokens differ."""
-    from pdserve.engine.gguf_writer import write_gguf
     from pdserve.engine.models.quantized_linear import QuantizedLinear
+    from pdserve.modelgen.gguf_writer import write_gguf
     from tests.engine.test_quantization import GREEDY, prompts_for, quant_engine
 
     file = write_gguf(k_quant_source, tmp_path / "m.gguf", qtype)
@@ -132,7 +132,7 @@ def test_kept_linears_are_never_dequantized_at_load(k_quant_source, tmp_path, mo
     """Loading reads a kept linear's blocks straight into its QuantizedLinear: no float copy of
     its weight is ever made (so a Q4_K_M file loads in about its own size, not fp32's)."""
     from pdserve.engine.gguf_weights import GgufTensor
-    from pdserve.engine.gguf_writer import write_gguf
+    from pdserve.modelgen.gguf_writer import write_gguf
     from tests.engine.test_quantization import quant_engine
 
     file = write_gguf(k_quant_source, tmp_path / "m.gguf", "q4_k_m")
@@ -149,9 +149,9 @@ def test_the_embedding_table_stays_its_blocks(tmp_path, tied):
     """A GGUF file's embedding table in a kept type stays quantized (no float vocab x hidden
     table): each looked-up row equals the file's dequantized row, and a tied LM head shares the
     very tensors."""
-    from pdserve.engine.gguf_writer import write_gguf
-    from pdserve.engine.make_model import make_model
     from pdserve.engine.models.quantized_embedding import QuantizedEmbedding
+    from pdserve.modelgen.gguf_writer import write_gguf
+    from pdserve.modelgen.make_model import make_model
     from tests.engine.test_quantization import GREEDY, prompts_for, quant_engine
 
     src = make_model(tmp_path / "src", preset="tiny", arch="llama", seed=5, quiet=True, tie_word_embeddings=tied)

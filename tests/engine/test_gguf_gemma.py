@@ -13,8 +13,8 @@ import torch
 
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.gguf_file import load_tokenizer
-from pdserve.engine.gguf_writer import write_gguf
-from pdserve.engine.make_model import make_model
+from pdserve.modelgen.gguf_writer import write_gguf
+from pdserve.modelgen.make_model import make_model
 from pdserve.protocol.sampling import SamplingParams
 from tests.conftest import _hf_model, random_prompts
 from tests.engine.family_checks import make_engine

@@ -20,7 +20,7 @@ NEW = 24  # HF tokens a prompt: positions measured
 
 
 def test_int8_activations_agree_with_hf_teacher_forced(k_quant_source, tmp_path):  # noqa: F811
-    from pdserve.engine.gguf_writer import write_gguf
+    from pdserve.modelgen.gguf_writer import write_gguf
 
     file = write_gguf(k_quant_source, tmp_path / "m.gguf", "q4_k_m")
     engine = quant_engine(file, "auto", "int8")

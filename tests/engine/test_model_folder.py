@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pdserve.engine.config import ModelConfig
-from pdserve.engine.make_model import make_model
+from pdserve.modelgen.make_model import make_model
 
 
 def digest(folder):

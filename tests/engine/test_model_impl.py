@@ -19,7 +19,7 @@ from tests.engine import family_checks
 
 @pytest.fixture(scope="module")
 def tiny_olmo2(models_dir) -> Path:
-    from pdserve.engine.make_model import make_model
+    from pdserve.modelgen.make_model import make_model
 
     return make_model(models_dir / "impl-olmo2", preset="tiny", arch="olmo2", seed=2, quiet=True)
 

@@ -21,7 +21,7 @@ ORIGINAL = 64  # the tiny longrope model's original_max_position_embeddings (max
 @pytest.fixture(scope="module")
 def tiny_phi3(models_dir) -> Path:
     """Phi-3-mini's layout: fused weights, full rotary, plain RoPE."""
-    from pdserve.engine.make_model import make_model
+    from pdserve.modelgen.make_model import make_model
 
     return make_model(models_dir / "tiny-phi3", preset="tiny", arch="phi3", seed=6, quiet=True)
 
@@ -29,7 +29,7 @@ def tiny_phi3(models_dir) -> Path:
 @pytest.fixture(scope="module")
 def tiny_phi4_mini(models_dir) -> Path:
     """Phi-4-mini's: rotary over 3/4 of each head (12 of 16 dims), longrope (attention factor > 1)."""
-    from pdserve.engine.make_model import make_model
+    from pdserve.modelgen.make_model import make_model
 
     return make_model(
         models_dir / "tiny-phi4-mini",

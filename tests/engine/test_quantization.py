@@ -96,7 +96,7 @@ def test_gguf_blocks_served_as_stored(tmp_path_factory, qtype, scheme):
 @pytest.mark.parametrize(("family", "scheme"), [("gemma2", "int8"), ("gemma3", "int4")])
 def test_gemma_quantized_equals_hf_on_dequantized_weights(family, scheme, models_dir, tmp_path_factory):
     """Gemma's linears (its GeLU MLP, soft-capped scores and logits, 32-token windows) quantized."""
-    from pdserve.engine.make_model import make_model
+    from pdserve.modelgen.make_model import make_model
     from tests.engine.test_sliding_window_models import FAMILIES
     from tests.engine.test_sliding_window_models import prompts_for as windowed_prompts
 

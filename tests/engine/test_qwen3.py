@@ -15,7 +15,7 @@ from tests.engine import family_checks
 @pytest.fixture(scope="module")
 def tiny_qwen3(models_dir) -> Path:
     """head_dim 32 with hidden 64 and 4 heads: q is twice as wide as the hidden state, as in Qwen3."""
-    from pdserve.engine.make_model import make_model
+    from pdserve.modelgen.make_model import make_model
 
     return make_model(models_dir / "tiny-qwen3", preset="tiny", arch="qwen3", seed=4, quiet=True)
 
@@ -46,7 +46,7 @@ def test_prefill_to_decode_handoff_matches_hf(tiny_qwen3):
 
 
 def test_attention_bias_biases_qkv_and_o(models_dir):
-    from pdserve.engine.make_model import make_model
+    from pdserve.modelgen.make_model import make_model
 
     folder = make_model(
         models_dir / "tiny-qwen3-bias", arch="qwen3", seed=5, quiet=True, hf_config={"attention_bias": True}

@@ -1,4 +1,4 @@
-"""The presets of the sizes CPU users run (engine/make_model.py: Llama-3.2-1B / -3B and
+"""The presets of the sizes CPU users run (modelgen/make_model.py: Llama-3.2-1B / -3B and
 Llama-3.1-8B shapes) keep their real vocabulary: the embedding and LM head get every row the
 shape has, past the synthetic tokenizer's tokens (as real checkpoints pad theirs), and a padded
 model serves exactly as HF runs it. Checked on a tiny model with the same padding."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from pdserve.engine.make_model import PRESETS, make_model
+from pdserve.modelgen.make_model import PRESETS, make_model
 from tests.conftest import hf_greedy, random_prompts
 from tests.engine.test_engine_vs_hf import GREEDY, MAX_NEW, make_engine
 

@@ -37,7 +37,7 @@ FAMILIES = {  # make_model arguments; untied embeddings keep tiny models' greedy
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def windowed_model(request, models_dir) -> Path:
-    from pdserve.engine.make_model import make_model
+    from pdserve.modelgen.make_model import make_model
 
     return make_model(models_dir / f"swa-{request.param}", quiet=True, **FAMILIES[request.param])
 
@@ -76,7 +76,7 @@ def test_configs_without_layer_types_get_hfs_pattern(arch, pattern, tmp_path, mo
     the windows follow the pattern transformers derives for them."""
     from transformers import AutoConfig
 
-    from pdserve.engine.make_model import make_model
+    from pdserve.modelgen.make_model import make_model
 
     model = make_model(models_dir / f"swa-{arch}", quiet=True, **FAMILIES[arch])
     changes = {"num_hidden_layers": 7, "sliding_window_pattern": pattern}
@@ -156,7 +156,7 @@ def _without(model: Path, tmp_path: Path, **changes) -> Path:
 def test_the_prompts_exercise_what_they_check(family, changes, models_dir, tmp_path):
     """HF itself answers differently without the window (or a soft-cap): the checks above would
     catch an engine that ignored it."""
-    from pdserve.engine.make_model import make_model
+    from pdserve.modelgen.make_model import make_model
 
     model = make_model(models_dir / f"swa-{family}", quiet=True, **FAMILIES[family])
     prompts = prompts_for(512)[:4]
@@ -167,7 +167,7 @@ def test_gemma2_logprobs_are_those_of_the_soft_capped_logits(models_dir):
     """The final soft-cap keeps the argmax (tanh is monotonic): it shows in the logprobs."""
     import torch
 
-    from pdserve.engine.make_model import make_model
+    from pdserve.modelgen.make_model import make_model
     from tests.conftest import _hf_model
 
     model = make_model(models_dir / "swa-gemma2", quiet=True, **FAMILIES["gemma2"])
@@ -186,7 +186,7 @@ def test_gemma2_logprobs_are_those_of_the_soft_capped_logits(models_dir):
 
 
 def test_the_fused_decode_driver_says_no_to_windows(models_dir):
-    from pdserve.engine.make_model import make_model
+    from pdserve.modelgen.make_model import make_model
 
     engine = make_engine(make_model(models_dir / "swa-mistral", quiet=True, **FAMILIES["mistral"]))
     assert engine.model_config.layer_windows and engine.runner.decode_layers is None
@@ -196,7 +196,7 @@ def test_blocks_every_window_has_passed_go_back_to_the_pool(models_dir, attentio
     """Mistral (every layer windowed): a sequence holds the blocks its window still reads, not its
     whole history; the ones left behind return to the pool as it decodes (their cached contents
     still serve a later prompt sharing them), and the output stays HF's."""
-    from pdserve.engine.make_model import make_model
+    from pdserve.modelgen.make_model import make_model
 
     model = make_model(models_dir / "swa-mistral", quiet=True, **FAMILIES["mistral"])
     engine = make_engine(model, block_size=16, num_blocks=64, max_model_len=512)

@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.make_model import make_model
 from pdserve.engine.spec.config import SpeculativeConfig
+from pdserve.modelgen.make_model import make_model
 from pdserve.protocol.sampling import SamplingParams
 from tests.conftest import _hf_model
 from tests.engine.test_speculation import GREEDY, MAX_NEW, hf, make_engine, prompts_for, registered_hashes_are_real

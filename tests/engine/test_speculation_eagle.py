@@ -16,12 +16,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.make_eagle_head import make_eagle_head
-from pdserve.engine.make_model import make_model_main
 from pdserve.engine.spec.config import SpeculativeConfig
 from pdserve.engine.spec.eagle import EagleRunner
 from pdserve.engine.spec.eagle_hidden import HiddenRows
 from pdserve.engine.weights import WeightLoadError
+from pdserve.modelgen.make_eagle_head import make_eagle_head
+from pdserve.modelgen.make_model import make_model_main
 from pdserve.protocol.sampling import SamplingParams
 from tests.engine.eagle_fixtures import echo_head, reference_proposal
 from tests.engine.test_speculation import GREEDY, MAX_NEW, hf, make_engine, prompts_for

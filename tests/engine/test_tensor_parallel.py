@@ -202,7 +202,7 @@ def test_tp2_with_ngram_speculation_equals_hf(tiny_llama):
 def test_tp2_gemma_equals_hf(models_dir, family):
     """Gemma's extra norms, GeLU MLP, soft-capping (2), q/k norms and local rope (3) and 32-token
     sliding windows, sharded over two ranks: greedy output still HF's, chunked prefill too."""
-    from pdserve.engine.make_model import make_model
+    from pdserve.modelgen.make_model import make_model
     from tests.engine.test_sliding_window_models import FAMILIES
     from tests.engine.test_sliding_window_models import prompts_for as windowed_prompts
 

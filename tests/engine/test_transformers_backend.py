@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 
 from pdserve.engine.config import ModelConfig
-from pdserve.engine.make_model_families import TRANSFORMERS_ARCHS
+from pdserve.modelgen.make_model_families import TRANSFORMERS_ARCHS
 from tests.engine import family_checks
 
 
 @pytest.fixture(scope="module", params=TRANSFORMERS_ARCHS)
 def family(request, models_dir) -> Path:
-    from pdserve.engine.make_model import make_model
+    from pdserve.modelgen.make_model import make_model
 
     return make_model(models_dir / f"tiny-{request.param}", preset="tiny", arch=request.param, seed=6, quiet=True)
 

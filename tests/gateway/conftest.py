@@ -13,8 +13,8 @@ import pytest
 import zmq
 from transformers import AutoTokenizer
 
-from pdserve.engine.tokenizer_builder import build_tokenizer
 from pdserve.gateway.cluster_backend import ClusterBackend
+from pdserve.modelgen.tokenizer_builder import build_tokenizer
 from pdserve.protocol.auth import FrameAuth
 from pdserve.protocol.channel import Inbox, Outbox
 from pdserve.protocol.messages import KvLayout, Message, WorkerInfo

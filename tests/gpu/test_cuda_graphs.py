@@ -84,7 +84,7 @@ def test_graphed_decode_equals_hf_and_eager_as_the_batch_shrinks(tiny_llama):
 
 
 def test_contexts_crossing_a_bucket_replay_exactly(models_dir):
-    from pdserve.engine.make_model import make_model
+    from pdserve.modelgen.make_model import make_model
 
     model = make_model(models_dir / "graphs-bench", preset="bench", arch="llama", seed=3, quiet=True)
     prompts = random_prompts(8192, [MIN_CONTEXT_BUCKET - 20, MIN_CONTEXT_BUCKET - 5, 300], seed=4)
@@ -116,7 +116,7 @@ def test_sampling_penalties_logprobs_and_n_draw_the_same_with_graphs(tiny_llama)
 
 
 def test_a_windowed_soft_capped_family_replays_exactly(models_dir):
-    from pdserve.engine.make_model import make_model
+    from pdserve.modelgen.make_model import make_model
     from tests.engine.test_sliding_window_models import FAMILIES, prompts_for
 
     model = make_model(models_dir / "graphs-gemma2", quiet=True, **FAMILIES["gemma2"])

@@ -89,7 +89,7 @@ def test_bf16_on_cuda_runs_and_mostly_agrees(tiny_llama):
 def test_sliding_window_families_on_cuda_equal_hf(models_dir, family, budget):
     """Per-layer windows (32 tokens) and Gemma's soft-capping through the Triton kernels: prompts
     past the window, a warm prefix cache, chunks starting inside and past the window."""
-    from pdserve.engine.make_model import make_model
+    from pdserve.modelgen.make_model import make_model
     from tests.engine.test_sliding_window_models import FAMILIES, prompts_for
 
     model = make_model(models_dir / f"swa-{family}", quiet=True, **FAMILIES[family])

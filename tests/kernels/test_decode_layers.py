@@ -119,8 +119,8 @@ def test_greedy_output_is_the_same_with_it_off(tiny_model, monkeypatch):
 def k_quant_llama(tmp_path_factory):
     """Rows of whole 256-input K-quant blocks: a Q4_K_M file keeps every linear quantized, qkv
     in two formats (Q4_K q/k rows, Q6_K v rows: two segments the driver puts side by side)."""
-    from pdserve.engine.gguf_writer import write_gguf
-    from pdserve.engine.make_model import make_model
+    from pdserve.modelgen.gguf_writer import write_gguf
+    from pdserve.modelgen.make_model import make_model
 
     root = tmp_path_factory.mktemp("kq")
     folder = make_model(

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from pdserve.engine.make_model import make_model
+from pdserve.modelgen.make_model import make_model
 from tests.e2e.cluster import running_server
 from tests.e2e.repro_structured_first import SCHEMA, TOOL
 from tests.reliability.test_client_disconnect import wait_all_idle

@@ -38,7 +38,7 @@ def wait_all_idle(base: str, timeout_s: float = 3.0) -> tuple[dict, dict, dict]:
 
 @pytest.fixture(scope="module")
 def bench_model(tmp_path_factory):
-    from pdserve.engine.make_model import make_model
+    from pdserve.modelgen.make_model import make_model
 
     return make_model(tmp_path_factory.mktemp("bench") / "bench", preset="bench", quiet=True)
 

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module", params=["qwen3", "phi3", "mistral"])
 def family(request, tmp_path_factory):
-    from pdserve.engine.make_model import make_model
+    from pdserve.modelgen.make_model import make_model
 
     folder = tmp_path_factory.mktemp(request.param) / request.param
     # the bench shape: seconds of decoding, time to catch the stream mid-way

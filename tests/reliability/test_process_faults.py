@@ -144,7 +144,7 @@ def check_killed_decode_worker_migrates_exactly(model, prompt: list[int], n: int
 @pytest.fixture(scope="module")
 def bench_model(tmp_path_factory):
     """The ~30M model: slow enough on CPU to catch a request in a given phase."""
-    from pdserve.engine.make_model import make_model
+    from pdserve.modelgen.make_model import make_model
 
     return make_model(tmp_path_factory.mktemp("bench") / "bench", preset="bench", quiet=True)
 

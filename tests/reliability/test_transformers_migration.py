@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def bench_neox(tmp_path_factory):
-    from pdserve.engine.make_model import make_model
+    from pdserve.modelgen.make_model import make_model
 
     return make_model(tmp_path_factory.mktemp("neox") / "neox", preset="bench", arch="gpt_neox", seed=3, quiet=True)
 

@@ -18,8 +18,8 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from pdserve.engine.config import ModelConfig
-from pdserve.engine.gguf_kquants import quantize_q4_k, quantize_q5_k, quantize_q6_k
 from pdserve.engine.weights import safetensors_files
+from pdserve.modelgen.gguf_kquants import quantize_q4_k, quantize_q5_k, quantize_q6_k
 
 # our architecture -> llama.cpp's (Mistral v0.1-style models convert as llama)
 GGUF_ARCH = {
@@ -33,7 +33,7 @@ GGUF_ARCH = {
 }
 Q = gguf.GGMLQuantizationType
 # --gguf TYPE -> the type of 2-D weights (the gguf package quantizes the legacy types; K-quants
-# come from engine/gguf_kquants.py). q4_k_m: Q4_K, with attn_v, ffn_down and the output in Q6_K
+# come from modelgen/gguf_kquants.py). q4_k_m: Q4_K, with attn_v, ffn_down and the output in Q6_K
 # (the mix of llama.cpp's Q4_K_M, which varies it by layer)
 WRITE_TYPES = {
     "f32": Q.F32,

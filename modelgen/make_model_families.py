@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig
 
-    from pdserve.engine.make_model import ModelPreset
+    from pdserve.modelgen.make_model import ModelPreset
 
 TRANSFORMERS_ARCHS = ("olmo2", "granite", "gpt_neox", "stablelm", "qwen2_moe")
 GEMMA_ARCHS = ("gemma2", "gemma3")  # served natively (engine/models/gemma.py)

@@ -15,8 +15,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from pdserve.engine.make_model import _init_weights
 from pdserve.engine.weights import safetensors_files
+from pdserve.modelgen.make_model import _init_weights
 
 _COPIED = (
     "vocab_size",

@@ -1,5 +1,5 @@
 """Random-initialised Hugging Face model folders (Llama / Qwen2 / Qwen3 / Phi-3 / Gemma 2 / Gemma 3,
-and the transformers-backend families of engine/make_model_families.py), made offline and
+and the transformers-backend families of modelgen/make_model_families.py), made offline and
 deterministically, through transformers' own config and model classes.
 
 `pdserve serve` with no --model uses `default_model_path()`: the ~30M-parameter `default`
@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from pdserve.engine.make_model_families import (
+from pdserve.env import settings
+from pdserve.modelgen.make_model_families import (
     GEMMA_ARCHS,
     GEMMA_TINY_WINDOW,
     TRANSFORMERS_ARCHS,
@@ -31,8 +32,7 @@ from pdserve.engine.make_model_families import (
     gemma_rescale_weights,
     transformers_family_config,
 )
-from pdserve.engine.tokenizer_builder import EOS, build_tokenizer
-from pdserve.env import settings
+from pdserve.modelgen.tokenizer_builder import EOS, build_tokenizer
 
 DEFAULT_MODEL_NAME = "default-v1"
 
@@ -77,7 +77,7 @@ ARCHS = (
     "phi3",
     *GEMMA_ARCHS,
     *TRANSFORMERS_ARCHS,
-)  # the latter: engine/make_model_families.py
+)  # the latter: modelgen/make_model_families.py
 
 
 def _hf_config(
@@ -245,19 +245,19 @@ def make_model_main(argv: list[str] | None = None) -> int:
     tie.add_argument("--no-tie", dest="tie", action="store_false")
     args = ap.parse_args(argv)
     if args.eagle_for is not None:
-        from pdserve.engine.make_eagle_head import make_eagle_head
+        from pdserve.modelgen.make_eagle_head import make_eagle_head
 
         print(f"wrote an EAGLE head to {make_eagle_head(args.eagle_for, args.out, args.seed)}", flush=True)
         return 0
     overrides = {} if args.tie is None else {"tie_word_embeddings": args.tie}
     if args.gguf is not None:
-        from pdserve.engine.gguf_writer import WRITE_TYPES
+        from pdserve.modelgen.gguf_writer import WRITE_TYPES
 
         if args.gguf not in WRITE_TYPES:
             ap.error(f"--gguf {args.gguf}: choose {', '.join(WRITE_TYPES)}")
     out = make_model(args.out, args.preset, args.arch, args.seed, args.max_shard_size, **overrides)
     if args.gguf is not None:
-        from pdserve.engine.gguf_writer import write_gguf
+        from pdserve.modelgen.gguf_writer import write_gguf
 
         print(f"wrote {write_gguf(out, out / f'model-{args.gguf}.gguf', args.gguf, show_progress=True)}", flush=True)
     return 0
