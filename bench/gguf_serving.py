@@ -76,15 +76,23 @@ async def _stream(session: aiohttp.ClientSession, url: str, prompt: list[int], o
     return Stream(ttft is not None, tokens, ttft or 0.0, time.perf_counter() - start)
 
 
+def _session() -> aiohttp.ClientSession:
+    """A fresh connection a request: a kept-alive one the server has since closed would fail the
+    request ("Can not write request body", seen with llama-server)."""
+    return aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=3600), connector=aiohttp.TCPConnector(force_close=True)
+    )
+
+
 async def _burst(url: str, requests: list[tuple[list[int], int]]) -> tuple[float, list[Stream]]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as s:
+    async with _session() as s:
         t0 = time.perf_counter()
         results = await asyncio.gather(*(_stream(s, url, p, n) for p, n in requests))
         return time.perf_counter() - t0, list(results)
 
 
 async def _single(url: str, requests: list[tuple[list[int], int]]) -> list[Stream]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as s:
+    async with _session() as s:
         return [await _stream(s, url, p, n) for p, n in requests]
 
 
