@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from pdserve.cli.engine_args import resolve_model
+    from pdserve.modelgen.default_model import resolve_model
 
     need = args.batch * (args.prompt_len + args.steps + 32) // 16 + 64
     engine = LLMEngine(

@@ -16,7 +16,7 @@ class BenchRequest:
     output_len: int
 
 
-def _lengths(rng, n: int, mean: int, ratio: float) -> list[int]:
+def uniform_lengths(rng, n: int, mean: int, ratio: float) -> list[int]:
     lo, hi = max(1, int(mean * (1 - ratio))), max(1, int(mean * (1 + ratio)))
     return rng.integers(lo, hi + 1, size=n).tolist()
 
@@ -37,7 +37,9 @@ def random_requests(
     vocab = [i for i in range(len(tokenizer)) if i not in special]
     prefix = rng.choice(vocab, size=prefix_len).tolist() if prefix_len else []
     out = []
-    for in_len, out_len in zip(_lengths(rng, n, input_len, range_ratio), _lengths(rng, n, output_len, range_ratio)):
+    for in_len, out_len in zip(
+        uniform_lengths(rng, n, input_len, range_ratio), uniform_lengths(rng, n, output_len, range_ratio)
+    ):
         ids = prefix + rng.choice(vocab, size=in_len).tolist()
         if tokenized:
             out.append(BenchRequest(ids, len(ids), out_len))

@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         configure_worker_process()  # as the workers are
     if args.threads:
         torch.set_num_threads(args.threads)
-    from pdserve.cli.engine_args import resolve_model
+    from pdserve.modelgen.default_model import resolve_model
 
     batches = [int(b) for b in args.batches.split(",")]
     max_b = max(batches)

@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 
 from pdserve.bench.engine_throughput import bench_decode, bench_prefill, sized_engine
-from pdserve.cli.engine_args import resolve_model
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.modelgen.default_model import resolve_model
 
 IMPLS = ("native", "transformers")
 

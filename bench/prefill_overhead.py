@@ -29,10 +29,10 @@ from pdserve.bench.engine_throughput import attention_flops_per_prompt
 from pdserve.bench.machine import measure_matmul_gflops
 from pdserve.bench.server_cpu import session_cpu_by_role
 from pdserve.bench.servers import ServerSpec, free_port, running
-from pdserve.cli.engine_args import resolve_model
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.models.llama import LlamaForCausalLM
+from pdserve.modelgen.default_model import resolve_model
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.worker_process import configure_worker_process
 

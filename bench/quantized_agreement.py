@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sequences", type=int, default=8)
     ap.add_argument("--length", type=int, default=256)
     args = ap.parse_args(argv)
-    from pdserve.cli.engine_args import resolve_model
+    from pdserve.modelgen.default_model import resolve_model
 
     model = resolve_model(args.model)
     res = measure(model, args.sequences, args.length)

@@ -27,12 +27,12 @@ import torch
 
 from pdserve.bench.engine_throughput import bench_decode, bench_prefill, sized_engine
 from pdserve.bench.model_impl import _cpu_name
-from pdserve.cli.engine_args import resolve_model
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.parallel.core_sets import pin
 from pdserve.engine.parallel.group import TensorParallelGroup, host_store, join_store
 from pdserve.engine.parallel.shard import TensorParallelShard
 from pdserve.env import reload as reload_env
+from pdserve.modelgen.default_model import resolve_model
 
 ALLREDUCE_ITERS = 2000
 

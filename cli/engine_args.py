@@ -8,18 +8,11 @@ from pdserve.cli.settings_flags import add_flags, from_flags
 from pdserve.cli.topology import step_budget
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.spec.config import SpeculativeConfig
+from pdserve.modelgen.default_model import resolve_model
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     add_flags(p, EngineConfig, "engine")
-
-
-def resolve_model(model: str | None) -> str:
-    if model:
-        return model
-    from pdserve.modelgen.make_model import default_model_path
-
-    return str(default_model_path())
 
 
 def refuse_tensor_parallel(args: argparse.Namespace, role: str) -> None:

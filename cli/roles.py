@@ -12,10 +12,11 @@ import logging
 import socket
 from typing import Any
 
-from pdserve.cli.engine_args import engine_config, resolve_model
+from pdserve.cli.engine_args import engine_config
 from pdserve.cli.settings_flags import add_flags, from_flags
 from pdserve.cli.topology import Topology, decode_idle_threads, decode_step_interval_ms, prefill_idle_lanes
 from pdserve.env import settings
+from pdserve.modelgen.default_model import resolve_model
 
 log = logging.getLogger("pdserve")
 

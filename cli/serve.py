@@ -30,7 +30,7 @@ from typing import Any
 import msgspec
 
 from pdserve.cli import roles
-from pdserve.cli.engine_args import engine_config, resolve_model
+from pdserve.cli.engine_args import engine_config
 from pdserve.cli.serve_settings import ServeSettings
 from pdserve.cli.settings_flags import from_flags
 from pdserve.cli.topology import (
@@ -43,6 +43,7 @@ from pdserve.cli.topology import (
 from pdserve.env import settings
 from pdserve.gateway.tenants import KeysFileError, read_keys_file
 from pdserve.gateway.tls import check_tls_files
+from pdserve.modelgen.default_model import resolve_model
 from pdserve.protocol.auth import ENV_SECRET, ClusterSecretError, generate_cluster_secret, load_cluster_secret
 
 log = logging.getLogger("pdserve.serve")

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from pdserve.bench.arrivals import arrival_offsets
-from pdserve.bench.datasets import _lengths
+from pdserve.bench.datasets import uniform_lengths
 from pdserve.bench.sweep import capacity
 from pdserve.planner.costs import CostModel, load, save
 from pdserve.planner.simulate import Layout, Limits, Simulation, attainment, percentile
@@ -34,8 +34,8 @@ def workload(n: int, rate: float, input_len: int, output_len: int, ratio: float,
     """(arrival, prompt, output) as `pdserve bench --dataset-name random` draws them for this
     seed (and, with `out_range`, outputs as bench-compare's sweep draws them)."""
     rng = np.random.default_rng(seed)
-    prompts = _lengths(rng, n, input_len, ratio)
-    outputs = _lengths(rng, n, output_len, ratio)
+    prompts = uniform_lengths(rng, n, input_len, ratio)
+    outputs = uniform_lengths(rng, n, output_len, ratio)
     if out_range is not None:
         rng2 = np.random.default_rng(seed + 7)
         outputs = [int(rng2.integers(out_range[0], out_range[1] + 1)) for _ in range(n)]
@@ -93,7 +93,7 @@ def _costs(args) -> CostModel:
         return load(str(path))
     if not args.model:
         raise SystemExit(f"pdserve plan: no cost model at {path}; give --model to measure one on this machine")
-    from pdserve.cli.engine_args import resolve_model
+    from pdserve.modelgen.default_model import resolve_model
     from pdserve.planner.profile import profile
 
     print(f"measuring step costs on this machine -> {path}", file=sys.stderr, flush=True)
