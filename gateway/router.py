@@ -108,11 +108,6 @@ class Router:
         self.local_prefill_max_tokens = local_prefill_max_tokens
         self._turns: dict[str, itertools.count] = {}  # pool -> requests routed there so far
 
-    @property
-    def uses_kv(self) -> bool:
-        """Whether the policy reads what workers hold (else the gateway skips hashing for it)."""
-        return self.policy == "kv-aware"
-
     def _rotation(self, pool: str, candidates: list[WorkerEntry]) -> list[WorkerEntry]:
         ordered = sorted(candidates, key=lambda w: w.worker_id)
         start = next(self._turns.setdefault(pool, itertools.count())) % len(ordered)
