@@ -18,8 +18,8 @@
  * call, nor on the thread count, nor on the instruction set (tests build the variants).
  * Threads (OpenMP) split output rows.
  *
- * `block_dequant_f32` widens rows to fp32 exactly as ggml (and the gguf package) dequantize them,
- * for many-row calls (torch's GEMM on widened tiles) and embedding lookups.
+ * `block_dequant_f32` widens rows to fp32 exactly as ggml (and the gguf package) dequantize them:
+ * embedding lookups of a table kept as its blocks.
  */
 #include <math.h>
 #include <stdint.h>
@@ -29,7 +29,7 @@
 #include <immintrin.h>
 #endif
 
-#define QK 256 /* inputs a super-block (and a quantized row of x's block) */
+#define QK 256 /* inputs a super-block (and a block of x's quantized row) */
 #ifndef PREFETCH_ROWS
 #define PREFETCH_ROWS 16 /* output rows ahead whose blocks are prefetched */
 #endif
