@@ -9,8 +9,10 @@ any other is quantized from its loaded float values.
 `--quantization auto` (the default) on a GGUF file: every linear whose parts are all stored in a
 kept type (engine/quantize.py KEPT_GGUF_TYPES) keeps them, each part in its own format (a fused
 linear of mixed types, e.g. Q4_K q/k with a Q6_K v, runs one kernel call per format); the rest
-stay float. Decode steps of up to 48 (int4) / 64 (int8) rows run every layer in one call
-(kernels/decode_layers.py), the quantized GEMM called for each linear.
+stay float. With int8 activations (one rank), a part stored as Q4_K, Q5_K, Q6_K or Q8_0 is the
+file's blocks themselves (kernels/block_gemm.py, mapped, never copied). Decode steps of up to 48
+(int4) / 64 (int8) rows run every layer in one call (kernels/decode_layers.py), the quantized GEMM
+called for each linear.
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ Part = QuantWeight | BlockWeight  # a row segment in one format
 
 
 class QuantizedLinear(nn.Module):
-    """y = x dequant(W)^T (+ b) with W kept group-wise quantized, as one or more row segments
-    (`parts`, one format each). x in the model's dtype (fp32 or bf16: the kernel computes in fp32
+    """y = x dequant(W)^T (+ b) with W kept quantized (group-wise, or a GGUF file's blocks as stored),
+    as one or more row segments (`parts`, one format each). x in the model's dtype (fp32 or bf16: the kernel computes in fp32
     and the result is cast back)."""
 
     def __init__(self, parts: Part | list[Part], bias: torch.Tensor | None) -> None:
