@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from pdserve.kernels.cpu_native import built, load_kernel
+from pdserve.kernels.quant_gemm import check_rc
 
 SOURCE = Path(__file__).with_name("cpu_block_dot.c")
 SUPER_BLOCK = 256  # inputs a super-block: in_features must be a multiple
@@ -94,13 +95,6 @@ def available() -> bool:
     return _library() is not None
 
 
-def _check(rc: int) -> None:
-    if rc == -2:
-        raise MemoryError("block_gemm: no memory for the quantized activations")
-    if rc != 0:
-        raise ValueError("block_gemm: bad arguments")
-
-
 def dequantize_rows(
     w: BlockWeight, ids: torch.Tensor | None = None, o0: int = 0, o1: int | None = None
 ) -> torch.Tensor:
@@ -121,7 +115,7 @@ def dequantize_rows(
         dense.data_ptr(),
         torch.get_num_threads(),
     )
-    _check(rc)
+    check_rc(rc, "block_gemm")
     return dense
 
 
@@ -145,5 +139,5 @@ def linear(x: torch.Tensor, w: BlockWeight, bias: torch.Tensor | None) -> torch.
         w.qtype,
         torch.get_num_threads(),
     )
-    _check(rc)
+    check_rc(rc, "block_gemm")
     return y

@@ -25,6 +25,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "thread_scratch.h"
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -380,18 +382,6 @@ static inline __attribute__((always_inline)) void row_tile(const int type, const
     for (int r = 0; r < rn; r++) out[r] = acc[r];
 }
 
-static __thread void *tl_mem; /* grows to the largest call; one per calling thread */
-static __thread size_t tl_cap;
-
-static void *scratch(size_t bytes) {
-    if (bytes > tl_cap) {
-        free(tl_mem);
-        tl_cap = (bytes + 4095) / 4096 * 4096;
-        tl_mem = aligned_alloc(64, tl_cap);
-        if (!tl_mem) tl_cap = 0;
-    }
-    return tl_mem;
-}
 
 /* y [m, out] = x [m, in] (rows ldx floats apart) . dequant(w)^T (+ bias; may be NULL); w [out, in
  * / 256 super-blocks' bytes] of `type`. Returns 0, -1 for a bad argument, -2 when out of memory. */

@@ -23,6 +23,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "thread_scratch.h"
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -54,18 +56,6 @@ typedef struct {
     float *sums; /* [m, in / sg]: dx * (sum of xq over the scale group) */
 } qrows;
 
-static __thread void *scratch_mem; /* grows to the largest call; one per calling thread */
-static __thread size_t scratch_cap;
-
-static void *scratch(size_t bytes) {
-    if (bytes > scratch_cap) {
-        free(scratch_mem);
-        scratch_cap = (bytes + 4095) / 4096 * 4096;
-        scratch_mem = aligned_alloc(64, scratch_cap);
-        if (!scratch_mem) scratch_cap = 0;
-    }
-    return scratch_mem;
-}
 
 static void quantize_row(const float *x, int64_t in, int sg_shift, int8_t *xq, float *xd, float *xs) {
     for (int64_t g = 0; g < in / GROUP; g++) {

@@ -127,11 +127,12 @@ def int8x_available() -> bool:
     return _int8x_library() is not None
 
 
-def _check(rc: int) -> None:
+def check_rc(rc: int, kernel: str = "quant_gemm") -> None:
+    """A kernel's return code: 0 ok, -2 out of memory (its quantized activations), else bad arguments."""
     if rc == -2:
-        raise MemoryError("quant_gemm: no memory for the quantized activations")
+        raise MemoryError(f"{kernel}: no memory for the quantized activations")
     if rc != 0:
-        raise ValueError("quant_gemm: bad arguments")
+        raise ValueError(f"{kernel}: bad arguments")
 
 
 def widen_rows(w: QuantWeight, o0: int, o1: int) -> torch.Tensor:
@@ -149,7 +150,7 @@ def widen_rows(w: QuantWeight, o0: int, o1: int) -> torch.Tensor:
         w.scale_group,
         torch.get_num_threads(),
     )
-    _check(rc)
+    check_rc(rc)
     return dense
 
 
@@ -193,7 +194,7 @@ def linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, int8_acti
             w.scale_group,
             torch.get_num_threads(),
         )
-        _check(rc)
+        check_rc(rc)
         return y
     tiles = []
     for o0 in range(0, w.out_features, TILE_OUT):
