@@ -19,12 +19,17 @@ pytestmark = pytest.mark.skipif(not quant_gemm.int8x_available(), reason="no C c
 NEW = 24  # HF tokens a prompt: positions measured
 
 
-def test_int8_activations_agree_with_hf_teacher_forced(k_quant_source, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("qtype", ["q4_k_m", "q8_0"])
+def test_int8_activations_agree_with_hf_teacher_forced(k_quant_source, tmp_path, qtype):  # noqa: F811
+    """Rows of whole super-blocks: every linear runs on the file's blocks as stored (block_gemm)."""
+    from pdserve.kernels.block_gemm import BlockWeight
     from pdserve.modelgen.gguf_writer import write_gguf
 
-    file = write_gguf(k_quant_source, tmp_path / "m.gguf", "q4_k_m")
+    file = write_gguf(k_quant_source, tmp_path / "m.gguf", qtype)
     engine = quant_engine(file, "auto", "int8")
-    assert all(m.int8_activations for m in engine.runner.model.modules() if isinstance(m, QuantizedLinear))
+    linears = [m for m in engine.runner.model.modules() if isinstance(m, QuantizedLinear)]
+    assert all(m.int8_activations for m in linears)
+    assert all(isinstance(p, BlockWeight) for m in linears for p in m.parts)
     assert engine.model_config.weights_tag.endswith("auto+int8x")  # its KV is not fp32 activations' KV
     reference = _dequantized_hf_folder(k_quant_source, file, tmp_path / "hf")
     prompts = prompts_for(engine.model_config.vocab_size)
@@ -35,7 +40,7 @@ def test_int8_activations_agree_with_hf_teacher_forced(k_quant_source, tmp_path)
     got = [engine.generate([p + w[:k]], one)[0][0] for p, w in zip(prompts, want) for k in range(len(w))]
     expected = [t for w in want for t in w]
     agree = sum(a == b for a, b in zip(got, expected))
-    print(f"teacher-forced top-1 agreement with HF: {agree}/{len(expected)}")
+    print(f"{qtype}: teacher-forced top-1 agreement with HF: {agree}/{len(expected)}")
     assert agree >= 0.99 * len(expected), f"{agree} of {len(expected)} positions agree with HF"
     engine.pool.assert_all_free()
 
