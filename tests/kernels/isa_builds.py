@@ -43,3 +43,17 @@ def build(source: Path, isa: str, out_dir: Path) -> ctypes.CDLL:
     except subprocess.CalledProcessError:  # no OpenMP: one thread, as cpu_native falls back
         subprocess.run(["cc", *flags, str(source), "-o", str(lib), *LINK_FLAGS], check=True)
     return ctypes.CDLL(str(lib))
+
+
+def isa_variant(isa: str, source: Path, out_dir: Path, like: ctypes.CDLL, *functions: str) -> ctypes.CDLL:
+    """`source` built for `isa` (skipping the test where this CPU cannot run it), its `functions`
+    typed as in `like`, the machine's own build of the same file."""
+    import pytest
+
+    if why := cannot_run(isa):
+        pytest.skip(f"{isa} build: {why}")
+    lib = build(source, isa, out_dir)
+    for name in functions:
+        mine, theirs = getattr(lib, name), getattr(like, name)
+        mine.argtypes, mine.restype = theirs.argtypes, theirs.restype
+    return lib

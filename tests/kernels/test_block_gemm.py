@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from pdserve.kernels import block_gemm
 from pdserve.kernels.block_gemm import TYPES, BlockWeight
-from tests.kernels.isa_builds import ISAS, build, cannot_run
+from tests.kernels.isa_builds import ISAS, isa_variant
 
 pytestmark = pytest.mark.skipif(not block_gemm.available(), reason="no C compiler")
 
@@ -177,11 +177,13 @@ def _gemm(lib: ctypes.CDLL, x: torch.Tensor, w: BlockWeight, threads: int) -> to
 
 @pytest.fixture(scope="module", params=list(ISAS))
 def isa_build(request, tmp_path_factory) -> tuple[str, ctypes.CDLL]:
-    if why := cannot_run(request.param):
-        pytest.skip(f"{request.param} build: {why}")
-    lib = build(block_gemm.SOURCE, request.param, tmp_path_factory.mktemp(request.param))
-    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.block_gemm_int8x.argtypes = [p, i64, p, p, p, i64, i64, i64, i32, i32]
+    lib = isa_variant(
+        request.param,
+        block_gemm.SOURCE,
+        tmp_path_factory.mktemp(request.param),
+        block_gemm._library(),
+        "block_gemm_int8x",
+    )
     return request.param, lib
 
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from pdserve.engine.quantize import from_gguf_blocks, quantize
 from pdserve.kernels import quant_gemm
 from pdserve.kernels.quant_gemm import QuantWeight, dequantize
-from tests.kernels.isa_builds import ISAS, build, cannot_run
+from tests.kernels.isa_builds import ISAS, isa_variant
 
 pytestmark = pytest.mark.skipif(not quant_gemm.available(), reason="no C compiler: torch reference only")
 
@@ -112,11 +112,13 @@ def _gemm(lib: ctypes.CDLL, x: torch.Tensor, w: QuantWeight, threads: int) -> to
 
 @pytest.fixture(scope="module", params=list(ISAS))
 def isa_build(request, tmp_path_factory) -> tuple[str, ctypes.CDLL]:
-    if why := cannot_run(request.param):
-        pytest.skip(f"{request.param} build: {why}")
-    lib = build(quant_gemm.SOURCE, request.param, tmp_path_factory.mktemp(request.param))
-    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.quant_gemm_f32.argtypes = [p, i64, p, p, p, p, p, i64, i64, i64, i32, i32, i32]
+    lib = isa_variant(
+        request.param,
+        quant_gemm.SOURCE,
+        tmp_path_factory.mktemp(request.param),
+        quant_gemm._library(),
+        "quant_gemm_f32",
+    )
     return request.param, lib
 
 
