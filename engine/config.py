@@ -32,6 +32,10 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, Any]] = {
     "Phi3ForCausalLM": {"qkv_bias": False, "qk_norm": False},
     "Gemma2ForCausalLM": {"qkv_bias": None, "qk_norm": False, "family": "gemma"},
     "Gemma3ForCausalLM": {"qkv_bias": None, "qk_norm": True, "family": "gemma"},
+    # mixture of experts (models/moe.py): routed experts in place of the MLP
+    "Qwen2MoeForCausalLM": {"qkv_bias": True, "qk_norm": False, "moe": "qwen2_moe"},
+    "Qwen3MoeForCausalLM": {"qkv_bias": None, "qk_norm": True, "moe": "qwen3_moe"},
+    "MixtralForCausalLM": {"qkv_bias": False, "qk_norm": False, "moe": "mixtral"},
 }
 GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")  # GeLU, tanh approximation
 ROPE_KINDS = ("default", "linear", "llama3", "longrope")
@@ -87,6 +91,13 @@ class ModelConfig:
     rotary_dim: int | None = None  # None: all of head_dim; else its first rotary_dim dims (Phi-4-mini)
     weights_tag: str = ""  # what else sets the weights' values (a GGUF file's tensor types), in the fingerprint
     impl: str = "native"  # native (models/llama.py) | transformers (models/transformers_backend.py)
+    # Mixture of experts (models/moe.py; Qwen2-MoE, Qwen3-MoE, Mixtral). 0 experts: a dense model.
+    num_experts: int = 0
+    experts_per_token: int = 0  # top-k experts each token is routed to
+    expert_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # the top-k routing weights renormalised to sum to 1
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an always-on expert, gated by sigmoid(x . w)
+    dense_layers: tuple[int, ...] = ()  # an MoE model's layers with a dense MLP (mlp_only_layers, sparse step)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -98,6 +109,17 @@ class ModelConfig:
             raise ValueError(f"longrope short_factor has {len(self.rope.short_factor)} entries, expected {rot // 2}")
         if self.layer_windows and (len(self.layer_windows) != self.num_layers or min(self.layer_windows) < 0):
             raise ValueError(f"layer_windows needs one window >= 0 per layer ({self.num_layers}): {self.layer_windows}")
+        if self.num_experts and not (
+            0 < self.experts_per_token <= self.num_experts and self.expert_intermediate_size > 0
+        ):
+            raise ValueError(
+                f"{self.num_experts} experts need 0 < experts per token ({self.experts_per_token}) <= experts"
+                f" and an expert intermediate size ({self.expert_intermediate_size})"
+            )
+
+    def moe_layer(self, layer: int) -> bool:
+        """Whether layer `layer` routes tokens to experts (else its MLP is dense)."""
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     def window(self, layer: int) -> int | None:
         """Layer `layer`'s sliding window (a query at position p sees keys > p - window); None: full."""
@@ -141,9 +163,14 @@ class ModelConfig:
         """Parameters of the dense weights (attention, MLP, embedding and head; norms and biases
         left out): what `--dtype auto` weighs against the memory."""
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        layer = self.hidden_size * (2 * q + 2 * kv) + 3 * self.hidden_size * self.intermediate_size
+        h = self.hidden_size
+        attention = h * (2 * q + 2 * kv)
+        dense_mlp = 3 * h * self.intermediate_size
+        moe_mlp = h * (3 * self.num_experts * self.expert_intermediate_size + self.num_experts)
+        moe_mlp += h * (3 * self.shared_expert_intermediate_size + 1) if self.shared_expert_intermediate_size else 0
+        mlps = sum(moe_mlp if self.moe_layer(i) else dense_mlp for i in range(self.num_layers))
         heads = 1 if self.tie_word_embeddings else 2
-        return self.num_layers * layer + heads * self.vocab_size * self.hidden_size
+        return self.num_layers * attention + mlps + heads * self.vocab_size * h
 
     def fingerprint(self, dtype: "torch.dtype") -> str:
         """Pools exchanging KV must agree on this."""
@@ -201,6 +228,8 @@ class ModelConfig:
         num_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
         qkv_bias = traits["qkv_bias"]
+        if qkv_bias and "qkv_bias" in cfg:  # Qwen2-MoE's config names it
+            qkv_bias = bool(cfg["qkv_bias"])
         o_bias = False
         if qkv_bias is None:
             qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
@@ -252,7 +281,35 @@ class ModelConfig:
             o_bias=o_bias,
             qk_norm=traits["qk_norm"],
             rotary_dim=None if partial == 1.0 else int(head_dim * partial),  # HF: int(head_dim * factor)
+            **(_moe_fields(cfg, traits["moe"]) if "moe" in traits else {}),
         )
+
+
+def _moe_fields(cfg: dict[str, Any], kind: str) -> dict[str, Any]:
+    """ModelConfig's mixture-of-experts fields from an HF config (`kind`: the table's `moe`).
+    Qwen2/3-MoE: `num_experts`, `moe_intermediate_size`, `norm_topk_prob`, dense layers from
+    `mlp_only_layers` and `decoder_sparse_step`; Qwen2-MoE's shared expert; Mixtral: every layer
+    sparse, `num_local_experts` of `intermediate_size`, top-k weights always renormalised
+    (transformers 5 writes every one's count as `num_local_experts`)."""
+    n, experts = cfg["num_hidden_layers"], cfg.get("num_experts") or cfg.get("num_local_experts")
+    if kind == "mixtral":
+        return dict(
+            num_experts=experts,
+            experts_per_token=cfg["num_experts_per_tok"],
+            expert_intermediate_size=cfg["intermediate_size"],
+            norm_topk_prob=True,
+        )
+    step, dense = int(cfg.get("decoder_sparse_step") or 1), set(cfg.get("mlp_only_layers") or ())
+    return dict(
+        num_experts=experts,
+        experts_per_token=cfg["num_experts_per_tok"],
+        expert_intermediate_size=cfg["moe_intermediate_size"],
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", kind == "qwen3_moe")),
+        shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0)
+        if kind == "qwen2_moe"
+        else 0,
+        dense_layers=tuple(i for i in range(n) if i in dense or (i + 1) % step),
+    )
 
 
 def _layer_windows(cfg: dict[str, Any], arch: str) -> tuple[int, ...]:

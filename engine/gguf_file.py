@@ -11,6 +11,9 @@ rope.freq_base, rope.scaling.{type,factor}  -> rope (none or linear)
 tensors output.weight / blk.0.attn_q.bias / blk.0.attn_output.bias / blk.0.attn_q_norm.weight
                                             -> untied lm_head, qkv_bias, o_bias, qk_norm
 tokenizer.ggml.{eos,eot,eom}_token_id      -> eos_token_ids
+expert_count, expert_used_count,           -> num_experts, experts_per_token (llama + experts: Mixtral)
+expert_(shared_)feed_forward_length         -> expert_ / shared_expert_intermediate_size
+expert_weights_norm (else llama.cpp's rule) -> norm_topk_prob; layers without ffn_gate_inp: dense
 Gemma 2 / 3 (family gemma): attention.sliding_window (+ sliding_window_pattern, else llama.cpp's
 2 / 6), attn_logit_softcapping, final_logit_softcapping, rope.freq_base_swa (Gemma 3's sliding
 layers; llama.cpp's default 10000), the attention scale as llama.cpp derives it (head_dim, or
@@ -43,7 +46,12 @@ ARCHITECTURES = {
     "phi3": "Phi3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
+# llama.cpp's top-k renormalisation where the file has no expert_weights_norm key (its build_moe_ffn
+# calls: qwen3moe and Mixtral-as-llama renormalise, qwen2moe does not)
+EXPERT_WEIGHTS_NORM = {"qwen2moe": False, "qwen3moe": True, "llama": True}
 GEMMA_SWA_PATTERN = {"gemma2": 2, "gemma3": 6}  # llama.cpp's defaults: every n-th layer full
 GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}  # llama.cpp scales q by (hidden / heads) ** -0.5 there
 _MAGIC = b"GGUF"
@@ -107,9 +115,11 @@ def gguf_model_config(path: str | Path) -> "ModelConfig":
     num_layers = int(key("block_count"))
     ends = [metadata(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     gemma = _gemma_fields(reader, arch, num_layers, hidden // num_heads, head_dim) if arch in GEMMA_SWA_PATTERN else {}
+    moe = _moe_fields(reader, arch, num_layers, tensors) if metadata(reader, f"{arch}.expert_count") else {}
+    architecture = "MixtralForCausalLM" if arch == "llama" and moe else ARCHITECTURES[arch]
     return ModelConfig(
         path=str(path),
-        architecture=ARCHITECTURES[arch],
+        architecture=architecture,
         vocab_size=int(tensors["token_embd.weight"].shape[1]),  # GGUF shapes: innermost first
         hidden_size=hidden,
         intermediate_size=int(key("feed_forward_length")),
@@ -132,6 +142,22 @@ def gguf_model_config(path: str | Path) -> "ModelConfig":
         rotary_dim=None if rotary == head_dim else rotary,
         weights_tag=weight_types(reader),
         **gemma,
+        **moe,
+    )
+
+
+def _moe_fields(reader: "GgufFile", arch: str, num_layers: int, tensors: dict[str, Any]) -> dict:
+    """ModelConfig's mixture-of-experts fields, as llama.cpp reads them."""
+    if arch not in EXPERT_WEIGHTS_NORM:
+        raise ValueError(f"experts in a {arch} GGUF file are not served")
+    ff = metadata(reader, f"{arch}.expert_feed_forward_length") or metadata(reader, f"{arch}.feed_forward_length")
+    return dict(
+        num_experts=int(metadata(reader, f"{arch}.expert_count")),
+        experts_per_token=int(metadata(reader, f"{arch}.expert_used_count")),
+        expert_intermediate_size=int(ff),
+        norm_topk_prob=bool(metadata(reader, f"{arch}.expert_weights_norm", EXPERT_WEIGHTS_NORM[arch])),
+        shared_expert_intermediate_size=int(metadata(reader, f"{arch}.expert_shared_feed_forward_length", 0) or 0),
+        dense_layers=tuple(i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensors),
     )
 
 

@@ -36,7 +36,14 @@ _LAYER = {  # llama.cpp's per-layer name -> HF's, below model.layers.{i}.
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # a mixture's router
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",  # Qwen2-MoE's shared expert
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# a mixture's experts, stacked [E, out, in] in one tensor: one HF name per expert
+_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _PHI3_FUSED_UP = "mlp.gate_up_proj"  # phi3's ffn_up holds gate | up
 _GEMMA_LAYER = {  # Gemma's norms around both sublayers (llama.cpp's ffn_norm is the pre-MLP one)
     **_LAYER,
@@ -88,10 +95,18 @@ def hf_name(gguf_name: str, arch: str) -> str | None:
 
 
 def gguf_tensors(path: str | Path, cfg: "ModelConfig") -> Iterator[tuple[str, GgufTensor]]:
-    """(HF name, tensor) for every tensor in the file; an unknown name raises."""
+    """(HF name, tensor) for every tensor in the file (a stacked experts' tensor: one per expert,
+    a view of its rows); an unknown name raises."""
     reader = open_gguf(str(path))
     arch = metadata(reader, "general.architecture")
     for t in reader.tensors:
+        m = _LAYER_NAME.fullmatch(t.name)
+        if m is not None and m.group(2) in _EXPERTS:
+            qtype, shape = gguf.GGMLQuantizationType(t.tensor_type), tuple(int(d) for d in reversed(t.shape.tolist()))
+            for e in range(shape[0]):  # data [E, out, in] floats or [E, out, bytes] blocks
+                expert = f"model.layers.{m.group(1)}.mlp.experts.{e}.{_EXPERTS[m.group(2)]}.weight"
+                yield expert, GgufTensor(qtype, shape[1:], t.data[e])
+            continue
         name = hf_name(t.name, arch)
         if name is None:
             raise GgufWeightError(f"{path}: tensor {t.name} has no place in the model")
@@ -102,4 +117,7 @@ def gguf_tensors(path: str | Path, cfg: "ModelConfig") -> Iterator[tuple[str, Gg
         elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
             heads = cfg.num_kv_heads
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        yield name, GgufTensor(qtype, shape, t.data, heads)
+        data = t.data
+        if name.endswith("shared_expert_gate.weight") and len(shape) == 1:  # llama.cpp's {hidden}: HF's [1, hidden]
+            shape, data = (1, shape[0]), data.reshape(1, -1)
+        yield name, GgufTensor(qtype, shape, data, heads)

@@ -7,7 +7,14 @@ model.layers.i.mlp.{gate,up}_proj.weight  -> layers.i.mlp.gate_up_proj.weight (r
 model.layers.i.self_attn.qkv_proj.weight,  -> the same names: Phi-3 stores them fused, in our row
 model.layers.i.mlp.gate_up_proj.weight        order (q | k | v, gate | up), so they load whole
 model.* / lm_head.weight                  -> same name without the `model.` prefix
-Every parameter must be covered exactly; unknown, missing or mis-shaped tensors raise.
+A mixture of experts' layer (models/moe.py), below model.layers.i.:
+mlp.experts.e.{gate,up}_proj.weight,       -> mlp.experts.e.gate_up_proj.weight (rows gate | up),
+  Mixtral's block_sparse_moe.experts.e.w1 / w3   mlp.experts.e.down_proj.weight (w2); an expert
+mlp.experts.gate_up_proj / down_proj       -> stacked [E, ...] as transformers 5 holds them: one per expert
+mlp.shared_expert.*, mlp.shared_expert_gate -> Qwen2-MoE's shared expert (fused as a dense MLP)
+mlp.gate.weight (block_sparse_moe.gate)   -> the router
+Every parameter must be covered exactly; unknown, missing or mis-shaped tensors raise (a rank's
+tensor-parallel share leaves out the experts other ranks hold).
 
 Under tensor parallelism a rank reads only its slices (`weight_pieces`, engine/parallel/shard.py):
 rows of q/k/v, gate/up, embedding and LM head, columns of o_proj and down_proj (safetensors'
@@ -20,19 +27,21 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator, cast
 
 import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
 from pdserve.engine.gguf_file import is_gguf
+from pdserve.engine.models.mlp import MLP
 from pdserve.engine.models.quantized_embedding import QuantizedEmbedding
 from pdserve.engine.models.quantized_linear import QuantizedLinear
 
 if TYPE_CHECKING:
     from pdserve.engine.config import ModelConfig
     from pdserve.engine.models.llama import LlamaForCausalLM
+    from pdserve.engine.parallel.shard import TensorParallelShard
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +72,7 @@ def safetensors_files(folder: Path) -> list[Path]:
 def fused_slices(model: LlamaForCausalLM) -> dict[str, tuple[str, int, int]]:
     """HF name (without `model.`) -> (our param, row start, row end)."""
     out: dict[str, tuple[str, int, int]] = {}
+    cfg = model.cfg
     for i, layer in enumerate(model.decoder_layers):
         attn, mlp = layer.self_attn, layer.mlp
         q, kv = attn.q_size, attn.kv_size
@@ -70,13 +80,25 @@ def fused_slices(model: LlamaForCausalLM) -> dict[str, tuple[str, int, int]]:
         for name, (a, b) in rows.items():
             for kind in ("weight", "bias"):
                 out[f"layers.{i}.self_attn.{name}.{kind}"] = (f"layers.{i}.self_attn.qkv_proj.{kind}", a, b)
-        inter = mlp.intermediate
-        out[f"layers.{i}.mlp.gate_proj.weight"] = (f"layers.{i}.mlp.gate_up_proj.weight", 0, inter)
-        out[f"layers.{i}.mlp.up_proj.weight"] = (f"layers.{i}.mlp.gate_up_proj.weight", inter, 2 * inter)
+        if not cfg.moe_layer(i):
+            out.update(_gated_rows(f"layers.{i}.mlp", cast(MLP, mlp).intermediate))
+            continue
+        for e in range(cfg.num_experts):  # (an expert another rank holds names nothing here)
+            out.update(_gated_rows(f"layers.{i}.mlp.experts.{e}", cfg.expert_intermediate_size))
+        if cfg.shared_expert_intermediate_size:
+            out.update(_gated_rows(f"layers.{i}.mlp.shared_expert", cfg.shared_expert_intermediate_size))
     return out
 
 
-Index = tuple[slice, ...]  # into a stored tensor; (): all of it
+def _gated_rows(mlp: str, inter: int) -> dict[str, tuple[str, int, int]]:
+    """A gated MLP's (models/mlp.py) gate and up weights -> their rows of its fused gate_up."""
+    return {
+        f"{mlp}.gate_proj.weight": (f"{mlp}.gate_up_proj.weight", 0, inter),
+        f"{mlp}.up_proj.weight": (f"{mlp}.gate_up_proj.weight", inter, 2 * inter),
+    }
+
+
+Index = tuple[slice | int, ...]  # into a stored tensor; (): all of it (an int: one expert of a stack)
 # (HF name, a reader of (a slice of) it as a tensor): one per stored tensor, from whichever format
 TensorSource = Iterator[tuple[str, Callable[[Index], torch.Tensor]]]
 
@@ -125,8 +147,48 @@ def weight_pieces(model: LlamaForCausalLM) -> dict[str, list[Piece]]:
         out[f"{attn}.o_proj.weight"] = [Piece(f"{attn}.o_proj.weight", 0, hidden, (slice(None), q_rows))]
         out[f"{attn}.o_proj.bias"] = [Piece(f"{attn}.o_proj.bias", 0, hidden, zero=shard.rank > 0)]
         out[f"{mlp}.down_proj.weight"] = [Piece(f"{mlp}.down_proj.weight", 0, hidden, (slice(None), slice(i0, i1)))]
+        if cfg.moe_layer(i):
+            out.update(_moe_pieces(cfg, shard, mlp))
     for name in ("embed_tokens.weight", "lm_head.weight"):
         out[name] = [Piece(name, 0, v1 - v0, (slice(v0, v1),))]
+    return out
+
+
+def _moe_pieces(cfg: ModelConfig, shard: TensorParallelShard, mlp: str) -> dict[str, list[Piece]]:
+    """A mixture-of-experts layer's names (`mlp`: layers.i.mlp) -> pieces: every expert's under
+    each name a checkpoint may use, none for those another rank holds (nor for the shared
+    expert past rank 0)."""
+    hidden, inter = cfg.hidden_size, cfg.expert_intermediate_size
+    (e0, e1), out = shard.experts(cfg), {}
+    moe = mlp.replace(".mlp", ".block_sparse_moe")  # Mixtral's names
+    out[f"{moe}.gate.weight"] = [Piece(f"{mlp}.gate.weight", 0, cfg.num_experts)]
+    stacked_gate_up: list[Piece] = []
+    stacked_down: list[Piece] = []
+    for e in range(cfg.num_experts):
+        gate_up, down = f"{mlp}.experts.{e}.gate_up_proj.weight", f"{mlp}.experts.{e}.down_proj.weight"
+        held = e0 <= e < e1
+        gate, up, down_piece = (
+            ([Piece(gate_up, 0, inter)], [Piece(gate_up, inter, 2 * inter)], [Piece(down, 0, hidden)])
+            if held
+            else ([], [], [])
+        )
+        for prefix in (f"{mlp}.experts.{e}", f"{moe}.experts.{e}"):
+            out[f"{prefix}.gate_proj.weight"] = out[f"{prefix}.w1.weight"] = gate
+            out[f"{prefix}.up_proj.weight"] = out[f"{prefix}.w3.weight"] = up
+            out[f"{prefix}.down_proj.weight"] = out[f"{prefix}.w2.weight"] = down_piece
+        if held:
+            stacked_gate_up.append(Piece(gate_up, 0, 2 * inter, (e,)))
+            stacked_down.append(Piece(down, 0, hidden, (e,)))
+    out[f"{mlp}.experts.gate_up_proj"], out[f"{mlp}.experts.down_proj"] = stacked_gate_up, stacked_down
+    if cfg.shared_expert_intermediate_size and shard.rank > 0:
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            out[f"{mlp}.shared_expert.{name}.weight"] = []
+        out[f"{mlp}.shared_expert_gate.weight"] = []
+    elif cfg.shared_expert_intermediate_size:
+        shared = cfg.shared_expert_intermediate_size
+        fused = f"{mlp}.shared_expert.gate_up_proj.weight"
+        out[f"{mlp}.shared_expert.gate_proj.weight"] = [Piece(fused, 0, shared)]
+        out[f"{mlp}.shared_expert.up_proj.weight"] = [Piece(fused, shared, 2 * shared)]
     return out
 
 

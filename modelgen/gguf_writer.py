@@ -9,6 +9,7 @@ metadata; a model whose attention scale llama.cpp would derive differently is re
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import gguf
@@ -30,7 +31,14 @@ GGUF_ARCH = {
     "Phi3ForCausalLM": gguf.MODEL_ARCH.PHI3,
     "Gemma2ForCausalLM": gguf.MODEL_ARCH.GEMMA2,
     "Gemma3ForCausalLM": gguf.MODEL_ARCH.GEMMA3,
+    "Qwen2MoeForCausalLM": gguf.MODEL_ARCH.QWEN2MOE,
+    "Qwen3MoeForCausalLM": gguf.MODEL_ARCH.QWEN3MOE,
+    "MixtralForCausalLM": gguf.MODEL_ARCH.LLAMA,  # llama.cpp converts Mixtral as llama with experts
 }
+# an expert's weight (Qwen-MoE names, Mixtral's w1/w3/w2) -> its stacked tensor's kind
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+_EXPERT_KINDS = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+_ROUTERS = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")  # kept F32, as llama-quantize keeps them
 Q = gguf.GGMLQuantizationType
 # --gguf TYPE -> the type of 2-D weights (the gguf package quantizes the legacy types; K-quants
 # come from modelgen/gguf_kquants.py). q4_k_m: Q4_K, with attn_v, ffn_down and the output in Q6_K
@@ -49,7 +57,7 @@ WRITE_TYPES = {
     "q6_k": Q.Q6_K,
     "q4_k_m": Q.Q4_K,
 }
-_MIX_Q6_K = ("attn_v.weight", "ffn_down.weight", "output.weight")  # q4_k_m's Q6_K tensors
+_MIX_Q6_K = ("attn_v.weight", "ffn_down.weight", "ffn_down_exps.weight", "output.weight")  # q4_k_m's Q6_K tensors
 _K_WRITERS = {Q.Q4_K: quantize_q4_k, Q.Q5_K: quantize_q5_k, Q.Q6_K: quantize_q6_k}
 _FILE_TYPES = {
     Q.F32: gguf.LlamaFileType.ALL_F32,
@@ -89,9 +97,17 @@ def write_gguf(folder: str | Path, out: str | Path, qtype: str = "f32", show_pro
         _write_gemma_config(writer, cfg)
     _write_tokenizer(writer, folder, cfg)
     names = gguf.get_tensor_name_map(arch, cfg.num_layers)
+    experts: dict[tuple[int, str], dict[int, np.ndarray]] = {}  # (layer, gate/up/down) -> expert -> [out, in]
     for file in safetensors_files(folder):
         with safe_open(str(file), framework="pt") as f:
             for hf_name in tqdm(f.keys(), desc=f"writing {out.name}", disable=not show_progress, leave=False):
+                expert = _EXPERT.fullmatch(hf_name)
+                if expert is not None:
+                    kind = _EXPERT_KINDS[expert.group(3)]
+                    experts.setdefault((int(expert.group(1)), kind), {})[int(expert.group(2))] = (
+                        f.get_tensor(hf_name).to(torch.float32).numpy()
+                    )
+                    continue
                 name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
                 if name is None:
                     raise ValueError(f"{hf_name}: no GGUF name for it in llama.cpp's {arch.name} map")
@@ -103,7 +119,11 @@ def write_gguf(folder: str | Path, out: str | Path, qtype: str = "f32", show_pro
                 elif arch == gguf.MODEL_ARCH.LLAMA and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
                     data = llama_permute(data, cfg.num_kv_heads)
                 mixed = qtype == "q4_k_m" and name.endswith(_MIX_Q6_K)
-                _add_tensor(writer, name, data, Q.Q6_K if mixed else wtype)
+                _add_tensor(writer, name, data, Q.F32 if name.endswith(_ROUTERS) else Q.Q6_K if mixed else wtype)
+    for (layer, kind), per_expert in sorted(experts.items()):  # stacked [E, out, in], as llama.cpp's converter
+        name = f"blk.{layer}.ffn_{kind}_exps.weight"
+        mixed = qtype == "q4_k_m" and name.endswith(_MIX_Q6_K)
+        _add_tensor(writer, name, np.stack([per_expert[e] for e in range(len(per_expert))]), Q.Q6_K if mixed else wtype)
     out.parent.mkdir(parents=True, exist_ok=True)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -122,8 +142,9 @@ def _add_tensor(writer: gguf.GGUFWriter, name: str, data: np.ndarray, wtype: ggu
         writer.add_tensor(name, np.ascontiguousarray(data, dtype=np.float32))
     elif wtype == Q.F16:
         writer.add_tensor(name, data.astype(np.float16))
-    elif wtype in _K_WRITERS:
-        writer.add_tensor(name, _K_WRITERS[wtype](data), raw_dtype=wtype)
+    elif wtype in _K_WRITERS:  # (rows of any leading shape: stacked experts' [E, out, in])
+        rows = _K_WRITERS[wtype](data.reshape(-1, data.shape[-1]))
+        writer.add_tensor(name, rows.reshape(*data.shape[:-1], rows.shape[-1]), raw_dtype=wtype)
     else:  # uint8 blocks; the writer recovers the element shape from the type
         writer.add_tensor(name, gguf.quants.quantize(data, wtype), raw_dtype=wtype)
 
@@ -146,6 +167,13 @@ def _write_config(writer: gguf.GGUFWriter, cfg: ModelConfig, name: str, wtype: g
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(cfg.rope.factor)
     writer.add_vocab_size(cfg.vocab_size)
+    if cfg.num_experts:
+        writer.add_expert_count(cfg.num_experts)
+        writer.add_expert_used_count(cfg.experts_per_token)
+        writer.add_expert_feed_forward_length(cfg.expert_intermediate_size)
+        writer.add_expert_weights_norm(cfg.norm_topk_prob)
+        if cfg.shared_expert_intermediate_size:
+            writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
 
 
 def _write_gemma_config(writer: gguf.GGUFWriter, cfg: ModelConfig) -> None:

@@ -1,4 +1,5 @@
 """Random-initialised Hugging Face model folders (Llama / Qwen2 / Qwen3 / Phi-3 / Gemma 2 / Gemma 3,
+Qwen2-MoE / Qwen3-MoE / Mixtral,
 and the transformers-backend families of modelgen/make_model_families.py), made offline and
 deterministically, through transformers' own config and model classes.
 
@@ -27,9 +28,11 @@ from pdserve.env import settings
 from pdserve.modelgen.make_model_families import (
     GEMMA_ARCHS,
     GEMMA_TINY_WINDOW,
+    MOE_ARCHS,
     TRANSFORMERS_ARCHS,
     gemma_family_config,
     gemma_rescale_weights,
+    moe_family_config,
     transformers_family_config,
 )
 from pdserve.modelgen.tokenizer_builder import EOS, build_tokenizer
@@ -75,6 +78,7 @@ ARCHS = (
     "qwen2",
     "qwen3",
     "phi3",
+    *MOE_ARCHS,
     *GEMMA_ARCHS,
     *TRANSFORMERS_ARCHS,
 )  # the latter: modelgen/make_model_families.py
@@ -90,6 +94,8 @@ def _hf_config(
         return transformers_family_config(arch, p, vocab, eos_id, {"rope_type": "default", "rope_theta": p.rope_theta})
     if arch in GEMMA_ARCHS:
         return gemma_family_config(arch, p, vocab, eos_id, extra or {})
+    if arch in MOE_ARCHS:
+        return moe_family_config(arch, p, vocab, eos_id, extra or {})
     common: dict[str, Any] = dict(
         vocab_size=vocab,
         hidden_size=p.hidden_size,

@@ -5,7 +5,8 @@ Each family's config sets what makes it differ from Llama, so a test of it exerc
 OLMo 2 (q/k RMSNorm over all heads, norms after the sublayers), Granite (embedding, residual,
 attention and logit multipliers: attention scaling other than head_dim**-0.5), GPT-NeoX (partial
 rotary, parallel residual, LayerNorm with bias, untied embed_in/embed_out), StableLM (partial
-rotary, qkv bias, LayerNorm), Qwen2-MoE (top-k routed experts plus a gated shared expert).
+rotary, qkv bias, LayerNorm); and the mixtures of experts served natively: Qwen2-MoE (top-k routed
+experts plus a gated shared expert), Qwen3-MoE (q/k norm, a dense first layer), Mixtral.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ if TYPE_CHECKING:
 
     from pdserve.modelgen.make_model import ModelPreset
 
-TRANSFORMERS_ARCHS = ("olmo2", "granite", "gpt_neox", "stablelm", "qwen2_moe")
+TRANSFORMERS_ARCHS = ("olmo2", "granite", "gpt_neox", "stablelm")
 GEMMA_ARCHS = ("gemma2", "gemma3")  # served natively (engine/models/gemma.py)
+MOE_ARCHS = ("qwen2_moe", "qwen3_moe", "mixtral")  # served natively (engine/models/moe.py)
 # Small enough that test prompts cross it (with 16-token blocks: blocks fall out of the window).
 GEMMA_TINY_WINDOW = 32
 
@@ -66,6 +68,64 @@ def gemma_family_config(arch: str, p: ModelPreset, vocab: int, eos_id: int, extr
     raise ValueError(f"unknown Gemma arch {arch!r}; choose {', '.join(GEMMA_ARCHS)}")
 
 
+def moe_family_config(arch: str, p: ModelPreset, vocab: int, eos_id: int, extra: dict[str, Any]) -> PretrainedConfig:
+    """Qwen2-MoE / Qwen3-MoE / Mixtral at preset `p`'s shape, 2 experts a token: Qwen2-MoE 4 of
+    half the MLP's width beside a shared expert of its full width; Qwen3-MoE 8, its first layer
+    dense (`mlp_only_layers`) and its top-k weights renormalised; Mixtral 8. `extra` overrides
+    (e.g. num_experts, moe_intermediate_size for a real model's shape)."""
+    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+    fields: dict[str, Any] = dict(
+        vocab_size=vocab,
+        hidden_size=p.hidden_size,
+        num_hidden_layers=p.num_layers,
+        num_attention_heads=p.num_heads,
+        num_key_value_heads=p.num_kv_heads,
+        max_position_embeddings=p.max_position_embeddings,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=p.tie_word_embeddings,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,
+        rope_parameters={"rope_type": "default", "rope_theta": p.rope_theta},
+        num_experts_per_tok=2,
+    )
+    if arch == "qwen2_moe":
+        fields.update(
+            intermediate_size=p.intermediate_size,
+            moe_intermediate_size=p.intermediate_size // 2,
+            num_experts=4,
+            shared_expert_intermediate_size=p.intermediate_size,
+            use_sliding_window=False,
+            rms_norm_eps=1e-5,
+        )
+        fields.update(extra)
+        return Qwen2MoeConfig(**fields)
+    if arch == "qwen3_moe":
+        fields.update(
+            head_dim=p.head_dim or 2 * p.hidden_size // p.num_heads,
+            intermediate_size=p.intermediate_size,
+            moe_intermediate_size=p.intermediate_size // 2,
+            num_experts=8,
+            norm_topk_prob=True,
+            mlp_only_layers=[0] if p.num_layers > 1 else [],
+            attention_bias=False,
+            use_sliding_window=False,
+        )
+        fields.update(extra)
+        return Qwen3MoeConfig(**fields)
+    if arch == "mixtral":
+        fields.update(
+            head_dim=p.head_dim or p.hidden_size // p.num_heads,
+            intermediate_size=p.intermediate_size // 2,
+            num_local_experts=8,
+            sliding_window=None,
+        )
+        fields.update(extra)
+        return MixtralConfig(**fields)
+    raise ValueError(f"unknown mixture-of-experts arch {arch!r}; choose {', '.join(MOE_ARCHS)}")
+
+
 def gemma_rescale_weights(model: torch.nn.Module) -> None:
     """After make_model's generic init: Gemma's norms scale by (1 + weight), so their weights go
     to ~0 (scales ~1), and its embedding is multiplied by sqrt(hidden), so the table shrinks by as
@@ -85,7 +145,7 @@ def transformers_family_config(
     arch: str, p: ModelPreset, vocab: int, eos_id: int, rope: dict[str, Any]
 ) -> PretrainedConfig:
     """The HF config of `arch` (one of TRANSFORMERS_ARCHS) at preset `p`'s shape."""
-    from transformers import GPTNeoXConfig, GraniteConfig, Olmo2Config, Qwen2MoeConfig, StableLmConfig
+    from transformers import GPTNeoXConfig, GraniteConfig, Olmo2Config, StableLmConfig
 
     common: dict[str, Any] = dict(
         vocab_size=vocab,
@@ -119,15 +179,4 @@ def transformers_family_config(
     if arch == "stablelm":
         common["rope_parameters"] = {**rope, "partial_rotary_factor": 0.25}
         return StableLmConfig(**common, **gqa, layer_norm_eps=1e-5, use_qkv_bias=True)
-    if arch == "qwen2_moe":
-        return Qwen2MoeConfig(
-            **common,
-            **gqa,
-            rms_norm_eps=1e-5,
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=p.intermediate_size // 2,
-            shared_expert_intermediate_size=p.intermediate_size,
-            use_sliding_window=False,
-        )
     raise ValueError(f"unknown transformers-backend arch {arch!r}; choose {', '.join(TRANSFORMERS_ARCHS)}")

@@ -23,6 +23,8 @@ from torch import nn
 from pdserve import kernels
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.models.cpu_linear import PackedLinear, cpu_linear_kind, gemv_copy_fits, relayout_linears
+from pdserve.engine.models.mlp import MLP
+from pdserve.engine.models.moe import SparseMoeBlock
 from pdserve.engine.models.qk_norm import norm_qk_heads
 from pdserve.engine.models.quantized_embedding import QuantizedEmbedding
 from pdserve.engine.models.quantized_linear import QuantizedLinear, few_rows
@@ -108,27 +110,13 @@ class Attention(nn.Module):
         return y if self.tp is None else self.tp.all_reduce(y)
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallelGroup | None = None) -> None:
-        super().__init__()
-        self.tp = tp
-        i0, i1 = _shard(tp).intermediate(cfg)  # this rank's rows of the intermediate
-        self.intermediate = i1 - i0
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate, bias=False)
-        self.down_proj = nn.Linear(self.intermediate, cfg.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.down_proj(layer_ops.silu_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I] -> [T, H]
-        return y if self.tp is None else self.tp.all_reduce(y)
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, tp)
+        self.mlp: MLP | SparseMoeBlock = SparseMoeBlock(cfg, tp) if cfg.moe_layer(layer) else MLP(cfg, tp)
 
     def forward(self, x: torch.Tensor, rope: Rope, ctx: ForwardContext) -> torch.Tensor:
         x, h = self.post_attention_layernorm.add_forward(x, self.self_attn(self.input_layernorm(x), rope, ctx))
@@ -228,13 +216,13 @@ class LlamaForCausalLM(nn.Module):
         it cannot take (neither few-row panels nor quantized segments without input padding:
         models/quantized_linear.py), or the driver not built, or tensor parallelism (the driver
         has no all-reduce between layers), or a sliding window or soft-capping (the driver
-        attends over the whole context)."""
+        attends over the whole context), or a mixture of experts."""
         if self.tp is not None:
             return None
         if not (kv_cache.device.type == "cpu" and kv_cache.dtype == torch.float32 and kv_cache.is_contiguous()):
             return None
         c = self.cfg
-        if c.qk_norm or c.rotary_dims != c.head_dim or c.o_bias or c.layer_windows or c.attn_softcap:
+        if c.qk_norm or c.rotary_dims != c.head_dim or c.o_bias or c.layer_windows or c.attn_softcap or c.num_experts:
             return None
         if not decode_layers.available():
             return None
@@ -243,7 +231,7 @@ class LlamaForCausalLM(nn.Module):
         # lowered to the tightest linear's limit below
         max_rows = max(panel_gemm.few_rows(), *quant_gemm.FEW_ROWS.values())
         for i, layer in enumerate(self.decoder_layers):
-            attn, mlp = layer.self_attn, layer.mlp
+            attn, mlp = layer.self_attn, cast(MLP, layer.mlp)  # (no mixture reaches here)
             modules = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             linears = [_driver_linear(m, keep) for m in modules]
             if any(lin is None for lin in linears):

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from pdserve.engine.config import QUANTIZATIONS
+from pdserve.engine.models.moe import SparseMoeBlock
 from pdserve.engine.models.quantized_embedding import QuantizedEmbedding
 from pdserve.engine.quantize import GGUF_TYPES, KEPT_GGUF_TYPES, concat_rows, from_gguf_blocks, quantize, same_format
 from pdserve.kernels import block_gemm, quant_gemm
@@ -111,7 +112,13 @@ def _linear_owners(model: LlamaForCausalLM) -> dict[str, nn.Module]:
     for layer in model.decoder_layers:
         i = layer.self_attn.layer
         owners.update({f"layers.{i}.self_attn.{n}": layer.self_attn for n in ("qkv_proj", "o_proj")})
-        owners.update({f"layers.{i}.mlp.{n}": layer.mlp for n in ("gate_up_proj", "down_proj")})
+        mlps: dict[str, nn.Module] = {f"layers.{i}.mlp": layer.mlp}
+        if isinstance(layer.mlp, SparseMoeBlock):  # each expert's (the router stays float)
+            mlps = {f"layers.{i}.mlp.experts.{e}": expert for e, expert in layer.mlp.experts.items()}
+            if layer.mlp.shared_expert is not None:
+                mlps[f"layers.{i}.mlp.shared_expert"] = layer.mlp.shared_expert
+        for prefix, mlp in mlps.items():
+            owners.update({f"{prefix}.{n}": mlp for n in ("gate_up_proj", "down_proj")})
     return owners
 
 

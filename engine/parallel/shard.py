@@ -4,6 +4,7 @@
     KV heads     [rank * Hkv/N, ...) when N divides Hkv;     when Hkv < N (N a multiple of Hkv):
                  one KV head, replicated on N/Hkv ranks       kv head rank // (N/Hkv)
     MLP rows     [rank * I/N, (rank + 1) * I/N)              column-parallel gate_up, row-parallel down
+    experts      [rank * E/N, (rank + 1) * E/N)              whole experts; every rank routes every token
     vocab rows   [rank * V/N, (rank + 1) * V/N)              vocab-parallel embedding and LM head
 
 o_proj and down_proj are row-parallel: each rank multiplies its slice of the inputs, and one
@@ -48,6 +49,8 @@ class TensorParallelShard:
             problems.append(f"intermediate size {cfg.intermediate_size}")
         if cfg.vocab_size % n:
             problems.append(f"vocabulary of {cfg.vocab_size}")
+        if cfg.num_experts % n:
+            problems.append(f"{cfg.num_experts} experts")
         if problems:
             raise ValueError(f"--tensor-parallel-size {n} does not divide the model's {', '.join(problems)}")
 
@@ -62,6 +65,11 @@ class TensorParallelShard:
 
     def intermediate(self, cfg: ModelConfig) -> tuple[int, int]:
         per = cfg.intermediate_size // self.size
+        return self.rank * per, (self.rank + 1) * per
+
+    def experts(self, cfg: ModelConfig) -> tuple[int, int]:
+        """This rank's experts [start, end) (the shared expert of Qwen2-MoE runs on rank 0)."""
+        per = cfg.num_experts // self.size
         return self.rank * per, (self.rank + 1) * per
 
     def vocab(self, cfg: ModelConfig) -> tuple[int, int]:

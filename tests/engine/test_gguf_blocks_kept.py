@@ -116,12 +116,13 @@ def _dequantized_hf_folder(source, file, out):
 
     from pdserve.engine.config import ModelConfig
     from pdserve.engine.gguf_weights import gguf_tensors
+    from tests.engine.gguf_fixtures import copy_into_hf_state
 
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     state = model.state_dict()
     with torch.no_grad():
         for name, tensor in gguf_tensors(file, ModelConfig.from_folder(file)):
-            state[name].copy_(tensor.dequantize())
+            copy_into_hf_state(state, name, tensor.dequantize())
     model.save_pretrained(out)
     for extra in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         (out / extra).write_bytes((source / extra).read_bytes())
