@@ -28,12 +28,13 @@ def dequantized_hf_model(source: str, file: str) -> Any:
 
     from pdserve.engine.config import ModelConfig
     from pdserve.engine.gguf_weights import gguf_tensors
+    from pdserve.modelgen.hf_state import copy_into_hf_state
 
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     state = model.state_dict()
     with torch.no_grad():
         for name, tensor in gguf_tensors(file, ModelConfig.from_folder(file)):
-            state[name].copy_(tensor.dequantize())
+            copy_into_hf_state(state, name, tensor.dequantize())
     return model.eval()
 
 

@@ -3,7 +3,6 @@ folder with every weight replaced by the GGUF's, dequantized to fp32."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import torch
@@ -11,6 +10,7 @@ import torch
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.gguf_weights import gguf_tensors
 from pdserve.modelgen.gguf_writer import write_gguf
+from pdserve.modelgen.hf_state import copy_into_hf_state
 from pdserve.modelgen.make_model import make_model
 
 SEEDS = {"llama": 21, "qwen2": 22, "qwen3": 23, "phi3": 24}
@@ -48,23 +48,3 @@ def dequantized_folder(root: Path, arch: str, qtype: str) -> Path:
     for extra in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         (out / extra).write_bytes((src / extra).read_bytes())
     return out
-
-
-_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")
-
-
-def copy_into_hf_state(state: dict[str, torch.Tensor], name: str, value: torch.Tensor) -> None:
-    """state[name] = value, where an expert's weight (one per expert, as checkpoints and GGUF name
-    them) lands in transformers' stacked tensors: gate_up_proj [E, 2I, H] (rows gate | up) and
-    down_proj [E, H, I]."""
-    m = _EXPERT.fullmatch(name)
-    if m is None:
-        state[name].copy_(value)
-        return
-    stacked, e, kind = m.group(1), int(m.group(2)), m.group(3)
-    if kind == "down":
-        state[f"{stacked}.down_proj"][e].copy_(value)
-        return
-    inter = value.shape[0]
-    rows = slice(0, inter) if kind == "gate" else slice(inter, 2 * inter)
-    state[f"{stacked}.gate_up_proj"][e][rows].copy_(value)

@@ -116,7 +116,7 @@ def _dequantized_hf_folder(source, file, out):
 
     from pdserve.engine.config import ModelConfig
     from pdserve.engine.gguf_weights import gguf_tensors
-    from tests.engine.gguf_fixtures import copy_into_hf_state
+    from pdserve.modelgen.hf_state import copy_into_hf_state
 
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     state = model.state_dict()
