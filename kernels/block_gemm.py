@@ -78,6 +78,8 @@ def _library() -> ctypes.CDLL | None:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.block_gemm_int8x.restype = i32
     lib.block_gemm_int8x.argtypes = [p, i64, p, p, p, i64, i64, i64, i32, i32]
+    lib.moe_int8x.restype = i32
+    lib.moe_int8x.argtypes = [p, i64, i64, i64, i64, p, p, p, p, p, p, i32, i32, i32, p, i32]
     lib.block_dequant_f32.restype = i32
     lib.block_dequant_f32.argtypes = [p, p, i64, i64, i64, i32, p, i32]
     lib.block_bytes_per_256.restype = i64
@@ -141,3 +143,72 @@ def linear(x: torch.Tensor, w: BlockWeight, bias: torch.Tensor | None) -> torch.
     )
     check_rc(rc, "block_gemm")
     return y
+
+
+class ExpertBlocks:
+    """A mixture layer's experts as the file's blocks, for `moe`: per expert (None: not held
+    here) its gate and up [inter, hidden] and down [hidden, inter] weights, one type a kind."""
+
+    def __init__(
+        self, gate: list[BlockWeight | None], up: list[BlockWeight | None], down: list[BlockWeight | None]
+    ) -> None:
+        held = [i for i, g in enumerate(gate) if g is not None]
+        if not held:
+            raise ValueError("no expert's blocks")
+        for kind in (gate, up, down):
+            if len({(w.qtype, w.in_features, w.out_features) for w in kind if w is not None}) != 1:
+                raise ValueError("every expert's weight of a kind must have one type and shape")
+            if [i for i, w in enumerate(kind) if w is not None] != held:
+                raise ValueError("gate, up and down must be held for the same experts")
+        g, u, d = gate[held[0]], up[held[0]], down[held[0]]
+        assert g is not None and u is not None and d is not None
+        self.hidden, self.inter = g.in_features, g.out_features
+        if (u.in_features, u.out_features, d.in_features, d.out_features) != (
+            self.hidden,
+            self.inter,
+            self.inter,
+            self.hidden,
+        ):
+            raise ValueError(
+                f"gate {self.inter}x{self.hidden}, up {u.out_features}x{u.in_features}, down not its transpose"
+            )
+        self.num_experts = len(gate)
+        self.types = (g.qtype, u.qtype, d.qtype)
+        self.keep = (gate, up, down)  # the blocks the addresses below point into
+        self.pointers = tuple(  # ctypes arrays of each kind's block addresses (NULL: not held)
+            (ctypes.c_void_p * len(kind))(*[None if w is None else w.blocks.data_ptr() for w in kind])
+            for kind in (gate, up, down)
+        )
+
+
+def moe(
+    x: torch.Tensor, experts: ExpertBlocks, starts: torch.Tensor, tokens: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """A mixture of experts over a step (kernels/cpu_block_dot.c `moe_int8x`): x [T, hidden] fp32;
+    the (token, expert) pairs grouped by expert: expert e's tokens[starts[e]:starts[e + 1]] (int64,
+    ascending), their routing weights (fp32) beside them; starts [E + 1]. -> [T, hidden] fp32."""
+    x = x.contiguous()
+    assert x.dtype == torch.float32 and x.shape[1] == experts.hidden
+    assert starts.dtype == tokens.dtype == torch.int64 and weights.dtype == torch.float32
+    assert starts.numel() == experts.num_experts + 1 and tokens.numel() == weights.numel()
+    starts, tokens, weights = starts.contiguous(), tokens.contiguous(), weights.contiguous()
+    out = torch.empty_like(x)
+    gate, up, down = experts.pointers
+    rc = built(_library()).moe_int8x(
+        x.data_ptr(),
+        x.shape[0],
+        experts.hidden,
+        experts.inter,
+        experts.num_experts,
+        starts.data_ptr(),
+        tokens.data_ptr(),
+        weights.data_ptr(),
+        ctypes.cast(gate, ctypes.c_void_p),
+        ctypes.cast(up, ctypes.c_void_p),
+        ctypes.cast(down, ctypes.c_void_p),
+        *experts.types,
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    check_rc(rc, "block_gemm")
+    return out

@@ -18,6 +18,9 @@
  * call, nor on the thread count, nor on the instruction set (tests build the variants).
  * Threads (OpenMP) split output rows.
  *
+ * `moe_int8x` runs a mixture's experts over a step in one call (x quantized once, the experts' three
+ * products on these kernels, their outputs summed per token in expert order).
+ *
  * `block_dequant_f32` widens rows to fp32 exactly as ggml (and the gguf package) dequantize them:
  * embedding lookups of a table kept as its blocks.
  */
@@ -383,52 +386,149 @@ static inline __attribute__((always_inline)) void row_tile(const int type, const
 }
 
 
+/* Output rows [o0, o1) of y [m, ldy] = xq [m rows of nsb super-blocks] . dequant(w)^T (+ bias). */
+static void gemm_rows(const q8k *xq, int64_t m, int64_t nsb, const uint8_t *w, int type, const float *bias, float *y,
+                      int64_t ldy, int64_t o0, int64_t o1) {
+    const int64_t row_bytes = nsb * sb_bytes(type);
+    for (int64_t ob = o0; ob < o1; ob += OUT_BLOCK) { /* a block of weight rows, kept in cache over all of x */
+        const int64_t oe = ob + OUT_BLOCK < o1 ? ob + OUT_BLOCK : o1;
+        for (int64_t r0 = 0; r0 < m;) { /* a tile of x's rows, kept in L1 over the block */
+            const int rn = m - r0 >= 8 ? 8 : m - r0 >= 4 ? 4 : m - r0 >= 2 ? 2 : 1;
+            const q8k *xr = xq + r0 * nsb;
+            for (int64_t o = ob; o < oe; o++) {
+                if (r0 == 0 && o + PREFETCH_ROWS < o1) { /* the weights on their way from memory */
+                    const char *ahead = (const char *)(w + (o + PREFETCH_ROWS) * row_bytes);
+                    for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(ahead + b, 0, 0);
+                }
+                v8f acc[ROWS];
+                const uint8_t *wr = w + o * row_bytes;
+                switch (type * 16 + rn) { /* one copy of the loop a type and tile: accumulators in registers */
+#define CASE(T, RN) \
+    case T * 16 + RN: row_tile(T, wr, xr, nsb, RN, acc); break;
+#define CASES(T) CASE(T, 1) CASE(T, 2) CASE(T, 4) CASE(T, 8)
+                CASES(Q4_K)
+                CASES(Q5_K)
+                CASES(Q6_K)
+                CASES(Q8_0)
+#undef CASES
+#undef CASE
+                }
+                for (int r = 0; r < rn; r++) {
+                    float v = lanes_sum(acc[r]);
+                    if (bias) v += bias[o];
+                    y[(r0 + r) * ldy + o] = v;
+                }
+            }
+            r0 += rn;
+        }
+    }
+}
+
+/* The share [o0, o1) of `out` rows that part t of `parts` takes. */
+static inline void share(int64_t out, int parts, int t, int64_t *o0, int64_t *o1) {
+    const int64_t per = (out + parts - 1) / parts;
+    *o0 = t * per < out ? t * per : out;
+    *o1 = *o0 + per < out ? *o0 + per : out;
+}
+
+static inline int parts_for(int64_t out, int nthreads) {
+    if (nthreads < 1) nthreads = 1;
+    const int64_t per = (out + nthreads - 1) / nthreads;
+    return (int)((out + per - 1) / per);
+}
+
 /* y [m, out] = x [m, in] (rows ldx floats apart) . dequant(w)^T (+ bias; may be NULL); w [out, in
  * / 256 super-blocks' bytes] of `type`. Returns 0, -1 for a bad argument, -2 when out of memory. */
 int block_gemm_int8x(const float *x, int64_t ldx, const uint8_t *w, const float *bias, float *y, int64_t m,
                      int64_t in, int64_t out, int type, int nthreads) {
-    const int64_t sbb = sb_bytes(type);
-    if (!sbb || in % QK || m < 1 || out < 1) return -1;
-    const int64_t nsb = in / QK, row_bytes = nsb * sbb;
+    if (!sb_bytes(type) || in % QK || m < 1 || out < 1) return -1;
+    const int64_t nsb = in / QK;
     q8k *xq = scratch((size_t)(m * nsb) * sizeof(q8k));
     if (!xq) return -2;
     for (int64_t r = 0; r < m; r++) quantize_row_q8k(x + r * ldx, in, xq + r * nsb);
-    if (nthreads < 1) nthreads = 1;
-    const int64_t per = (out + nthreads - 1) / nthreads;
-    const int parts = (int)((out + per - 1) / per);
+    const int parts = parts_for(out, nthreads);
 #pragma omp parallel for num_threads(parts) schedule(static, 1) if (parts > 1)
     for (int t = 0; t < parts; t++) {
-        const int64_t o0 = t * per, o1 = o0 + per < out ? o0 + per : out;
-        for (int64_t ob = o0; ob < o1; ob += OUT_BLOCK) { /* a block of weight rows, kept in cache over all of x */
-            const int64_t oe = ob + OUT_BLOCK < o1 ? ob + OUT_BLOCK : o1;
-            for (int64_t r0 = 0; r0 < m;) { /* a tile of x's rows, kept in L1 over the block */
-                const int rn = m - r0 >= 8 ? 8 : m - r0 >= 4 ? 4 : m - r0 >= 2 ? 2 : 1;
-                const q8k *xr = xq + r0 * nsb;
-                for (int64_t o = ob; o < oe; o++) {
-                    if (r0 == 0 && o + PREFETCH_ROWS < o1) { /* the weights on their way from memory */
-                        const char *ahead = (const char *)(w + (o + PREFETCH_ROWS) * row_bytes);
-                        for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(ahead + b, 0, 0);
-                    }
-                    v8f acc[ROWS];
-                    const uint8_t *wr = w + o * row_bytes;
-                    switch (type * 16 + rn) { /* one copy of the loop a type and tile: accumulators in registers */
-#define CASE(T, RN) \
-    case T * 16 + RN: row_tile(T, wr, xr, nsb, RN, acc); break;
-#define CASES(T) CASE(T, 1) CASE(T, 2) CASE(T, 4) CASE(T, 8)
-                    CASES(Q4_K)
-                    CASES(Q5_K)
-                    CASES(Q6_K)
-                    CASES(Q8_0)
-#undef CASES
-#undef CASE
-                    }
-                    for (int r = 0; r < rn; r++) {
-                        float v = lanes_sum(acc[r]);
-                        if (bias) v += bias[o];
-                        y[(r0 + r) * out + o] = v;
-                    }
-                }
-                r0 += rn;
+        int64_t o0, o1;
+        share(out, parts, t, &o0, &o1);
+        gemm_rows(xq, m, nsb, w, type, bias, y, out, o0, o1);
+    }
+    return 0;
+}
+
+/* A mixture of experts over one step (engine/models/moe.py), in one call:
+ *   out [T, hidden] = sum over each token's experts, in ascending expert order, of
+ *                     weight * down_e(silu(gate_e x) * up_e x)
+ * The (token, expert) pairs come grouped by expert: expert e's are tokens[starts[e] .. starts[e+1])
+ * with their routing weights beside them. An expert whose blocks are NULL (another rank holds it)
+ * is skipped. x's rows are quantized once (not once a linear), each expert's intermediate rows
+ * once; threads split each product's output rows; a token's sum is added in expert order by one
+ * thread, so its result depends on neither the other tokens of the step nor the thread count.
+ * gate/up [E] blocks [inter, hidden/256], down [E] blocks [hidden, inter/256]. */
+int moe_int8x(const float *x, int64_t T, int64_t hidden, int64_t inter, int64_t n_experts, const int64_t *starts,
+              const int64_t *tokens, const float *weights, const uint8_t *const *gate, const uint8_t *const *up,
+              const uint8_t *const *down, int gate_type, int up_type, int down_type, float *out, int nthreads) {
+    if (!sb_bytes(gate_type) || !sb_bytes(up_type) || !sb_bytes(down_type) || hidden % QK || inter % QK || T < 1)
+        return -1;
+    const int64_t nsb_h = hidden / QK, nsb_i = inter / QK;
+    int64_t most = 0;
+    for (int64_t e = 0; e < n_experts; e++) most = starts[e + 1] - starts[e] > most ? starts[e + 1] - starts[e] : most;
+    /* one scratch block: x quantized [T], an expert's rows of it [most], their gate | up, the
+     * activations quantized, the expert's output */
+    const size_t xq_b = (size_t)(T * nsb_h) * sizeof(q8k), xe_b = (size_t)(most * nsb_h) * sizeof(q8k);
+    const size_t gu_b = (size_t)(most * 2 * inter) * sizeof(float), aq_b = (size_t)(most * nsb_i) * sizeof(q8k);
+    const size_t y_b = (size_t)(most * hidden) * sizeof(float);
+    char *mem = scratch(xq_b + xe_b + gu_b + aq_b + y_b + 5 * 64);
+    if (!mem) return -2;
+#define CARVE(ptr, type, bytes) \
+    type *ptr = (type *)mem;    \
+    mem += ((bytes) + 63) / 64 * 64;
+    CARVE(xq, q8k, xq_b)
+    CARVE(xe, q8k, xe_b)
+    CARVE(gu, float, gu_b)
+    CARVE(aq, q8k, aq_b)
+    CARVE(ye, float, y_b)
+#undef CARVE
+    for (int64_t r = 0; r < T; r++) quantize_row_q8k(x + r * hidden, hidden, xq + r * nsb_h);
+    memset(out, 0, (size_t)(T * hidden) * sizeof(float));
+    for (int64_t e = 0; e < n_experts; e++) {
+        const int64_t s0 = starts[e], n = starts[e + 1] - s0;
+        if (n < 1 || !gate[e] || !up[e] || !down[e]) continue;
+        for (int64_t j = 0; j < n; j++) memcpy(xe + j * nsb_h, xq + tokens[s0 + j] * nsb_h, nsb_h * sizeof(q8k));
+        const int parts = parts_for(2 * inter, nthreads); /* gate's rows and up's, side by side in gu */
+#pragma omp parallel for num_threads(parts) schedule(static, 1) if (parts > 1)
+        for (int t = 0; t < parts; t++) {
+            int64_t o0, o1;
+            share(2 * inter, parts, t, &o0, &o1);
+            if (o0 < inter) gemm_rows(xe, n, nsb_h, gate[e], gate_type, NULL, gu, 2 * inter, o0, o1 < inter ? o1 : inter);
+            if (o1 > inter) {
+                const int64_t u0 = o0 > inter ? o0 - inter : 0;
+                gemm_rows(xe, n, nsb_h, up[e], up_type, NULL, gu + inter, 2 * inter, u0, o1 - inter);
+            }
+        }
+        for (int64_t j = 0; j < n; j++) { /* silu(gate) * up (as cpu_layer_ops.c's), quantized per 256 */
+            float *g = gu + j * 2 * inter;
+            const float *u = g + inter;
+            for (int64_t i = 0; i < inter; i++) {
+                const float ex = expf(-fabsf(g[i]));
+                g[i] = (g[i] >= 0.f ? g[i] : g[i] * ex) / (1.0f + ex) * u[i];
+            }
+            quantize_row_q8k(g, inter, aq + j * nsb_i);
+        }
+        const int dparts = parts_for(hidden, nthreads);
+#pragma omp parallel for num_threads(dparts) schedule(static, 1) if (dparts > 1)
+        for (int t = 0; t < dparts; t++) {
+            int64_t o0, o1;
+            share(hidden, dparts, t, &o0, &o1);
+            gemm_rows(aq, n, nsb_i, down[e], down_type, NULL, ye, hidden, o0, o1);
+        }
+        for (int64_t j = 0; j < n; j++) { /* out[token] += weight * y: the product rounded, then added */
+            float *o = out + tokens[s0 + j] * hidden;
+            const float *y = ye + j * hidden, wgt = weights[s0 + j];
+            for (int64_t i = 0; i < hidden; i++) {
+                float p = wgt * y[i];
+                KEEP(p);
+                o[i] += p;
             }
         }
     }

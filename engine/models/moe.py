@@ -9,7 +9,8 @@ Tokens are grouped by expert within a step: one sort of the T*k choices, then ea
 runs once over its rows (a decode step of one sequence: k small products; a prefill: ~T*k/E
 rows each), its outputs added in ascending expert order, as HF's loop does. Experts stay
 whatever their linears were loaded as: fp32/bf16, or a GGUF file's blocks as stored (each
-expert's rows of the file's stacked tensor, mapped). Under tensor parallelism each rank holds
+expert's rows of the file's stacked tensor, mapped); in the latter case the whole mixture runs in
+one C call (kernels/block_gemm.py `moe`: x quantized once, no Python between experts). Under tensor parallelism each rank holds
 whole experts (engine/parallel/shard.py), routes every token, runs the ones it holds, and one
 all-reduce sums the ranks' shares.
 """
@@ -21,8 +22,11 @@ from torch import nn
 
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.models.mlp import MLP
+from pdserve.engine.models.quantized_linear import QuantizedLinear
 from pdserve.engine.parallel.group import TensorParallelGroup
 from pdserve.engine.parallel.shard import TensorParallelShard
+from pdserve.kernels import block_gemm
+from pdserve.kernels.block_gemm import BlockWeight, ExpertBlocks
 
 
 class SparseMoeBlock(nn.Module):
@@ -40,6 +44,32 @@ class SparseMoeBlock(nn.Module):
         shared = cfg.shared_expert_intermediate_size > 0 and shard.rank == 0
         self.shared_expert = MLP(cfg, intermediate=cfg.shared_expert_intermediate_size) if shared else None
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if shared else None
+        self._blocks: ExpertBlocks | None = None
+        self._blocks_looked = False  # (`expert_blocks`)
+
+    def expert_blocks(self) -> ExpertBlocks | None:
+        """The experts as a GGUF file's blocks for the one-call kernel (block_gemm.moe), when every
+        held expert's linears are such blocks (gate | up, down; no bias); else None. Looked at once,
+        at the first step (after loading)."""
+        if not self._blocks_looked:
+            self._blocks_looked = True
+            kinds: list[list[BlockWeight | None]] = [[None] * self.num_experts for _ in range(3)]  # gate, up, down
+            for e, expert in self.experts.items():
+                gate_up, down = expert.gate_up_proj, expert.down_proj
+                if not (isinstance(gate_up, QuantizedLinear) and isinstance(down, QuantizedLinear)):
+                    return None
+                parts = [*gate_up.parts, *down.parts]
+                if len(parts) != 3 or gate_up.bias is not None:
+                    return None
+                for kind, part in zip(kinds, parts):
+                    if not isinstance(part, BlockWeight):
+                        return None
+                    kind[int(e)] = part
+            try:
+                self._blocks = ExpertBlocks(*kinds)
+            except ValueError:  # kinds of mixed types or shapes: the per-expert path
+                return None
+        return self._blocks
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (routing weights [T, k] in x's dtype, experts [T, k] int64)."""
@@ -51,11 +81,27 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, chosen = self.route(x)  # [T, k], [T, k]
-        out = torch.zeros_like(x)  # [T, H]
         flat = chosen.flatten()  # [T*k]: the expert of each (token, slot)
         order = torch.argsort(flat, stable=True)  # the (token, slot) pairs grouped by expert
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         flat_weights = weights.flatten()  # [T*k]
+        fused = self.expert_blocks() if x.device.type == "cpu" else None
+        if fused is not None:  # every expert in one C call
+            starts = torch.zeros(self.num_experts + 1, dtype=torch.int64)
+            torch.cumsum(torch.bincount(flat, minlength=self.num_experts), 0, out=starts[1:])
+            tokens = order // self.top_k  # [T*k], ascending within an expert
+            out = block_gemm.moe(x.float(), fused, starts, tokens, flat_weights[order].float()).to(x.dtype)
+        else:
+            out = self._per_expert(x, order, flat, flat_weights)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out if self.tp is None else self.tp.all_reduce(out)
+
+    def _per_expert(
+        self, x: torch.Tensor, order: torch.Tensor, flat: torch.Tensor, flat_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """Each expert hit as its own modules, over its rows: [T, H]."""
+        out = torch.zeros_like(x)  # [T, H]
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         start = 0
         for e, n in enumerate(counts):
             if n and str(e) in self.experts:
@@ -64,6 +110,4 @@ class SparseMoeBlock(nn.Module):
                 y = self.experts[str(e)](x[tokens]) * flat_weights[pairs, None]  # [n, H]
                 out.index_add_(0, tokens, y)
             start += n
-        if self.shared_expert is not None and self.shared_expert_gate is not None:
-            out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out if self.tp is None else self.tp.all_reduce(out)
+        return out

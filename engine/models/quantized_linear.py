@@ -26,7 +26,6 @@ import torch
 from torch import nn
 
 from pdserve.engine.config import QUANTIZATIONS
-from pdserve.engine.models.moe import SparseMoeBlock
 from pdserve.engine.models.quantized_embedding import QuantizedEmbedding
 from pdserve.engine.quantize import GGUF_TYPES, KEPT_GGUF_TYPES, concat_rows, from_gguf_blocks, quantize, same_format
 from pdserve.kernels import block_gemm, quant_gemm
@@ -108,6 +107,8 @@ def few_rows(p: Part) -> int:
 
 def _linear_owners(model: LlamaForCausalLM) -> dict[str, nn.Module]:
     """Our linear's name (e.g. layers.0.self_attn.qkv_proj) -> the module holding it."""
+    from pdserve.engine.models.moe import SparseMoeBlock  # (which runs QuantizedLinear's experts)
+
     owners: dict[str, nn.Module] = {"lm_head": model}
     for layer in model.decoder_layers:
         i = layer.self_attn.layer

@@ -6,6 +6,7 @@ HF on the file's dequantized weights, teacher-forced, as the dense families do."
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.models.moe import SparseMoeBlock
@@ -81,6 +82,7 @@ def test_q4_k_m_experts_run_on_the_files_blocks_and_agree_with_hf(root, arch):
         assert len(linears) == 2 * len(block.experts) + (2 if block.shared_expert is not None else 0)
         assert all(isinstance(p, BlockWeight) for m in linears for p in m.parts)
         assert not isinstance(block.gate, QuantizedLinear)  # the router: F32 in the file, float here
+        assert block.expert_blocks() is not None  # the one-call kernel runs them
     reference = _dequantized_hf_folder(folder, file, root / f"{arch}-q4km-hf")
     prompts = prompts_for(engine.model_config.vocab_size)
     want = [hf_greedy(str(reference), tuple(p), NEW) for p in prompts]
@@ -98,3 +100,25 @@ def test_q4_k_m_experts_run_on_the_files_blocks_and_agree_with_hf(root, arch):
     engine.pool.assert_all_free()
     exact = quant_engine(file, "auto", "none")  # fp32 activations on the same blocks: HF's tokens exactly
     assert exact.generate(prompts, SamplingParams(max_tokens=NEW, temperature=0.0)) == want
+
+
+@pytest.mark.skipif(not quant_gemm.int8x_available(), reason="no C compiler: no int8-activation kernel")
+def test_the_one_call_kernel_equals_the_experts_one_by_one_and_ignores_the_batch(root):
+    """block_gemm.moe against the same experts run as modules (each linear quantizing its own
+    input): equal to the rounding of silu's vectorised exp; and a token's output is the same bits
+    whether it shares the call with others or not."""
+    from pdserve.modelgen.gguf_writer import write_gguf
+    from tests.engine.test_quantization import quant_engine
+
+    file = write_gguf(source(root, "qwen3_moe"), root / "qwen3_moe-q4km-call" / "model.gguf", "q4_k_m")
+    engine = quant_engine(file, "auto", "int8")
+    block = next(layer.mlp for layer in engine.runner.model.layers if isinstance(layer.mlp, SparseMoeBlock))
+    x = torch.randn(9, engine.model_config.hidden_size, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        fused = block(x)
+        weights, chosen = block.route(x)
+        flat = chosen.flatten()
+        one_by_one = block._per_expert(x, torch.argsort(flat, stable=True), flat, weights.flatten())
+        torch.testing.assert_close(fused, one_by_one, rtol=1e-3, atol=1e-3 * float(one_by_one.abs().max()))
+        for t in range(x.shape[0]):
+            assert torch.equal(block(x[t : t + 1])[0], fused[t])
