@@ -89,12 +89,17 @@ def read_ceiling_gbps(threads: int) -> float:
 
 def weight_bytes_per_token(model: str) -> int:
     """Bytes of the file's weights a batch-1 decode step reads: every tensor but the embedding
-    table (one row of it), which is read whole as the LM head when the file has no output tensor."""
+    table (one row of it), which is read whole as the LM head when the file has no output tensor,
+    and of a mixture's stacked experts only the k of E a token is routed to."""
+    from pdserve.engine.gguf_file import metadata
     from pdserve.engine.gguf_reader import GgufFile
 
-    tensors = {t.name: t.data.nbytes for t in GgufFile(model).tensors}
+    f = GgufFile(model)
+    arch = metadata(f, "general.architecture")
+    used, experts = metadata(f, f"{arch}.expert_used_count", 1), metadata(f, f"{arch}.expert_count", 1)
+    tensors = {t.name: t.data.nbytes * (used / experts if t.name.endswith("_exps.weight") else 1) for t in f.tensors}
     table = tensors.pop("token_embd.weight", 0)
-    return sum(tensors.values()) + (0 if "output.weight" in tensors else table)
+    return int(sum(tensors.values()) + (0 if "output.weight" in tensors else table))
 
 
 if __name__ == "__main__":
