@@ -55,6 +55,8 @@ class ModelPreset:
     # the embedding and LM head get vocab_size rows even past the tokenizer's tokens (which the
     # synthetic corpus caps near 15k), as real checkpoints pad theirs: a 128k head's real cost
     pad_vocab: bool = False
+    # a mixture's (experts, experts a token, expert width) for the MoE archs; None: their tiny defaults
+    experts: tuple[int, int, int] | None = None
 
 
 PRESETS = {
@@ -68,6 +70,8 @@ PRESETS = {
     "llama3.2-1b": ModelPreset(2048, 16, 32, 8, 8192, 128256, 8192, True, 500000.0, 64, True),
     "llama3.2-3b": ModelPreset(3072, 28, 24, 8, 8192, 128256, 8192, True, 500000.0, 128, True),
     "llama3.1-8b": ModelPreset(4096, 32, 32, 8, 14336, 128256, 8192, False, 500000.0, 128, True),
+    # Qwen3-30B-A3B's shape (--arch qwen3_moe; --layers to fit a machine, --stream to write it)
+    "qwen3-30b-a3b": ModelPreset(2048, 48, 32, 4, 6144, 151936, 40960, False, 1000000.0, 128, True, (128, 8, 768)),
 }
 PRESETS["default"] = PRESETS["bench"]
 
@@ -141,18 +145,23 @@ def _hf_config(
     return cfg
 
 
+def draw_weight(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """One parameter's random values (fp32), by its name: norms near 1, biases small, embeddings
+    and LM head at std 0.5, linears [out, in] (or stacked experts' [E, out, in]) at 1/sqrt(in)."""
+    if name.endswith("norm.weight"):
+        return 1.0 + 0.1 * torch.randn(shape, generator=gen)
+    if name.endswith("bias"):
+        return 0.1 * torch.randn(shape, generator=gen)
+    if name.endswith(("embed_tokens.weight", "lm_head.weight", "embed_in.weight", "embed_out.weight")):
+        return 0.5 * torch.randn(shape, generator=gen)
+    return torch.randn(shape, generator=gen) / shape[-1] ** 0.5
+
+
 @torch.no_grad()
 def _init_weights(model: torch.nn.Module, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
-        if name.endswith("norm.weight"):
-            param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
-        elif name.endswith("bias"):
-            param.copy_(0.1 * torch.randn(param.shape, generator=gen))
-        elif name.endswith(("embed_tokens.weight", "lm_head.weight", "embed_in.weight", "embed_out.weight")):
-            param.copy_(0.5 * torch.randn(param.shape, generator=gen))
-        else:  # linear [out, in], or stacked experts' [E, out, in]
-            param.copy_(torch.randn(param.shape, generator=gen) / param.shape[-1] ** 0.5)
+        param.copy_(draw_weight(name, tuple(param.shape), gen))
 
 
 def make_model(
@@ -246,6 +255,13 @@ def make_model_main(argv: list[str] | None = None) -> int:
         help="instead, write a random-initialised EAGLE-1 head for the Llama-family model in TARGET_DIR "
         '(vLLM\'s layout: fc + one decoder layer; --speculative-config \'{"method": "eagle", ...}\')',
     )
+    ap.add_argument(
+        "--stream",
+        action="store_true",
+        help="write bf16 shards a tensor at a time (sizes that do not fit in memory; modelgen/streamed_model.py)",
+    )
+    ap.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
+    ap.add_argument("--hf-config", default=None, metavar="JSON", help="more HF config fields, e.g. num_experts")
     tie = ap.add_mutually_exclusive_group()
     tie.add_argument("--tie", dest="tie", action="store_true", default=None)
     tie.add_argument("--no-tie", dest="tie", action="store_false")
@@ -255,7 +271,16 @@ def make_model_main(argv: list[str] | None = None) -> int:
 
         print(f"wrote an EAGLE head to {make_eagle_head(args.eagle_for, args.out, args.seed)}", flush=True)
         return 0
-    overrides = {} if args.tie is None else {"tie_word_embeddings": args.tie}
+    overrides: dict[str, Any] = {} if args.tie is None else {"tie_word_embeddings": args.tie}
+    if args.layers is not None:
+        overrides["num_layers"] = args.layers
+    if args.hf_config is not None:
+        overrides["hf_config"] = json.loads(args.hf_config)
+    if args.stream:
+        from pdserve.modelgen.streamed_model import write_streamed
+
+        write_streamed(args.out, args.preset, args.arch, args.seed, **overrides)
+        return 0
     if args.gguf is not None:
         from pdserve.modelgen.gguf_writer import WRITE_TYPES
 

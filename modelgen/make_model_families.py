@@ -71,8 +71,8 @@ def gemma_family_config(arch: str, p: ModelPreset, vocab: int, eos_id: int, extr
 def moe_family_config(arch: str, p: ModelPreset, vocab: int, eos_id: int, extra: dict[str, Any]) -> PretrainedConfig:
     """Qwen2-MoE / Qwen3-MoE / Mixtral at preset `p`'s shape, 2 experts a token: Qwen2-MoE 4 of
     half the MLP's width beside a shared expert of its full width; Qwen3-MoE 8, its first layer
-    dense (`mlp_only_layers`) and its top-k weights renormalised; Mixtral 8. `extra` overrides
-    (e.g. num_experts, moe_intermediate_size for a real model's shape)."""
+    dense (`mlp_only_layers`) and its top-k weights renormalised; Mixtral 8. A preset with `experts`
+    (a real model's shape) sets their number, top-k and width, every layer sparse. `extra` overrides."""
     from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
     fields: dict[str, Any] = dict(
@@ -90,6 +90,15 @@ def moe_family_config(arch: str, p: ModelPreset, vocab: int, eos_id: int, extra:
         rope_parameters={"rope_type": "default", "rope_theta": p.rope_theta},
         num_experts_per_tok=2,
     )
+    real: dict[str, Any] = {}  # a real shape's experts (Mixtral: its MLP width is the experts')
+    if p.experts is not None:
+        count, per_token, width = p.experts
+        if arch == "mixtral":
+            real = dict(num_local_experts=count, num_experts_per_tok=per_token, intermediate_size=width)
+        else:
+            real = dict(num_experts=count, num_experts_per_tok=per_token, moe_intermediate_size=width)
+        if arch == "qwen3_moe":
+            real["mlp_only_layers"] = []
     if arch == "qwen2_moe":
         fields.update(
             intermediate_size=p.intermediate_size,
@@ -99,7 +108,7 @@ def moe_family_config(arch: str, p: ModelPreset, vocab: int, eos_id: int, extra:
             use_sliding_window=False,
             rms_norm_eps=1e-5,
         )
-        fields.update(extra)
+        fields.update({**real, **extra})
         return Qwen2MoeConfig(**fields)
     if arch == "qwen3_moe":
         fields.update(
@@ -112,7 +121,7 @@ def moe_family_config(arch: str, p: ModelPreset, vocab: int, eos_id: int, extra:
             attention_bias=False,
             use_sliding_window=False,
         )
-        fields.update(extra)
+        fields.update({**real, **extra})
         return Qwen3MoeConfig(**fields)
     if arch == "mixtral":
         fields.update(
@@ -121,7 +130,7 @@ def moe_family_config(arch: str, p: ModelPreset, vocab: int, eos_id: int, extra:
             num_local_experts=8,
             sliding_window=None,
         )
-        fields.update(extra)
+        fields.update({**real, **extra})
         return MixtralConfig(**fields)
     raise ValueError(f"unknown mixture-of-experts arch {arch!r}; choose {', '.join(MOE_ARCHS)}")
 

@@ -110,3 +110,24 @@ def test_a_rank_builds_only_its_experts(moe_model):
     block = next(layer.mlp for layer in model.layers if isinstance(layer.mlp, SparseMoeBlock))
     assert list(block.experts) == [str(e) for e in range(cfg.num_experts // 2, cfg.num_experts)]
     assert block.shared_expert is None and block.shared_expert_gate is None
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_a_streamed_folder_is_the_hubs_layout_and_serves_as_hf(tmp_path, arch):
+    """`make-model --stream` (a tensor at a time, bf16): one tensor per expert under the hub's
+    names, and the folder served natively equals HF on it."""
+    from safetensors import safe_open
+
+    from pdserve.engine.weights import safetensors_files
+    from pdserve.modelgen.make_model import make_model_main
+    from pdserve.modelgen.streamed_model import write_streamed
+
+    folder = write_streamed(tmp_path / arch, "tiny", arch, seed=5)
+    names = {n for f in safetensors_files(folder) for n in safe_open(str(f), "pt").keys()}
+    expert = "block_sparse_moe.experts.7.w2.weight" if arch == "mixtral" else "mlp.experts.7.down_proj.weight"
+    assert f"model.layers.1.{expert}" in names and not any(n.endswith("gate_up_proj") for n in names)
+    cfg = ModelConfig.from_folder(folder)
+    assert cfg.num_experts == 8 and cfg.impl == "native"
+    family_checks.check_chunked_prefill(folder)
+    assert make_model_main(["--out", str(tmp_path / "cli"), "--arch", arch, "--stream", "--layers", "1"]) == 0
+    assert ModelConfig.from_folder(tmp_path / "cli").num_layers == 1
