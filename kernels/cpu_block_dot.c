@@ -456,79 +456,138 @@ int block_gemm_int8x(const float *x, int64_t ldx, const uint8_t *w, const float 
     return 0;
 }
 
+/* One expert's rows of a mixture (rows [0, n) of its gathered tokens): y [n, hidden] =
+ * down(silu(gate xe) * up xe), output rows [o0, o1) of each product when `split` (the threads share
+ * one expert), all of them otherwise. xe [n, nsb_h] is x's quantized rows; gu [n, 2 inter] and
+ * aq [n, nsb_i] scratch. The silu and quantization of the intermediate run on the caller. */
+typedef struct {
+    int64_t hidden, inter, nsb_h, nsb_i;
+    const uint8_t *const *gate, *const *up, *const *down;
+    int gate_type, up_type, down_type;
+} moe_shape;
+
+static void expert_gate_up(const moe_shape *m, int64_t e, const q8k *xe, int64_t n, float *gu, int64_t o0, int64_t o1) {
+    const int64_t inter = m->inter; /* [o0, o1) of gate's rows then up's, side by side in gu */
+    if (o0 < inter) gemm_rows(xe, n, m->nsb_h, m->gate[e], m->gate_type, NULL, gu, 2 * inter, o0, o1 < inter ? o1 : inter);
+    if (o1 > inter) gemm_rows(xe, n, m->nsb_h, m->up[e], m->up_type, NULL, gu + inter, 2 * inter, o0 > inter ? o0 - inter : 0, o1 - inter);
+}
+
+static void expert_activations(const moe_shape *m, float *gu, int64_t n, q8k *aq) {
+    for (int64_t j = 0; j < n; j++) { /* silu(gate) * up (as cpu_layer_ops.c's), quantized per 256 */
+        float *g = gu + j * 2 * m->inter;
+        const float *u = g + m->inter;
+        for (int64_t i = 0; i < m->inter; i++) {
+            const float ex = expf(-fabsf(g[i]));
+            g[i] = (g[i] >= 0.f ? g[i] : g[i] * ex) / (1.0f + ex) * u[i];
+        }
+        quantize_row_q8k(g, m->inter, aq + j * m->nsb_i);
+    }
+}
+
+#ifdef _OPENMP
+#include <omp.h>
+#define THREAD_NUM() omp_get_thread_num()
+#else
+#define THREAD_NUM() 0
+#endif
+
 /* A mixture of experts over one step (engine/models/moe.py), in one call:
  *   out [T, hidden] = sum over each token's experts, in ascending expert order, of
  *                     weight * down_e(silu(gate_e x) * up_e x)
  * The (token, expert) pairs come grouped by expert: expert e's are tokens[starts[e] .. starts[e+1])
  * with their routing weights beside them. An expert whose blocks are NULL (another rank holds it)
  * is skipped. x's rows are quantized once (not once a linear), each expert's intermediate rows
- * once; threads split each product's output rows; a token's sum is added in expert order by one
- * thread, so its result depends on neither the other tokens of the step nor the thread count.
- * gate/up [E] blocks [inter, hidden/256], down [E] blocks [hidden, inter/256]. */
+ * once. Threads take whole experts when at least two a thread are hit (a decode step's 8 of 128:
+ * one parallel region a call, each thread streaming its experts' blocks), else share each
+ * product's output rows. Every pair's output is kept, then each token's sum is added in expert
+ * order (threads split the hidden columns), so a token's result depends on neither the other
+ * tokens of the step nor the thread count. gate/up [E] blocks [inter, hidden/256], down [E] blocks
+ * [hidden, inter/256]. */
 int moe_int8x(const float *x, int64_t T, int64_t hidden, int64_t inter, int64_t n_experts, const int64_t *starts,
               const int64_t *tokens, const float *weights, const uint8_t *const *gate, const uint8_t *const *up,
               const uint8_t *const *down, int gate_type, int up_type, int down_type, float *out, int nthreads) {
     if (!sb_bytes(gate_type) || !sb_bytes(up_type) || !sb_bytes(down_type) || hidden % QK || inter % QK || T < 1)
         return -1;
-    const int64_t nsb_h = hidden / QK, nsb_i = inter / QK;
-    int64_t most = 0;
-    for (int64_t e = 0; e < n_experts; e++) most = starts[e + 1] - starts[e] > most ? starts[e + 1] - starts[e] : most;
-    /* one scratch block: x quantized [T], an expert's rows of it [most], their gate | up, the
-     * activations quantized, the expert's output */
-    const size_t xq_b = (size_t)(T * nsb_h) * sizeof(q8k), xe_b = (size_t)(most * nsb_h) * sizeof(q8k);
-    const size_t gu_b = (size_t)(most * 2 * inter) * sizeof(float), aq_b = (size_t)(most * nsb_i) * sizeof(q8k);
-    const size_t y_b = (size_t)(most * hidden) * sizeof(float);
-    char *mem = scratch(xq_b + xe_b + gu_b + aq_b + y_b + 5 * 64);
-    if (!mem) return -2;
-#define CARVE(ptr, type, bytes) \
-    type *ptr = (type *)mem;    \
-    mem += ((bytes) + 63) / 64 * 64;
-    CARVE(xq, q8k, xq_b)
-    CARVE(xe, q8k, xe_b)
-    CARVE(gu, float, gu_b)
-    CARVE(aq, q8k, aq_b)
-    CARVE(ye, float, y_b)
-#undef CARVE
-    for (int64_t r = 0; r < T; r++) quantize_row_q8k(x + r * hidden, hidden, xq + r * nsb_h);
-    memset(out, 0, (size_t)(T * hidden) * sizeof(float));
+    if (nthreads < 1) nthreads = 1;
+    const moe_shape m = {hidden, inter, hidden / QK, inter / QK, gate, up, down, gate_type, up_type, down_type};
+    int64_t most = 0, hit = 0;
     for (int64_t e = 0; e < n_experts; e++) {
-        const int64_t s0 = starts[e], n = starts[e + 1] - s0;
-        if (n < 1 || !gate[e] || !up[e] || !down[e]) continue;
-        for (int64_t j = 0; j < n; j++) memcpy(xe + j * nsb_h, xq + tokens[s0 + j] * nsb_h, nsb_h * sizeof(q8k));
-        const int parts = parts_for(2 * inter, nthreads); /* gate's rows and up's, side by side in gu */
+        const int64_t n = starts[e + 1] - starts[e];
+        if (n > 0 && gate[e] && up[e] && down[e]) hit++, most = n > most ? n : most;
+    }
+    const int by_expert = nthreads > 1 && hit >= 2 * nthreads;
+    const int lanes = by_expert ? nthreads : 1; /* private scratch: one a thread, or one shared */
+    const int64_t pairs = starts[n_experts];
+    /* one scratch block: x quantized [T], every pair's output [pairs], and per lane an expert's rows
+     * of x, their gate | up and the activations quantized */
+    const size_t xq_b = (size_t)(T * m.nsb_h) * sizeof(q8k), y_b = (size_t)(pairs * hidden) * sizeof(float);
+    const size_t xe_b = (size_t)(most * m.nsb_h) * sizeof(q8k), gu_b = (size_t)(most * 2 * inter) * sizeof(float);
+    const size_t aq_b = (size_t)(most * m.nsb_i) * sizeof(q8k);
+    const size_t lane_b = (xe_b + 63) / 64 * 64 + (gu_b + 63) / 64 * 64 + (aq_b + 63) / 64 * 64;
+    char *mem = scratch((xq_b + 63) / 64 * 64 + (y_b + 63) / 64 * 64 + lanes * lane_b + 64);
+    if (!mem) return -2;
+    q8k *xq = (q8k *)mem;
+    float *ys = (float *)(mem + (xq_b + 63) / 64 * 64);
+    char *lane_mem = (char *)ys + (y_b + 63) / 64 * 64;
+    for (int64_t r = 0; r < T; r++) quantize_row_q8k(x + r * hidden, hidden, xq + r * m.nsb_h);
+    if (by_expert) {
+#pragma omp parallel num_threads(nthreads)
+        {
+            char *mine = lane_mem + THREAD_NUM() * lane_b;
+            q8k *xe = (q8k *)mine;
+            float *gu = (float *)(mine + (xe_b + 63) / 64 * 64);
+            q8k *aq = (q8k *)((char *)gu + (gu_b + 63) / 64 * 64);
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t e = 0; e < n_experts; e++) {
+                const int64_t s0 = starts[e], n = starts[e + 1] - s0;
+                if (n < 1 || !gate[e] || !up[e] || !down[e]) continue;
+                for (int64_t j = 0; j < n; j++) memcpy(xe + j * m.nsb_h, xq + tokens[s0 + j] * m.nsb_h, m.nsb_h * sizeof(q8k));
+                expert_gate_up(&m, e, xe, n, gu, 0, 2 * inter);
+                expert_activations(&m, gu, n, aq);
+                gemm_rows(aq, n, m.nsb_i, down[e], down_type, NULL, ys + s0 * hidden, hidden, 0, hidden);
+            }
+        }
+    } else {
+        q8k *xe = (q8k *)lane_mem;
+        float *gu = (float *)(lane_mem + (xe_b + 63) / 64 * 64);
+        q8k *aq = (q8k *)((char *)gu + (gu_b + 63) / 64 * 64);
+        for (int64_t e = 0; e < n_experts; e++) {
+            const int64_t s0 = starts[e], n = starts[e + 1] - s0;
+            if (n < 1 || !gate[e] || !up[e] || !down[e]) continue;
+            for (int64_t j = 0; j < n; j++) memcpy(xe + j * m.nsb_h, xq + tokens[s0 + j] * m.nsb_h, m.nsb_h * sizeof(q8k));
+            const int parts = parts_for(2 * inter, nthreads);
 #pragma omp parallel for num_threads(parts) schedule(static, 1) if (parts > 1)
-        for (int t = 0; t < parts; t++) {
-            int64_t o0, o1;
-            share(2 * inter, parts, t, &o0, &o1);
-            if (o0 < inter) gemm_rows(xe, n, nsb_h, gate[e], gate_type, NULL, gu, 2 * inter, o0, o1 < inter ? o1 : inter);
-            if (o1 > inter) {
-                const int64_t u0 = o0 > inter ? o0 - inter : 0;
-                gemm_rows(xe, n, nsb_h, up[e], up_type, NULL, gu + inter, 2 * inter, u0, o1 - inter);
+            for (int t = 0; t < parts; t++) {
+                int64_t o0, o1;
+                share(2 * inter, parts, t, &o0, &o1);
+                expert_gate_up(&m, e, xe, n, gu, o0, o1);
             }
-        }
-        for (int64_t j = 0; j < n; j++) { /* silu(gate) * up (as cpu_layer_ops.c's), quantized per 256 */
-            float *g = gu + j * 2 * inter;
-            const float *u = g + inter;
-            for (int64_t i = 0; i < inter; i++) {
-                const float ex = expf(-fabsf(g[i]));
-                g[i] = (g[i] >= 0.f ? g[i] : g[i] * ex) / (1.0f + ex) * u[i];
-            }
-            quantize_row_q8k(g, inter, aq + j * nsb_i);
-        }
-        const int dparts = parts_for(hidden, nthreads);
+            expert_activations(&m, gu, n, aq);
+            const int dparts = parts_for(hidden, nthreads);
 #pragma omp parallel for num_threads(dparts) schedule(static, 1) if (dparts > 1)
-        for (int t = 0; t < dparts; t++) {
-            int64_t o0, o1;
-            share(hidden, dparts, t, &o0, &o1);
-            gemm_rows(aq, n, nsb_i, down[e], down_type, NULL, ye, hidden, o0, o1);
+            for (int t = 0; t < dparts; t++) {
+                int64_t o0, o1;
+                share(hidden, dparts, t, &o0, &o1);
+                gemm_rows(aq, n, m.nsb_i, down[e], down_type, NULL, ys + s0 * hidden, hidden, o0, o1);
+            }
         }
-        for (int64_t j = 0; j < n; j++) { /* out[token] += weight * y: the product rounded, then added */
-            float *o = out + tokens[s0 + j] * hidden;
-            const float *y = ye + j * hidden, wgt = weights[s0 + j];
-            for (int64_t i = 0; i < hidden; i++) {
-                float p = wgt * y[i];
-                KEEP(p);
-                o[i] += p;
+    }
+    memset(out, 0, (size_t)(T * hidden) * sizeof(float));
+    const int cparts = parts_for(hidden, T * hidden >= (1 << 16) ? nthreads : 1);
+#pragma omp parallel for num_threads(cparts) schedule(static, 1) if (cparts > 1)
+    for (int t = 0; t < cparts; t++) { /* out[token] += weight * y in expert order: the product rounded, then added */
+        int64_t c0, c1;
+        share(hidden, cparts, t, &c0, &c1);
+        for (int64_t e = 0; e < n_experts; e++) {
+            if (!gate[e] || !up[e] || !down[e]) continue;
+            for (int64_t pr = starts[e]; pr < starts[e + 1]; pr++) {
+                float *o = out + tokens[pr] * hidden;
+                const float *y = ys + pr * hidden, wgt = weights[pr];
+                for (int64_t i = c0; i < c1; i++) {
+                    float p = wgt * y[i];
+                    KEEP(p);
+                    o[i] += p;
+                }
             }
         }
     }
