@@ -531,14 +531,26 @@ def resolve_activations(activations: str, quantization: str, model: str) -> str:
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # --dtype
 
 
-def quantized(cfg: ModelConfig, quantization: str, activations: str = "none") -> ModelConfig:
+BLOCK_KERNEL_TYPES = ("Q8_0", "Q4_K", "Q5_K", "Q6_K")  # read as stored by kernels/block_gemm.py
+
+
+def quantized(
+    cfg: ModelConfig, quantization: str, activations: str = "none", blocks_as_stored: bool = False
+) -> ModelConfig:
     """`cfg` with a weight-only quantization (and int8 activations) named in its fingerprint (they
-    change the KV)."""
+    change the KV). `blocks_as_stored`: a GGUF file's K-quant / Q8_0 tensors would run on the file's
+    blocks (one rank: x quantized per 256, `+int8x-blocks`), not on a group-wise copy (tensor
+    parallelism: per 32, `+int8x`): the two round differently, so their pools must not pair."""
     from pdserve.engine.gguf_file import is_gguf
 
     if quantization == "none" or (quantization == "auto" and not is_gguf(cfg.path)):
         return cfg
-    tags = (cfg.weights_tag, quantization, "int8x" if activations == "int8" else "")
+    int8 = ""
+    if activations == "int8":
+        kept = {"int8": ["Q8_0"], "int4": ["Q4_0"]}.get(quantization, cfg.weights_tag.removeprefix("gguf-").split("+"))
+        as_stored = blocks_as_stored and any(t in BLOCK_KERNEL_TYPES for t in kept)
+        int8 = "int8x-blocks" if as_stored else "int8x"
+    tags = (cfg.weights_tag, quantization, int8)
     return replace(cfg, weights_tag="+".join(t for t in tags if t))
 
 

@@ -55,6 +55,7 @@ from pdserve.engine.spec.eagle import EagleRunner
 from pdserve.engine.spec.speculator import Speculator
 from pdserve.engine.spec.verify import num_accepted
 from pdserve.engine.structured.matcher import GrammarCache, constrain
+from pdserve.kernels import block_gemm
 from pdserve.kvtransfer.head_ranges import HeadShard
 from pdserve.protocol.messages import TokenLogprob
 from pdserve.protocol.sampling import SamplingParams
@@ -81,7 +82,10 @@ class LLMEngine(EngineCore):
         self.device = torch.device(config.device)
         activations = resolve_activations(config.activation_quantization, config.quantization, config.model)
         self.model_config = quantized(
-            ModelConfig.from_folder(config.model, config.model_impl), config.quantization, activations
+            ModelConfig.from_folder(config.model, config.model_impl),
+            config.quantization,
+            activations,
+            blocks_as_stored=config.tensor_parallel_size == 1 and self.device.type == "cpu" and block_gemm.available(),
         )
         quantized_weights = keeps_weights_quantized(self.model_config)
         self.dtype = resolve_dtype(config.dtype, self.device, quantized_weights, self.model_config.approx_params)

@@ -30,7 +30,9 @@ def test_int8_activations_agree_with_hf_teacher_forced(k_quant_source, tmp_path,
     linears = [m for m in engine.runner.model.modules() if isinstance(m, QuantizedLinear)]
     assert all(m.int8_activations for m in linears)
     assert all(isinstance(p, BlockWeight) for m in linears for p in m.parts)
-    assert engine.model_config.weights_tag.endswith("auto+int8x")  # its KV is not fp32 activations' KV
+    assert engine.model_config.weights_tag.endswith(
+        "auto+int8x-blocks"
+    )  # its KV is neither fp32 activations' nor a group-wise copy's
     reference = _dequantized_hf_folder(k_quant_source, file, tmp_path / "hf")
     prompts = prompts_for(engine.model_config.vocab_size)
     want = [hf_greedy(str(reference), tuple(p), NEW) for p in prompts]
@@ -60,3 +62,24 @@ def test_auto_quantizes_the_activations_of_a_gguf_files_kept_blocks_only(tmp_pat
     )
     with pytest.raises(ValueError, match="applies to quantized weights"):
         EngineConfig(model=folder, quantization="none", activation_quantization="int8")
+
+
+def test_blocks_as_stored_and_a_group_wise_copy_never_share_a_fingerprint(tmp_path):
+    """One rank runs a K-quant file's blocks as stored (x per 256), tensor parallelism a group-wise
+    copy (x per 32): their KV differs, so their pools must not pair; a Q4_0 file's is the same."""
+    from dataclasses import replace
+
+    from pdserve.engine.config import ModelConfig, quantized
+    from pdserve.modelgen.gguf_writer import write_gguf
+    from pdserve.modelgen.make_model import make_model
+
+    folder = make_model(tmp_path / "src", preset="tiny", arch="llama", seed=3, quiet=True)
+    file = write_gguf(folder, tmp_path / "m.gguf", "q8_0")
+    cfg = ModelConfig.from_folder(file)
+    one_rank, tp = (quantized(cfg, "auto", "int8", blocks_as_stored=b).fingerprint("float32") for b in (True, False))
+    assert one_rank != tp and one_rank.endswith("+int8x-blocks") and tp.endswith("+int8x")
+    assert quantized(cfg, "int8", "int8", blocks_as_stored=True).weights_tag.endswith("int8+int8x-blocks")
+    q4_0 = replace(cfg, weights_tag="gguf-Q4_0+F32")
+    assert {quantized(q4_0, "auto", "int8", blocks_as_stored=b).weights_tag for b in (True, False)} == {
+        "gguf-Q4_0+F32+auto+int8x"
+    }
