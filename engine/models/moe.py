@@ -9,10 +9,10 @@ Tokens are grouped by expert within a step: one sort of the T*k choices, then ea
 runs once over its rows (a decode step of one sequence: k small products; a prefill: ~T*k/E
 rows each), its outputs added in ascending expert order, as HF's loop does. Experts stay
 whatever their linears were loaded as: fp32/bf16, or a GGUF file's blocks as stored (each
-expert's rows of the file's stacked tensor, mapped); in the latter case the whole mixture runs in
-one C call (kernels/block_gemm.py `moe`: x quantized once, no Python between experts). Under tensor parallelism each rank holds
-whole experts (engine/parallel/shard.py), routes every token, runs the ones it holds, and one
-all-reduce sums the ranks' shares.
+expert's rows of the file's stacked tensor, mapped); in the latter case the whole mixture runs
+in one C call (kernels/block_gemm.py `moe`: x quantized once, no Python between experts). Under
+tensor parallelism each rank holds whole experts (engine/parallel/shard.py), routes every token,
+runs the ones it holds, and one all-reduce sums the ranks' shares.
 """
 
 from __future__ import annotations

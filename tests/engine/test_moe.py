@@ -131,3 +131,25 @@ def test_a_streamed_folder_is_the_hubs_layout_and_serves_as_hf(tmp_path, arch):
     family_checks.check_chunked_prefill(folder)
     assert make_model_main(["--out", str(tmp_path / "cli"), "--arch", arch, "--stream", "--layers", "1"]) == 0
     assert ModelConfig.from_folder(tmp_path / "cli").num_layers == 1
+
+
+def test_transformers_5s_stacked_expert_tensors_load(tmp_path, models_dir):
+    """A checkpoint saved from transformers 5's own state (experts stacked: mlp.experts.gate_up_proj
+    [E, 2I, H], down_proj [E, H, I]) loads into one module per expert and generates HF's tokens."""
+    import shutil
+
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from pdserve.modelgen.make_model import make_model
+
+    source = make_model(
+        models_dir / "tiny-qwen3_moe", preset="tiny", arch="qwen3_moe", seed=ARCHS["qwen3_moe"], quiet=True
+    )
+    stacked = tmp_path / "stacked"
+    shutil.copytree(source, stacked, ignore=shutil.ignore_patterns("*.safetensors*"))
+    state = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32).state_dict()
+    assert any(n.endswith("mlp.experts.gate_up_proj") for n in state)
+    state.pop("lm_head.weight", None)  # tied: the embedding's
+    save_file({n: t.contiguous() for n, t in state.items()}, str(stacked / "model.safetensors"))
+    family_checks.check_chunked_prefill(stacked)
