@@ -80,6 +80,8 @@ def _library() -> ctypes.CDLL | None:
     lib.block_gemm_int8x.argtypes = [p, i64, p, p, p, i64, i64, i64, i32, i32]
     lib.moe_int8x.restype = i32
     lib.moe_int8x.argtypes = [p, i64, i64, i64, i64, p, p, p, p, p, p, i32, i32, i32, p, i32]
+    lib.moe_routed_int8x.restype = i32
+    lib.moe_routed_int8x.argtypes = [p, i64, i64, i64, i64, i64, p, p, p, p, p, i32, i32, i32, p, i32]
     lib.block_dequant_f32.restype = i32
     lib.block_dequant_f32.argtypes = [p, p, i64, i64, i64, i32, p, i32]
     lib.block_bytes_per_256.restype = i64
@@ -146,7 +148,7 @@ def linear(x: torch.Tensor, w: BlockWeight, bias: torch.Tensor | None) -> torch.
 
 
 class ExpertBlocks:
-    """A mixture layer's experts as the file's blocks, for `moe`: per expert (None: not held
+    """A mixture layer's experts as the file's blocks, for `moe_routed`: per expert (None: not held
     here) its gate and up [inter, hidden] and down [hidden, inter] weights, one type a kind."""
 
     def __init__(
@@ -181,27 +183,24 @@ class ExpertBlocks:
         )
 
 
-def moe(
-    x: torch.Tensor, experts: ExpertBlocks, starts: torch.Tensor, tokens: torch.Tensor, weights: torch.Tensor
-) -> torch.Tensor:
-    """A mixture of experts over a step (kernels/cpu_block_dot.c `moe_int8x`): x [T, hidden] fp32;
-    the (token, expert) pairs grouped by expert: expert e's tokens[starts[e]:starts[e + 1]] (int64,
-    ascending), their routing weights (fp32) beside them; starts [E + 1]. -> [T, hidden] fp32."""
+def moe_routed(x: torch.Tensor, experts: ExpertBlocks, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """A mixture of experts over a step (kernels/cpu_block_dot.c `moe_routed_int8x`): x [T, hidden]
+    fp32, the router's choices as it gives them: chosen [T, k] experts (int64) and their routing
+    weights [T, k] (fp32), grouped by expert in C. -> [T, hidden] fp32."""
     x = x.contiguous()
     assert x.dtype == torch.float32 and x.shape[1] == experts.hidden
-    assert starts.dtype == tokens.dtype == torch.int64 and weights.dtype == torch.float32
-    assert starts.numel() == experts.num_experts + 1 and tokens.numel() == weights.numel()
-    starts, tokens, weights = starts.contiguous(), tokens.contiguous(), weights.contiguous()
+    assert chosen.dtype == torch.int64 and weights.dtype == torch.float32 and chosen.shape == weights.shape
+    chosen, weights = chosen.contiguous(), weights.contiguous()
     out = torch.empty_like(x)
     gate, up, down = experts.pointers
-    rc = built(_library()).moe_int8x(
+    rc = built(_library()).moe_routed_int8x(
         x.data_ptr(),
         x.shape[0],
         experts.hidden,
         experts.inter,
         experts.num_experts,
-        starts.data_ptr(),
-        tokens.data_ptr(),
+        chosen.shape[1],
+        chosen.data_ptr(),
         weights.data_ptr(),
         ctypes.cast(gate, ctypes.c_void_p),
         ctypes.cast(up, ctypes.c_void_p),

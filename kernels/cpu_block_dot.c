@@ -594,6 +594,47 @@ int moe_int8x(const float *x, int64_t T, int64_t hidden, int64_t inter, int64_t 
     return 0;
 }
 
+/* `moe_int8x` from the router's choices as they come: chosen [T, k] experts and their weights,
+ * grouped here by expert (a stable counting sort: within an expert, tokens ascending). */
+int moe_routed_int8x(const float *x, int64_t T, int64_t hidden, int64_t inter, int64_t n_experts, int64_t k,
+                     const int64_t *chosen, const float *route_w, const uint8_t *const *gate,
+                     const uint8_t *const *up, const uint8_t *const *down, int gate_type, int up_type, int down_type,
+                     float *out, int nthreads) {
+    if (T < 1 || k < 1 || n_experts < 1) return -1;
+    const int64_t pairs = T * k;
+    int64_t *starts = calloc((size_t)(n_experts + 1), sizeof(int64_t));
+    int64_t *tokens = malloc((size_t)pairs * sizeof(int64_t));
+    float *weights = malloc((size_t)pairs * sizeof(float));
+    int rc = -2;
+    if (starts && tokens && weights) {
+        rc = 0;
+        for (int64_t p = 0; p < pairs; p++) {
+            if (chosen[p] < 0 || chosen[p] >= n_experts) rc = -1;
+            else starts[chosen[p] + 1]++;
+        }
+        if (rc == 0) {
+            for (int64_t e = 0; e < n_experts; e++) starts[e + 1] += starts[e];
+            int64_t *fill = malloc((size_t)n_experts * sizeof(int64_t));
+            if (!fill) rc = -2;
+            else {
+                memcpy(fill, starts, (size_t)n_experts * sizeof(int64_t));
+                for (int64_t p = 0; p < pairs; p++) { /* (token, slot) order: stable */
+                    const int64_t at = fill[chosen[p]]++;
+                    tokens[at] = p / k;
+                    weights[at] = route_w[p];
+                }
+                free(fill);
+                rc = moe_int8x(x, T, hidden, inter, n_experts, starts, tokens, weights, gate, up, down, gate_type,
+                               up_type, down_type, out, nthreads);
+            }
+        }
+    }
+    free(starts);
+    free(tokens);
+    free(weights);
+    return rc;
+}
+
 /* ---- widening, as ggml dequantizes ---- */
 
 typedef uint8_t v8u8 __attribute__((vector_size(8)));

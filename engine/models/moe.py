@@ -10,7 +10,7 @@ runs once over its rows (a decode step of one sequence: k small products; a pref
 rows each), its outputs added in ascending expert order, as HF's loop does. Experts stay
 whatever their linears were loaded as: fp32/bf16, or a GGUF file's blocks as stored (each
 expert's rows of the file's stacked tensor, mapped); in the latter case the whole mixture runs
-in one C call (kernels/block_gemm.py `moe`: x quantized once, no Python between experts). Under
+in one C call (kernels/block_gemm.py `moe_routed`: x quantized once, no Python between experts). Under
 tensor parallelism each rank holds whole experts (engine/parallel/shard.py), routes every token,
 runs the ones it holds, and one all-reduce sums the ranks' shares.
 """
@@ -48,7 +48,7 @@ class SparseMoeBlock(nn.Module):
         self._blocks_looked = False  # (`expert_blocks`)
 
     def expert_blocks(self) -> ExpertBlocks | None:
-        """The experts as a GGUF file's blocks for the one-call kernel (block_gemm.moe), when every
+        """The experts as a GGUF file's blocks for the one-call kernel (block_gemm.moe_routed), when every
         held expert's linears are such blocks (gate | up, down; no bias); else None. Looked at once,
         at the first step (after loading)."""
         if not self._blocks_looked:
@@ -81,17 +81,13 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, chosen = self.route(x)  # [T, k], [T, k]
-        flat = chosen.flatten()  # [T*k]: the expert of each (token, slot)
-        order = torch.argsort(flat, stable=True)  # the (token, slot) pairs grouped by expert
-        flat_weights = weights.flatten()  # [T*k]
         fused = self.expert_blocks() if x.device.type == "cpu" else None
-        if fused is not None:  # every expert in one C call
-            starts = torch.zeros(self.num_experts + 1, dtype=torch.int64)
-            torch.cumsum(torch.bincount(flat, minlength=self.num_experts), 0, out=starts[1:])
-            tokens = order // self.top_k  # [T*k], ascending within an expert
-            out = block_gemm.moe(x.float(), fused, starts, tokens, flat_weights[order].float()).to(x.dtype)
+        if fused is not None:  # every expert in one C call, the choices grouped there
+            out = block_gemm.moe_routed(x.float(), fused, chosen, weights.float()).to(x.dtype)
         else:
-            out = self._per_expert(x, order, flat, flat_weights)
+            flat = chosen.flatten()  # [T*k]: the expert of each (token, slot)
+            order = torch.argsort(flat, stable=True)  # the (token, slot) pairs grouped by expert
+            out = self._per_expert(x, order, flat, weights.flatten())
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out if self.tp is None else self.tp.all_reduce(out)

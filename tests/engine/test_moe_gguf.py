@@ -104,7 +104,7 @@ def test_q4_k_m_experts_run_on_the_files_blocks_and_agree_with_hf(root, arch):
 
 @pytest.mark.skipif(not quant_gemm.int8x_available(), reason="no C compiler: no int8-activation kernel")
 def test_the_one_call_kernel_equals_the_experts_one_by_one_and_ignores_the_batch(root):
-    """block_gemm.moe against the same experts run as modules (each linear quantizing its own
+    """block_gemm.moe_routed against the same experts run as modules (each linear quantizing its own
     input): equal to the rounding of silu's vectorised exp; and a token's output is the same bits
     whether it shares the call with others or not."""
     from pdserve.modelgen.gguf_writer import write_gguf
