@@ -4,8 +4,10 @@ and every answer still equals HF greedy, streamed or not."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 import urllib.request
+from collections.abc import Iterator
 
 import pytest
 from openai import OpenAI
@@ -13,6 +15,8 @@ from transformers import AutoTokenizer
 
 from tests.conftest import hf_greedy, random_prompts
 from tests.e2e.cluster import running_server
+from tests.e2e.conftest import tiny_llama_server
+from tests.e2e.metrics_delta import settled_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -21,13 +25,27 @@ MAX_NEW = 8
 MODES = {"1P1D": ["--local-prefill-max-tokens", "0"], "colocated": ["--colocated"]}
 
 
+@pytest.fixture(scope="module")
+def no_local_prefill(tiny_llama) -> Iterator[str]:
+    """1P1D with local prefill off, for two tests here (neither changes it; counters as deltas)."""
+    with running_server(tiny_llama, *MODES["1P1D"]) as base:
+        yield base
+
+
+def server(request: pytest.FixtureRequest, *flags: str) -> contextlib.AbstractContextManager[str]:
+    if list(flags) == MODES["1P1D"]:
+        return contextlib.nullcontext(request.getfixturevalue("no_local_prefill"))
+    return tiny_llama_server(request, *flags)  # colocated: the package's (conftest.py)
+
+
 @pytest.mark.parametrize("mode", list(MODES))
-def test_shared_system_prompt_is_reused_and_reported(tiny_llama, mode):
+def test_shared_system_prompt_is_reused_and_reported(request, tiny_llama, mode):
     tok = AutoTokenizer.from_pretrained(tiny_llama)
     system = random_prompts(tok.vocab_size, [70], seed=4)[0]  # 4 full 16-token blocks + 6
     prompts = [system + tail for tail in random_prompts(tok.vocab_size, [5, 11, 3], seed=5)]
     want = [tok.decode(hf_greedy(str(tiny_llama), tuple(p), MAX_NEW), skip_special_tokens=True) for p in prompts]
-    with running_server(tiny_llama, *MODES[mode]) as base:
+    with server(request, *MODES[mode]) as base:
+        hits_before = prefix_hits(settled_metrics(base, "pdserve_prefix_cache_hits_total"))
         client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
         model = client.models.list().data[0].id
         first = client.completions.create(model=model, prompt=prompts[0], max_tokens=MAX_NEW, temperature=0)
@@ -55,11 +73,15 @@ def test_shared_system_prompt_is_reused_and_reported(tiny_llama, mode):
             model=model, messages=[{"role": "user", "content": "hi there"}], max_tokens=4, temperature=0
         )
         assert chat.usage.prompt_tokens_details.cached_tokens >= 0
-        assert wait_until(lambda: prefix_hits(base) >= 128, 10)  # heartbeats carry the counters
+        # heartbeats carry the counters
+        assert wait_until(lambda: prefix_hits(metrics_text(base)) - hits_before >= 128, 10)
 
 
-def prefix_hits(base: str) -> float:
-    text = urllib.request.urlopen(f"{base}/metrics", timeout=5).read().decode()
+def metrics_text(base: str) -> str:
+    return urllib.request.urlopen(f"{base}/metrics", timeout=5).read().decode()
+
+
+def prefix_hits(text: str) -> float:
     return sum(
         float(line.split()[-1]) for line in text.splitlines() if line.startswith("pdserve_prefix_cache_hits_total")
     )
@@ -111,7 +133,7 @@ def test_conversations_return_to_the_workers_holding_their_kv(tiny_llama):
             assert sent <= first_sent / 5 * (blocks - 4), (sent, first_sent)  # the decode worker held 4+
 
 
-def test_the_next_turn_of_a_conversation_is_prefilled_on_the_decode_worker(tiny_llama):
+def test_the_next_turn_of_a_conversation_is_prefilled_on_the_decode_worker(request, tiny_llama):
     """1P1D: the second turn's prompt is the first turn's prompt and answer plus a few tokens;
     the decode worker holds all of it but the short rest, so it prefills that itself (no
     prefill worker, no transfer). Output equals HF greedy; with --local-prefill-max-tokens 0 the
@@ -119,9 +141,10 @@ def test_the_next_turn_of_a_conversation_is_prefilled_on_the_decode_worker(tiny_
     tok = AutoTokenizer.from_pretrained(tiny_llama)
     first = random_prompts(tok.vocab_size, [70], seed=50)[0]
     for limit, local in (("64", True), ("0", False)):
-        with running_server(tiny_llama, "--local-prefill-max-tokens", limit) as base:
+        with server(request, "--local-prefill-max-tokens", limit) as base:
             client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
             model = client.models.list().data[0].id
+            before = metric(settled_metrics(base, "pdserve_local_prefills_total"), "pdserve_local_prefills_total")
             a = client.completions.create(model=model, prompt=first, max_tokens=MAX_NEW, temperature=0)
             time.sleep(1.5)  # heartbeats tell the gateway what the decode worker holds
             second = first + tok.encode(a.choices[0].text, add_special_tokens=False) + [11, 12, 13]
@@ -130,11 +153,12 @@ def test_the_next_turn_of_a_conversation_is_prefilled_on_the_decode_worker(tiny_
             assert r.choices[0].text == want
             timings = r.model_extra["pdserve_timings"]
             assert ("kv_bytes" not in timings) == local, timings  # nothing crossed from a prefill worker
-            assert wait_until(lambda: metric(base, "pdserve_local_prefills_total") == (1 if local else 0), 5)
+            assert wait_until(lambda: metric(base, "pdserve_local_prefills_total") - before == (1 if local else 0), 5)
             if local:
                 assert r.usage.prompt_tokens_details.cached_tokens >= 64
 
 
-def metric(base: str, name: str) -> float:
-    text = urllib.request.urlopen(f"{base}/metrics", timeout=5).read().decode()
+def metric(base_or_text: str, name: str) -> float:
+    """A metric's samples summed, from a server (its base URL) or a /metrics text already read."""
+    text = metrics_text(base_or_text) if base_or_text.startswith("http") else base_or_text
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.conftest import _hf_model, hf_greedy, random_prompts
-from tests.e2e.cluster import running_server
+from tests.e2e.conftest import tiny_llama_server
 
 pytestmark = pytest.mark.slow
 
@@ -80,13 +80,13 @@ def check_vllm(model, prompt: list[int], prompt_logprobs: list) -> float:
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-def test_prompt_logprobs_match_hf(tiny_llama, mode, record_property):
+def test_prompt_logprobs_match_hf(request, tiny_llama, mode, record_property):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_llama)
     prompts = random_prompts(tok.vocab_size, LENGTHS, seed=21)
     worst = 0.0
-    with running_server(tiny_llama, *MODES[mode]) as base:
+    with tiny_llama_server(request, *MODES[mode]) as base:  # 1P1D and colocated: shared (conftest.py)
         for prompt in prompts:
             post(base, {"prompt": prompt, "max_tokens": 2})  # its full blocks now in the prefix caches
             # lm-eval's loglikelihood request, with max_tokens 0 (the prompt scored, nothing generated)

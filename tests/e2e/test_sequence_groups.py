@@ -13,6 +13,7 @@ from transformers import AutoTokenizer
 
 from tests.conftest import hf_beams, random_prompts
 from tests.e2e.cluster import running_server
+from tests.e2e.conftest import tiny_llama_server
 from tests.reliability.ledger import wait_ledger_balanced
 from tests.reliability.test_worker_failure import busy_decode_pid
 
@@ -28,11 +29,11 @@ def complete(base: str, **body) -> dict:
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-def test_groups_over_http(tiny_llama, mode):
+def test_groups_over_http(request, tiny_llama, mode):
     tok = AutoTokenizer.from_pretrained(tiny_llama)
     prompt = random_prompts(tok.vocab_size, [37], seed=12)[0]
     beams = hf_beams(str(tiny_llama), tuple(prompt), 12, 4, 2)
-    with running_server(tiny_llama, *MODES[mode]) as base:
+    with tiny_llama_server(request, *MODES[mode]) as base:  # colocated: shared (conftest.py)
         # beam search: width best_of, the n best return, equal to HF generate(num_beams=4)
         body = complete(base, prompt=prompt, max_tokens=12, n=2, best_of=4, use_beam_search=True, temperature=0)
         assert [c["index"] for c in body["choices"]] == [0, 1]

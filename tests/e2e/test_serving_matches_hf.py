@@ -9,7 +9,7 @@ from openai import OpenAI
 from transformers import AutoTokenizer
 
 from tests.conftest import hf_greedy, random_prompts
-from tests.e2e.cluster import running_server
+from tests.e2e.conftest import tiny_llama_server
 
 pytestmark = pytest.mark.slow
 
@@ -30,11 +30,11 @@ def expected_texts(model, tok, prompts):
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-def test_greedy_through_http_matches_hf(tiny_llama, mode):
+def test_greedy_through_http_matches_hf(request, tiny_llama, mode):
     tok = AutoTokenizer.from_pretrained(tiny_llama)
     prompts = random_prompts(tok.vocab_size, LENGTHS, seed=11)
     want = expected_texts(tiny_llama, tok, prompts)
-    with running_server(tiny_llama, *MODES[mode]) as base:
+    with tiny_llama_server(request, *MODES[mode]) as base:  # colocated: shared (conftest.py)
         client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
         model = client.models.list().data[0].id
 
