@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.cluster import running_server
+from tests.e2e.conftest import tiny_llama_server
 
 pytestmark = pytest.mark.slow
 
@@ -96,10 +96,11 @@ def hf_reference(model: Path, task_dir: Path) -> dict[str, list]:
 
 
 @pytest.mark.parametrize("mode", ["1P1D", "colocated"])
-def test_local_completions_match_the_hf_backend(tiny_llama, tmp_path_factory, mode, record_property):
+def test_local_completions_match_the_hf_backend(request, tiny_llama, tmp_path_factory, mode, record_property):
     task_dir = write_tasks(tmp_path_factory.getbasetemp() / "lm_eval_tasks")
     want = hf_reference(tiny_llama, task_dir)
-    with running_server(tiny_llama, *(["--colocated"] if mode == "colocated" else [])) as base:
+    # requests only, no counter read: the package's shared servers (tests/e2e/conftest.py)
+    with tiny_llama_server(request, *(["--colocated"] if mode == "colocated" else [])) as base:
         served = httpx.get(f"{base}/v1/models").json()["data"][0]["id"]
         got = evaluate(
             "local-completions",
