@@ -33,6 +33,7 @@ from pdserve.modelgen.make_model_families import (
     gemma_family_config,
     gemma_rescale_weights,
     moe_family_config,
+    shape_fields,
     transformers_family_config,
 )
 from pdserve.modelgen.tokenizer_builder import EOS, build_tokenizer
@@ -101,18 +102,9 @@ def _hf_config(
     if arch in MOE_ARCHS:
         return moe_family_config(arch, p, vocab, eos_id, extra or {})
     common: dict[str, Any] = dict(
-        vocab_size=vocab,
-        hidden_size=p.hidden_size,
+        **shape_fields(p, vocab, eos_id),
         intermediate_size=p.intermediate_size,
-        num_hidden_layers=p.num_layers,
-        num_attention_heads=p.num_heads,
-        num_key_value_heads=p.num_kv_heads,
-        max_position_embeddings=p.max_position_embeddings,
         rms_norm_eps=1e-5,
-        tie_word_embeddings=p.tie_word_embeddings,
-        bos_token_id=eos_id,
-        eos_token_id=eos_id,
-        pad_token_id=eos_id,
         torch_dtype="float32",
         **(extra or {}),
     )

@@ -26,6 +26,22 @@ MOE_ARCHS = ("qwen2_moe", "qwen3_moe", "mixtral")  # served natively (engine/mod
 GEMMA_TINY_WINDOW = 32
 
 
+def shape_fields(p: ModelPreset, vocab: int, eos_id: int) -> dict[str, Any]:
+    """The HF config fields every family takes from a preset: sizes, tying, the special ids."""
+    return dict(
+        vocab_size=vocab,
+        hidden_size=p.hidden_size,
+        num_hidden_layers=p.num_layers,
+        num_attention_heads=p.num_heads,
+        num_key_value_heads=p.num_kv_heads,
+        max_position_embeddings=p.max_position_embeddings,
+        tie_word_embeddings=p.tie_word_embeddings,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,
+    )
+
+
 def gemma_family_config(arch: str, p: ModelPreset, vocab: int, eos_id: int, extra: dict[str, Any]) -> PretrainedConfig:
     """Gemma 2 / Gemma 3 text at preset `p`'s shape, with what sets them apart made to matter:
     layers alternating sliding (window GEMMA_TINY_WINDOW) and full, query_pre_attn_scalar other
@@ -35,19 +51,10 @@ def gemma_family_config(arch: str, p: ModelPreset, vocab: int, eos_id: int, extr
 
     head_dim = p.head_dim or p.hidden_size // p.num_heads
     fields: dict[str, Any] = dict(
-        vocab_size=vocab,
-        hidden_size=p.hidden_size,
+        **shape_fields(p, vocab, eos_id),
         intermediate_size=p.intermediate_size,
-        num_hidden_layers=p.num_layers,
-        num_attention_heads=p.num_heads,
-        num_key_value_heads=p.num_kv_heads,
         head_dim=head_dim,
-        max_position_embeddings=p.max_position_embeddings,
         rms_norm_eps=1e-6,
-        tie_word_embeddings=p.tie_word_embeddings,
-        bos_token_id=eos_id,
-        eos_token_id=eos_id,
-        pad_token_id=eos_id,
         query_pre_attn_scalar=2 * head_dim,
         sliding_window=GEMMA_TINY_WINDOW,
         layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(p.num_layers)],
@@ -76,17 +83,8 @@ def moe_family_config(arch: str, p: ModelPreset, vocab: int, eos_id: int, extra:
     from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
     fields: dict[str, Any] = dict(
-        vocab_size=vocab,
-        hidden_size=p.hidden_size,
-        num_hidden_layers=p.num_layers,
-        num_attention_heads=p.num_heads,
-        num_key_value_heads=p.num_kv_heads,
-        max_position_embeddings=p.max_position_embeddings,
+        **shape_fields(p, vocab, eos_id),
         rms_norm_eps=1e-6,
-        tie_word_embeddings=p.tie_word_embeddings,
-        bos_token_id=eos_id,
-        eos_token_id=eos_id,
-        pad_token_id=eos_id,
         rope_parameters={"rope_type": "default", "rope_theta": p.rope_theta},
         num_experts_per_tok=2,
     )

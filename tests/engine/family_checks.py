@@ -85,3 +85,10 @@ def check_prefill_to_decode_handoff(model: Path) -> None:
             outs[o.request_id] += o.new_token_ids
     assert [outs[f"r{i}"] for i in range(len(prompts))] == expected(model, prompts)
     decode.pool.assert_all_free()
+
+
+def teacher_forced(engine: LLMEngine, prompts: list[list[int]], want: list[list[int]]) -> list[int]:
+    """At each position of each reference continuation, the engine's greedy token given the
+    reference's prefix (one step past the cached prefix each time), flattened."""
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    return [engine.generate([p + w[:k]], one)[0][0] for p, w in zip(prompts, want) for k in range(len(w))]

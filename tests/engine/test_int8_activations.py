@@ -9,8 +9,8 @@ import pytest
 
 from pdserve.engine.models.quantized_linear import QuantizedLinear
 from pdserve.kernels import quant_gemm
-from pdserve.protocol.sampling import SamplingParams
 from tests.conftest import hf_greedy
+from tests.engine import family_checks
 from tests.engine.family_checks import prompts_for
 from tests.engine.test_gguf_blocks_kept import _dequantized_hf_folder, k_quant_source  # noqa: F401 (fixture)
 from tests.engine.test_quantization import quant_engine
@@ -38,8 +38,7 @@ def test_int8_activations_agree_with_hf_teacher_forced(k_quant_source, tmp_path,
     want = [hf_greedy(str(reference), tuple(p), NEW) for p in prompts]
     assert max(map(len, prompts)) <= min(quant_gemm.FEW_ROWS.values())  # a step's rows: the int8 kernel's
     # one at a time, so each step computes one prompt's rows past its cached prefix (few: the int8 kernel)
-    one = SamplingParams(max_tokens=1, temperature=0.0)
-    got = [engine.generate([p + w[:k]], one)[0][0] for p, w in zip(prompts, want) for k in range(len(w))]
+    got = family_checks.teacher_forced(engine, prompts, want)
     expected = [t for w in want for t in w]
     agree = sum(a == b for a, b in zip(got, expected))
     print(f"{qtype}: teacher-forced top-1 agreement with HF: {agree}/{len(expected)}")

@@ -14,6 +14,7 @@ from pdserve.engine.models.quantized_linear import QuantizedLinear
 from pdserve.kernels import quant_gemm
 from pdserve.protocol.sampling import SamplingParams
 from tests.conftest import hf_greedy
+from tests.engine import family_checks
 from tests.engine.family_checks import GREEDY, expected, make_engine, prompts_for
 
 ARCHS = {"qwen3_moe": 41, "qwen2_moe": 42, "mixtral": 43}  # arch -> seed
@@ -86,8 +87,7 @@ def test_q4_k_m_experts_run_on_the_files_blocks_and_agree_with_hf(root, arch):
     reference = _dequantized_hf_folder(folder, file, root / f"{arch}-q4km-hf")
     prompts = prompts_for(engine.model_config.vocab_size)
     want = [hf_greedy(str(reference), tuple(p), NEW) for p in prompts]
-    one = SamplingParams(max_tokens=1, temperature=0.0)
-    got = [engine.generate([p + w[:k]], one)[0][0] for p, w in zip(prompts, want) for k in range(len(w))]
+    got = family_checks.teacher_forced(engine, prompts, want)
     flat = [t for w in want for t in w]
     agree = sum(a == b for a, b in zip(got, flat))
     print(f"{arch} q4_k_m: teacher-forced top-1 agreement with HF: {agree}/{len(flat)}")
