@@ -7,7 +7,7 @@ import logging
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args
 
 from pdserve.engine.spec.config import SpeculativeConfig
 from pdserve.flag import Flag, parse_size
@@ -172,14 +172,17 @@ class ModelConfig:
         heads = 1 if self.tie_word_embeddings else 2
         return self.num_layers * attention + mlps + heads * self.vocab_size * h
 
-    def fingerprint(self, dtype: "torch.dtype") -> str:
-        """Pools exchanging KV must agree on this."""
+    def fingerprint(self, dtype: "torch.dtype", kv_cache_dtype: str = "auto") -> str:
+        """Pools exchanging KV must agree on this (and so do prefix-cache keys: it salts block
+        hashes). `kv_cache_dtype` "int8" (--kv-cache-dtype) adds `/kv-int8`: such a pool's blocks
+        hold other bytes and other values than the model dtype's."""
         return (
             f"{self.architecture}/L{self.num_layers}/H{self.num_heads}/KV{self.num_kv_heads}"
             f"/D{self.head_dim}/V{self.vocab_size}/{str(dtype).removeprefix('torch.')}"
             + (f"/{self.weights_tag}" if self.weights_tag else "")
             + ("/transformers" if self.impl == "transformers" else "")  # its KV rounds differently
             + (f"/SW{'-'.join(map(str, sorted(set(self.layer_windows))))}" if self.layer_windows else "")
+            + (f"/kv-{kv_cache_dtype}" if kv_cache_dtype != "auto" else "")
         )
 
     @classmethod
@@ -488,6 +491,10 @@ def cpu_has_fast_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+KvCacheDtype = Literal["auto", "int8"]  # --kv-cache-dtype (vLLM's name)
+KV_CACHE_DTYPES: tuple[str, ...] = get_args(KvCacheDtype)
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: Annotated[int, Flag("tokens per KV block (a power of two)")] = 16
@@ -502,8 +509,18 @@ class CacheConfig:
             "request with the same prefix (--no-enable-prefix-caching: compute every prompt)"
         ),
     ] = True  # engine/prefix_cache.py
+    kv_cache_dtype: Annotated[
+        KvCacheDtype,
+        Flag(
+            "what the paged KV cache stores: auto, the model's dtype; int8, each token's K and V per head as "
+            "int8 with an fp32 scale (about a quarter of fp32's bytes, in memory and on the KV wire; CPU only). "
+            "Prefill and decode workers exchanging KV must agree"
+        ),
+    ] = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:

@@ -5,6 +5,10 @@ Layout `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`: each l
 are one contiguous slab, so a layer can be shipped (or mapped by a peer) as a unit. Under tensor
 parallelism every rank holds such a pool for its own KV heads, with the same block count and ids;
 the memory budget counts all of the model's heads (replicated heads cost once per rank on top).
+
+`--kv-cache-dtype int8`: the pool's dtype is int8 and its last axis `head_dim + 4` (each row's
+fp32 scale after its values, kvtransfer/kv_int8.py): scales live in the same allocation, so a
+shared-memory pool holds them too and every block copy carries them.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import Callable
 import torch
 
 from pdserve.engine.config import CacheConfig, ModelConfig
+from pdserve.kvtransfer import kv_int8
 
 # (shape, dtype) -> tensor; e.g. a shared-memory allocator so a prefill peer can write in place.
 KvAllocator = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
@@ -26,11 +31,16 @@ class KVCacheSpec:
     block_size: int
     num_kv_heads: int
     head_dim: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # what the pool stores: the model's dtype, or int8 (rows + scales)
 
     @classmethod
-    def for_model(cls, cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> "KVCacheSpec":
-        return cls(cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+    def for_model(
+        cls, cfg: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
+    ) -> "KVCacheSpec":
+        """`dtype`: the model's; `kv_cache_dtype` (--kv-cache-dtype): "auto" stores it, "int8" int8 rows."""
+        stored = torch.int8 if kv_cache_dtype == "int8" else dtype
+        kv_int8.row_width(cfg.head_dim, stored)  # refuses a head_dim int8 rows cannot hold
+        return cls(cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim, stored)
 
     def for_kv_heads(self, num_kv_heads: int) -> "KVCacheSpec":
         """The same pool for a tensor-parallel rank holding `num_kv_heads` of the heads."""
@@ -39,10 +49,15 @@ class KVCacheSpec:
     @property
     def bytes_per_block(self) -> int:
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.row_width * elem
+
+    @property
+    def row_width(self) -> int:
+        """Elements of one token's row for one head: head_dim (int8: + its scale's 4 bytes)."""
+        return kv_int8.row_width(self.head_dim, self.dtype)
 
     def shape(self, num_blocks: int) -> tuple[int, ...]:
-        return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.row_width)
 
 
 def plan_num_blocks(spec: KVCacheSpec, cache: CacheConfig, max_model_len: int, draft: KVCacheSpec | None = None) -> int:
@@ -109,4 +124,4 @@ def allocate_kv_cache(
             raise ValueError(f"KV allocator returned {tuple(cache.shape)}/{cache.dtype}, expected {shape}/{spec.dtype}")
         cache.zero_()
         return cache
-    return torch.zeros(shape, dtype=spec.dtype, device=device)  # [L, 2, N, bs, Hkv, D]
+    return torch.zeros(shape, dtype=spec.dtype, device=device)  # [L, 2, N, bs, Hkv, D] (int8: D + 4)

@@ -80,6 +80,11 @@ class LLMEngine(EngineCore):
         tensor-parallel prefill worker's --kv-payload-mac mode, its ranks sending their own KV heads."""
         self.config = config
         self.device = torch.device(config.device)
+        if config.cache.kv_cache_dtype == "int8" and self.device.type != "cpu":
+            raise ValueError(
+                f"--kv-cache-dtype int8 is built for the CPU kernels only (the Triton kernels read KV in the "
+                f"model's dtype): use --kv-cache-dtype auto with --device {config.device}"
+            )
         activations = resolve_activations(config.activation_quantization, config.quantization, config.model)
         self.model_config = quantized(
             ModelConfig.from_folder(config.model, config.model_impl),
@@ -98,7 +103,8 @@ class LLMEngine(EngineCore):
         mc = self.model_config
         self.max_model_len = min(config.scheduler.max_model_len or mc.max_context, mc.max_context)
         self.block_size = config.cache.block_size
-        self.kv_spec = KVCacheSpec.for_model(mc, self.block_size, self.dtype)
+        kv_dtype = config.cache.kv_cache_dtype
+        self.kv_spec = KVCacheSpec.for_model(mc, self.block_size, self.dtype, kv_dtype)
         self.draft_config = self._draft_config()
         draft_spec = (
             KVCacheSpec.for_model(self.draft_config, self.block_size, self.dtype) if self.draft_config else None
@@ -138,8 +144,8 @@ class LLMEngine(EngineCore):
         )
         caching = config.cache.enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_caching=caching)
-        # a block's KV depends on the model, its dtype and the block's place in the prefix
-        self.hasher = BlockHasher(mc.fingerprint(self.dtype), self.block_size) if caching else None
+        # a block's KV depends on the model, its dtype, the KV cache's dtype and the block's place in the prefix
+        self.hasher = BlockHasher(mc.fingerprint(self.dtype, kv_dtype), self.block_size) if caching else None
         self.scheduler = Scheduler(config.scheduler, self.pool, self.block_size, self.hasher)
         if mc.every_layer_windowed and self.draft_config is None:  # (a draft reads the same blocks)
             self.scheduler.release_window = max(mc.layer_windows)
@@ -156,7 +162,7 @@ class LLMEngine(EngineCore):
         )
         draft = self.draft
         self.info = EngineInfo(
-            model_fingerprint=mc.fingerprint(self.dtype),
+            model_fingerprint=mc.fingerprint(self.dtype, kv_dtype),
             draft_fingerprint=self.draft_config.fingerprint(self.dtype) if self.draft_config is not None else None,
             num_layers=mc.num_layers,
             draft_num_layers=draft.kv_cache.shape[0] if draft is not None else 0,

@@ -4,15 +4,17 @@
  * Built by kernels/cpu_native.py with the machine's C compiler at first use and loaded with
  * ctypes (no torch headers, so it compiles in about a second). fp32, or bf16 (queries, pool and
  * output all bf16: K and V rows widened to fp32 as they are loaded, all arithmetic fp32, outputs
- * rounded to nearest even); head_dim a multiple of 8. Vector code is GCC/Clang vector extensions
+ * rounded to nearest even), or an int8 pool with fp32 queries and output (--kv-cache-dtype int8:
+ * each row D int8 values and their fp32 scale, kernels/kv_int8.h; values widened to fp32 in
+ * registers, q . k scaled by K's row scale, p by V's, all sums fp32); head_dim a multiple of 8. Vector code is GCC/Clang vector extensions
  * (8 floats), so it builds on any target and -march=native picks the instructions.
  *
  * Threads: OpenMP. The library is linked against libgomp by soname, and torch has already
  * loaded its own libgomp.so.1 when this loads, so both share one runtime and one thread pool:
  * no threads of ours competing with torch's on the same cores, and no thread start per call.
  *
- * Layout (one layer of the pool, contiguous): kv [2, N, bs, Hkv, D]; K rows at kv, V rows at
- * kv + N*bs*Hkv*D. Work is split flash-decoding style: a work item is one sequence, one span of
+ * Layout (one layer of the pool, contiguous): kv [2, N, bs, Hkv, HS]; K rows at kv, V rows at
+ * kv + N*bs*Hkv*HS, HS = D (int8: D + 4, the scale's bytes after the values). Work is split flash-decoding style: a work item is one sequence, one span of
  * its context and all its KV heads (fewer only when the query heads are over MAX_H), so each
  * token's row is read whole, once, while hot, for all the query heads of the item (GQA: G =
  * Hq/Hkv per KV head). Each item leaves its unnormalised output with its running max and sum; a
@@ -45,6 +47,7 @@
 #include <stdlib.h>
 
 #include "bf16.h"
+#include "kv_int8.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -60,14 +63,24 @@ typedef float v8u __attribute__((vector_size(32), aligned(4))); /* for loads and
 
 static inline v8 load8(const float *p) { return *(const v8u *)p; }
 
-/* 8 elements of a fp32 (BF 0) or bf16 (BF 1) array from element `i`, as floats */
-static inline __attribute__((always_inline)) v8 ld8(const void *p, int64_t i, const int BF) {
-    return BF ? bf16_widen8((const uint16_t *)p + i) : load8((const float *)p + i);
+/* Element types of the pool (ET): fp32, bf16 (queries and output bf16 too), int8 rows (queries
+ * and output fp32) */
+#define ET_F32 0
+#define ET_BF16 1
+#define ET_Q8 2
+
+static inline int esize(const int ET) { return ET == ET_F32 ? 4 : ET == ET_BF16 ? 2 : 1; }
+
+/* 8 elements of a pool array of type ET from element `i`, as floats (int8: unscaled) */
+static inline __attribute__((always_inline)) v8 ld8(const void *p, int64_t i, const int ET) {
+    return ET == ET_BF16 ? bf16_widen8((const uint16_t *)p + i)
+           : ET == ET_Q8 ? q8_widen8((const int8_t *)p + i)
+                         : load8((const float *)p + i);
 }
 
-/* the cache line holding element `i` of a fp32 or bf16 array, into L2 */
-static inline __attribute__((always_inline)) void pf(const void *p, int64_t i, const int BF) {
-    __builtin_prefetch((const char *)p + i * (BF ? 2 : 4), 0, 2);
+/* the cache line holding element `i` of a pool array of type ET, into L2 */
+static inline __attribute__((always_inline)) void pf(const void *p, int64_t i, const int ET) {
+    __builtin_prefetch((const char *)p + i * esize(ET), 0, 2);
 }
 static inline void store8(float *p, v8 x) { *(v8u *)p = x; }
 static inline float hsum8(v8 a) {
@@ -76,16 +89,16 @@ static inline float hsum8(v8 a) {
     return s;
 }
 
-typedef struct {               /* arrays of fp32, or all of bf16 (uint16) */
+typedef struct {               /* arrays of fp32, or all of bf16 (uint16), or an int8 pool */
     const void *q;             /* [n, Hq, D], rows q_stride elements apart */
-    const void *k;             /* [N*bs, Hkv, D] token rows */
-    const void *v;             /* [N*bs, Hkv, D] token rows */
+    const void *k;             /* [N*bs, Hkv, HS] token rows */
+    const void *v;             /* [N*bs, Hkv, HS] token rows */
     const int32_t *tables;     /* [n, table_stride] block ids */
     const int32_t *ctx_lens;   /* [n] tokens to attend, this step's included */
     const int *starts;         /* [n] the first key each sequence sees (0 without a window) */
     void *out;                 /* [n, Hq, D] */
     int64_t q_stride, table_stride;
-    int hq, hkv, d, bs;
+    int hq, hkv, d, hs, bs;    /* hs: a head's row in the pool, in elements (d; int8: d + 4) */
     float scale, softcap;      /* softcap 0: none */
 } Job;
 
@@ -96,10 +109,12 @@ typedef struct {               /* arrays of fp32, or all of bf16 (uint16) */
  * each query head's running max and sum in ml [2, H]. D is a compile-time constant in the
  * specialised copies below, so the vector loops unroll and the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void attend(const Job *j, int i, int t_lo, int t_hi, int h0, int nh,
-                                                         float *part, float *ml, const int D, const int BF) {
+                                                         float *part, float *ml, const int D, const int ET) {
     const int G = j->hq / j->hkv, bs = j->bs, H = nh * G; /* H query heads here */
-    const int64_t row = (int64_t)j->hkv * D; /* elements from one token's row to the next */
-    const int PF = BF ? 32 : 16;             /* elements a cache line */
+    const int HS = ET == ET_Q8 ? D + KV_INT8_SCALE_BYTES : D; /* a head's row, in elements */
+    const int64_t row = (int64_t)j->hkv * HS; /* elements from one token's row to the next */
+    const int PF = 64 / esize(ET);            /* elements a cache line */
+    const int BF = ET == ET_BF16;
     const int32_t *table = j->tables + (int64_t)i * j->table_stride;
     float qs[MAX_H * MAX_D] __attribute__((aligned(32)));
     float *acc = part; /* [H, D] */
@@ -116,15 +131,17 @@ static inline __attribute__((always_inline)) void attend(const Job *j, int i, in
     }
     for (int t0 = t_lo; t0 < t_hi; t0 += bs) {
         const int nt = t_hi - t0 < bs ? t_hi - t0 : bs;
-        const int64_t base = (int64_t)table[t0 / bs] * bs * row + (int64_t)h0 * D; /* element of K and of V */
+        const int64_t base = (int64_t)table[t0 / bs] * bs * row + (int64_t)h0 * HS; /* element of K and of V */
         /* the next block's K, prefetched while this block's V is summed (-1: none) */
-        const int64_t kn = t0 + bs < t_hi ? (int64_t)table[t0 / bs + 1] * bs * row + (int64_t)h0 * D : -1;
+        const int64_t kn = t0 + bs < t_hi ? (int64_t)table[t0 / bs + 1] * bs * row + (int64_t)h0 * HS : -1;
         for (int t = 0; t < nt; t++) { /* scores s[g, t] = q_g . k_t for the G query heads of each KV head */
             const int64_t kt = base + t * row;
-            for (int x = 0; x < nh * D; x += PF) pf(j->v, kt + x, BF); /* this V row, needed next */
+            for (int x = 0; x < nh * HS; x += PF) pf(j->v, kt + x, ET); /* this V row, needed next */
             for (int h = 0; h < nh; h++) {
                 v8 k8[MAX_D / 8]; /* the KV head's row, loaded once for its G query heads */
-                for (int c = 0; c < D / 8; c++) k8[c] = ld8(j->k, kt + h * D + 8 * c, BF);
+                for (int c = 0; c < D / 8; c++) k8[c] = ld8(j->k, kt + h * HS + 8 * c, ET);
+                /* int8: q . k in units of the row's scale, scaled once */
+                const float ks = ET == ET_Q8 ? q8_scale((const int8_t *)j->k + kt + h * HS, D) : 1.0f;
                 for (int g = h * G; g < (h + 1) * G; g++) {
                     const float *qg = qs + g * D;
                     v8 a = {0}, b = {0}; /* two dependency chains */
@@ -134,7 +151,7 @@ static inline __attribute__((always_inline)) void attend(const Job *j, int i, in
                         b += load8(qg + 8 * c + 8) * k8[c + 1];
                     }
                     if (c < D / 8) a += load8(qg + 8 * c) * k8[c];
-                    s[g * bs + t] = hsum8(a + b);
+                    s[g * bs + t] = ET == ET_Q8 ? hsum8(a + b) * ks : hsum8(a + b);
                 }
             }
         }
@@ -164,28 +181,32 @@ static inline __attribute__((always_inline)) void attend(const Job *j, int i, in
         for (int t = 0; t < nt; t++) { /* acc[g] += p[g, t] * v_t: V read row by row, in order */
             const int64_t vt = base + t * row;
             if (kn >= 0)
-                for (int x = 0; x < nh * D; x += PF) pf(j->k, kn + t * row + x, BF);
+                for (int x = 0; x < nh * HS; x += PF) pf(j->k, kn + t * row + x, ET);
             for (int g = 0; g < H; g++) {
-                const float p = s[g * bs + t];
-                const int64_t vr = vt + (g / G) * D;
+                const int64_t vr = vt + (g / G) * HS;
+                /* int8: p times V's row scale, so the unscaled values are summed as they are */
+                const float p = ET == ET_Q8 ? s[g * bs + t] * q8_scale((const int8_t *)j->v + vr, D) : s[g * bs + t];
                 float *ag = acc + g * D;
-                for (int c = 0; c < D / 8; c++) store8(ag + 8 * c, load8(ag + 8 * c) + p * ld8(j->v, vr + 8 * c, BF));
+                for (int c = 0; c < D / 8; c++) store8(ag + 8 * c, load8(ag + 8 * c) + p * ld8(j->v, vr + 8 * c, ET));
             }
         }
     }
 }
 
-/* attend with head_dim D (0: the job's) and element type BF (0 fp32, 1 bf16) fixed at compile time */
-#define ATTEND(name, D, BF)                                                                      \
+/* attend with head_dim D (0: the job's) and the pool's element type ET fixed at compile time */
+#define ATTEND(name, D, ET)                                                                      \
     static void name(const Job *j, int i, int lo, int hi, int h0, int nh, float *p, float *ml) { \
-        attend(j, i, lo, hi, h0, nh, p, ml, (D) ? (D) : j->d, BF);                               \
+        attend(j, i, lo, hi, h0, nh, p, ml, (D) ? (D) : j->d, ET);                               \
     }
-ATTEND(attend_64, 64, 0)
-ATTEND(attend_128, 128, 0)
-ATTEND(attend_any, 0, 0)
-ATTEND(attend_64_bf16, 64, 1)
-ATTEND(attend_128_bf16, 128, 1)
-ATTEND(attend_any_bf16, 0, 1)
+ATTEND(attend_64, 64, ET_F32)
+ATTEND(attend_128, 128, ET_F32)
+ATTEND(attend_any, 0, ET_F32)
+ATTEND(attend_64_bf16, 64, ET_BF16)
+ATTEND(attend_128_bf16, 128, ET_BF16)
+ATTEND(attend_any_bf16, 0, ET_BF16)
+ATTEND(attend_64_q8, 64, ET_Q8)
+ATTEND(attend_128_q8, 128, ET_Q8)
+ATTEND(attend_any_q8, 0, ET_Q8)
 
 /* Sequence i's spans in order, head group h0 (H query heads): span sp's output [H, D] at
  * part + sp * part_step and its max and sum [2, H] at ml + sp * ml_step. out = sum_s e^(m_s - M)
@@ -233,25 +254,26 @@ static inline int64_t span_tokens(const Job *j, const Spans *spans, int64_t sp) 
     return hi - lo;
 }
 
-/* Span sp's first block of K and V rows into L2. */
-static inline void prefetch_first_block(const Job *j, const Spans *spans, int64_t sp, int bf16) {
+/* Span sp's first block of K and V rows into L2 (`esz`: bytes of a pool element). */
+static inline void prefetch_first_block(const Job *j, const Spans *spans, int64_t sp, int esz) {
     int i, lo, hi;
     span_range(j, spans, sp, &i, &lo, &hi);
-    const int64_t row = (int64_t)j->hkv * j->d;
+    const int64_t row = (int64_t)j->hkv * j->hs * esz; /* bytes */
     const int64_t base = (int64_t)j->tables[(int64_t)i * j->table_stride + lo / j->bs] * j->bs * row;
     const int64_t n = (hi - lo < j->bs ? hi - lo : j->bs) * row;
-    for (int64_t x = 0; x < n; x += bf16 ? 32 : 16) {
-        pf(j->k, base + x, bf16);
-        pf(j->v, base + x, bf16);
+    for (int64_t x = 0; x < n; x += 64) {
+        __builtin_prefetch((const char *)j->k + base + x, 0, 2);
+        __builtin_prefetch((const char *)j->v + base + x, 0, 2);
     }
 }
 
-/* q, kv and out fp32 (bf16 0) or bf16 (1). Returns 0, or -1 when a shape is over this kernel's
- * limits (the caller falls back) or scratch memory is short. */
+/* q, kv and out fp32 (et ET_F32) or bf16 (ET_BF16), or q and out fp32 and kv int8 rows (ET_Q8).
+ * Returns 0, or -1 when a shape is over this kernel's limits (the caller falls back) or scratch
+ * memory is short. */
 static int decode_attention(const void *q, int64_t q_stride, const void *kv, int64_t num_tokens_in_pool,
                             const int32_t *tables, int64_t table_stride, const int32_t *ctx_lens, void *out, int n,
                             int hq, int hkv, int d, int bs, float scale, int window, float softcap, int nthreads,
-                            int bf16) {
+                            int et) {
     if (hkv <= 0 || hq % hkv != 0 || hq / hkv > MAX_H || d > MAX_D || d % 8 || bs > MAX_BS || bs <= 0) return -1;
     if (n <= 0) return 0;
     int per = hkv; /* KV heads per item: all of them, unless their query heads are over MAX_H */
@@ -294,11 +316,13 @@ static int decode_attention(const void *q, int64_t q_stride, const void *kv, int
     float *ml = part + items * part_step;
     for (int i = 0; i < n; i++)
         for (int sp = first_span[i]; sp < first_span[i + 1]; sp++) span_seq[sp] = i;
-    const void *v = (const char *)kv + num_tokens_in_pool * hkv * d * (bf16 ? 2 : 4);
-    const Job job = {q, kv, v, tables, ctx_lens, starts, out, q_stride, table_stride, hq, hkv, d, bs, scale, softcap};
+    const int hs = et == ET_Q8 ? d + KV_INT8_SCALE_BYTES : d, esz = esize(et), bf16 = et == ET_BF16;
+    const void *v = (const char *)kv + num_tokens_in_pool * hkv * hs * esz;
+    const Job job = {q, kv, v, tables, ctx_lens, starts, out, q_stride, table_stride, hq, hkv, d, hs, bs, scale, softcap};
     void (*fn)(const Job *, int, int, int, int, int, float *, float *) =
-        bf16 ? (d == 64 ? attend_64_bf16 : d == 128 ? attend_128_bf16 : attend_any_bf16)
-             : (d == 64 ? attend_64 : d == 128 ? attend_128 : attend_any);
+        et == ET_BF16 ? (d == 64 ? attend_64_bf16 : d == 128 ? attend_128_bf16 : attend_any_bf16)
+        : et == ET_Q8 ? (d == 64 ? attend_64_q8 : d == 128 ? attend_128_q8 : attend_any_q8)
+                      : (d == 64 ? attend_64 : d == 128 ? attend_128 : attend_any);
     if (nthreads > items) nthreads = (int)items;
     if (nthreads < 1) nthreads = 1;
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
@@ -321,7 +345,7 @@ static int decode_attention(const void *q, int64_t q_stride, const void *kv, int
             const int gi = (int)(it % groups);
             int i, lo, hi;
             span_range(&job, &spans, it / groups, &i, &lo, &hi);
-            if (it + 1 < end) prefetch_first_block(&job, &spans, (it + 1) / groups, bf16);
+            if (it + 1 < end) prefetch_first_block(&job, &spans, (it + 1) / groups, esz);
             fn(&job, i, lo, hi, gi * per, per, part + it * part_step, ml + it * ml_step);
         }
 #pragma omp barrier
@@ -345,7 +369,7 @@ int paged_decode_attention_f32(const float *q, int64_t q_stride, const float *kv
                                float *out, int n, int hq, int hkv, int d, int bs, float scale, int window,
                                float softcap, int nthreads) {
     return decode_attention(q, q_stride, kv, num_tokens_in_pool, tables, table_stride, ctx_lens, out, n, hq, hkv, d,
-                            bs, scale, window, softcap, nthreads, 0);
+                            bs, scale, window, softcap, nthreads, ET_F32);
 }
 
 int paged_decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *kv, int64_t num_tokens_in_pool,
@@ -353,5 +377,13 @@ int paged_decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint1
                                 uint16_t *out, int n, int hq, int hkv, int d, int bs, float scale, int window,
                                 float softcap, int nthreads) {
     return decode_attention(q, q_stride, kv, num_tokens_in_pool, tables, table_stride, ctx_lens, out, n, hq, hkv, d,
-                            bs, scale, window, softcap, nthreads, 1);
+                            bs, scale, window, softcap, nthreads, ET_BF16);
+}
+
+/* fp32 queries and output over an int8 pool [2, N, bs, Hkv, D + 4] (kernels/kv_int8.h) */
+int paged_decode_attention_q8(const float *q, int64_t q_stride, const int8_t *kv, int64_t num_tokens_in_pool,
+                              const int32_t *tables, int64_t table_stride, const int32_t *ctx_lens, float *out, int n,
+                              int hq, int hkv, int d, int bs, float scale, int window, float softcap, int nthreads) {
+    return decode_attention(q, q_stride, kv, num_tokens_in_pool, tables, table_stride, ctx_lens, out, n, hq, hkv, d,
+                            bs, scale, window, softcap, nthreads, ET_Q8);
 }

@@ -9,6 +9,9 @@
  *   rope_store_f32    q and k of the fused qkv rows rotated (HF rotate-half), k and v written to
  *                     their KV-pool slots (-1: not stored); rotated q and k also written out
  *                     dense for the attention that follows.
+ *   rope_store_q8     the same into an int8 pool (--kv-cache-dtype int8): each K and V row of a
+ *                     head stored as int8 values and their fp32 scale (kvtransfer/kv_int8.py's
+ *                     quantize, bit for bit: scale = max|x| / 127, q = rint(x * (127 / max|x|))).
  *
  * fp32, rows contiguous (`ld*` = floats between rows). Threads split rows (OpenMP on torch's
  * own libgomp, see cpu_decode_attention.c); a row's result does not depend on the thread count.
@@ -79,6 +82,23 @@ static inline void rotate_row(const float *x, const float *c, const float *s, fl
     for (int64_t i = h; i < d; i++) out[i] = x[i] * c[i] + x[i - h] * s[i];
 }
 
+static volatile float k127_hidden = 127.0f; /* read at run time: see quantize_row */
+
+/* x [d] as int8 values, then their fp32 scale, at out [d + 4]. The divisions stay divisions (127
+ * read from a volatile is no constant for -ffast-math's reciprocal rewrite) and rintf rounds half
+ * to even, so the bytes are torch's (kvtransfer/kv_int8.py quantize). */
+static inline void quantize_row(const float *x, int8_t *out, int d) {
+    float amax = 0.0f;
+    const float k127 = k127_hidden;
+    for (int i = 0; i < d; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    const float scale = amax / k127, inv = amax > 0.0f ? k127 / amax : 0.0f;
+    for (int i = 0; i < d; i++) {
+        const float r = rintf(x[i] * inv);
+        out[i] = (int8_t)(r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r);
+    }
+    __builtin_memcpy(out + d, &scale, sizeof scale);
+}
+
 /* qkv [T, (hq + 2 hkv) d] rows ldq floats apart; cos, sin [T, d]; q_out [T, hq, d];
  * k_out [T, hkv, d]; kv [2, slots, hkv, d] (K then V, slots = blocks x block size);
  * slot [T] int64. Returns -1 (nothing written) when a slot lies past the pool, else 0. */
@@ -101,6 +121,31 @@ int rope_store_f32(const float *qkv, int64_t ldq, const float *cos, const float 
         float *kd = kv + at * kv_row, *vd = kv + (slots + at) * kv_row;
         for (int64_t i = 0; i < kv_row; i++) kd[i] = kr[i];
         for (int64_t i = 0; i < kv_row; i++) vd[i] = v[i];
+    }
+    return 0;
+}
+
+/* rope_store_f32 into an int8 pool: kv [2, slots, hkv, d + 4] (each row d int8 values + fp32 scale) */
+int rope_store_q8(const float *qkv, int64_t ldq, const float *cos, const float *sin, float *q_out, float *k_out,
+                  int8_t *kv, int64_t slots, const int64_t *slot, int64_t rows, int hq, int hkv, int d, int nthreads) {
+    for (int64_t t = 0; t < rows; t++)
+        if (slot[t] >= slots) return -1; /* past the pool: refuse before writing anything */
+    const int parts = threads_for(rows, nthreads);
+    const int64_t hs = d + 4, kv_row = (int64_t)hkv * hs; /* bytes of a head's row, of a token's */
+#pragma omp parallel for num_threads(parts) schedule(static) if (parts > 1)
+    for (int64_t t = 0; t < rows; t++) {
+        const float *row = qkv + t * ldq, *c = cos + t * d, *s = sin + t * d;
+        for (int h = 0; h < hq; h++) rotate_row(row + (int64_t)h * d, c, s, q_out + (t * hq + h) * d, d);
+        float *kr = k_out + t * (int64_t)hkv * d;
+        for (int h = 0; h < hkv; h++) rotate_row(row + (int64_t)(hq + h) * d, c, s, kr + (int64_t)h * d, d);
+        const int64_t at = slot[t];
+        if (at < 0) continue;
+        const float *v = row + (int64_t)(hq + hkv) * d;
+        int8_t *kd = kv + at * kv_row, *vd = kv + (slots + at) * kv_row;
+        for (int h = 0; h < hkv; h++) {
+            quantize_row(kr + (int64_t)h * d, kd + h * hs, d);
+            quantize_row(v + (int64_t)h * d, vd + h * hs, d);
+        }
     }
     return 0;
 }

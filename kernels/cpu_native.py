@@ -138,7 +138,8 @@ def built(lib: _Lib | None) -> _Lib:
 @functools.lru_cache(maxsize=None)
 def _library() -> ctypes.CDLL | None:
     lib = load_kernel(ATTENTION_SOURCE)
-    for fn in (lib.paged_decode_attention_f32, lib.paged_decode_attention_bf16) if lib is not None else ():
+    names = ("paged_decode_attention_f32", "paged_decode_attention_bf16", "paged_decode_attention_q8")
+    for fn in (getattr(lib, name) for name in names) if lib is not None else ():
         fn.restype = ctypes.c_int
         fn.argtypes = [
             ctypes.c_void_p,
@@ -162,18 +163,19 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
-# (prefill kernel, dtype of queries, pool and output) -> its C entry point; others are refused
+# (prefill kernel, dtype of queries and output, dtype of the pool) -> its C entry point; others are refused
 _PREFILL_ENTRIES = {
-    (PREFILL_SOURCE, torch.float32): "paged_prefill_attention_f32",
-    (FLASH_SOURCE, torch.float32): "prefill_flash_f32",
-    (FLASH_SOURCE, torch.bfloat16): "prefill_flash_bf16",
+    (PREFILL_SOURCE, torch.float32, torch.float32): "paged_prefill_attention_f32",
+    (FLASH_SOURCE, torch.float32, torch.float32): "prefill_flash_f32",
+    (FLASH_SOURCE, torch.bfloat16, torch.bfloat16): "prefill_flash_bf16",
+    (FLASH_SOURCE, torch.float32, torch.int8): "prefill_flash_q8",  # --kv-cache-dtype int8
 }
 
 
 @functools.lru_cache(maxsize=None)
 def _prefill_library(source: Path = PREFILL_SOURCE) -> ctypes.CDLL | None:
     lib = load_kernel(source)
-    for (src, _), name in _PREFILL_ENTRIES.items():
+    for (src, _, _), name in _PREFILL_ENTRIES.items():
         if lib is None or src != source:
             continue
         fn = getattr(lib, name)
@@ -240,14 +242,19 @@ def available() -> bool:
     return _library() is not None
 
 
+def _pool_matches(query: torch.Tensor, kv_layer: torch.Tensor) -> bool:
+    """The pool's dtype is the queries', or int8 rows (--kv-cache-dtype int8) under fp32 queries."""
+    return kv_layer.dtype == query.dtype or (kv_layer.dtype == torch.int8 and query.dtype == torch.float32)
+
+
 def _takes(query: torch.Tensor, kv_layer: torch.Tensor) -> bool:
-    """What the decode kernel takes: fp32 or bf16 CPU tensors (query and pool of one dtype), the
-    pool contiguous (query rows may lie apart, as in the model's fused qkv; heads and head_dim must
-    be dense, else they are copied)."""
+    """What the decode kernel takes: fp32 or bf16 CPU tensors (query and pool of one dtype, or fp32
+    queries over an int8 pool), the pool contiguous (query rows may lie apart, as in the model's
+    fused qkv; heads and head_dim must be dense, else they are copied)."""
     return (
         query.device.type == "cpu"
         and query.dtype in (torch.float32, torch.bfloat16)
-        and kv_layer.dtype == query.dtype
+        and _pool_matches(query, kv_layer)
         and kv_layer.is_contiguous()
     )
 
@@ -259,11 +266,11 @@ def can_run(query: torch.Tensor, kv_layer: torch.Tensor) -> bool:
 
 def can_run_prefill(query: torch.Tensor, kv_layer: torch.Tensor, source: Path = PREFILL_SOURCE) -> bool:
     """Whether the prefill kernel `source` is built and takes these tensors: CPU, the pool
-    contiguous, queries and pool of one dtype it has an entry point for (fp32; bf16 for flash)."""
+    contiguous, queries and pool of dtypes it has an entry point for (fp32; bf16 and fp32 over
+    int8 rows for flash)."""
     return (
         query.device.type == "cpu"
-        and query.dtype == kv_layer.dtype
-        and (source, query.dtype) in _PREFILL_ENTRIES
+        and (source, query.dtype, kv_layer.dtype) in _PREFILL_ENTRIES
         and kv_layer.is_contiguous()
         and prefill_available(source)
     )
@@ -279,7 +286,7 @@ def paged_decode_attention(
     window: int | None = None,
     softcap: float | None = None,
 ) -> bool:
-    """query [n, Hq, D], kv_layer [2, N, bs, Hkv, D], block_tables [>=n, W] int32,
+    """query [n, Hq, D], kv_layer [2, N, bs, Hkv, D] (int8: D + 4), block_tables [>=n, W] int32,
     context_lens [>=n] int32 -> out [n, Hq, D]; `window`: each query sees its last `window` keys
     only (the blocks before them are not read), `softcap`: tanh soft-capping of the scores.
     False when the kernel refuses the shapes (over its limits); the caller then takes the torch
@@ -290,9 +297,15 @@ def paged_decode_attention(
     _, num_blocks, bs, hkv, _ = kv_layer.shape
     assert block_tables.dtype == torch.int32 and context_lens.dtype == torch.int32
     assert block_tables.is_contiguous() and context_lens.is_contiguous() and out.is_contiguous()
-    assert out.dtype == query.dtype == kv_layer.dtype
+    assert out.dtype == query.dtype and _pool_matches(query, kv_layer)
     lib = built(_library())
-    entry = lib.paged_decode_attention_bf16 if query.dtype == torch.bfloat16 else lib.paged_decode_attention_f32
+    entry = (
+        lib.paged_decode_attention_q8
+        if kv_layer.dtype == torch.int8
+        else lib.paged_decode_attention_bf16
+        if query.dtype == torch.bfloat16
+        else lib.paged_decode_attention_f32
+    )
     rc = entry(
         query.data_ptr(),
         query.stride(0),
@@ -346,10 +359,10 @@ def paged_prefill_attention(
     n = context_lens.shape[0] - first
     for x in (block_tables, cu_seqlens_q, context_lens):
         assert x.dtype == torch.int32 and x.is_contiguous()
-    assert out.is_contiguous() and out.shape == query.shape and out.dtype == query.dtype == kv_layer.dtype
+    assert out.is_contiguous() and out.shape == query.shape and out.dtype == query.dtype
     if n <= 0:
         return True
-    rc = getattr(built(_prefill_library(source)), _PREFILL_ENTRIES[(source, query.dtype)])(
+    rc = getattr(built(_prefill_library(source)), _PREFILL_ENTRIES[(source, query.dtype, kv_layer.dtype)])(
         query.data_ptr(),
         query.stride(0),
         kv_layer.data_ptr(),

@@ -32,6 +32,7 @@ def _library() -> ctypes.CDLL | None:
         ("add_rmsnorm_f32", [p, p, i64, p, p, p, i64, i64, f32, i32]),
         ("silu_mul_f32", [p, i64, p, i64, i64, i32]),
         ("rope_store_f32", [p, i64, p, p, p, p, p, i64, p, i64, i32, i32, i32, i32]),
+        ("rope_store_q8", [p, i64, p, p, p, p, p, i64, p, i64, i32, i32, i32, i32]),
     ):
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = ctypes.c_int, args
@@ -144,7 +145,9 @@ def rope_store(
     slot_mapping: torch.Tensor,
 ):
     """The fused qkv projection's rows [T, (Hq + 2 Hkv) D]: q and k rotated by cos, sin [T, 1, D],
-    k and v stored into kv_layer [2, N, bs, Hkv, D] at slot_mapping [T] (-1: not stored).
+    k and v stored into kv_layer [2, N, bs, Hkv, D] at slot_mapping [T] (-1: not stored); an int8
+    pool [2, N, bs, Hkv, D + 4] (--kv-cache-dtype int8) takes the rows quantized, as
+    kvtransfer/kv_int8.py's quantize does, bit for bit.
     Returns q [T, Hq, D], k [T, Hkv, D] (rotated, dense) and v [T, Hkv, D] (a view of qkv), or
     None when these tensors are not for the C op (the caller then rotates and stores in torch)."""
     d = cos.shape[-1]
@@ -154,7 +157,7 @@ def rope_store(
         and cos.is_contiguous()
         and sin.is_contiguous()
         and kv_layer.device.type == "cpu"
-        and kv_layer.dtype == torch.float32
+        and kv_layer.dtype in (torch.float32, torch.int8)
         and kv_layer.is_contiguous()
         and slot_mapping.dtype == torch.int64
         and slot_mapping.is_contiguous()
@@ -164,7 +167,8 @@ def rope_store(
     _, n, bs, hkv, _ = kv_layer.shape
     q = torch.empty(rows, num_heads, d, dtype=torch.float32)
     k = torch.empty(rows, num_kv_heads, d, dtype=torch.float32)
-    rc = built(_library()).rope_store_f32(
+    lib = built(_library())
+    rc = (lib.rope_store_q8 if kv_layer.dtype == torch.int8 else lib.rope_store_f32)(
         qkv.data_ptr(),
         qkv.stride(0),
         cos.data_ptr(),

@@ -24,6 +24,10 @@ A sliding window (per layer) also hides keys at or before p - window from the qu
 p, and the keys before the first query's window are not read at all. Soft-capping (Gemma 2:
 tanh(s / cap) * cap on the scaled scores) is not something SDPA does: those layers take the
 plain math path (`_attend_math`).
+
+An int8 pool (`--kv-cache-dtype int8`, kvtransfer/kv_int8.py) is written quantized and read
+dequantized: gathers widen the blocks they read, and a chunk's own K/V is taken as the pool holds
+it (quantized and back), so every path attends over the values the pool stores.
 """
 
 from __future__ import annotations
@@ -32,15 +36,19 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.kernels.metadata import AttentionMetadata
+from pdserve.kvtransfer import kv_int8
 
 # Upper bound on the K+V bytes gathered at once for decode (cache-friendly; measured best at ~4 MB).
 DECODE_CHUNK_BYTES = 4 << 20
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write key/value [T, Hkv, D] into kv_layer [2, N, bs, Hkv, D] at `slot_mapping` [T] (-1 = skip)."""
+    """Write key/value [T, Hkv, D] into kv_layer [2, N, bs, Hkv, D] at `slot_mapping` [T] (-1 = skip);
+    an int8 pool [2, N, bs, Hkv, D + 4] gets the rows quantized."""
     if slot_mapping.numel() == 0:
         return
+    if kv_int8.is_int8(kv_layer) and key.dtype != torch.int8:
+        key, value = kv_int8.quantize(key), kv_int8.quantize(value)  # [T, Hkv, D + 4]
     _, n, bs, h, d = kv_layer.shape
     flat = kv_layer.view(2, n * bs, h, d)  # [2, N*bs, Hkv, D]
     valid = slot_mapping >= 0  # [T]
@@ -50,8 +58,9 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor, slo
     flat[1].index_copy_(0, slot_mapping, value)
 
 
-def gather_kv(kv_layer: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """kv_layer [2, N, bs, Hkv, D], block_ids [n, nb] -> [2, n, nb*bs, Hkv, D] in token order."""
+def gather_kv(kv_layer: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """kv_layer [2, N, bs, Hkv, D], block_ids [n, nb] -> [2, n, nb*bs, Hkv, D] in token order (an
+    int8 pool's rows [.., D + 4] dequantized to `dtype`)."""
     _, num_blocks, bs, h, d = kv_layer.shape
     n, nb = block_ids.shape
     ids = block_ids.reshape(-1).long()  # [n*nb]
@@ -59,13 +68,14 @@ def gather_kv(kv_layer: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
         g = kv_layer.view(2, num_blocks, bs * h * d).index_select(1, ids)  # [2, n*nb, bs*Hkv*D]
     else:
         g = kv_layer[:, ids]  # [2, n*nb, bs, Hkv, D]
-    return g.view(2, n, nb * bs, h, d)
+    g = g.view(2, n, nb * bs, h, d)
+    return kv_int8.dequantize(g, dtype) if kv_int8.is_int8(kv_layer) else g  # [2, n, nb*bs, Hkv, D]
 
 
 def flat_pool(kv_layer: torch.Tensor) -> torch.Tensor | None:
     """kv_layer [2, N, bs, Hkv, D] as [2, N*bs, Hkv, D] token rows (a view), or None when the
-    pool's layout does not allow one (then runs are gathered like any other blocks)."""
-    if kv_layer.stride(1) != kv_layer.shape[2] * kv_layer.stride(2):
+    pool's layout does not allow one, or its rows are int8 (then runs are gathered like any other blocks)."""
+    if kv_int8.is_int8(kv_layer) or kv_layer.stride(1) != kv_layer.shape[2] * kv_layer.stride(2):
         return None
     return kv_layer.flatten(1, 2)
 
@@ -114,7 +124,7 @@ def _decode(
         if any(first):
             cols = torch.tensor(first, device=query.device)[:, None] + torch.arange(nb, device=query.device)  # [n, nb]
             tables = tables.gather(1, cols.clamp(max=tables.shape[1] - 1))  # past a table's end: masked below
-        kv = gather_kv(kv_layer, tables[:, :nb])  # [2, n, S, Hkv, D]
+        kv = gather_kv(kv_layer, tables[:, :nb], query.dtype)  # [2, n, S, Hkv, D]
         k = kv[0].transpose(1, 2)  # [n, Hkv, S, D]
         v = kv[1].transpose(1, 2)  # [n, Hkv, S, D]
         q = query[i:j].view(j - i, hkv, groups, d)  # [n, Hkv, G, D]: G heads = G queries
@@ -185,6 +195,10 @@ def attend_prefills(
 ) -> None:
     """The prefill chunks (sequences after the decodes) of paged_attention, into out [T, Hq, D]."""
     nd = meta.num_decode_seqs
+    if nd == len(meta.context_lens_cpu):
+        return
+    if kv_int8.is_int8(kv_layer):  # this step's K/V as the pool holds them
+        key, value = kv_int8.roundtrip(key), kv_int8.roundtrip(value)  # [T, Hkv, D]
     cu, ctx = meta.cu_seqlens_q_cpu, meta.context_lens_cpu
     bs = kv_layer.shape[2]
     gqa = query.shape[1] != kv_layer.shape[3]
@@ -206,7 +220,9 @@ def attend_prefills(
                 k = flat[0, run * bs : run * bs + c].transpose(0, 1)  # [Hkv, c, D]
                 v = flat[1, run * bs : run * bs + c].transpose(0, 1)  # [Hkv, c, D]
             else:
-                kv = gather_kv(kv_layer, meta.block_tables[b : b + 1, : -(-c // bs)])  # [2, 1, nb*bs, Hkv, D]
+                kv = gather_kv(
+                    kv_layer, meta.block_tables[b : b + 1, : -(-c // bs)], query.dtype
+                )  # [2, 1, nb*bs, Hkv, D]
                 k = kv[0, 0, :c].transpose(0, 1)  # [Hkv, c, D]
                 v = kv[1, 0, :c].transpose(0, 1)  # [Hkv, c, D]
             i = torch.arange(q_len, device=query.device)[:, None]  # [q, 1]
@@ -241,7 +257,7 @@ def _prefill_windowed(
         k, v = key[lo - (c - q_len) :], value[lo - (c - q_len) :]  # [c - lo, Hkv, D]
     else:
         first = lo // bs
-        kv = gather_kv(kv_layer, meta.block_tables[b : b + 1, first : -(-c // bs)])  # [2, 1, nb*bs, Hkv, D]
+        kv = gather_kv(kv_layer, meta.block_tables[b : b + 1, first : -(-c // bs)], q.dtype)  # [2, 1, nb*bs, Hkv, D]
         k, v = kv[0, 0, lo - first * bs : c - first * bs], kv[1, 0, lo - first * bs : c - first * bs]
     pos = torch.arange(c - q_len, c, device=q.device)[:, None]  # [q, 1] query positions
     j = torch.arange(lo, c, device=q.device)[None, :]  # [1, c - lo] key positions

@@ -93,6 +93,11 @@ class PrefillWorker(WorkerBase):
     def _on_prefill(self, req: PrefillRequest) -> None:
         try:
             lease = req.dest.lease
+            if req.dest.layout.dtype != self.engine.info.kv_dtype:  # (the gateway pairs by fingerprint, which names it)
+                raise ValueError(
+                    f"KV cache dtype mismatch: this prefill worker stores {self.engine.info.kv_dtype}, the decode "
+                    f"worker {req.dest.layout.dtype} (--kv-cache-dtype must agree)"
+                )
             if (len(lease.prefix_block_ids) + len(lease.block_ids)) * self.engine.info.block_size < len(
                 req.prompt_token_ids
             ):

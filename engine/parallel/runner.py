@@ -147,7 +147,7 @@ def start_tensor_parallel(
     pools: list[SharedTensor] = []  # ranks 1..N-1's KV pools: rank 0 maps them too
     try:
         for k0, k1 in heads[1:]:
-            pools.append(SharedTensor.create(kv_spec.for_kv_heads(k1 - k0).shape(num_blocks), dtype))
+            pools.append(SharedTensor.create(kv_spec.for_kv_heads(k1 - k0).shape(num_blocks), kv_spec.dtype))
         store = host_store(n, timeout)
         ranks = RankProcesses(
             [
@@ -167,6 +167,7 @@ def start_tensor_parallel(
                     kv_pool_shm=pools[rank - 1].name,
                     cpus=cores[rank] if cores else [],
                     kv_payload_mac=kv_payload_mac,
+                    kv_cache_dtype=config.cache.kv_cache_dtype,
                 )
                 for rank in range(1, n)
             ]

@@ -45,8 +45,8 @@ def load_rank(cfg: RankConfig, group: TensorParallelGroup) -> tuple[LlamaForCaus
     model = load_model(mc, dtype, device, cfg.max_positions, show_progress=False, tp=group)
     assert isinstance(model, LlamaForCausalLM)
     k0, k1 = group.shard.kv_heads(mc)
-    spec = KVCacheSpec.for_model(mc, cfg.block_size, dtype).for_kv_heads(k1 - k0)
-    return model, SharedTensor.attach(cfg.kv_pool_shm, spec.shape(cfg.num_blocks), dtype)
+    spec = KVCacheSpec.for_model(mc, cfg.block_size, dtype, cfg.kv_cache_dtype).for_kv_heads(k1 - k0)
+    return model, SharedTensor.attach(cfg.kv_pool_shm, spec.shape(cfg.num_blocks), spec.dtype)
 
 
 def rank_kv_sends(cfg: RankConfig, pool: torch.Tensor) -> RankKvSends | None:

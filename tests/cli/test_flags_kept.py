@@ -24,6 +24,7 @@ ENGINE = {
     "--num-blocks": (None, None, "", None),
     "--kv-cache-memory": (1073741824, None, "", None),
     "--enable-prefix-caching": (True, None, "on/off", None),
+    "--kv-cache-dtype": ("auto", ("auto", "int8"), "", None),  # added with int8 KV blocks
     "--max-num-seqs": (64, None, "", None),
     "--max-num-batched-tokens": (None, None, "", None),
     "--max-model-len": (None, None, "", None),

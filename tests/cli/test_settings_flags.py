@@ -94,6 +94,7 @@ SAMPLES: dict[str, tuple[list[str], object]] = {
     "--num-blocks": (["100"], 100),
     "--kv-cache-memory": (["2MiB"], 2 * 2**20),
     "--enable-prefix-caching": (["--no-enable-prefix-caching"], False),
+    "--kv-cache-dtype": (["int8"], "int8"),
     "--max-num-seqs": (["8"], 8),
     "--max-num-batched-tokens": (["100"], 100),
     "--max-model-len": (["300"], 300),

@@ -1,0 +1,24 @@
+/* Reading an int8 KV row (--kv-cache-dtype int8, kvtransfer/kv_int8.py) in the CPU kernels: a row is
+ * a head's D int8 values followed by their fp32 scale (4 bytes, native order), so x[c] = q[c] *
+ * scale. Included by the attention kernels that read int8 pools; kernels/cpu_native.py hashes this
+ * header into each build's cache key. */
+#ifndef PDSERVE_KV_INT8_H
+#define PDSERVE_KV_INT8_H
+#include <stdint.h>
+
+#define KV_INT8_SCALE_BYTES 4
+
+typedef int8_t i8x8u __attribute__((vector_size(8), aligned(1)));
+typedef float kv_f32x8 __attribute__((vector_size(32)));
+
+/* 8 int8 values at p (any alignment) as floats, unscaled: vpmovsxbd + vcvtdq2ps on x86 */
+static inline kv_f32x8 q8_widen8(const int8_t *p) { return __builtin_convertvector(*(const i8x8u *)p, kv_f32x8); }
+
+/* the scale of the row starting at `row` that holds d values */
+static inline float q8_scale(const int8_t *row, int d) {
+    float s;
+    __builtin_memcpy(&s, row + d, sizeof s);
+    return s;
+}
+
+#endif
