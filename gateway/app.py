@@ -38,6 +38,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from pdserve.engine.structured.grammar import after_reasoning
 from pdserve.gateway.anthropic import MESSAGES, anthropic_error, count_tokens
 from pdserve.gateway.backend import Backend
 from pdserve.gateway.bodies import Bounds, DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest, decode
@@ -48,7 +49,7 @@ from pdserve.gateway.limits import GatewayLimits
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.openapi import openapi_endpoint
 from pdserve.gateway.rate_limits import Admission, RateLimited, RequestOverLimit, TenantGate
-from pdserve.gateway.reasoning import REASONING_PARSERS, ReasoningParser
+from pdserve.gateway.reasoning import REASONING_PARSERS, ReasoningParser, marker_lark
 from pdserve.gateway.responses import RESPONSES
 from pdserve.gateway.schemas import ParsedRequest, chat_messages
 from pdserve.gateway.tenants import TenantDirectory
@@ -57,7 +58,7 @@ from pdserve.gateway.tools.parser import ToolParser
 from pdserve.gateway.tools.registry import tool_parser
 from pdserve.gateway.tools.request import ToolRequest, parse_tools
 from pdserve.protocol.join import JOIN_PATH, JoinRefused
-from pdserve.protocol.sampling import SamplingParams
+from pdserve.protocol.sampling import SamplingParams, StructuredOutput
 
 log = logging.getLogger(__name__)
 
@@ -273,7 +274,19 @@ class GatewayApp:
         self.check_model(body.model)
         return JSONResponse({"prompt": await asyncio.to_thread(self.tokenizer.decode, body.tokens)})
 
-    def _sampling(self, req: ParsedRequest, max_tokens: int, i: int, priority: int = 0) -> SamplingParams:
+    def _constraint(self, req: ParsedRequest, prompt: list[int]) -> StructuredOutput | None:
+        """The request's output constraint as the workers apply it: under --reasoning-parser it
+        starts once the reasoning ends (engine/structured/grammar.py after_reasoning)."""
+        thinking = self.run_context.reasoning
+        if req.structured is None or thinking is None or not req.splits_reasoning:
+            return req.structured
+        opened = thinking.prompt_opens(prompt, self._token_text)
+        start, end = (marker_lark(self.tokenizer, m) for m in thinking.markers)
+        return after_reasoning(req.structured, opened, start, end)
+
+    def _sampling(
+        self, req: ParsedRequest, max_tokens: int, i: int, priority: int, structured: StructuredOutput | None
+    ) -> SamplingParams:
         """Choice i's parameters (n independent requests), or, for a group (i = 0), the whole
         request's: its members draw with seed + member index (engine/sequence_group.py). A
         sampled group without a seed gets one here, so a migrated group replays exactly.
@@ -302,7 +315,7 @@ class GatewayApp:
             logprobs=req.logprobs,
             prompt_logprobs=req.prompt_top,
             logit_bias=tuple(req.logit_bias),
-            structured=req.structured,
+            structured=structured,
             priority=priority,
         )
 
@@ -397,7 +410,7 @@ class GatewayApp:
         base_id = dialect.id_prefix + uuid.uuid4().hex
         priority = req.priority if req.priority is not None else gate.limits.priority
         try:
-            sampling = self._sampling(req, max_tokens, 0, priority)
+            sampling = self._sampling(req, max_tokens, 0, priority, self._constraint(req, prompt))
             run = GenerationRun(
                 self.run_context, req, prompt, sampling, base_id, arrival, request.headers.get("traceparent"), admission
             )

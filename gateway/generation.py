@@ -126,7 +126,7 @@ class GenerationRun:
         thinking = ctx.reasoning if req.splits_reasoning else None
         if thinking is not None:
             keep |= ctx.reasoning_markers
-            opened = thinking.opened("".join(ctx.token_text(t) for t in prompt[-4:]))
+            opened = thinking.prompt_opens(prompt, ctx.token_text)
         self.choices = [
             Choice(i, base_id, IncrementalDetokenizer(ctx.text_decoder, keep=keep or None), StopMatcher(req.stop))
             for i in range(req.n)

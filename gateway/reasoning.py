@@ -14,7 +14,10 @@ to what `split` finds in the whole output.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 START, END = "<think>", "</think>"
 
@@ -33,6 +36,10 @@ class ReasoningParser:
         the prompt with the start marker, or this parser's models always do)."""
         return self.always_open or prompt_text.rstrip().endswith(START)
 
+    def prompt_opens(self, prompt: Sequence[int], token_text: Callable[[int], str]) -> bool:
+        """`opened` for an output after these prompt tokens (their last few spell the end)."""
+        return self.opened("".join(token_text(t) for t in prompt[-4:]))
+
     def split(self, text: str, opened: bool) -> tuple[str, str]:
         """(reasoning, answer) of a whole output; `opened`: it starts inside the reasoning."""
         if not (opened or text.startswith(START)):
@@ -48,6 +55,14 @@ REASONING_PARSERS = {
     "qwen3": ReasoningParser("qwen3", always_open=False),
     "deepseek_r1": ReasoningParser("deepseek_r1", always_open=True),
 }
+
+
+def marker_lark(tokenizer: Any, marker: str) -> str:
+    """How an output grammar names `marker`: `<think>` (Lark's special-token form) when the
+    tokenizer holds it as one added token (llguidance sees every added token as a special one,
+    never as its text), else its text as a string literal."""
+    added = {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()}
+    return marker if marker in added else json.dumps(marker)
 
 
 def reasoning_parser(name: str) -> ReasoningParser:

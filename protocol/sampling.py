@@ -11,7 +11,7 @@ from typing import Literal, Union
 
 import msgspec
 
-StructuredKind = Literal["json_schema", "json_object", "regex", "choice", "grammar", "lark"]
+StructuredKind = Literal["json_schema", "json_object", "regex", "choice", "grammar", "lark", "llguidance"]
 
 
 class StructuredOutput(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -21,7 +21,8 @@ class StructuredOutput(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kind: StructuredKind
     # json_schema: the schema as JSON text; json_object: ""; regex: the pattern (whole output);
     # choice: a JSON list of the allowed strings; grammar: Lark (or GBNF with `::=`); lark: an
-    # llguidance Lark grammar as is (the gateway's own, e.g. a forced tool call's: gateway/tools/)
+    # llguidance Lark grammar as is (the gateway's own, e.g. a forced tool call's: gateway/tools/);
+    # llguidance: llguidance's grammar list (JSON) as is (a constraint after reasoning: grammar.py)
     spec: str
     # a migrated request's prompt ends with this many tokens generated under the constraint:
     # the matcher consumes them before its first new token

@@ -45,6 +45,8 @@ def grammar_of(c: StructuredOutput) -> str:
         return m.grammar_from_lark("start: " + " | ".join(_lark_literal(x) for x in choices))
     if c.kind == "lark":
         return m.grammar_from_lark(c.spec)
+    if c.kind == "llguidance":
+        return c.spec
     return m.grammar_from_lark(gbnf_to_lark(c.spec) if "::=" in c.spec else c.spec)
 
 
@@ -53,3 +55,26 @@ def check(c: StructuredOutput) -> None:
     error = llguidance.LLMatcher.validate_grammar(grammar_of(c))
     if error:
         raise ValueError(f"invalid {c.kind.replace('_', ' ')}: {error.strip()}")
+
+
+def after_reasoning(c: StructuredOutput, opened: bool, start: str, end: str) -> StructuredOutput:
+    """`c` applied once a thinking model's reasoning ends: free text up to the `end` marker (the
+    output starts inside it when `opened`, else it may open with `start`), the blank lines a
+    template puts after it (two at most: a model may loop on them), then what `c` allows.
+    `start` / `end` are Lark: a string literal, or `<marker>` for a marker the tokenizer holds as
+    one token (no regex can match one, so the free text ends there). Nothing but the end marker
+    leaves the reasoning: end-of-sequence waits for the answer."""
+    text = grammar_of(c)  # llguidance's grammar list as JSON, or (from Lark) the Lark text itself
+    grammars = json.loads(text)["grammars"] if text.lstrip().startswith("{") else [{"lark_grammar": text}]
+    answer = grammars[0].setdefault("name", "answer")
+    # thinking: any bytes as the model writes them (a byte-level token may split a character), but
+    # 0xff, which begins a special token's bytes in llguidance's vocabulary (so none passes as text)
+    if end.startswith("<"):
+        thinking = [f"thinking: /(?-u:[\\x00-\\xfe])*/ {end}"]
+    else:
+        thinking = [f"thinking[suffix={end}]: /(?-u:[\\x00-\\xfe])*/"]
+    head = "thinking" if opened else f"({start} thinking)?"
+    options = '%llguidance {"allow_invalid_utf8": true}'
+    lark = "\n".join([options, f"start: {head} GAP @{answer}", *thinking, "GAP: /\\n{0,2}/"]) + "\n"
+    top = {"grammars": [{"lark_grammar": lark}, *grammars]}
+    return StructuredOutput("llguidance", json.dumps(top, ensure_ascii=False), c.resumed_tokens)

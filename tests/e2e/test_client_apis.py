@@ -230,9 +230,8 @@ def test_openai_agents_sdk_with_its_default_responses_model(server, model):
 @pytest.mark.parametrize("mode", ["JSON_SCHEMA", "TOOLS"])
 def test_instructor_returns_its_object_with_no_parser_flag(server, model, mode):
     """instructor's JSON_SCHEMA mode (response_format json_schema) and TOOLS mode (a named
-    tool_choice, forced as one call though the server has no --tool-call-parser). instructor is
-    not in the test extra (1.17 pins openai below this project's); skipped without it."""
-    instructor = pytest.importorskip("instructor")
+    tool_choice, forced as one call though the server has no --tool-call-parser)."""
+    import instructor
 
     class Place(BaseModel):
         city: str = Field(max_length=8)
