@@ -2,7 +2,8 @@
 thinking_model.py: HF's greedy answer thinks for a few tokens, then answers): `reasoning_content`
 and `content` split where HF's output has `</think>`, streamed and not; with a JSON schema the
 reasoning runs free (HF's tokens again) and the constraint starts after `</think>`, so the answer
-validates; a forced tool call is made after the reasoning too."""
+validates; a forced tool call is made after the reasoning too; a request moved mid-reasoning
+resumes under the same grammar."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from openai import OpenAI
 
 from tests.e2e.cluster import running_server
-from tests.e2e.thinking_model import ASK, ThinkingModel, make_thinking_model
+from tests.e2e.thinking_model import ASK, END_AT, ThinkingModel, make_thinking_model
 
 pytestmark = pytest.mark.slow
 
@@ -65,3 +66,30 @@ def test_reasoning_splits_where_hf_ends_it_and_constraints_start_after(thinking,
         (call,) = message.tool_calls
         assert call.function.name == "lookup"
         jsonschema.validate(json.loads(call.function.arguments), LOOKUP)
+
+
+@pytest.mark.parametrize("moved_at", [3, END_AT + 1])  # mid-reasoning; just after </think>
+def test_a_request_moved_mid_reasoning_resumes_under_the_same_grammar(thinking, moved_at):
+    """Migration replays the output under the wrapped grammar (resumed_tokens): moved after k
+    tokens, greedy, the rest is what the unmoved request made, reasoning and valid answer alike."""
+    from transformers import AutoTokenizer
+
+    from pdserve.engine.structured.grammar import after_reasoning
+    from pdserve.protocol.sampling import SamplingParams, StructuredOutput
+    from tests.engine.test_engine_vs_hf import make_engine
+    from tests.engine.test_structured_output import run
+
+    tok = AutoTokenizer.from_pretrained(thinking.path)
+    text = tok.apply_chat_template(ASK, add_generation_prompt=True, tokenize=False)
+    prompt = tok.encode(text, add_special_tokens=False)
+    c = after_reasoning(StructuredOutput("json_schema", json.dumps(VERDICT)), False, "<think>", "</think>")
+    (whole, reason) = run(
+        make_engine(thinking.path), {"r": (prompt, SamplingParams(max_tokens=64, temperature=0.0, structured=c))}
+    )["r"]
+    assert reason == "stop" and whole[END_AT] == tok.convert_tokens_to_ids("</think>")
+    moved = SamplingParams(
+        max_tokens=64 - moved_at, temperature=0.0, structured=StructuredOutput(c.kind, c.spec, moved_at)
+    )
+    (rest, reason) = run(make_engine(thinking.path), {"r": (prompt + whole[:moved_at], moved)})["r"]
+    assert reason == "stop" and whole[:moved_at] + rest == whole
+    jsonschema.validate(json.loads(tok.decode(whole[END_AT + 1 :], skip_special_tokens=True)), VERDICT)
