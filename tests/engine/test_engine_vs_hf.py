@@ -16,7 +16,11 @@ GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
 
 
 def make_engine(model, **kw) -> LLMEngine:
-    cache = CacheConfig(block_size=kw.pop("block_size", 16), num_blocks=kw.pop("num_blocks", 128))
+    cache = CacheConfig(
+        block_size=kw.pop("block_size", 16),
+        num_blocks=kw.pop("num_blocks", 128),
+        kv_cache_dtype=kw.pop("kv_cache_dtype", "auto"),
+    )
     sched = SchedulerConfig(
         max_num_seqs=kw.pop("max_num_seqs", 16),
         max_num_batched_tokens=kw.pop("max_num_batched_tokens", 512),

@@ -1,0 +1,137 @@
+"""--kv-cache-dtype int8 in the engine: the pool's layout and identity, top-1 agreement with fp32
+KV (teacher-forced), and an int8 run giving the same tokens however it is batched, chunked,
+cached or handed from a prefill engine to a decode engine (blocks copied as stored)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig
+from pdserve.engine.kv_cache import KVCacheSpec, allocate_kv_cache
+from pdserve.engine.llm_engine import PREFILLED, LLMEngine
+from pdserve.env import reload as reload_env
+from pdserve.kvtransfer.shm import SharedTensor
+from pdserve.protocol.sampling import SamplingParams
+from tests.conftest import random_prompts
+from tests.engine.test_engine_vs_hf import make_engine
+
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0)
+LENGTHS = [5, 17, 33, 64, 3, 40, 9, 21]
+AGREEMENT_FLOOR = 0.97  # measured 0.994 (tiny llama, 469/472) and 1.0 (tiny qwen2, 472/472)
+
+
+def prompts_for(engine: LLMEngine) -> list[list[int]]:
+    return random_prompts(engine.model_config.vocab_size, LENGTHS, seed=3)
+
+
+def teacher_forced_top1(engine: LLMEngine, prompts: list[list[int]], want: list[list[int]]) -> tuple[int, int]:
+    """(agreeing, total) over the reference continuations' tokens: at each position the engine's
+    most likely token given the reference prefix (one prefill of prompt + continuation, its prompt
+    logprobs' ranks: each position attends the int8 KV of those before it, as a decode step would)."""
+    scoring = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    for i, (p, w) in enumerate(zip(prompts, want)):
+        engine.add_request(f"tf{i}", p + w[:-1], scoring)
+    ranks: dict[str, list[int]] = {}
+    while engine.has_work():
+        for o in engine.step():
+            if o.prompt_logprobs is not None:
+                ranks[o.request_id] = o.prompt_logprobs.ranks
+    tail = [ranks[f"tf{i}"][len(p) - 1 :] for i, p in enumerate(prompts)]  # entry i scores token i + 1
+    return sum(r == 1 for t in tail for r in t), sum(len(t) for t in tail)
+
+
+def test_pool_layout_and_bytes(tiny_llama):
+    cfg = dataclasses.replace(ModelConfig.from_folder(tiny_llama), num_layers=2, num_kv_heads=2, head_dim=64)
+    auto = KVCacheSpec.for_model(cfg, 16, torch.float32)
+    int8 = KVCacheSpec.for_model(cfg, 16, torch.float32, "int8")
+    assert (auto.dtype, auto.shape(3)) == (torch.float32, (2, 2, 3, 16, 2, 64))
+    assert (int8.dtype, int8.shape(3)) == (torch.int8, (2, 2, 3, 16, 2, 68))
+    assert int8.bytes_per_block * 256 == auto.bytes_per_block * 68  # (64 + 4) / (64 * 4)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        KVCacheSpec.for_model(dataclasses.replace(cfg, head_dim=6), 16, torch.float32, "int8")
+
+
+def test_shared_memory_pool_holds_rows_and_scales(tiny_llama):
+    """The decode worker's allocator path: one shared segment, int8, the scales' bytes included."""
+    cfg = dataclasses.replace(ModelConfig.from_folder(tiny_llama), num_layers=2, num_kv_heads=2, head_dim=8)
+    spec = KVCacheSpec.for_model(cfg, 4, torch.float32, "int8")
+    made: list[SharedTensor] = []
+
+    def allocator(shape, dtype):
+        made.append(SharedTensor.create(shape, dtype))
+        return made[-1].tensor
+
+    try:
+        pool = allocate_kv_cache(spec, 5, torch.device("cpu"), allocator)
+        assert pool.dtype == torch.int8 and pool.shape == (2, 2, 5, 4, 2, 12) and made[0].nbytes == pool.numel()
+    finally:
+        made[0].close()
+
+
+def test_identity_keeps_int8_and_fp32_blocks_apart(tiny_llama):
+    auto, int8 = make_engine(tiny_llama), make_engine(tiny_llama, kv_cache_dtype="int8")
+    assert int8.info.model_fingerprint == auto.info.model_fingerprint + "/kv-int8"
+    assert (auto.info.kv_dtype, int8.info.kv_dtype) == ("float32", "int8")
+    assert int8.info.head_dim == auto.info.head_dim  # the model's; the pool's rows are 4 bytes longer
+    assert int8.hasher is not None and auto.hasher is not None and int8.hasher.root != auto.hasher.root
+
+
+def test_int8_on_a_gpu_is_refused_at_start(tiny_llama):
+    cfg = EngineConfig(model=str(tiny_llama), device="cuda", cache=CacheConfig(kv_cache_dtype="int8"))
+    with pytest.raises(ValueError, match="--kv-cache-dtype int8 is built for the CPU"):
+        LLMEngine(cfg, show_progress=False)
+
+
+def test_teacher_forced_top1_agrees_with_fp32_kv(tiny_model):
+    fp32 = make_engine(tiny_model, num_blocks=256, max_model_len=512)
+    prompts = prompts_for(fp32)
+    want = fp32.generate(prompts, GREEDY)
+    agree, total = teacher_forced_top1(
+        make_engine(tiny_model, num_blocks=256, max_model_len=512, kv_cache_dtype="int8"), prompts, want
+    )
+    assert total == sum(len(w) - 1 for w in want)
+    assert agree / total >= AGREEMENT_FLOOR, (agree, total)
+
+
+def test_int8_tokens_do_not_depend_on_batching_chunking_or_the_prefix_cache(tiny_llama, monkeypatch):
+    engine = make_engine(tiny_llama, kv_cache_dtype="int8")
+    prompts = prompts_for(engine)
+    batch = engine.generate(prompts, GREEDY)
+    assert [engine.generate([p], GREEDY)[0] for p in prompts] == batch  # one at a time, prompts cached now
+    chunked = make_engine(tiny_llama, kv_cache_dtype="int8", max_num_batched_tokens=7, block_size=4, num_blocks=512)
+    assert chunked.generate(prompts, GREEDY) == batch
+    monkeypatch.setenv("PDSERVE_ATTENTION", "torch")
+    monkeypatch.setenv("PDSERVE_LAYER_OPS", "torch")
+    reload_env()
+    assert make_engine(tiny_llama, kv_cache_dtype="int8").generate(prompts, GREEDY) == batch
+    engine.pool.assert_all_free()
+
+
+def test_prefill_engine_to_decode_engine_as_stored(tiny_llama):
+    """P prefills (chunked) into its int8 pool, the blocks are copied into D's as they are: D's
+    tokens are a colocated int8 engine's."""
+    prefill = make_engine(tiny_llama, kv_cache_dtype="int8", max_num_batched_tokens=24)
+    decode = make_engine(tiny_llama, kv_cache_dtype="int8")
+    prompts = prompts_for(prefill)
+    want = make_engine(tiny_llama, kv_cache_dtype="int8").generate(prompts, GREEDY)
+    outs: dict[str, list[int]] = {}
+    for i, p in enumerate(prompts):
+        prefill.add_request(f"r{i}", p, GREEDY, prefill_only=True)
+    while prefill.has_work():
+        sched = prefill.schedule()
+        tables = {c.seq.request_id: list(c.seq.block_table) for c in sched.chunks}
+        for o in prefill.execute(sched):
+            assert o.finish_reason in (PREFILLED, "stop")
+            src = tables[o.request_id]
+            dst = decode.pool.allocate(len(src))
+            decode.kv_cache[:, :, dst] = prefill.kv_cache[:, :, src]  # [L, 2, n, bs, Hkv, D + 4] int8
+            decode.add_prefilled(o.request_id, o.seq.prompt_token_ids, o.new_token_ids[0], None, GREEDY, dst)
+            outs[o.request_id] = list(o.new_token_ids)
+    while decode.has_work():
+        for o in decode.step():
+            outs[o.request_id] += o.new_token_ids
+    assert [outs[f"r{i}"] for i in range(len(prompts))] == want
+    decode.pool.assert_all_free()

@@ -1,0 +1,86 @@
+"""int8 KV blocks (--kv-cache-dtype int8) ship as stored: values and their scales, over ZeroMQ
+and written in place into a shared-memory pool advertised as `int8` with the model's head_dim;
+a frame of another dtype is dropped before it touches a block."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import zmq
+
+from pdserve.kvtransfer import kv_int8
+from pdserve.kvtransfer.lease import LeaseTable
+from pdserve.kvtransfer.receiver import KvReceiver
+from pdserve.kvtransfer.sender import make_kv_sender
+from pdserve.kvtransfer.shm import SharedTensor
+from pdserve.protocol.auth import FrameAuth
+from pdserve.protocol.messages import KvDone, KvLayout
+
+L, N, BS, H, D = 3, 12, 4, 2, 8
+AUTH = FrameAuth(b"k" * 32, encryption="off")
+
+
+@pytest.fixture
+def ctx():
+    c = zmq.Context()
+    yield c
+    c.destroy(linger=0)
+
+
+def drain(receiver: KvReceiver, want: int = 1, timeout_s: float = 5.0) -> list[KvDone]:
+    done: list[KvDone] = []
+    deadline = time.monotonic() + timeout_s
+    while len(done) < want and time.monotonic() < deadline:
+        done += receiver.poll(50)
+    return done
+
+
+@pytest.mark.parametrize("transport", ["zmq", "shm"])
+def test_int8_blocks_land_with_their_scales(ctx, tmp_path, transport):
+    shared = SharedTensor.create((L, 2, N, BS, H, D + kv_int8.SCALE_BYTES), torch.int8)  # D's int8 pool
+    try:
+        dst = shared.tensor
+        leases = LeaseTable(L)
+        with KvReceiver(ctx, AUTH, f"ipc://{tmp_path}/kv.sock", dst, leases) as receiver:
+            src = kv_int8.quantize(torch.randn(L, 2, 20, BS, H, D) * 3)  # P's pool [L, 2, 20, BS, H, D + 4]
+            src_blocks, dst_blocks = [7, 3, 11, 12], [5, 0, 9, 10]
+            lease = leases.grant("r1", dst_blocks, ttl_s=30)
+            layout = KvLayout(L, N, BS, H, D, "int8")  # the model's head_dim: the row's width follows from int8
+            sender = make_kv_sender(
+                transport, ctx=ctx, auth=AUTH, kv_addr=receiver.addr, shm_name=shared.name, layout=layout
+            )
+            try:
+                sent = sum(
+                    sender.send_layer("r1", lease, layer, src[layer], src_blocks, dst_blocks) for layer in range(L)
+                )
+                assert sent == L * len(src_blocks) * 2 * BS * H * (D + 4)  # a quarter of fp32's 4 * D, plus scales
+                assert sender.send_done(KvDone(request_id="r1", lease_epoch=lease.epoch, num_layers=L, kv_bytes=sent))
+                assert [d.request_id for d in drain(receiver)] == ["r1"]
+            finally:
+                sender.close()
+            assert torch.equal(dst[:, :, dst_blocks], src[:, :, src_blocks])
+            assert torch.equal(kv_int8.dequantize(dst[:, :, dst_blocks]), kv_int8.dequantize(src[:, :, src_blocks]))
+    finally:
+        shared.close()
+
+
+def test_a_frame_of_another_kv_dtype_is_dropped(ctx, tmp_path):
+    """An fp32 prefill worker's frame at an int8 pool: refused as a layout mismatch, no block written."""
+    dst = torch.zeros(L, 2, N, BS, H, D + kv_int8.SCALE_BYTES, dtype=torch.int8)
+    leases = LeaseTable(L)
+    with KvReceiver(ctx, AUTH, f"ipc://{tmp_path}/kv.sock", dst, leases) as receiver:
+        lease = leases.grant("r1", [1, 2], ttl_s=30)
+        sender = make_kv_sender(
+            "zmq", ctx=ctx, auth=AUTH, kv_addr=receiver.addr, shm_name=None, layout=KvLayout(L, N, BS, H, D, "float32")
+        )
+        try:
+            sender.send_layer("r1", lease, 0, torch.randn(2, 4, BS, H, D), [0, 1], [1, 2])
+            deadline = time.monotonic() + 5
+            while not receiver.dropped and time.monotonic() < deadline:
+                receiver.poll(50)
+        finally:
+            sender.close()
+        assert receiver.dropped["layout_mismatch"] == 1
+        assert not dst.any()
