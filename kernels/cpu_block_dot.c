@@ -178,14 +178,21 @@ static inline void unpack_k4(const uint8_t *qs, const uint8_t *qh, __m256i q[8])
     }
 }
 
-/* lane k of sum_j sc_j (q_j . xq_j), q the unpacked values (0..31), sc16 each scale broadcast */
-static inline v8i lanes_unpacked(const __m256i q[8], const __m256i sc16[8], const int8_t *xq) {
-    __m256i acc = _mm256_setzero_si256();
+/* acc[r] = lane k of sum_j sc_j (q_j . x row r's sub-block j) for the tile's rn rows of x (super-block
+ * b of each): the sub-block outer and the rows inner, so q_j, its scale and the rows' integer sums
+ * stay in registers and each row's inputs are read once (exact integers: the plain C path's
+ * lanes_k4 / lanes_q6k give the same). */
+static inline __attribute__((always_inline)) void tile_unpacked(const __m256i q[8], const __m256i sc16[8],
+                                                                const q8k *x, int64_t nsb, int64_t b, const int rn,
+                                                                __m256i acc[]) {
+    for (int r = 0; r < rn; r++) acc[r] = _mm256_setzero_si256();
     for (int j = 0; j < 8; j++) {
-        const __m256i p = _mm256_maddubs_epi16(q[j], _mm256_loadu_si256((const __m256i *)(xq + 32 * j)));
-        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, sc16[j]));
+        const __m256i qj = q[j], sj = sc16[j];
+        for (int r = 0; r < rn; r++) {
+            const __m256i xj = _mm256_loadu_si256((const __m256i *)(x[r * nsb + b].q + 32 * j));
+            acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(qj, xj), sj));
+        }
     }
-    return to_v8i(acc);
 }
 
 /* Q4_K / Q5_K's scales broadcast as int16 vectors, one a sub-block */
@@ -223,12 +230,10 @@ static inline void unpack_q6k(const uint8_t *ql, const uint8_t *qh, __m256i u[8]
     }
 }
 
-/* Q6_K: lane k of sum_g sc_g (u_g . xq_g) - 32 (lane j of sum sc bsum) */
-static inline v8i lanes_q6k(const __m256i u[8], const __m256i sc16[8], __m256i sc_all16, const int8_t *xq,
-                            const int16_t *bsums) {
-    const __m256i acc = (__m256i)lanes_unpacked(u, sc16, xq);
+/* Q6_K: lane k of sum_g sc_g (u_g . xq_g) - 32 (lane j of sum sc bsum), from the first term's lanes */
+static inline v8i lanes_q6k_from(__m256i unpacked, __m256i sc_all16, const int16_t *bsums) {
     const __m256i bias = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)bsums), sc_all16);
-    return to_v8i(_mm256_sub_epi32(acc, _mm256_slli_epi32(bias, 5)));
+    return to_v8i(_mm256_sub_epi32(unpacked, _mm256_slli_epi32(bias, 5)));
 }
 
 /* Q6_K's 16 int8 scales as int16 vectors: [sc_g x 8 | sc_g+1 x 8] for each chunk of 32, and all 16 */
@@ -333,9 +338,10 @@ static inline __attribute__((always_inline)) void row_tile(const int type, const
             k4_scales s;
             k4_decode(blk, &s);
 #if defined(__AVX2__)
-            __m256i sv[8], q[8];
+            __m256i sv[8], q[8], sums[ROWS];
             k4_vectors(&s, sv);
             unpack_k4(qs, type == Q4_K ? NULL : blk + 16, q);
+            tile_unpacked(q, sv, x, nsb, b, rn, sums);
 #endif
             for (int r = 0; r < rn; r++) {
                 const q8k *xb = &x[r * nsb + b];
@@ -343,7 +349,7 @@ static inline __attribute__((always_inline)) void row_tile(const int type, const
                 KEEP(da);
                 KEEP(dm);
 #if defined(__AVX2__)
-                const v8i lanes = lanes_unpacked(q, sv, xb->q);
+                const v8i lanes = to_v8i(sums[r]);
 #else
                 const v8i lanes = lanes_k4(qs, type == Q4_K ? NULL : blk + 16, &s, xb->q);
 #endif
@@ -355,16 +361,17 @@ static inline __attribute__((always_inline)) void row_tile(const int type, const
             const int8_t *sc = (const int8_t *)(blk + 192);
             const float d = f16(blk + 208);
 #if defined(__AVX2__)
-            __m256i sv[8], all16, u[8];
+            __m256i sv[8], all16, u[8], sums[ROWS];
             q6k_vectors(sc, sv, &all16);
             unpack_q6k(blk, blk + 128, u);
+            tile_unpacked(u, sv, x, nsb, b, rn, sums);
 #endif
             for (int r = 0; r < rn; r++) {
                 const q8k *xb = &x[r * nsb + b];
                 float da = d * xb->d;
                 KEEP(da);
 #if defined(__AVX2__)
-                acc[r] = add_scaled(acc[r], lanes_q6k(u, sv, all16, xb->q, xb->bsums), da);
+                acc[r] = add_scaled(acc[r], lanes_q6k_from(sums[r], all16, xb->bsums), da);
 #else
                 acc[r] = add_scaled(acc[r], lanes_q6k(blk, blk + 128, sc, xb->q, xb->bsums), da);
 #endif
