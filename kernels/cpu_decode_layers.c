@@ -13,7 +13,9 @@
  * the kernel, several segments' after they are put side by side).
  *
  * The kernels are not linked in: the caller passes the addresses of the functions already loaded
- * from their own libraries (kernels/decode_layers.py), so there is one copy of each.
+ * from their own libraries (kernels/decode_layers.py), so there is one copy of each. The KV pool
+ * is opaque here: an int8 pool (--kv-cache-dtype int8) gets the int8 store and attention entries
+ * (rope_store_q8, paged_decode_attention_q8) in the same slots, with the same arguments.
  */
 #include <stddef.h>
 #include <stdint.h>
@@ -24,9 +26,9 @@ typedef int (*add_rmsnorm_fn)(const float *x, const float *delta, int64_t ldd, c
                               float *out, int64_t rows, int64_t n, float eps, int nthreads);
 typedef int (*silu_mul_fn)(const float *gate_up, int64_t ld, float *out, int64_t rows, int64_t n, int nthreads);
 typedef int (*rope_store_fn)(const float *qkv, int64_t ldq, const float *cos, const float *sin, float *q_out,
-                             float *k_out, float *kv, int64_t slots, const int64_t *slot, int64_t rows, int hq,
+                             float *k_out, void *kv, int64_t slots, const int64_t *slot, int64_t rows, int hq,
                              int hkv, int d, int nthreads);
-typedef int (*attention_fn)(const float *q, int64_t q_stride, const float *kv, int64_t num_tokens_in_pool,
+typedef int (*attention_fn)(const float *q, int64_t q_stride, const void *kv, int64_t num_tokens_in_pool,
                             const int32_t *tables, int64_t table_stride, const int32_t *ctx_lens, float *out,
                             int n, int hq, int hkv, int d, int bs, float scale, int window, float softcap,
                             int nthreads);
@@ -70,7 +72,7 @@ typedef struct {  /* a linear: fp32 panels [P, in, 16], or quantized row segment
 typedef struct {  /* one decoder layer, as laid out after loading */
     const float *input_norm, *post_attention_norm;  /* [H] */
     linear_desc qkv, o, gate_up, down;              /* qkv's bias [(hq + 2 hkv) d] or NULL */
-    float *kv;                                      /* this layer's pool [2, slots, hkv, d] */
+    void *kv;                                       /* this layer's pool [2, slots, hkv, d] fp32 (or d + 4 int8) */
 } layer_weights;
 
 typedef struct {  /* the model's shapes */

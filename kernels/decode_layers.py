@@ -135,8 +135,9 @@ def _address(lib: ctypes.CDLL, name: str) -> int | None:
 
 
 @functools.lru_cache(maxsize=None)
-def _library() -> tuple[ctypes.CDLL, KernelTable] | None:
-    """The driver and the table of kernels it calls; None when any of them did not build."""
+def _library() -> tuple[ctypes.CDLL, dict[torch.dtype, KernelTable]] | None:
+    """The driver and the tables of kernels it calls, by the KV pool's dtype (fp32; int8 rows:
+    the int8 store and attention entries); None when any of them did not build."""
     ops, gemm, attention = layer_ops._library(), panel_gemm._library(), cpu_native._library()
     if not (ops and gemm and attention):
         return None
@@ -150,24 +151,31 @@ def _library() -> tuple[ctypes.CDLL, KernelTable] | None:
     lib.decode_layers_work_floats.argtypes = [p, i64]
     lib.decode_layers_f32.restype = ctypes.c_int
     lib.decode_layers_f32.argtypes = [p, p, ctypes.c_int, p, p, p, i64, p, p, p, i64, p, i64, p, p, ctypes.c_int]
-    table = KernelTable(
-        _address(ops, "rmsnorm_f32"),
-        _address(ops, "add_rmsnorm_f32"),
-        _address(ops, "silu_mul_f32"),
-        _address(ops, "rope_store_f32"),
-        _address(attention, "paged_decode_attention_f32"),
-        _address(gemm, "panel_gemm_f32"),
-        _address(quant, "quant_gemm_f32") if quant is not None else None,
-        _address(int8x, "quant_gemm_int8x") if int8x is not None else None,
-        _address(blocks, "block_gemm_int8x") if blocks is not None else None,
-    )
-    return lib, table
+
+    def table(rope_store: str, decode_attention: str) -> KernelTable:
+        return KernelTable(
+            _address(ops, "rmsnorm_f32"),
+            _address(ops, "add_rmsnorm_f32"),
+            _address(ops, "silu_mul_f32"),
+            _address(ops, rope_store),
+            _address(attention, decode_attention),
+            _address(gemm, "panel_gemm_f32"),
+            _address(quant, "quant_gemm_f32") if quant is not None else None,
+            _address(int8x, "quant_gemm_int8x") if int8x is not None else None,
+            _address(blocks, "block_gemm_int8x") if blocks is not None else None,
+        )
+
+    return lib, {
+        torch.float32: table("rope_store_f32", "paged_decode_attention_f32"),
+        torch.int8: table("rope_store_q8", "paged_decode_attention_q8"),  # --kv-cache-dtype int8
+    }
 
 
 def quantized_available() -> bool:
     """Whether the driver can run quantized linears (a quantized GEMM built too)."""
     lib = _library()
-    return lib is not None and (lib[1].quant_gemm is not None or lib[1].block_gemm is not None)
+    table = lib[1][torch.float32] if lib is not None else None
+    return table is not None and (table.quant_gemm is not None or table.block_gemm is not None)
 
 
 def available() -> bool:
@@ -196,7 +204,9 @@ class DecodeLayers:
         self.layers = (LayerWeights * len(layers))(*layers)
         self.max_rows = max_rows  # the most decode rows a step it runs may have (the model's rule)
         self._keep = keep or []  # ctypes arrays the layers point into (quantized segments)
-        self.kv_cache = kv_cache  # [L, 2, N, bs, Hkv, D]: held, so the layers' pool pointers stay valid
+        self.kv_cache = (
+            kv_cache  # [L, 2, N, bs, Hkv, D] fp32 or int8 (D + 4): held, so the layers' pool pointers stay valid
+        )
         self.shape = shape
         self.slots = kv_cache.shape[2] * kv_cache.shape[3]
         lib = built(_library())[0]
@@ -214,7 +224,8 @@ class DecodeLayers:
         """x [m, H] (m decode rows) -> [m, H] after every layer, each layer's K, V stored at
         slot_mapping [m]; cos, sin [m, 1, D]; block_tables [>=m, W], context_lens [>=m] int32.
         None when the attention kernel refuses these shapes (the per-op path runs instead)."""
-        lib, table = built(_library())
+        lib, tables = built(_library())
+        table = tables[self.kv_cache.dtype]
         m, hidden = x.shape
         assert x.is_contiguous() and hidden == self.shape.hidden and slot_mapping.dtype == torch.int64
         assert cos.is_contiguous() and sin.is_contiguous() and slot_mapping.is_contiguous()

@@ -17,9 +17,10 @@ pytestmark = pytest.mark.skipif(not decode_layers.available(), reason="the C ker
 QUANT_ROWS = min(QUANT_FEW_ROWS.values())  # a quantized stack's driver takes steps up to this many rows
 
 
-def engine_at_decode(model, batch: int):
+def engine_at_decode(model, batch: int, kv_cache_dtype: str = "auto"):
     """An engine whose `batch` requests (prompts of varied lengths) have all reached decode."""
-    return to_decode(make_engine(model, max_num_seqs=max(32, batch), num_blocks=256), batch)
+    engine = make_engine(model, max_num_seqs=max(32, batch), num_blocks=256, kv_cache_dtype=kv_cache_dtype)
+    return to_decode(engine, batch)
 
 
 def to_decode(engine, batch: int):
@@ -45,10 +46,11 @@ def per_op_layers(model, fp) -> torch.Tensor:
     return x
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])  # int8: the driver's int8 store and attention
 @pytest.mark.parametrize("batch", [1, 3, few_rows()])
 @torch.inference_mode()
-def test_fused_equals_per_op_bit_for_bit(tiny_model, batch):
-    engine = engine_at_decode(tiny_model, batch)
+def test_fused_equals_per_op_bit_for_bit(tiny_model, batch, kv_cache_dtype):
+    engine = engine_at_decode(tiny_model, batch, kv_cache_dtype)
     model, kv = engine.runner.model, engine.runner.kv_cache
     fp = engine.launch(engine.schedule())
     assert fp.ctx.attn.num_decode_seqs == fp.ctx.attn.num_seqs == batch
