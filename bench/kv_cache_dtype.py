@@ -34,7 +34,7 @@ import zmq
 from pdserve.bench.machine import best_of
 from pdserve.engine.config import CacheConfig, EngineConfig, KvCacheDtype, SchedulerConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.kvtransfer import kv_int8
+from pdserve.kernels import kv_int8
 from pdserve.kvtransfer.lease import LeaseTable
 from pdserve.kvtransfer.receiver import KvReceiver
 from pdserve.kvtransfer.sender import ZmqKvSender

@@ -7,7 +7,7 @@ parallelism every rank holds such a pool for its own KV heads, with the same blo
 the memory budget counts all of the model's heads (replicated heads cost once per rank on top).
 
 `--kv-cache-dtype int8`: the pool's dtype is int8 and its last axis `head_dim + 4` (each row's
-fp32 scale after its values, kvtransfer/kv_int8.py): scales live in the same allocation, so a
+fp32 scale after its values, kernels/kv_int8.py): scales live in the same allocation, so a
 shared-memory pool holds them too and every block copy carries them.
 """
 
@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from pdserve.engine.config import CacheConfig, ModelConfig
-from pdserve.kvtransfer import kv_int8
+from pdserve.kernels import kv_int8
 
 # (shape, dtype) -> tensor; e.g. a shared-memory allocator so a prefill peer can write in place.
 KvAllocator = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]

@@ -18,7 +18,7 @@ everywhere, the reference). Triton on CPU tensors needs TRITON_INTERPRET=1 set b
 first imported.
 
 An int8 pool (`--kv-cache-dtype int8`: rows of int8 values and their fp32 scale,
-kvtransfer/kv_int8.py) never goes to Triton: stores quantize each row, the C kernels read the rows
+kernels/kv_int8.py) never goes to Triton: stores quantize each row, the C kernels read the rows
 as stored (decode: dequantized in registers; flash prefill: a tile at a time) with fp32 sums, and
 torch dequantizes what it gathers. The older tiled prefill kernel takes no int8 pool.
 """
@@ -30,9 +30,8 @@ import functools
 import torch
 
 from pdserve.env import settings
-from pdserve.kernels import cpu_native, torch_attention
+from pdserve.kernels import cpu_native, kv_int8, torch_attention
 from pdserve.kernels.metadata import AttentionMetadata
-from pdserve.kvtransfer import kv_int8
 
 
 @functools.lru_cache(maxsize=None)

@@ -10,7 +10,7 @@
  *                     their KV-pool slots (-1: not stored); rotated q and k also written out
  *                     dense for the attention that follows.
  *   rope_store_q8     the same into an int8 pool (--kv-cache-dtype int8): each K and V row of a
- *                     head stored as int8 values and their fp32 scale (kvtransfer/kv_int8.py's
+ *                     head stored as int8 values and their fp32 scale (kernels/kv_int8.py's
  *                     quantize, bit for bit: scale = max|x| / 127, q = rint(x * (127 / max|x|))).
  *
  * fp32, rows contiguous (`ld*` = floats between rows). Threads split rows (OpenMP on torch's
@@ -86,7 +86,7 @@ static volatile float k127_hidden = 127.0f; /* read at run time: see quantize_ro
 
 /* x [d] as int8 values, then their fp32 scale, at out [d + 4]. The divisions stay divisions (127
  * read from a volatile is no constant for -ffast-math's reciprocal rewrite) and rintf rounds half
- * to even, so the bytes are torch's (kvtransfer/kv_int8.py quantize). */
+ * to even, so the bytes are torch's (kernels/kv_int8.py quantize). */
 static inline void quantize_row(const float *x, int8_t *out, int d) {
     float amax = 0.0f;
     const float k127 = k127_hidden;

@@ -1,4 +1,4 @@
-/* Reading an int8 KV row (--kv-cache-dtype int8, kvtransfer/kv_int8.py) in the CPU kernels: a row is
+/* Reading an int8 KV row (--kv-cache-dtype int8, kernels/kv_int8.py) in the CPU kernels: a row is
  * a head's D int8 values followed by their fp32 scale (4 bytes, native order), so x[c] = q[c] *
  * scale. Included by the attention kernels that read int8 pools; kernels/cpu_native.py hashes this
  * header into each build's cache key. */

@@ -147,7 +147,7 @@ def rope_store(
     """The fused qkv projection's rows [T, (Hq + 2 Hkv) D]: q and k rotated by cos, sin [T, 1, D],
     k and v stored into kv_layer [2, N, bs, Hkv, D] at slot_mapping [T] (-1: not stored); an int8
     pool [2, N, bs, Hkv, D + 4] (--kv-cache-dtype int8) takes the rows quantized, as
-    kvtransfer/kv_int8.py's quantize does, bit for bit.
+    kernels/kv_int8.py's quantize does, bit for bit.
     Returns q [T, Hq, D], k [T, Hkv, D] (rotated, dense) and v [T, Hkv, D] (a view of qkv), or
     None when these tensors are not for the C op (the caller then rotates and stores in torch)."""
     d = cos.shape[-1]

@@ -25,7 +25,7 @@ p, and the keys before the first query's window are not read at all. Soft-cappin
 tanh(s / cap) * cap on the scaled scores) is not something SDPA does: those layers take the
 plain math path (`_attend_math`).
 
-An int8 pool (`--kv-cache-dtype int8`, kvtransfer/kv_int8.py) is written quantized and read
+An int8 pool (`--kv-cache-dtype int8`, kernels/kv_int8.py) is written quantized and read
 dequantized: gathers widen the blocks they read, and a chunk's own K/V is taken as the pool holds
 it (quantized and back), so every path attends over the values the pool stores.
 """
@@ -35,8 +35,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pdserve.kernels import kv_int8
 from pdserve.kernels.metadata import AttentionMetadata
-from pdserve.kvtransfer import kv_int8
 
 # Upper bound on the K+V bytes gathered at once for decode (cache-friendly; measured best at ~4 MB).
 DECODE_CHUNK_BYTES = 4 << 20

@@ -40,10 +40,10 @@ from collections.abc import Callable
 import torch
 import zmq
 
-from pdserve.kvtransfer import kv_int8
 from pdserve.kvtransfer.head_ranges import HeadShard, head_span, overlaps
 from pdserve.kvtransfer.shm import SharedTensor
 from pdserve.kvtransfer.wire import KvFrameHeader, dtype_name, torch_dtype
+from pdserve.protocol import kv_rows
 from pdserve.protocol.auth import FrameAuth
 from pdserve.protocol.channel import Outbox
 from pdserve.protocol.messages import KvDone, KvLayout, KvRangeDone, KvRelease, KvRenew, Lease, ShmPool
@@ -451,8 +451,8 @@ class ShmKvSender(KvSender):
                 if not start <= p.kv_head_start < p.kv_head_end <= start + layout.num_kv_heads:
                     raise ValueError(f"shared pool {p.name}: KV heads outside the destination's layout")
                 shape = (layout.num_layers, 2, layout.num_blocks, layout.block_size, p.kv_head_end - p.kv_head_start)
-                dtype = torch_dtype(layout.dtype)  # int8: rows of head_dim values + their scale
-                pool = self._attach(p.name, (*shape, kv_int8.row_width(layout.head_dim, dtype)), dtype)
+                width = kv_rows.row_width(layout.head_dim, layout.dtype)  # int8: values + their scale
+                pool = self._attach(p.name, (*shape, width), torch_dtype(layout.dtype))
                 self._mapped.append(pool)
                 assert pool.tensor is not None
                 self.shards.append(HeadShard(p.kv_head_start, p.kv_head_end, pool.tensor, p.name))

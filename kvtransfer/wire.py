@@ -7,7 +7,7 @@ its msgpack header is a tagged union told apart by the msgspec tag field `"type"
                                                            [2, n_blocks, block_size, heads, head_dim],
                                                            C-contiguous, native byte order, `dtype`
                                                            (int8: head_dim + 4, each row's fp32 scale
-                                                           after its values, kvtransfer/kv_int8.py)
+                                                           after its values, kernels/kv_int8.py)
     {"type": "KvFrameHeader", ..., "in_place": true}       same, no payload: P already wrote the
                                                            blocks into D's shared-memory pool
     {"type": "KvDone", ...}                                protocol.messages.KvDone: all layers sent
@@ -73,7 +73,7 @@ _DTYPES = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
     "float64": torch.float64,
-    "int8": torch.int8,  # --kv-cache-dtype int8: rows of D values + their fp32 scale (kvtransfer/kv_int8.py)
+    "int8": torch.int8,  # --kv-cache-dtype int8: rows of D values + their fp32 scale (kernels/kv_int8.py)
 }
 if hasattr(torch, "float8_e4m3fn"):
     _DTYPES["float8_e4m3fn"] = torch.float8_e4m3fn

@@ -22,7 +22,7 @@ from torch import nn
 
 from pdserve import kernels
 from pdserve.engine.models.llama import ForwardContext
-from pdserve.kvtransfer import kv_int8
+from pdserve.kernels import kv_int8
 
 ATTN_IMPLEMENTATION = "pdserve_paged"
 SLOT_ATTR = "pdserve_slot"  # set on every module of the decoder layers (models/transformers_backend.py)

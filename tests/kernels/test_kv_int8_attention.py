@@ -1,4 +1,4 @@
-"""Attention over an int8 KV pool (--kv-cache-dtype int8, kvtransfer/kv_int8.py): the C decode and
+"""Attention over an int8 KV pool (--kv-cache-dtype int8, kernels/kv_int8.py): the C decode and
 flash prefill kernels and the torch path, each against the float64 reference on the dequantized
 values (so the tolerance is float rounding's, not quantization's); the C store's bytes against
 torch's quantize; every ISA build this CPU can run."""
@@ -13,8 +13,7 @@ import torch
 
 from pdserve import kernels
 from pdserve.env import reload as reload_env
-from pdserve.kernels import cpu_native, layer_ops, torch_attention
-from pdserve.kvtransfer import kv_int8
+from pdserve.kernels import cpu_native, kv_int8, layer_ops, torch_attention
 from tests.kernels.isa_builds import ISAS, isa_variant
 from tests.kernels.test_torch_attention import MIXED, SHAPES, Case, make_case, reference
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import zmq
 
-from pdserve.kvtransfer import kv_int8
+from pdserve.kernels import kv_int8
 from pdserve.kvtransfer.lease import LeaseTable
 from pdserve.kvtransfer.receiver import KvReceiver
 from pdserve.kvtransfer.sender import make_kv_sender

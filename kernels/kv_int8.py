@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import torch
 
-SCALE_BYTES = 4  # one fp32 after the D values of a row
+from pdserve.protocol import kv_rows
+
+SCALE_BYTES = kv_rows.INT8_SCALE_BYTES  # one fp32 after the D values of a row
 
 
 def is_int8(pool: torch.Tensor) -> bool:
@@ -26,11 +28,7 @@ def is_int8(pool: torch.Tensor) -> bool:
 
 def row_width(head_dim: int, dtype: torch.dtype) -> int:
     """Elements of a pool row (its last axis) for `head_dim` values stored as `dtype`."""
-    if dtype != torch.int8:
-        return head_dim
-    if head_dim % 4:
-        raise ValueError(f"--kv-cache-dtype int8 needs head_dim a multiple of 4, got {head_dim}")
-    return head_dim + SCALE_BYTES
+    return kv_rows.row_width(head_dim, str(dtype).removeprefix("torch."))
 
 
 def head_dim(pool: torch.Tensor) -> int:
