@@ -517,8 +517,26 @@ class CacheConfig:
             "Prefill and decode workers exchanging KV must agree"
         ),
     ] = "auto"
+    kv_offload_dir: Annotated[
+        str | None,
+        Flag(
+            "a folder for the prefix cache's disk tier: full blocks' KV written there (off the step loop, "
+            "checksummed) and read back instead of recomputing a prefix that left RAM or was computed before "
+            "a restart; workers of one host may share it (engine/kv_disk_tier.py)"
+        ),
+    ] = None
+    kv_offload_bytes: Annotated[
+        int,
+        Flag(
+            "the disk tier's size, e.g. 20GiB (least recently used blocks go)",
+            name="--kv-offload-size",
+            parse=parse_size,
+        ),
+    ] = 20 << 30
 
     def __post_init__(self) -> None:
+        if self.kv_offload_bytes <= 0:
+            raise ValueError(f"--kv-offload-size must be > 0, got {self.kv_offload_bytes}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

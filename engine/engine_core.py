@@ -122,6 +122,8 @@ class EngineStats:
     structured_mask_seconds: float
     # speculative decoding's counters as WorkerStats fields ({} without speculation)
     speculation: dict[str, Any] = field(default_factory=dict)
+    # the prefix cache's disk tier as WorkerStats' kv_disk_* fields ({} without one)
+    kv_disk: dict[str, Any] = field(default_factory=dict)
 
 
 class EngineCore(ABC):

@@ -40,6 +40,8 @@ from pdserve.engine.engine_core import (
     StepOutput,
 )
 from pdserve.engine.kv_cache import KvAllocator, KVCacheSpec, allocate_kv_cache, plan_num_blocks
+from pdserve.engine.kv_disk_tier import DiskKvTier
+from pdserve.engine.kv_offload import KvOffload
 from pdserve.engine.model_runner import ForwardPass, ModelRunner, load_model
 from pdserve.engine.models.interface import CausalLM
 from pdserve.engine.models.llama import LlamaForCausalLM
@@ -160,6 +162,8 @@ class LLMEngine(EngineCore):
             if spec is not None
             else None
         )
+        self.offload = self._disk_tier(config, mc.fingerprint(self.dtype, kv_dtype), runner) if caching else None
+        self.scheduler.offload = self.offload
         draft = self.draft
         self.info = EngineInfo(
             model_fingerprint=mc.fingerprint(self.dtype, kv_dtype),
@@ -234,8 +238,38 @@ class LLMEngine(EngineCore):
         return self.runner.kv_cache
 
     def close(self) -> None:
-        """Stop what the engine started (tensor-parallel rank processes); idempotent."""
+        """Stop what the engine started (tensor-parallel rank processes, the disk tier's writer,
+        after its queued writes); idempotent."""
         self.runner.close()
+        if self.offload is not None:
+            self.offload.tier.close()
+            self.offload = self.scheduler.offload = None
+
+    def _disk_tier(self, config: EngineConfig, fingerprint: str, runner: ModelRunner) -> KvOffload | None:
+        """--kv-offload-dir's tier over this engine's pools (the draft model's too: same block ids)."""
+        cache = config.cache
+        if cache.kv_offload_dir is None:
+            return None
+        if config.tensor_parallel_size > 1:
+            raise ValueError(
+                "--kv-offload-dir with tensor parallelism is not supported (each rank holds its own heads)"
+            )
+        caches = [runner.kv_cache]
+        identity = (
+            f"{fingerprint}/bs{self.block_size}/{list(runner.kv_cache.shape[:2])}{list(runner.kv_cache.shape[3:])}"
+        )
+        if self.draft_kv_cache is not None:
+            caches.append(self.draft_kv_cache)
+            identity += f"/draft {self.draft_config.fingerprint(self.dtype) if self.draft_config else ''}"
+        tier = DiskKvTier(cache.kv_offload_dir, identity, cache.kv_offload_bytes)
+        log.info(
+            "KV disk tier: %s (%d blocks, %.2f of %.2f GiB used)",
+            tier.dir,
+            tier.num_blocks,
+            tier.bytes_used / 2**30,
+            cache.kv_offload_bytes / 2**30,
+        )
+        return KvOffload(tier, self.pool, caches, self.block_size)
 
     @property
     def num_layers(self) -> int:
@@ -275,6 +309,7 @@ class LLMEngine(EngineCore):
             structured_mask_rows=self.grammars.mask_stats.rows,
             structured_mask_seconds=self.grammars.mask_stats.seconds,
             speculation=self.speculator.worker_stats() if self.speculator is not None else {},
+            kv_disk=self.offload.stats() if self.offload is not None else {},
         )
 
     def prefix_cache_changes(self) -> list[tuple[bool, bytes]]:
@@ -286,7 +321,11 @@ class LLMEngine(EngineCore):
 
     # --- blocks for a decode worker's leases (EngineCore: one owner, the scheduler) -----------
     def cached_prefix(self, block_hashes: list[bytes]) -> list[int]:
-        return self.pool.lookup(block_hashes) if self.hasher is not None and block_hashes else []
+        if self.hasher is None or not block_hashes:
+            return []
+        if self.offload is not None:  # (a decode worker's reservation: what disk holds is not shipped)
+            self.offload.load_prefix(block_hashes)
+        return self.pool.lookup(block_hashes)
 
     def can_reserve(self, num_blocks: int, prefix: list[int]) -> bool:
         return self.scheduler.can_reserve(num_blocks, prefix)
@@ -369,6 +408,8 @@ class LLMEngine(EngineCore):
         seq.stop_after_first_token = prefill_only
         if sampling.prompt_logprobs is not None:
             seq.prompt_scores = PromptScores(len(prompt_token_ids), sampling.prompt_logprobs)
+        elif self.offload is not None and self.hasher is not None:  # read its blocks on disk ahead
+            self.offload.prefetch(self.hasher.extend(seq, (seq.num_tokens - 1) // self.block_size))
         self.scheduler.add(seq)
         return seq
 
@@ -763,7 +804,10 @@ class LLMEngine(EngineCore):
             return
         hashes = self.hasher.extend(seq, full)
         for i in range(seq.num_registered_blocks, full):
-            self.pool.register(seq.block_table[i], hashes[i])
+            b = seq.block_table[i]
+            self.pool.register(b, hashes[i])
+            if self.offload is not None and self.pool.block_hash[b] == hashes[i]:
+                self.offload.written(b, hashes[i])
         seq.num_registered_blocks = full
 
     # --- outcomes -------------------------------------------------------------------------

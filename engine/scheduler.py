@@ -33,11 +33,15 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.config import SchedulerConfig
 from pdserve.engine.prefix_cache import BlockHasher
 from pdserve.engine.sequence import SeqStatus, Sequence
+
+if TYPE_CHECKING:
+    from pdserve.engine.kv_offload import KvOffload
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,7 @@ class Scheduler:
         self.pool = pool
         self.block_size = block_size
         self.hasher = hasher  # None: no prefix cache
+        self.offload: KvOffload | None = None  # the prefix cache's disk tier (engine/kv_offload.py)
         self.prefix_query_tokens = 0  # prompt tokens looked up in the prefix cache (counter)
         self.prefix_hit_tokens = 0  # of them, found cached (not computed)
         self.waiting: deque[Sequence] = deque()
@@ -256,7 +261,10 @@ class Scheduler:
         if self.hasher is None or seq.prompt_scores is not None:
             return []
         usable = (seq.num_tokens - 1) // self.block_size
-        return self.pool.lookup(self.hasher.extend(seq, usable)[:usable])
+        hashes = self.hasher.extend(seq, usable)[:usable]
+        if self.offload is not None:  # blocks on disk past the RAM-cached run come back first
+            self.offload.load_prefix(hashes)
+        return self.pool.lookup(hashes)
 
     def _order_shortest_first(self) -> None:
         now = time.monotonic()

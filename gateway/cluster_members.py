@@ -19,7 +19,7 @@ from pdserve.gateway.kv_index import KvIndex
 from pdserve.gateway.membership import WorkerEntry, WorkerTable
 from pdserve.gateway.worker_plane import WorkerPlane
 from pdserve.protocol.block_hashes import BlockHasher, short_id
-from pdserve.protocol.messages import Abort, Deregister, Heartbeat, Register, Welcome, WorkerInfo
+from pdserve.protocol.messages import Abort, Deregister, Heartbeat, Register, Welcome, WorkerInfo, WorkerStats
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,25 @@ class ClusterMembers:
                         "device": f"cuda (GPU {w.info.kv_device})" if w.info.kv_device else "cpu",
                         # how prefill workers on its host write its pool in place (None: they send frames)
                         "shared_as": ("cuda-ipc" if w.info.kv_device else "shm") if w.info.shm_name else None,
+                        "disk": _disk_tier(st),
                     },
                 }
             )
         return sorted(out, key=lambda w: (w["role"], w["id"]))
+
+
+def _disk_tier(st: WorkerStats) -> dict | None:
+    """The prefix cache's disk tier as GET /v1/workers shows it (None: the worker has none)."""
+    if not st.kv_disk_capacity_bytes:
+        return None
+    return {
+        "blocks": st.kv_disk_blocks,
+        "bytes": st.kv_disk_bytes,
+        "capacity_bytes": st.kv_disk_capacity_bytes,
+        "usage": round(st.kv_disk_bytes / st.kv_disk_capacity_bytes, 4),
+        "hit_tokens": st.kv_disk_hit_tokens,
+        "written_bytes": st.kv_disk_write_bytes,
+        "read_bytes": st.kv_disk_read_bytes,
+        "evictions": st.kv_disk_evictions,
+        "corrupt": st.kv_disk_corrupt,
+    }

@@ -67,6 +67,32 @@ class _WorkerCollector:
             "prefix_hit_tokens": CounterMetricFamily(
                 "pdserve_prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed)", labels=["node"]
             ),
+            # the prefix cache's disk tier (--kv-offload-dir)
+            "kv_disk_blocks": GaugeMetricFamily(
+                "pdserve_kv_disk_blocks", "KV blocks in the prefix cache's disk tier", labels=["node"]
+            ),
+            "kv_disk_bytes": GaugeMetricFamily(
+                "pdserve_kv_disk_bytes", "Bytes the prefix cache's disk tier holds", labels=["node"]
+            ),
+            "kv_disk_hit_tokens": CounterMetricFamily(
+                "pdserve_kv_disk_hits",
+                "Prompt tokens read back from the disk tier instead of computed",
+                labels=["node"],
+            ),
+            "kv_disk_write_bytes": CounterMetricFamily(
+                "pdserve_kv_disk_written_bytes", "Bytes written to the disk tier", labels=["node"]
+            ),
+            "kv_disk_read_bytes": CounterMetricFamily(
+                "pdserve_kv_disk_read_bytes", "Bytes read back from the disk tier", labels=["node"]
+            ),
+            "kv_disk_evictions": CounterMetricFamily(
+                "pdserve_kv_disk_evictions", "Disk tier files removed to stay within its size", labels=["node"]
+            ),
+            "kv_disk_corrupt": CounterMetricFamily(
+                "pdserve_kv_disk_corrupt",
+                "Disk tier files that failed their checksum or were cut short (deleted; recomputed)",
+                labels=["node"],
+            ),
             # constrained decoding (engine/structured/): the workers' masking cost
             "structured_mask_rows": CounterMetricFamily(
                 "pdserve_structured_mask_rows", "Logit rows masked by their grammar", labels=["node"]

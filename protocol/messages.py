@@ -106,6 +106,18 @@ class WorkerStats(msgspec.Struct, frozen=True):
     # constrained decoding (engine/structured/, totals): rows masked, seconds filling + applying masks
     structured_mask_rows: int = 0
     structured_mask_seconds: float = 0.0
+    # the prefix cache's disk tier (--kv-offload-dir; engine/kv_disk_tier.py): now, then totals
+    kv_disk_blocks: int = 0  # blocks on disk
+    kv_disk_bytes: int = 0
+    kv_disk_capacity_bytes: int = 0  # 0: no disk tier
+    kv_disk_hit_tokens: int = 0  # prompt tokens read back from disk instead of computed
+    kv_disk_writes: int = 0  # blocks written
+    kv_disk_write_bytes: int = 0
+    kv_disk_reads: int = 0  # blocks read
+    kv_disk_read_bytes: int = 0
+    kv_disk_evictions: int = 0  # files removed to stay within the size
+    kv_disk_corrupt: int = 0  # files that failed their check (deleted; their blocks computed)
+    kv_disk_dropped_writes: int = 0  # blocks not written: the writer was too far behind
 
 
 class WorkerInfo(msgspec.Struct, frozen=True):

@@ -136,6 +136,7 @@ def engine_stats(
         dropped_frames=dropped_frames,
         structured_mask_rows=stats.structured_mask_rows,
         structured_mask_seconds=stats.structured_mask_seconds,
+        **stats.kv_disk,
         **lease_stats,
     )
 

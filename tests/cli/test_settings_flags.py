@@ -95,6 +95,8 @@ SAMPLES: dict[str, tuple[list[str], object]] = {
     "--kv-cache-memory": (["2MiB"], 2 * 2**20),
     "--enable-prefix-caching": (["--no-enable-prefix-caching"], False),
     "--kv-cache-dtype": (["int8"], "int8"),
+    "--kv-offload-dir": (["/var/cache/pdserve-kv"], "/var/cache/pdserve-kv"),
+    "--kv-offload-size": (["3GiB"], 3 * 2**30),
     "--max-num-seqs": (["8"], 8),
     "--max-num-batched-tokens": (["100"], 100),
     "--max-model-len": (["300"], 300),

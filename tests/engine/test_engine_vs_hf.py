@@ -20,6 +20,8 @@ def make_engine(model, **kw) -> LLMEngine:
         block_size=kw.pop("block_size", 16),
         num_blocks=kw.pop("num_blocks", 128),
         kv_cache_dtype=kw.pop("kv_cache_dtype", "auto"),
+        kv_offload_dir=kw.pop("kv_offload_dir", None),
+        kv_offload_bytes=kw.pop("kv_offload_bytes", 1 << 30),
     )
     sched = SchedulerConfig(
         max_num_seqs=kw.pop("max_num_seqs", 16),

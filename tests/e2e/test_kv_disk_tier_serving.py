@@ -1,0 +1,50 @@
+"""The prefix cache's disk tier through a whole 1P1D cluster on a tiny RAM pool (16 blocks, where
+three 120-token conversations take 24): returning prompts whose blocks left RAM are read back from
+disk, and after a restart of every process too, and every answer still equals HF greedy (fp32,
+KV stored as computed). The metrics and GET /v1/workers show the tier."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from openai import OpenAI
+from transformers import AutoTokenizer
+
+from tests.conftest import hf_greedy, random_prompts
+from tests.e2e.cluster import running_server
+from tests.e2e.metrics_delta import samples, settled_metrics
+
+pytestmark = pytest.mark.slow
+
+MAX_NEW = 8
+HITS = "pdserve_kv_disk_hits_total"
+
+
+def test_returning_prompts_come_back_from_disk_equal_to_hf_and_after_a_restart(tiny_llama, tmp_path):
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    prompts = random_prompts(tok.vocab_size, [120, 121, 122], seed=12)
+    want = [tok.decode(hf_greedy(str(tiny_llama), tuple(p), MAX_NEW), skip_special_tokens=True) for p in prompts]
+    flags = [
+        *("--num-blocks", "16", "--max-model-len", "256", "--local-prefill-max-tokens", "0"),
+        *("--kv-offload-dir", str(tmp_path / "kv"), "--kv-offload-size", "64MiB"),
+    ]
+
+    def rounds(base: str, n: int) -> None:
+        client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        model = client.models.list().data[0].id
+        for _ in range(n):
+            for p, w in zip(prompts, want):  # one at a time: each evicts the one before last
+                r = client.completions.create(model=model, prompt=p, max_tokens=MAX_NEW, temperature=0)
+                assert r.choices[0].text == w
+
+    with running_server(tiny_llama, *flags) as base:
+        rounds(base, 2)
+        hits = sum(samples(settled_metrics(base, HITS), HITS))
+        assert hits >= 3 * 6 * 16  # the second round's prompts: their evicted full blocks, from disk
+        workers = httpx.get(f"{base}/v1/workers", timeout=5).json()["data"]
+        disk = {w["role"]: w["kv"]["disk"] for w in workers}
+        assert disk["prefill"]["blocks"] >= 3 * 7 and disk["prefill"]["capacity_bytes"] == 64 * 2**20
+        assert disk["prefill"]["corrupt"] == 0 and disk["prefill"]["hit_tokens"] > 0
+    with running_server(tiny_llama, *flags) as base:  # every process restarted: the files stay
+        rounds(base, 1)
+        assert sum(samples(settled_metrics(base, HITS), HITS)) >= 3 * 6 * 16
