@@ -5,6 +5,8 @@ KV stored as computed). The metrics and GET /v1/workers show the tier."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 from openai import OpenAI
@@ -48,3 +50,33 @@ def test_returning_prompts_come_back_from_disk_equal_to_hf_and_after_a_restart(t
     with running_server(tiny_llama, *flags) as base:  # every process restarted: the files stay
         rounds(base, 1)
         assert sum(samples(settled_metrics(base, HITS), HITS)) >= 3 * 6 * 16
+
+
+def test_a_prefix_computed_on_one_prefill_worker_is_read_by_another(tiny_llama, tmp_path):
+    """2P1D sharing one disk folder, requests dealt round-robin: a 120-token prompt computed on
+    prefill worker A; the same prompt with a new tail then goes to B, which reads the prefix's
+    blocks A wrote (its own RAM never held them) and computes only the tail, equal to HF."""
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    (history,) = random_prompts(tok.vocab_size, [120], seed=13)
+    second = history + [11, 12, 13]
+    want = tok.decode(hf_greedy(str(tiny_llama), tuple(second), MAX_NEW), skip_special_tokens=True)
+    flags = [
+        *("--prefill-workers", "2", "--router", "round-robin", "--local-prefill-max-tokens", "0"),
+        *("--kv-offload-dir", str(tmp_path / "kv"), "--max-model-len", "256"),
+    ]
+    with running_server(tiny_llama, *flags) as base:
+        client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        model = client.models.list().data[0].id
+        client.completions.create(model=model, prompt=history, max_tokens=MAX_NEW, temperature=0)
+        time.sleep(1.0)  # (A's writer finishes the files)
+        r = client.completions.create(model=model, prompt=second, max_tokens=MAX_NEW, temperature=0)
+        assert r.choices[0].text == want
+        assert r.usage.prompt_tokens_details.cached_tokens == 112  # the history's 7 full blocks
+        text = settled_metrics(base, HITS)
+        by_node = {
+            line.split('node="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith(HITS)
+        }
+        prefill_hits = [v for node, v in by_node.items() if node.startswith("prefill")]
+        assert sorted(prefill_hits) == [0.0, 112.0]
