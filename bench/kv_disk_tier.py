@@ -30,6 +30,11 @@ import httpx
 from pdserve.bench.servers import ServerSpec, free_port, running
 
 OUT_TOKENS = 8
+MODE_FLAGS = {
+    "colocated": ["--colocated"],
+    "1P1D": ["--local-prefill-max-tokens", "0"],
+    "2P1D": ["--prefill-workers", "2", "--router", "round-robin", "--local-prefill-max-tokens", "0"],
+}
 
 
 def first_token_time(client: httpx.Client, base: str, prompt: list[int]) -> tuple[float, str]:
@@ -70,7 +75,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--history", type=int, default=1024, help="tokens of a conversation's first turn")
     ap.add_argument("--user", type=int, default=32, help="new tokens of its second turn")
     ap.add_argument("--pool-fraction", type=float, default=0.25, help="the RAM pool, as a share of all their KV")
-    ap.add_argument("--mode", choices=["colocated", "1P1D"], default="colocated")
+    ap.add_argument(
+        "--mode",
+        choices=["colocated", "1P1D", "2P1D"],
+        default="colocated",
+        help="2P1D deals requests round-robin, each conversation's return to the prefill worker that did not compute it",
+    )
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--out", type=Path, default=None, help="write the figures here as JSON")
     args = ap.parse_args(argv)
@@ -97,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     common = [
         *(sys.executable, "-m", "pdserve.cli", "serve", "--model", args.model, "--dtype", "float32"),
         *("--num-blocks", str(blocks), "--max-model-len", str(max_len), "--block-size", str(args.block_size)),
-        *(["--colocated"] if args.mode == "colocated" else ["--local-prefill-max-tokens", "0"]),
+        *(MODE_FLAGS[args.mode]),
     ]
     tier = ["--kv-offload-dir", str(folder / "kv"), "--kv-offload-size", "64GiB"]
     results: dict[str, dict] = {}
@@ -116,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
                 answers[label] = [a for _, a in turn1]
             else:
                 answers[label] = answers["disk"]
+            if args.mode == "2P1D":  # one request more: round-robin deals each return to the other prefill worker
+                first_token_time(client, base, firsts[0][:32])
             seconds = []
             for p, (a, tail) in zip(firsts, zip(answers[label], tails)):
                 prompt = (
