@@ -148,10 +148,18 @@ def _specs(
         "--max-model-len",
         "4096",
     ]
+    llama = _http_threads(llamacpp_spec(port, llama_server, model, slots, slots * 512, threads), slots)
     return {
         "pdserve-colocated": ServerSpec("pdserve-colocated", py + ["--colocated"], "/health"),
         "pdserve-1P1D": ServerSpec("pdserve-1P1D", py, "/health"),
-        "llama.cpp": _http_threads(llamacpp_spec(port, llama_server, model, slots, slots * 512, threads), slots),
+        "llama.cpp": llama,
+        # KV in 8 bits: pdserve's int8 rows against llama.cpp's q8_0 cache (both ~0.27x fp32's bytes)
+        "pdserve-colocated-int8kv": ServerSpec(
+            "pdserve-colocated-int8kv", py + ["--colocated", "--kv-cache-dtype", "int8"], "/health"
+        ),
+        "llama.cpp-q8_0kv": ServerSpec(
+            "llama.cpp-q8_0kv", [*llama.argv, "-ctk", "q8_0", "-ctv", "q8_0"], skip_reason=llama.skip_reason
+        ),
     }
 
 
@@ -196,7 +204,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="a GGUF file")
     ap.add_argument("--llama-server", default=os.environ.get("PDSERVE_LLAMA_SERVER"))
-    ap.add_argument("--servers", default=",".join(SERVERS))
+    ap.add_argument(
+        "--servers",
+        default=",".join(SERVERS),
+        help="also: pdserve-colocated-int8kv (--kv-cache-dtype int8), llama.cpp-q8_0kv (-ctk q8_0 -ctv q8_0)",
+    )
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--single", type=int, default=4, help="requests one at a time")
     ap.add_argument("--burst", type=int, default=16, help="requests at once")
