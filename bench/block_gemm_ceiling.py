@@ -59,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", required=True, help="a GGUF file whose K-quant tensors to run")
     ap.add_argument("--layer", type=int, default=0)
     ap.add_argument("--rows", default="1,8,64,256")
+    ap.add_argument(
+        "--tensors", default="ffn_gate,ffn_down", help="the layer's tensors, by GGUF name: attn_q,attn_v,ffn_up,..."
+    )
     args = ap.parse_args(argv)
     import gguf
 
@@ -68,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"int8 multiply-add ceiling, one thread: {ceiling / 1e9:.1f} G products/s")
     print("| tensor | type | rows | G products/s | / ceiling |")
     print("|---|---|---:|---:|---:|")
-    for name in (f"blk.{args.layer}.ffn_gate.weight", f"blk.{args.layer}.ffn_down.weight"):
+    for name in (f"blk.{args.layer}.{t}.weight" for t in args.tensors.split(",")):
         t = tensors[name]
         out, inn = int(t.shape[1]), int(t.shape[0])
         w = block_gemm.BlockWeight(int(t.tensor_type), torch.from_numpy(t.data.reshape(out, -1).copy()), inn)
