@@ -61,14 +61,15 @@ def check_chunked_prefill(model: Path) -> None:
     engine.pool.assert_all_free()
 
 
-def check_prefill_to_decode_handoff(model: Path) -> None:
-    """Disaggregation at engine level: P prefills (chunked), its blocks are copied into D's pool."""
-    prefill = make_engine(model, max_num_batched_tokens=24)
-    decode = make_engine(model)
-    prompts = prompts_for(prefill.model_config.vocab_size)
+def hand_off(
+    prefill: LLMEngine, decode: LLMEngine, prompts: list[list[int]], sampling: SamplingParams = GREEDY
+) -> list[list[int]]:
+    """P prefills the prompts (as its budget chunks them); each one's blocks are copied into D's
+    pool as stored and D decodes it to the end: the outputs in prompt order. Every block of both
+    pools comes back."""
     outs: dict[str, list[int]] = {}
     for i, p in enumerate(prompts):
-        prefill.add_request(f"r{i}", p, GREEDY, prefill_only=True)
+        prefill.add_request(f"r{i}", p, sampling, prefill_only=True)
     while prefill.has_work():
         sched = prefill.schedule()
         tables = {c.seq.request_id: list(c.seq.block_table) for c in sched.chunks}
@@ -76,15 +77,23 @@ def check_prefill_to_decode_handoff(model: Path) -> None:
             assert o.finish_reason in (PREFILLED, "stop")
             src = tables[o.request_id]
             dst = decode.pool.allocate(len(src))
-            decode.kv_cache[:, :, dst] = prefill.kv_cache[:, :, src]  # [L, 2, n, bs, Hkv, D]
-            decode.add_prefilled(o.request_id, o.seq.prompt_token_ids, o.new_token_ids[0], None, GREEDY, dst)
+            decode.kv_cache[:, :, dst] = prefill.kv_cache[:, :, src]  # [L, 2, n, bs, Hkv, W]
+            decode.add_prefilled(o.request_id, o.seq.prompt_token_ids, o.new_token_ids[0], None, sampling, dst)
             outs[o.request_id] = list(o.new_token_ids)
     prefill.pool.assert_all_free()
     while decode.has_work():
         for o in decode.step():
             outs[o.request_id] += o.new_token_ids
-    assert [outs[f"r{i}"] for i in range(len(prompts))] == expected(model, prompts)
     decode.pool.assert_all_free()
+    return [outs[f"r{i}"] for i in range(len(prompts))]
+
+
+def check_prefill_to_decode_handoff(model: Path) -> None:
+    """Disaggregation at engine level: P prefills (chunked), its blocks are copied into D's pool."""
+    prefill = make_engine(model, max_num_batched_tokens=24)
+    decode = make_engine(model)
+    prompts = prompts_for(prefill.model_config.vocab_size)
+    assert hand_off(prefill, decode, prompts) == expected(model, prompts)
 
 
 def teacher_forced(engine: LLMEngine, prompts: list[list[int]], want: list[list[int]]) -> list[int]:

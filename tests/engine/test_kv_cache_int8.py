@@ -11,11 +11,12 @@ import torch
 
 from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig
 from pdserve.engine.kv_cache import KVCacheSpec, allocate_kv_cache
-from pdserve.engine.llm_engine import PREFILLED, LLMEngine
+from pdserve.engine.llm_engine import LLMEngine
 from pdserve.env import reload as reload_env
 from pdserve.kvtransfer.shm import SharedTensor
 from pdserve.protocol.sampling import SamplingParams
 from tests.conftest import random_prompts
+from tests.engine.family_checks import hand_off
 from tests.engine.test_engine_vs_hf import make_engine
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0)
@@ -117,21 +118,4 @@ def test_prefill_engine_to_decode_engine_as_stored(tiny_llama):
     decode = make_engine(tiny_llama, kv_cache_dtype="int8")
     prompts = prompts_for(prefill)
     want = make_engine(tiny_llama, kv_cache_dtype="int8").generate(prompts, GREEDY)
-    outs: dict[str, list[int]] = {}
-    for i, p in enumerate(prompts):
-        prefill.add_request(f"r{i}", p, GREEDY, prefill_only=True)
-    while prefill.has_work():
-        sched = prefill.schedule()
-        tables = {c.seq.request_id: list(c.seq.block_table) for c in sched.chunks}
-        for o in prefill.execute(sched):
-            assert o.finish_reason in (PREFILLED, "stop")
-            src = tables[o.request_id]
-            dst = decode.pool.allocate(len(src))
-            decode.kv_cache[:, :, dst] = prefill.kv_cache[:, :, src]  # [L, 2, n, bs, Hkv, D + 4] int8
-            decode.add_prefilled(o.request_id, o.seq.prompt_token_ids, o.new_token_ids[0], None, GREEDY, dst)
-            outs[o.request_id] = list(o.new_token_ids)
-    while decode.has_work():
-        for o in decode.step():
-            outs[o.request_id] += o.new_token_ids
-    assert [outs[f"r{i}"] for i in range(len(prompts))] == want
-    decode.pool.assert_all_free()
+    assert hand_off(prefill, decode, prompts, GREEDY) == want
