@@ -78,7 +78,7 @@ class DiskKvTier:
         self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
         self._writer.start()
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-disk-reader")
-        self._prefetched: OrderedDict[bytes, Future[bytes | None]] = OrderedDict()
+        self._prefetched: OrderedDict[bytes, Future[memoryview | None]] = OrderedDict()
 
     def _scan(self) -> None:
         found = []
@@ -198,22 +198,26 @@ class DiskKvTier:
             self.path(h).unlink(missing_ok=True)
 
     # --- reading ----------------------------------------------------------------------------
-    def get(self, block_hash: bytes) -> bytes | None:
-        """The block's payload, checked against its header; None when it is not here, or its file
-        is short, mismatched or unreadable (then deleted and counted corrupt)."""
+    def get(self, block_hash: bytes) -> memoryview | None:
+        """The block's payload (a writable view of the file's one read, no copy), checked against
+        its header; None when it is not here, or its file is short, mismatched or unreadable (then
+        deleted and counted corrupt)."""
         with self._lock:
             if block_hash not in self._index:
                 return None
             self._index.move_to_end(block_hash)
         try:
-            data = self.path(block_hash).read_bytes()
+            with open(self.path(block_hash), "rb") as f:
+                data = bytearray(os.fstat(f.fileno()).st_size)
+                if f.readinto(data) != len(data):
+                    data = bytearray()
         except FileNotFoundError:  # (removed by another worker sharing the folder): a plain miss
             with self._lock:
                 if block_hash in self._index:
                     self._bytes -= self._index.pop(block_hash)
             return None
         except OSError:
-            data = b""
+            data = bytearray()
         payload = self._checked(block_hash, data)
         with self._lock:
             if payload is None:
@@ -229,11 +233,11 @@ class DiskKvTier:
         return payload
 
     @staticmethod
-    def _checked(block_hash: bytes, data: bytes) -> bytes | None:
+    def _checked(block_hash: bytes, data: bytearray) -> memoryview | None:
         if len(data) < HEADER.size:
             return None
         magic, h, size, want = HEADER.unpack_from(data)
-        payload = data[HEADER.size :]
+        payload = memoryview(data)[HEADER.size :]
         if magic != MAGIC or h != block_hash or size != len(payload) or digest(payload) != want:
             return None
         return payload
@@ -248,7 +252,7 @@ class DiskKvTier:
         while len(self._prefetched) > MAX_PREFETCHED:
             self._prefetched.popitem(last=False)
 
-    def take(self, block_hash: bytes) -> bytes | None:
+    def take(self, block_hash: bytes) -> memoryview | None:
         """The block's payload: the prefetch's if one was started (waiting for it), else read now."""
         fut = self._prefetched.pop(block_hash, None)
         return fut.result() if fut is not None else self.get(block_hash)

@@ -24,8 +24,8 @@ class KvOffload:
     def _block_bytes(self, block_id: int) -> bytes:
         return b"".join(c[:, :, block_id].contiguous().cpu().view(torch.uint8).numpy().tobytes() for c in self.caches)
 
-    def _load(self, block_id: int, payload: bytes) -> None:
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)  # (bytearray: a writable buffer)
+    def _load(self, block_id: int, payload: memoryview) -> None:
+        data = torch.frombuffer(payload, dtype=torch.uint8)  # (the tier's writable read buffer: no copy)
         at = 0
         for c in self.caches:
             dst = c[:, :, block_id]  # [L, 2, bs, Hkv, W]

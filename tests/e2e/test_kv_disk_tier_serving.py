@@ -68,7 +68,10 @@ def test_a_prefix_computed_on_one_prefill_worker_is_read_by_another(tiny_llama, 
         client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
         model = client.models.list().data[0].id
         client.completions.create(model=model, prompt=history, max_tokens=MAX_NEW, temperature=0)
-        time.sleep(1.0)  # (A's writer finishes the files)
+        deadline = time.monotonic() + 30  # A's writer thread finishes the history's 7 files
+        while len(list((tmp_path / "kv").glob("*/*.kvb"))) < 7:
+            assert time.monotonic() < deadline, "the prefill worker wrote no block files"
+            time.sleep(0.1)
         r = client.completions.create(model=model, prompt=second, max_tokens=MAX_NEW, temperature=0)
         assert r.choices[0].text == want
         assert r.usage.prompt_tokens_details.cached_tokens == 112  # the history's 7 full blocks
