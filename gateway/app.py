@@ -126,6 +126,8 @@ class GatewayApp:
         self.backend = backend
         self.tool_parser = tool_parser  # --tool-call-parser's (gateway/tools/)
         self.tool_markers = special_markers(tokenizer, tool_parser.markers if tool_parser else ())
+        # how an output grammar names the reasoning's markers (once: the tokenizer does not change)
+        self.reasoning_lark = tuple(marker_lark(tokenizer, m) for m in reasoning.markers) if reasoning else None
         self.tenants = tenants
         self.tokenizer = tokenizer
         self.text_decoder = text_decoder(tokenizer)  # the detokenizers' decode (gateway/text_decoder.py)
@@ -278,11 +280,10 @@ class GatewayApp:
         """The request's output constraint as the workers apply it: under --reasoning-parser it
         starts once the reasoning ends (engine/structured/grammar.py after_reasoning)."""
         thinking = self.run_context.reasoning
-        if req.structured is None or thinking is None or not req.splits_reasoning:
+        if req.structured is None or thinking is None or self.reasoning_lark is None or not req.splits_reasoning:
             return req.structured
-        opened = thinking.prompt_opens(prompt, self._token_text)
-        start, end = (marker_lark(self.tokenizer, m) for m in thinking.markers)
-        return after_reasoning(req.structured, opened, start, end)
+        start, end = self.reasoning_lark
+        return after_reasoning(req.structured, thinking.prompt_opens(prompt, self._token_text), start, end)
 
     def _sampling(
         self, req: ParsedRequest, max_tokens: int, i: int, priority: int, structured: StructuredOutput | None
