@@ -18,8 +18,9 @@ ctypes:
 
 `load_kernel` builds and loads any of them, and the C files of kernels/layer_ops.py,
 kernels/panel_gemm.py and kernels/decode_layers.py. Each is built as `<cache>/pdserve/kernels/<name>-<hash>.so`, the hash covering the source, the
-flags and this machine's CPU (the code is compiled for it: -march=native). With no compiler, or
-a failed build, its `available()` is False and the torch path runs instead.
+flags and this machine's CPU (the code is compiled for it: -march=native, or the older instruction
+set PDSERVE_KERNEL_ISA names). With no compiler, or a failed build, its `available()` is False and
+the torch path runs instead.
 `PDSERVE_ATTENTION=torch` keeps the attention kernel off.
 """
 
@@ -39,7 +40,7 @@ from typing import TypeVar
 
 import torch
 
-from pdserve.env import settings
+from pdserve.env import EnvError, settings
 
 log = logging.getLogger(__name__)
 _Lib = TypeVar("_Lib")
@@ -52,6 +53,15 @@ GEMV_SOURCE = Path(__file__).with_name("cpu_gemv.c")
 # without it keeps crtfastmath.o (which would flush denormals process-wide) out of the library.
 # gnu11, not c11: ISO C mode turns off FMA contraction.
 COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-std=gnu11"]
+# PDSERVE_KERNEL_ISA: the -march each build takes, and the /proc/cpuinfo flags a CPU needs to run
+# it. The x86-64 levels are what other machines have: v4 AVX-512 without VNNI (Skylake-SP), v3 AVX2
+# + FMA + F16C (Haswell on, Zen 1-3, most laptops), the baseline SSE2. An AVX-512 machine builds
+# and runs all of them, so its tests and benchmarks cover the paths an AVX2 one takes.
+ISA_LEVELS = {
+    "avx512": ("-march=x86-64-v4", {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx2", "fma", "f16c"}),
+    "avx2": ("-march=x86-64-v3", {"avx2", "fma", "f16c", "bmi2", "movbe"}),
+    "sse2": ("-march=x86-64", set()),
+}
 LINK_FLAGS = ["-shared", "-lm"]
 # OpenMP threads come from torch's own libgomp (same soname, already loaded); a compiler
 # without OpenMP still builds the kernel, single-threaded.
@@ -67,6 +77,32 @@ def _cpu_id() -> str:
     return platform.machine() + "".join(lines)
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as /proc/cpuinfo names them (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return {flag for line in f if line.startswith("flags") for flag in line.split()[2:]}
+    except OSError:
+        return set()
+
+
+def isa_unrunnable(isa: str) -> str | None:
+    """Why this machine cannot build and run kernels for `isa` (an ISA_LEVELS key), or None."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"{isa} is an x86-64 level and this is {platform.machine()}"
+    missing = ISA_LEVELS[isa][1] - cpu_flags()
+    return f"this CPU lacks {' '.join(sorted(missing))}" if missing else None
+
+
+def compile_flags(isa: str = "native") -> list[str]:
+    """COMPILE_FLAGS with -march for `isa` (native: this CPU's own; else an ISA_LEVELS key)."""
+    if isa == "native":
+        return list(COMPILE_FLAGS)
+    if why := isa_unrunnable(isa):
+        raise EnvError(f"PDSERVE_KERNEL_ISA={isa}: {why}")
+    return [f for f in COMPILE_FLAGS if not f.startswith("-march=")] + [ISA_LEVELS[isa][0]]
+
+
 def _cache_dir() -> Path:
     return settings().kernel_cache_dir
 
@@ -74,7 +110,8 @@ def _cache_dir() -> Path:
 def _build(source: Path, cc: str, openmp: bool) -> Path:
     src = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # + headers
     extra = OPENMP_FLAGS if openmp else []
-    key = hashlib.sha256(src + " ".join([cc, *COMPILE_FLAGS, *LINK_FLAGS, *extra]).encode() + _cpu_id().encode())
+    flags = compile_flags(settings().kernel_isa)
+    key = hashlib.sha256(src + " ".join([cc, *flags, *LINK_FLAGS, *extra]).encode() + _cpu_id().encode())
     out = _cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if out.exists():
         return out
@@ -82,7 +119,7 @@ def _build(source: Path, cc: str, openmp: bool) -> Path:
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:  # workers may build at once: rename is atomic
         obj, lib = Path(tmp) / "k.o", Path(tmp) / "k.so"
         subprocess.run(
-            [cc, *COMPILE_FLAGS, *extra, "-c", str(source), "-o", str(obj)],
+            [cc, *flags, *extra, "-c", str(source), "-o", str(obj)],
             check=True,
             capture_output=True,
             timeout=120,

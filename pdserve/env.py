@@ -4,6 +4,11 @@
     PDSERVE_LAYER_OPS          auto | torch            a layer's elementwise ops in C, or torch
     PDSERVE_FUSED_DECODE       on | off                small decode steps through every layer in one C call
     PDSERVE_CPU_GEMV           auto | torch            the C few-row linears, or torch/oneDNN
+    PDSERVE_KERNEL_ISA         native | avx512 | avx2 | sse2
+                                                       the instruction set the C kernels are built for:
+                                                       this CPU's own (default), or an older one it can
+                                                       run (x86-64-v4 / -v3 / baseline), to test and
+                                                       time the paths other machines take
     PDSERVE_TP_CORES           auto | off              tensor-parallel ranks pinned to their own cores / NUMA node
     PDSERVE_CLUSTER_SECRET     hex                     the cluster's HMAC secret ...
     PDSERVE_CLUSTER_SECRET_FILE path                   ... or a file holding it
@@ -44,6 +49,7 @@ class Settings:
     layer_ops: str  # auto | torch
     fused_decode: bool
     cpu_gemv: str  # auto | torch
+    kernel_isa: str  # native | avx512 | avx2 | sse2 (kernels/cpu_native.py)
     tp_cores: str  # auto | off (engine/parallel/core_sets.py)
     cluster_secret: str
     cluster_secret_file: str
@@ -64,6 +70,7 @@ class Settings:
             layer_ops=_choice("PDSERVE_LAYER_OPS", "auto", ("auto", "torch")),
             fused_decode=_choice("PDSERVE_FUSED_DECODE", "on", ("on", "off")) == "on",
             cpu_gemv=_choice("PDSERVE_CPU_GEMV", "auto", ("auto", "torch")),
+            kernel_isa=_choice("PDSERVE_KERNEL_ISA", "native", ("native", "avx512", "avx2", "sse2")),
             tp_cores=_choice("PDSERVE_TP_CORES", "auto", ("auto", "off")),
             cluster_secret=env.get("PDSERVE_CLUSTER_SECRET", "").strip(),
             cluster_secret_file=env.get("PDSERVE_CLUSTER_SECRET_FILE", "").strip(),

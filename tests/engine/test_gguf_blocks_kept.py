@@ -12,27 +12,8 @@ import torch
 
 from pdserve.engine.quantize import KEPT_GGUF_TYPES, from_gguf_blocks
 from pdserve.kernels import quant_gemm
+from pdserve.modelgen.random_blocks import random_blocks
 from tests.conftest import hf_greedy
-
-FP16_FIELDS = {  # byte offsets of a block's fp16 fields (d, dmin / m)
-    "Q8_0": [0],
-    "Q4_0": [0],
-    "Q4_1": [0, 2],
-    "Q4_K": [0, 2],
-    "Q5_K": [0, 2],
-    "Q6_K": [208],
-}
-
-
-def random_blocks(qtype: gguf.GGMLQuantizationType, rows: int, n_in: int, seed: int = 0) -> np.ndarray:
-    """Raw blocks [rows, bytes]: random bits, with finite, moderate fp16 scales."""
-    elems, nbytes = gguf.GGML_QUANT_SIZES[qtype]
-    rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, size=(rows * n_in // elems, nbytes), dtype=np.uint8)
-    for off in FP16_FIELDS[qtype.name]:
-        scale = rng.uniform(-0.02, 0.02, size=blocks.shape[0]).astype(np.float16)
-        blocks[:, off : off + 2] = scale.view(np.uint8).reshape(-1, 2)
-    return blocks.reshape(rows, -1)
 
 
 @pytest.mark.parametrize("qtype", KEPT_GGUF_TYPES, ids=lambda t: t.name)

@@ -16,23 +16,16 @@ import torch.nn.functional as F
 
 from pdserve.kernels import block_gemm
 from pdserve.kernels.block_gemm import TYPES, BlockWeight
+from pdserve.modelgen.random_blocks import random_blocks
 from tests.kernels.isa_builds import ISAS, isa_variant
 
 pytestmark = pytest.mark.skipif(not block_gemm.available(), reason="no C compiler")
 
 Q = gguf.GGMLQuantizationType
-SCALE_BYTES = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.Q8_0: tuple(34 * k for k in range(8))}
 
 
-def random_blocks(qtype: int, out: int, n_in: int, seed: int) -> BlockWeight:
-    """Random bytes, each fp16 scale set to a finite value of about 1/64 (either sign)."""
-    rng = np.random.default_rng(seed)
-    size = TYPES[qtype][1]
-    blocks = rng.integers(0, 256, size=(out * n_in // 256, size), dtype=np.uint8)
-    for off in SCALE_BYTES[Q(qtype)]:
-        d = (rng.uniform(0.5, 1.5, blocks.shape[0]) * rng.choice([-1, 1], blocks.shape[0]) / 64).astype(np.float16)
-        blocks[:, off : off + 2] = d.view(np.uint8).reshape(-1, 2)
-    return BlockWeight(qtype, torch.from_numpy(blocks.reshape(out, -1)), n_in)
+def random_weight(qtype: int, out: int, n_in: int, seed: int) -> BlockWeight:
+    return BlockWeight(qtype, torch.from_numpy(random_blocks(Q(qtype), out, n_in, seed)), n_in)
 
 
 def gguf_dequant(w: BlockWeight) -> torch.Tensor:
@@ -116,7 +109,7 @@ def replay(x: torch.Tensor, w: BlockWeight) -> torch.Tensor:
 
 @pytest.mark.parametrize("qtype", list(TYPES))
 def test_widened_rows_are_the_gguf_packages_values(qtype):
-    w = random_blocks(qtype, 40, 512, qtype)
+    w = random_weight(qtype, 40, 512, qtype)
     want = gguf_dequant(w)
     assert torch.equal(block_gemm.dequantize_rows(w), want)
     ids = torch.tensor([7, 0, 39, 7])
@@ -128,7 +121,7 @@ def test_widened_rows_are_the_gguf_packages_values(qtype):
 @pytest.mark.parametrize("rows", [1, 3, 17])
 def test_product_equals_its_replay_and_is_close_to_the_float_one(qtype, rows):
     g = torch.Generator().manual_seed(qtype * 10 + rows)
-    w = random_blocks(qtype, 70, 768, qtype + rows)
+    w = random_weight(qtype, 70, 768, qtype + rows)
     x = torch.randn(rows, 780, generator=g)[:, :768]  # rows apart, as from a wider tensor
     x[0, :256] = 0.0  # an all-zero super-block
     y = block_gemm.linear(x, w, None)
@@ -143,7 +136,7 @@ def test_product_equals_its_replay_and_is_close_to_the_float_one(qtype, rows):
 def test_a_prompts_many_rows_take_the_same_kernel_each_row_as_alone(qtype):
     """Tiles of 8, 4, 2 and 1 rows over blocks of weight rows: 45 rows give the replay's bits, and
     each row the bits it has alone (so a prompt's KV does not depend on its chunking)."""
-    w = random_blocks(qtype, 40, 512, qtype)
+    w = random_weight(qtype, 40, 512, qtype)
     x = torch.randn(45, 512, generator=torch.Generator().manual_seed(qtype))
     y = block_gemm.linear(x, w, None)
     assert torch.equal(y, replay(x, w))
@@ -192,7 +185,7 @@ def test_every_isa_build_gives_a_row_the_same_bits_in_any_batch(isa_build, qtype
     """Each build the machine can run (plain SSE2 C, AVX2, AVX-512): the same bits as this machine's
     own build, whatever the batch or thread count."""
     _, lib = isa_build
-    w = random_blocks(qtype, 75, 512, 100 + qtype)
+    w = random_weight(qtype, 75, 512, 100 + qtype)
     x = torch.randn(9, 520, generator=torch.Generator().manual_seed(qtype))[:, :512]
     full = _gemm(lib, x, w, 2)
     assert torch.equal(_gemm(lib, x, w, 1), full)

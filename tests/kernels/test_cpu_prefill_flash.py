@@ -5,10 +5,7 @@ on shuffled (non-contiguous) block tables with garbage in the unused slots."""
 from __future__ import annotations
 
 import ctypes
-import platform
 import random
-import shutil
-import subprocess
 
 import pytest
 import torch
@@ -16,6 +13,7 @@ import torch
 from pdserve import kernels
 from pdserve.env import reload as reload_env
 from pdserve.kernels import attention, cpu_native
+from tests.kernels.isa_builds import build, cannot_run
 from tests.kernels.test_cpu_native_attention import HAVE_CC
 from tests.kernels.test_torch_attention import MIXED, make_case, reference, run_torch
 
@@ -168,15 +166,11 @@ def _entry(lib: ctypes.CDLL, name: str):
     return fn
 
 
-@pytest.mark.skipif(platform.machine() != "x86_64", reason="the AVX2 build is an x86 one")
+@pytest.mark.skipif(cannot_run("avx2") is not None, reason=str(cannot_run("avx2")))
 def test_the_avx2_build_matches_the_reference(tmp_path):
     """The same source compiled without AVX-512 (8-float vectors, 4-key score tiles), as on a CPU
     that has only AVX2: right for fp32 and bf16, head_dim 24 (a multiple of 8 only) included."""
-    cc = shutil.which("cc") or shutil.which("gcc")
-    lib_path = tmp_path / "flash-avx2.so"
-    flags = [f for f in cpu_native.COMPILE_FLAGS if f != "-march=native"] + ["-march=x86-64-v3"]
-    subprocess.run([cc, *flags, str(FLASH), "-o", str(lib_path), *cpu_native.LINK_FLAGS], check=True, timeout=120)
-    lib = ctypes.CDLL(str(lib_path))
+    lib = build(FLASH, "avx2", tmp_path)
     for dtype, name, rtol in (
         (torch.float32, "prefill_flash_f32", 1e-5),
         (torch.bfloat16, "prefill_flash_bf16", 2**-8),
