@@ -96,11 +96,12 @@ def run_worker(role: str, worker_settings) -> int:
         from pdserve.decode_node.worker import DecodeWorker as Worker  # type: ignore[assignment]
     else:
         from pdserve.decode_node.colocated import ColocatedWorker as Worker  # type: ignore[assignment]
+    worker = Worker(worker_settings, _auth())
     try:
-        Worker(worker_settings, _auth()).run()
+        worker.run()
     finally:
         tracing.shutdown()
-    return 0
+    return 1 if worker.refusal else 0
 
 
 def settings_type(role: str) -> type:

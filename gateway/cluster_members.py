@@ -7,6 +7,10 @@ can reach it. A worker restarted on the same control address replaces its old en
 handed to a prefill worker lost before its first token are remembered (`orphan_lease`): if that
 worker comes back it releases them itself (it gets the request's Abort); if it is replaced or
 leaves, the decode worker is told nobody will write them (`Abort(lease_unused)`).
+
+A prefill or decode worker whose KV cache dtype (--kv-cache-dtype) differs from that of the
+prefill and decode workers already serving its model is refused (`Refused`; it stops): no pair
+of them could exchange KV, so it would sit idle, or leave a pool with no partner.
 """
 
 from __future__ import annotations
@@ -19,11 +23,31 @@ from pdserve.gateway.kv_index import KvIndex
 from pdserve.gateway.membership import WorkerEntry, WorkerTable
 from pdserve.gateway.worker_plane import WorkerPlane
 from pdserve.protocol.block_hashes import BlockHasher, short_id
-from pdserve.protocol.messages import Abort, Deregister, Heartbeat, Register, Welcome, WorkerInfo, WorkerStats
+from pdserve.protocol.messages import (
+    Abort,
+    Deregister,
+    Heartbeat,
+    Refused,
+    Register,
+    Welcome,
+    WorkerInfo,
+    WorkerStats,
+)
 
 log = logging.getLogger(__name__)
 
 BlockMemo = dict[tuple[str, int], list[bytes]]  # a prompt's block hashes per model and block size
+PAIRED_ROLES = ("prefill", "decode")  # the roles that exchange KV (colocated workers pair with none)
+
+
+def kv_cache_dtype(fingerprint: str) -> str:
+    """The --kv-cache-dtype a model fingerprint names (engine/config.py ModelConfig.fingerprint)."""
+    return fingerprint.rpartition("/kv-")[2] if "/kv-" in fingerprint else "auto"
+
+
+def model_of(fingerprint: str) -> str:
+    """The fingerprint without its KV cache dtype: the model, its dtype and its weights."""
+    return fingerprint.partition("/kv-")[0]
 
 
 class ClusterMembers:
@@ -33,10 +57,20 @@ class ClusterMembers:
         self._on_change = on_change  # capacity may have changed (the admission queues' turn)
         # prefill worker id -> {request id: (decode worker id, lease deadline)}
         self._orphaned_leases: dict[str, dict[str, tuple[str, float]]] = {}
+        self._refused: dict[str, str] = {}  # worker id -> why it was told `Refused` (then ignored)
 
     def on_register_or_heartbeat(self, msg: Register | Heartbeat) -> None:
         info = msg.info
         if info is None:
+            return
+        if info.worker_id in self._refused:  # told already; a Register means it did not hear it
+            if isinstance(msg, Register):
+                self.plane.send(
+                    info.worker_id, Refused(gateway_id=self.gateway_id, reason=self._refused[info.worker_id])
+                )
+            return
+        if info.worker_id not in self.table.workers and (why := self._kv_dtype_conflict(info)):
+            self._refuse(info, why)
             return
         stats = msg.stats if isinstance(msg, Heartbeat) else None
         new = self.table.upsert(info, stats)
@@ -60,9 +94,34 @@ class ClusterMembers:
             self.plane.send(info.worker_id, Welcome(gateway_id=self.gateway_id, inbox_addr=msg.via or self.plane.addr))
         self._on_change()  # a worker joined or reported its load
 
+    def _kv_dtype_conflict(self, info: WorkerInfo) -> str | None:
+        """Why a joining prefill/decode worker could exchange KV with none of those serving its
+        model, or None. The first such worker's --kv-cache-dtype holds for the model's pools."""
+        if info.role not in PAIRED_ROLES:
+            return None
+        mine, model = kv_cache_dtype(info.model_fingerprint), model_of(info.model_fingerprint)
+        now = time.monotonic()
+        for w in self.table.workers.values():
+            theirs = kv_cache_dtype(w.info.model_fingerprint)
+            same_model = w.info.role in PAIRED_ROLES and model_of(w.info.model_fingerprint) == model
+            if same_model and theirs != mine and self.table.is_live(w, now):
+                return (
+                    f"its --kv-cache-dtype is {mine}, and {w.info.role} worker {w.worker_id} serving the same "
+                    f"model holds {theirs}: prefill and decode workers of one model must store KV alike"
+                )
+        return None
+
+    def _refuse(self, info: WorkerInfo, why: str) -> None:
+        log.error("%s worker %s at %s refused: %s", info.role, info.worker_id, info.control_addr, why)
+        self._refused[info.worker_id] = why
+        self.plane.connect(info.worker_id, info.control_addr)  # closed when it deregisters
+        self.plane.send(info.worker_id, Refused(gateway_id=self.gateway_id, reason=why))
+
     def on_deregister(self, msg: Deregister) -> None:
         """A worker leaves: route nothing more to it; requests it still held (a drain that timed
         out) see it gone at the next liveness check and move on as after a death."""
+        if self._refused.pop(msg.worker_id, None) is not None:
+            self.plane.disconnect(msg.worker_id)
         entry = self.table.remove(msg.worker_id)
         if entry is None:
             return

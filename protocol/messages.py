@@ -9,6 +9,7 @@ Who sends what (G = gateway, P = prefill worker, D = decode worker, C = colocate
     W -> G  Register, Heartbeat              membership (any worker kind); stats say when draining
     W -> G  Deregister                       leaving (drained, or its drain timed out: hand off)
     G -> W  Welcome                          gateway id, so W can address replies
+    G -> W  Refused                          the gateway will not take W (why): W stops
     G -> D  ReserveRequest                   decode-first reservation (admission control)
     D -> G  ReserveReply                     lease (epoch, block ids, deadline) or refusal
     G -> P  PrefillRequest                   prompt + sampling + KV destination/lease
@@ -184,6 +185,14 @@ class Heartbeat(_Msg, kw_only=True, frozen=True):
 class Welcome(_Msg, kw_only=True, frozen=True):
     gateway_id: str
     inbox_addr: str  # the worker's configured address for this gateway (Register.via, echoed)
+
+
+class Refused(_Msg, kw_only=True, frozen=True):
+    """The gateway will not take this worker into its cluster: no worker it could pair with could
+    exchange KV with it (its KV cache dtype differs from the pool's for the same model)."""
+
+    gateway_id: str
+    reason: str
 
 
 class Lease(msgspec.Struct, frozen=True):
@@ -382,6 +391,7 @@ Message = Union[
     Deregister,
     Heartbeat,
     Welcome,
+    Refused,
     ReserveRequest,
     ReserveReply,
     PrefillRequest,
@@ -394,7 +404,7 @@ Message = Union[
 ]
 # What each kind of inbox accepts: anything else is dropped and counted like a garbled frame.
 ToGateway = Union[Register, Deregister, Heartbeat, ReserveReply, TokenOutput, TokenOutputBatch, LeaseRenewed]
-ToWorker = Union[Welcome, ReserveRequest, PrefillRequest, GenerateRequest, Abort, LeaseRenewed]
+ToWorker = Union[Welcome, Refused, ReserveRequest, PrefillRequest, GenerateRequest, Abort, LeaseRenewed]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -27,7 +27,7 @@ import zmq
 
 from pdserve import tracing
 from pdserve.protocol.auth import FrameAuth
-from pdserve.protocol.messages import Welcome, WorkerInfo, WorkerStats
+from pdserve.protocol.messages import Refused, Welcome, WorkerInfo, WorkerStats
 from pdserve.runtime.health_server import HealthServer, WorkerHealth
 from pdserve.runtime.worker_runtime import HEARTBEAT_INTERVAL_S, HeldRequests, PrefixCacheReport, WorkerRuntime
 from pdserve.runtime.worker_settings import WorkerSettings
@@ -50,7 +50,8 @@ class WorkerBase:
         self.auth = auth
         self.ctx = zmq.Context()
         self.rt = WorkerRuntime(self.ctx, auth, settings.control_bind, settings.gateways)
-        self.handlers: dict[type, Handler] = {Welcome: self.rt.handle_welcome}
+        self.handlers: dict[type, Handler] = {Welcome: self.rt.handle_welcome, Refused: self._refused}
+        self.refusal: str | None = None  # why a gateway refused this worker (it then stops)
         self._stop = False
         self._drain_since: float | None = None  # when SIGTERM asked this worker to drain
         self._idle_since: float | None = None  # while draining: since when it has held nothing
@@ -142,6 +143,11 @@ class WorkerBase:
 
     def stop(self) -> None:
         self._stop = True
+
+    def _refused(self, msg: Refused) -> None:
+        log.error("gateway %s refused this %s worker: %s", msg.gateway_id, self.role, msg.reason)
+        self.refusal = msg.reason
+        self.stop()
 
     def run(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: self.begin_drain())

@@ -1,6 +1,7 @@
 """`pdserve serve` keeps the cluster secret it is given: a decode worker started by hand with the
 same secret joins the running `serve` by its URL, takes streams, and drains on SIGTERM (before,
-serve replaced the secret with a random one and the worker was refused with 403)."""
+serve replaced the secret with a random one and the worker was refused with 403). One whose
+--kv-cache-dtype differs from serve's workers' is refused at join and exits with status 1."""
 
 from __future__ import annotations
 
@@ -31,6 +32,11 @@ def test_a_hand_started_worker_joins_serve_takes_streams_and_drains(tiny_llama, 
     with processes(tmp_path) as procs:  # every process gets the same PDSERVE_CLUSTER_SECRET
         procs.pdserve("serve", "serve", *common, "--port", str(port), env=slow)
         wait_for(lambda: len(workers(base)) == 2, 180, "serve's 2 workers", procs)
+        # a decode worker whose KV could not pair with serve's prefill worker is refused and stops
+        int8 = procs.pdserve("decode-int8", "decode", *common, "--kv-cache-dtype", "int8", "--gateway", base)
+        assert int8.wait(timeout=120) == 1
+        assert "refused this decode worker: its --kv-cache-dtype is int8" in procs.log("decode-int8")
+        assert len(workers(base)) == 2
         hand = procs.pdserve("decode-hand", "decode", *common, "--gateway", base, env=slow)
         wait_for(
             lambda: any(w["pid"] == hand.pid and w["state"] == "ready" for w in workers(base)),
