@@ -1,4 +1,4 @@
-"""What `--kv-cache-dtype int8` costs and buys against fp32 KV, on the real-shape model.
+"""What `--kv-cache-dtype int8|fp8` cost and buy against fp32 KV, on the real-shape model.
 
     python -m pdserve.bench.kv_cache_dtype [--model DIR] [--sequences 8] [--length 256]
         [--context 4096] [--steps 32] [--rounds 5]
@@ -8,17 +8,17 @@ heads of 64, vocab 49152; random weights) with max_position_embeddings 8192, so 
 fits; made once under the system temp directory.
 
 (a) **Agreement**: an fp32-KV engine generates `--length` greedy tokens after each of
-`--sequences` random prompts; an int8-KV engine then reads prompt + continuation in one
-prefill (its attention reads each position's int8 K/V, as a decode step would) and at every
-continuation position its top-1 token is compared with the fp32 engine's (teacher-forced). The
-control: the fp32-KV engine read the same way (prefill vs the decode steps that made the tokens:
-what float summation order alone flips).
+`--sequences` random prompts; an int8-KV and an fp8-KV engine then each read prompt +
+continuation in one prefill (attention reads each position's quantized K/V, as a decode step
+would) and at every continuation position their top-1 token is compared with the fp32 engine's
+(teacher-forced). The control: the fp32-KV engine read the same way (prefill vs the decode steps
+that made the tokens: what float summation order alone flips).
 (b) **Bytes per token**: the pool's bytes per token of context (all layers, K and V), and the
 bytes one request's blocks take on the KV wire (a real ZmqKvSender -> KvReceiver over ipc).
 (c) **Decode step time**: one sequence at `--context` tokens, `--steps` one-token decode steps
 each round (the prompt prefilled once, then found in the prefix cache); rounds alternate fp32 /
-int8 (noise hits both alike), the steps of every round pooled: median and best; and the decode
-attention kernel alone for one layer at that context (best of 2 x 50, A/B/A/B).
+int8 / fp8 (noise hits all alike), the steps of every round pooled: median and best; and the
+decode attention kernel alone for one layer at that context (best of 2 x 50, A/B/C/A/B/C).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import zmq
 from pdserve.bench.machine import best_of
 from pdserve.engine.config import CacheConfig, EngineConfig, KvCacheDtype, SchedulerConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.kernels import kv_int8
+from pdserve.kernels import kv_quant
 from pdserve.kvtransfer.lease import LeaseTable
 from pdserve.kvtransfer.receiver import KvReceiver
 from pdserve.kvtransfer.sender import ZmqKvSender
@@ -43,7 +43,8 @@ from pdserve.protocol.auth import FrameAuth
 from pdserve.protocol.messages import KvDone
 from pdserve.protocol.sampling import SamplingParams
 
-KV_DTYPES: tuple[KvCacheDtype, ...] = ("auto", "int8")
+KV_DTYPES: tuple[KvCacheDtype, ...] = ("auto", "int8", "fp8")
+QUANTIZED: tuple[KvCacheDtype, ...] = ("int8", "fp8")
 
 
 def default_model() -> str:
@@ -83,13 +84,16 @@ def agreement(model: str, sequences: int, length: int) -> dict[str, tuple[int, i
     vocab = fp32.model_config.vocab_size
     prompts = [torch.randint(3, vocab, (64,), generator=g).tolist() for _ in range(sequences)]
     want = fp32.generate(prompts, SamplingParams(max_tokens=length, temperature=0.0, ignore_eos=True))
-    int8 = engine(model, "int8", 64 + length + 8, sequences * (64 + length) // 16 + 64)
-    return {"int8": teacher_forced(int8, prompts, want), "fp32 (control)": teacher_forced(fp32, prompts, want)}
+    res = {
+        k: teacher_forced(engine(model, k, 64 + length + 8, sequences * (64 + length) // 16 + 64), prompts, want)
+        for k in QUANTIZED
+    }
+    return {**res, "fp32 (control)": teacher_forced(fp32, prompts, want)}
 
 
 def shipped_bytes_per_token(eng: LLMEngine, tokens: int) -> float:
     """Bytes one request's `tokens` of KV take on the wire: every layer's blocks, sent as stored."""
-    spec, pool = eng.kv_spec, eng.runner.kv_cache  # [L, 2, N, bs, Hkv, D (+4)]
+    spec, pool = eng.kv_spec, eng.runner.kv_cache  # [L, 2, N, bs, Hkv, D (int8, fp8: + 4)]
     blocks = list(range(-(-tokens // spec.block_size)))
     auth, ctx = FrameAuth(b"b" * 32, encryption="off"), zmq.Context()
     dst = torch.zeros(spec.shape(len(blocks)), dtype=spec.dtype)
@@ -128,7 +132,7 @@ def attention_seconds(eng: LLMEngine, context: int) -> float:
     from pdserve.kernels import attention
     from pdserve.kernels.metadata import AttentionMetadata
 
-    mc, layer = eng.model_config, eng.runner.kv_cache[0]  # [2, N, bs, Hkv, D (+4)]
+    mc, layer = eng.model_config, eng.runner.kv_cache[0]  # [2, N, bs, Hkv, D (int8, fp8: + 4)]
     bs = layer.shape[2]
     table = [list(range(-(-context // bs)))]
     meta = AttentionMetadata.build([1], [context], table, 1)
@@ -168,10 +172,11 @@ def main(argv: list[str] | None = None) -> int:
             steps[k] += decode_steps(e, prompt, args.steps)
     wire = {k: shipped_bytes_per_token(e, args.context) for k, e in engines.items()}  # the last round's KV
     attn = {k: attention_seconds(e, args.context) for k, e in engines.items()}
-    attn = {k: min(attn[k], attention_seconds(e, args.context)) for k, e in engines.items()}  # A/B/A/B
+    attn = {k: min(attn[k], attention_seconds(e, args.context)) for k, e in engines.items()}  # A/B/C/A/B/C
     for k in KV_DTYPES:
         print(f"(b) {k:<5} KV bytes/token: pool {mem[k]:.0f}, shipped {wire[k]:.0f}")
-    print(f"(b) int8 / fp32 bytes: pool {mem['int8'] / mem['auto']:.3f}, shipped {wire['int8'] / wire['auto']:.3f}")
+    for k in QUANTIZED:
+        print(f"(b) {k} / fp32 bytes: pool {mem[k] / mem['auto']:.3f}, shipped {wire[k] / wire['auto']:.3f}")
     med = {k: statistics.median(v) for k, v in steps.items()}
     best = {k: min(v) for k, v in steps.items()}
     for k in KV_DTYPES:
@@ -179,11 +184,14 @@ def main(argv: list[str] | None = None) -> int:
             f"(c) {k:<5} decode step at {args.context} tokens ({len(steps[k])} steps): median {med[k] * 1e3:.1f} ms,"
             f" best {best[k] * 1e3:.1f} ms; attention/layer best {attn[k] * 1e6:.0f} us"
         )
-    print(
-        f"(c) int8 / fp32 time: decode step median {med['int8'] / med['auto']:.3f}, best {best['int8'] / best['auto']:.3f};"
-        f" attention {attn['int8'] / attn['auto']:.3f}"
-    )
-    assert kv_int8.is_int8(engines["int8"].runner.kv_cache)
+    for k in QUANTIZED:
+        print(
+            f"(c) {k} / fp32 time: decode step median {med[k] / med['auto']:.3f}, best {best[k] / best['auto']:.3f};"
+            f" attention {attn[k] / attn['auto']:.3f}"
+        )
+    for k in QUANTIZED:  # the pools these engines ran on are the format's
+        fmt = kv_quant.format_of(engines[k].runner.kv_cache)
+        assert fmt is not None and fmt.kv_cache_dtype == k
     return 0
 
 

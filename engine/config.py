@@ -174,8 +174,8 @@ class ModelConfig:
 
     def fingerprint(self, dtype: "torch.dtype", kv_cache_dtype: str = "auto") -> str:
         """Pools exchanging KV must agree on this (and so do prefix-cache keys: it salts block
-        hashes). `kv_cache_dtype` "int8" (--kv-cache-dtype) adds `/kv-int8`: such a pool's blocks
-        hold other bytes and other values than the model dtype's."""
+        hashes). `kv_cache_dtype` "int8" or "fp8" (--kv-cache-dtype) adds `/kv-int8` or `/kv-fp8`:
+        such a pool's blocks hold other bytes and other values than the model dtype's."""
         return (
             f"{self.architecture}/L{self.num_layers}/H{self.num_heads}/KV{self.num_kv_heads}"
             f"/D{self.head_dim}/V{self.vocab_size}/{str(dtype).removeprefix('torch.')}"
@@ -491,7 +491,7 @@ def cpu_has_fast_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-KvCacheDtype = Literal["auto", "int8"]  # --kv-cache-dtype (vLLM's name)
+KvCacheDtype = Literal["auto", "int8", "fp8"]  # --kv-cache-dtype (vLLM's name; fp8: e4m3, vLLM's too)
 KV_CACHE_DTYPES: tuple[str, ...] = get_args(KvCacheDtype)
 
 
@@ -513,8 +513,8 @@ class CacheConfig:
         KvCacheDtype,
         Flag(
             "what the paged KV cache stores: auto, the model's dtype; int8, each token's K and V per head as "
-            "int8 with an fp32 scale (about a quarter of fp32's bytes, in memory and on the KV wire; CPU only). "
-            "Prefill and decode workers exchanging KV must agree"
+            "int8 with an fp32 scale; fp8, the same as float8 e4m3 values (both about a quarter of fp32's bytes, "
+            "in memory and on the KV wire; CPU only). Prefill and decode workers exchanging KV must agree"
         ),
     ] = "auto"
     kv_offload_dir: Annotated[

@@ -94,7 +94,7 @@ class EngineInfo:
     block_size: int
     num_kv_heads: int
     head_dim: int
-    kv_dtype: str  # what the pool stores: "float32", "bfloat16", ...; "int8" (--kv-cache-dtype int8)
+    kv_dtype: str  # what the pool stores: "float32", "bfloat16", ...; "int8" / "uint8" (--kv-cache-dtype int8 / fp8)
     max_model_len: int
     max_num_seqs: int  # as configured (a decode worker may adapt the limit: set_max_num_seqs)
     max_num_batched_tokens: int  # a step's token budget

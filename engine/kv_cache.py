@@ -6,9 +6,9 @@ are one contiguous slab, so a layer can be shipped (or mapped by a peer) as a un
 parallelism every rank holds such a pool for its own KV heads, with the same block count and ids;
 the memory budget counts all of the model's heads (replicated heads cost once per rank on top).
 
-`--kv-cache-dtype int8`: the pool's dtype is int8 and its last axis `head_dim + 4` (each row's
-fp32 scale after its values, kernels/kv_int8.py): scales live in the same allocation, so a
-shared-memory pool holds them too and every block copy carries them.
+`--kv-cache-dtype int8|fp8`: the pool's dtype is int8 (fp8: uint8, e4m3 bits) and its last axis
+`head_dim + 4` (each row's fp32 scale after its values, kernels/kv_quant.py): scales live in the
+same allocation, so a shared-memory pool holds them too and every block copy carries them.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from pdserve.engine.config import CacheConfig, ModelConfig
-from pdserve.kernels import kv_int8
+from pdserve.kernels import kv_quant
 
 # (shape, dtype) -> tensor; e.g. a shared-memory allocator so a prefill peer can write in place.
 KvAllocator = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
@@ -31,15 +31,16 @@ class KVCacheSpec:
     block_size: int
     num_kv_heads: int
     head_dim: int
-    dtype: torch.dtype  # what the pool stores: the model's dtype, or int8 (rows + scales)
+    dtype: torch.dtype  # what the pool stores: the model's dtype, or int8 / uint8 (fp8) rows + scales
 
     @classmethod
     def for_model(
         cls, cfg: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
     ) -> "KVCacheSpec":
-        """`dtype`: the model's; `kv_cache_dtype` (--kv-cache-dtype): "auto" stores it, "int8" int8 rows."""
-        stored = torch.int8 if kv_cache_dtype == "int8" else dtype
-        kv_int8.row_width(cfg.head_dim, stored)  # refuses a head_dim int8 rows cannot hold
+        """`dtype`: the model's; `kv_cache_dtype` (--kv-cache-dtype): "auto" stores it, "int8" int8
+        rows, "fp8" e4m3 rows (a uint8 pool)."""
+        stored = kv_quant.pool_dtype(kv_cache_dtype, dtype)
+        kv_quant.row_width(cfg.head_dim, stored)  # refuses a head_dim quantized rows cannot hold
         return cls(cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim, stored)
 
     def for_kv_heads(self, num_kv_heads: int) -> "KVCacheSpec":
@@ -53,8 +54,8 @@ class KVCacheSpec:
 
     @property
     def row_width(self) -> int:
-        """Elements of one token's row for one head: head_dim (int8: + its scale's 4 bytes)."""
-        return kv_int8.row_width(self.head_dim, self.dtype)
+        """Elements of one token's row for one head: head_dim (int8, fp8: + its scale's 4 bytes)."""
+        return kv_quant.row_width(self.head_dim, self.dtype)
 
     def shape(self, num_blocks: int) -> tuple[int, ...]:
         return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.row_width)
@@ -124,4 +125,4 @@ def allocate_kv_cache(
             raise ValueError(f"KV allocator returned {tuple(cache.shape)}/{cache.dtype}, expected {shape}/{spec.dtype}")
         cache.zero_()
         return cache
-    return torch.zeros(shape, dtype=spec.dtype, device=device)  # [L, 2, N, bs, Hkv, D] (int8: D + 4)
+    return torch.zeros(shape, dtype=spec.dtype, device=device)  # [L, 2, N, bs, Hkv, D] (int8, fp8: D + 4)

@@ -82,10 +82,11 @@ class LLMEngine(EngineCore):
         tensor-parallel prefill worker's --kv-payload-mac mode, its ranks sending their own KV heads."""
         self.config = config
         self.device = torch.device(config.device)
-        if config.cache.kv_cache_dtype == "int8" and self.device.type != "cpu":
+        if config.cache.kv_cache_dtype != "auto" and self.device.type != "cpu":
             raise ValueError(
-                f"--kv-cache-dtype int8 is built for the CPU kernels only (the Triton kernels read KV in the "
-                f"model's dtype): use --kv-cache-dtype auto with --device {config.device}"
+                f"--kv-cache-dtype {config.cache.kv_cache_dtype} is built for the CPU kernels only (int8 and fp8 "
+                f"rows alike; the Triton kernels read KV in the model's dtype): use --kv-cache-dtype auto with "
+                f"--device {config.device}"
             )
         activations = resolve_activations(config.activation_quantization, config.quantization, config.model)
         self.model_config = quantized(

@@ -17,10 +17,10 @@ query at position p sees keys at positions > p - window) and tanh soft-capping o
 everywhere, the reference). Triton on CPU tensors needs TRITON_INTERPRET=1 set before triton is
 first imported.
 
-An int8 pool (`--kv-cache-dtype int8`: rows of int8 values and their fp32 scale,
-kernels/kv_int8.py) never goes to Triton: stores quantize each row, the C kernels read the rows
+A quantized pool (`--kv-cache-dtype int8|fp8`: rows of int8 or e4m3 values and their fp32 scale,
+kernels/kv_quant.py) never goes to Triton: stores quantize each row, the C kernels read the rows
 as stored (decode: dequantized in registers; flash prefill: a tile at a time) with fp32 sums, and
-torch dequantizes what it gathers. The older tiled prefill kernel takes no int8 pool.
+torch dequantizes what it gathers. The older tiled prefill kernel takes no quantized pool.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import functools
 import torch
 
 from pdserve.env import settings
-from pdserve.kernels import cpu_native, kv_int8, torch_attention
+from pdserve.kernels import cpu_native, kv_quant, torch_attention
 from pdserve.kernels.metadata import AttentionMetadata
 
 
@@ -118,8 +118,8 @@ def _native_prefill(
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write key/value [T, Hkv, D] into kv_layer [2, N, bs, Hkv, D] at slots [T] int64 (-1 = skip);
-    an int8 pool [2, N, bs, Hkv, D + 4] takes them quantized (a scale per token and head)."""
-    if use_triton(key) and not kv_int8.is_int8(kv_layer):
+    a quantized pool [2, N, bs, Hkv, D + 4] takes them quantized (a scale per token and head)."""
+    if use_triton(key) and not kv_quant.is_quantized(kv_layer):
         from pdserve.kernels import triton_attention
 
         return triton_attention.store_kv(key, value, kv_layer, slot_mapping)
@@ -139,7 +139,7 @@ def paged_attention(
     """query [T, Hq, D], this step's key/value [T, Hkv, D] (already stored) -> out [T, Hq, D].
     `window`: this layer's sliding window (None: full attention); `softcap`: score soft-capping."""
     choice = _choice()  # read once per call
-    if use_triton(query, choice) and not kv_int8.is_int8(kv_layer):
+    if use_triton(query, choice) and not kv_quant.is_quantized(kv_layer):
         from pdserve.kernels import triton_attention
 
         return triton_attention.paged_attention(

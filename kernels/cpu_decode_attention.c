@@ -4,9 +4,10 @@
  * Built by kernels/cpu_native.py with the machine's C compiler at first use and loaded with
  * ctypes (no torch headers, so it compiles in about a second). fp32, or bf16 (queries, pool and
  * output all bf16: K and V rows widened to fp32 as they are loaded, all arithmetic fp32, outputs
- * rounded to nearest even), or an int8 pool with fp32 queries and output (--kv-cache-dtype int8:
- * each row D int8 values and their fp32 scale, kernels/kv_int8.h; values widened to fp32 in
- * registers, q . k scaled by K's row scale, p by V's, all sums fp32); head_dim a multiple of 8. Vector code is GCC/Clang vector extensions
+ * rounded to nearest even), or a quantized pool with fp32 queries and output (--kv-cache-dtype
+ * int8|fp8: each row D int8 or e4m3 values and their fp32 scale, kernels/kv_quant.h; values widened
+ * to fp32 in registers, exactly, q . k scaled by K's row scale, p by V's, all sums fp32); head_dim a
+ * multiple of 8. Vector code is GCC/Clang vector extensions
  * (8 floats), so it builds on any target and -march=native picks the instructions.
  *
  * Threads: OpenMP. The library is linked against libgomp by soname, and torch has already
@@ -14,7 +15,7 @@
  * no threads of ours competing with torch's on the same cores, and no thread start per call.
  *
  * Layout (one layer of the pool, contiguous): kv [2, N, bs, Hkv, HS]; K rows at kv, V rows at
- * kv + N*bs*Hkv*HS, HS = D (int8: D + 4, the scale's bytes after the values). Work is split flash-decoding style: a work item is one sequence, one span of
+ * kv + N*bs*Hkv*HS, HS = D (int8, fp8: D + 4, the scale's bytes after the values). Work is split flash-decoding style: a work item is one sequence, one span of
  * its context and all its KV heads (fewer only when the query heads are over MAX_H), so each
  * token's row is read whole, once, while hot, for all the query heads of the item (GQA: G =
  * Hq/Hkv per KV head). Each item leaves its unnormalised output with its running max and sum; a
@@ -47,7 +48,7 @@
 #include <stdlib.h>
 
 #include "bf16.h"
-#include "kv_int8.h"
+#include "kv_quant.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -63,18 +64,21 @@ typedef float v8u __attribute__((vector_size(32), aligned(4))); /* for loads and
 
 static inline v8 load8(const float *p) { return *(const v8u *)p; }
 
-/* Element types of the pool (ET): fp32, bf16 (queries and output bf16 too), int8 rows (queries
- * and output fp32) */
+/* Element types of the pool (ET): fp32, bf16 (queries and output bf16 too), int8 rows, e4m3 rows
+ * (queries and output fp32; a quantized row is D values + the scale's 4 bytes) */
 #define ET_F32 0
 #define ET_BF16 1
 #define ET_Q8 2
+#define ET_F8 3
 
 static inline int esize(const int ET) { return ET == ET_F32 ? 4 : ET == ET_BF16 ? 2 : 1; }
+static inline int quantized(const int ET) { return ET == ET_Q8 || ET == ET_F8; }
 
-/* 8 elements of a pool array of type ET from element `i`, as floats (int8: unscaled) */
+/* 8 elements of a pool array of type ET from element `i`, as floats (int8, fp8: unscaled) */
 static inline __attribute__((always_inline)) v8 ld8(const void *p, int64_t i, const int ET) {
     return ET == ET_BF16 ? bf16_widen8((const uint16_t *)p + i)
            : ET == ET_Q8 ? q8_widen8((const int8_t *)p + i)
+           : ET == ET_F8 ? f8_widen8((const uint8_t *)p + i)
                          : load8((const float *)p + i);
 }
 
@@ -89,7 +93,7 @@ static inline float hsum8(v8 a) {
     return s;
 }
 
-typedef struct {               /* arrays of fp32, or all of bf16 (uint16), or an int8 pool */
+typedef struct {               /* arrays of fp32, or all of bf16 (uint16), or an int8 / fp8 pool */
     const void *q;             /* [n, Hq, D], rows q_stride elements apart */
     const void *k;             /* [N*bs, Hkv, HS] token rows */
     const void *v;             /* [N*bs, Hkv, HS] token rows */
@@ -98,7 +102,7 @@ typedef struct {               /* arrays of fp32, or all of bf16 (uint16), or an
     const int *starts;         /* [n] the first key each sequence sees (0 without a window) */
     void *out;                 /* [n, Hq, D] */
     int64_t q_stride, table_stride;
-    int hq, hkv, d, hs, bs;    /* hs: a head's row in the pool, in elements (d; int8: d + 4) */
+    int hq, hkv, d, hs, bs;    /* hs: a head's row in the pool, in elements (d; int8, fp8: d + 4) */
     float scale, softcap;      /* softcap 0: none */
 } Job;
 
@@ -111,7 +115,7 @@ typedef struct {               /* arrays of fp32, or all of bf16 (uint16), or an
 static inline __attribute__((always_inline)) void attend(const Job *j, int i, int t_lo, int t_hi, int h0, int nh,
                                                          float *part, float *ml, const int D, const int ET) {
     const int G = j->hq / j->hkv, bs = j->bs, H = nh * G; /* H query heads here */
-    const int HS = ET == ET_Q8 ? D + KV_INT8_SCALE_BYTES : D; /* a head's row, in elements */
+    const int HS = quantized(ET) ? D + KV_SCALE_BYTES : D; /* a head's row, in elements */
     const int64_t row = (int64_t)j->hkv * HS; /* elements from one token's row to the next */
     const int PF = 64 / esize(ET);            /* elements a cache line */
     const int BF = ET == ET_BF16;
@@ -140,8 +144,8 @@ static inline __attribute__((always_inline)) void attend(const Job *j, int i, in
             for (int h = 0; h < nh; h++) {
                 v8 k8[MAX_D / 8]; /* the KV head's row, loaded once for its G query heads */
                 for (int c = 0; c < D / 8; c++) k8[c] = ld8(j->k, kt + h * HS + 8 * c, ET);
-                /* int8: q . k in units of the row's scale, scaled once */
-                const float ks = ET == ET_Q8 ? q8_scale((const int8_t *)j->k + kt + h * HS, D) : 1.0f;
+                /* int8, fp8: q . k in units of the row's scale, scaled once */
+                const float ks = quantized(ET) ? kv_row_scale((const int8_t *)j->k + kt + h * HS, D) : 1.0f;
                 for (int g = h * G; g < (h + 1) * G; g++) {
                     const float *qg = qs + g * D;
                     v8 a = {0}, b = {0}; /* two dependency chains */
@@ -151,7 +155,7 @@ static inline __attribute__((always_inline)) void attend(const Job *j, int i, in
                         b += load8(qg + 8 * c + 8) * k8[c + 1];
                     }
                     if (c < D / 8) a += load8(qg + 8 * c) * k8[c];
-                    s[g * bs + t] = ET == ET_Q8 ? hsum8(a + b) * ks : hsum8(a + b);
+                    s[g * bs + t] = quantized(ET) ? hsum8(a + b) * ks : hsum8(a + b);
                 }
             }
         }
@@ -182,10 +186,24 @@ static inline __attribute__((always_inline)) void attend(const Job *j, int i, in
             const int64_t vt = base + t * row;
             if (kn >= 0)
                 for (int x = 0; x < nh * HS; x += PF) pf(j->k, kn + t * row + x, ET);
+            if (ET == ET_F8) { /* each KV head's row widened once for its G query heads (more work than int8's) */
+                for (int h = 0; h < nh; h++) {
+                    const int64_t vr = vt + h * HS;
+                    const float vs = kv_row_scale((const uint8_t *)j->v + vr, D);
+                    v8 v[MAX_D / 8];
+                    for (int c = 0; c < D / 8; c++) v[c] = ld8(j->v, vr + 8 * c, ET);
+                    for (int g = h * G; g < (h + 1) * G; g++) {
+                        const float p = s[g * bs + t] * vs;
+                        float *ag = acc + g * D;
+                        for (int c = 0; c < D / 8; c++) store8(ag + 8 * c, load8(ag + 8 * c) + p * v[c]);
+                    }
+                }
+                continue;
+            }
             for (int g = 0; g < H; g++) {
                 const int64_t vr = vt + (g / G) * HS;
                 /* int8: p times V's row scale, so the unscaled values are summed as they are */
-                const float p = ET == ET_Q8 ? s[g * bs + t] * q8_scale((const int8_t *)j->v + vr, D) : s[g * bs + t];
+                const float p = ET == ET_Q8 ? s[g * bs + t] * kv_row_scale((const int8_t *)j->v + vr, D) : s[g * bs + t];
                 float *ag = acc + g * D;
                 for (int c = 0; c < D / 8; c++) store8(ag + 8 * c, load8(ag + 8 * c) + p * ld8(j->v, vr + 8 * c, ET));
             }
@@ -207,6 +225,9 @@ ATTEND(attend_any_bf16, 0, ET_BF16)
 ATTEND(attend_64_q8, 64, ET_Q8)
 ATTEND(attend_128_q8, 128, ET_Q8)
 ATTEND(attend_any_q8, 0, ET_Q8)
+ATTEND(attend_64_f8, 64, ET_F8)
+ATTEND(attend_128_f8, 128, ET_F8)
+ATTEND(attend_any_f8, 0, ET_F8)
 
 /* Sequence i's spans in order, head group h0 (H query heads): span sp's output [H, D] at
  * part + sp * part_step and its max and sum [2, H] at ml + sp * ml_step. out = sum_s e^(m_s - M)
@@ -267,7 +288,8 @@ static inline void prefetch_first_block(const Job *j, const Spans *spans, int64_
     }
 }
 
-/* q, kv and out fp32 (et ET_F32) or bf16 (ET_BF16), or q and out fp32 and kv int8 rows (ET_Q8).
+/* q, kv and out fp32 (et ET_F32) or bf16 (ET_BF16), or q and out fp32 and kv int8 rows (ET_Q8) or
+ * e4m3 rows (ET_F8).
  * Returns 0, or -1 when a shape is over this kernel's limits (the caller falls back) or scratch
  * memory is short. */
 static int decode_attention(const void *q, int64_t q_stride, const void *kv, int64_t num_tokens_in_pool,
@@ -316,12 +338,13 @@ static int decode_attention(const void *q, int64_t q_stride, const void *kv, int
     float *ml = part + items * part_step;
     for (int i = 0; i < n; i++)
         for (int sp = first_span[i]; sp < first_span[i + 1]; sp++) span_seq[sp] = i;
-    const int hs = et == ET_Q8 ? d + KV_INT8_SCALE_BYTES : d, esz = esize(et), bf16 = et == ET_BF16;
+    const int hs = quantized(et) ? d + KV_SCALE_BYTES : d, esz = esize(et), bf16 = et == ET_BF16;
     const void *v = (const char *)kv + num_tokens_in_pool * hkv * hs * esz;
     const Job job = {q, kv, v, tables, ctx_lens, starts, out, q_stride, table_stride, hq, hkv, d, hs, bs, scale, softcap};
     void (*fn)(const Job *, int, int, int, int, int, float *, float *) =
         et == ET_BF16 ? (d == 64 ? attend_64_bf16 : d == 128 ? attend_128_bf16 : attend_any_bf16)
         : et == ET_Q8 ? (d == 64 ? attend_64_q8 : d == 128 ? attend_128_q8 : attend_any_q8)
+        : et == ET_F8 ? (d == 64 ? attend_64_f8 : d == 128 ? attend_128_f8 : attend_any_f8)
                       : (d == 64 ? attend_64 : d == 128 ? attend_128 : attend_any);
     if (nthreads > items) nthreads = (int)items;
     if (nthreads < 1) nthreads = 1;
@@ -380,10 +403,18 @@ int paged_decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint1
                             bs, scale, window, softcap, nthreads, ET_BF16);
 }
 
-/* fp32 queries and output over an int8 pool [2, N, bs, Hkv, D + 4] (kernels/kv_int8.h) */
+/* fp32 queries and output over an int8 pool [2, N, bs, Hkv, D + 4] (kernels/kv_quant.h) */
 int paged_decode_attention_q8(const float *q, int64_t q_stride, const int8_t *kv, int64_t num_tokens_in_pool,
                               const int32_t *tables, int64_t table_stride, const int32_t *ctx_lens, float *out, int n,
                               int hq, int hkv, int d, int bs, float scale, int window, float softcap, int nthreads) {
     return decode_attention(q, q_stride, kv, num_tokens_in_pool, tables, table_stride, ctx_lens, out, n, hq, hkv, d,
                             bs, scale, window, softcap, nthreads, ET_Q8);
+}
+
+/* fp32 queries and output over an fp8 (e4m3) pool [2, N, bs, Hkv, D + 4], dtype uint8 (kernels/kv_quant.h) */
+int paged_decode_attention_f8(const float *q, int64_t q_stride, const uint8_t *kv, int64_t num_tokens_in_pool,
+                              const int32_t *tables, int64_t table_stride, const int32_t *ctx_lens, float *out, int n,
+                              int hq, int hkv, int d, int bs, float scale, int window, float softcap, int nthreads) {
+    return decode_attention(q, q_stride, kv, num_tokens_in_pool, tables, table_stride, ctx_lens, out, n, hq, hkv, d,
+                            bs, scale, window, softcap, nthreads, ET_F8);
 }

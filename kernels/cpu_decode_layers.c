@@ -15,7 +15,8 @@
  * The kernels are not linked in: the caller passes the addresses of the functions already loaded
  * from their own libraries (kernels/decode_layers.py), so there is one copy of each. The KV pool
  * is opaque here: an int8 pool (--kv-cache-dtype int8) gets the int8 store and attention entries
- * (rope_store_q8, paged_decode_attention_q8) in the same slots, with the same arguments.
+ * (rope_store_q8, paged_decode_attention_q8) in the same slots, with the same arguments, and an
+ * fp8 pool (--kv-cache-dtype fp8, e4m3 rows) the fp8 ones (rope_store_f8, paged_decode_attention_f8).
  */
 #include <stddef.h>
 #include <stdint.h>
@@ -72,7 +73,7 @@ typedef struct {  /* a linear: fp32 panels [P, in, 16], or quantized row segment
 typedef struct {  /* one decoder layer, as laid out after loading */
     const float *input_norm, *post_attention_norm;  /* [H] */
     linear_desc qkv, o, gate_up, down;              /* qkv's bias [(hq + 2 hkv) d] or NULL */
-    void *kv;                                       /* this layer's pool [2, slots, hkv, d] fp32 (or d + 4 int8) */
+    void *kv;                                       /* this layer's pool [2, slots, hkv, d] fp32 (or d + 4 int8 / e4m3) */
 } layer_weights;
 
 typedef struct {  /* the model's shapes */

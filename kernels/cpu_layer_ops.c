@@ -10,14 +10,20 @@
  *                     their KV-pool slots (-1: not stored); rotated q and k also written out
  *                     dense for the attention that follows.
  *   rope_store_q8     the same into an int8 pool (--kv-cache-dtype int8): each K and V row of a
- *                     head stored as int8 values and their fp32 scale (kernels/kv_int8.py's
+ *                     head stored as int8 values and their fp32 scale (kernels/kv_quant.py's
  *                     quantize, bit for bit: scale = max|x| / 127, q = rint(x * (127 / max|x|))).
+ *   rope_store_f8     the same into an fp8 pool (--kv-cache-dtype fp8, dtype uint8): e4m3 values
+ *                     (scale = max|x| / 448, q = e4m3(x * (448 / max|x|)), rounded to nearest
+ *                     even and saturating as torch's conversion, kernels/kv_quant.h f8_from_f32).
+ *   f8_from_f32_n     that conversion alone, over an array (what the tests check against torch).
  *
  * fp32, rows contiguous (`ld*` = floats between rows). Threads split rows (OpenMP on torch's
  * own libgomp, see cpu_decode_attention.c); a row's result does not depend on the thread count.
  */
 #include <math.h>
 #include <stdint.h>
+
+#include "kv_quant.h"
 
 static float sum_squares(const float *x, int64_t n) {
     float acc[8] = {0};
@@ -82,21 +88,35 @@ static inline void rotate_row(const float *x, const float *c, const float *s, fl
     for (int64_t i = h; i < d; i++) out[i] = x[i] * c[i] + x[i - h] * s[i];
 }
 
-static volatile float k127_hidden = 127.0f; /* read at run time: see quantize_row */
+/* The quantized row formats (kernels/kv_quant.py): int8 values or e4m3 bits, their QMAX read at
+ * run time (see quantize_row) */
+#define ROW_Q8 0
+#define ROW_F8 1
+static volatile float qmax_hidden[2] = {127.0f, 448.0f};
 
-/* x [d] as int8 values, then their fp32 scale, at out [d + 4]. The divisions stay divisions (127
- * read from a volatile is no constant for -ffast-math's reciprocal rewrite) and rintf rounds half
- * to even, so the bytes are torch's (kernels/kv_int8.py quantize). */
-static inline void quantize_row(const float *x, int8_t *out, int d) {
+/* x [d] as the format's one-byte values, then their fp32 scale, at out [d + 4]. The divisions stay
+ * divisions (QMAX read from a volatile is no constant for -ffast-math's reciprocal rewrite); int8
+ * rounds by rintf (half to even), e4m3 by f8_from_f32; so the bytes are torch's
+ * (kernels/kv_quant.py quantize). */
+static inline __attribute__((always_inline)) void quantize_row(const float *x, void *out, int d, const int FMT) {
     float amax = 0.0f;
-    const float k127 = k127_hidden;
+    const float qmax = qmax_hidden[FMT];
     for (int i = 0; i < d; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
-    const float scale = amax / k127, inv = amax > 0.0f ? k127 / amax : 0.0f;
+    const float scale = amax / qmax, inv = amax > 0.0f ? qmax / amax : 0.0f;
     for (int i = 0; i < d; i++) {
-        const float r = rintf(x[i] * inv);
-        out[i] = (int8_t)(r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r);
+        if (FMT == ROW_F8) {
+            ((uint8_t *)out)[i] = f8_from_f32(x[i] * inv);
+        } else {
+            const float r = rintf(x[i] * inv);
+            ((int8_t *)out)[i] = (int8_t)(r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r);
+        }
     }
-    __builtin_memcpy(out + d, &scale, sizeof scale);
+    __builtin_memcpy((char *)out + d, &scale, sizeof scale);
+}
+
+int f8_from_f32_n(const float *x, uint8_t *out, int64_t n) {
+    for (int64_t i = 0; i < n; i++) out[i] = f8_from_f32(x[i]);
+    return 0;
 }
 
 /* qkv [T, (hq + 2 hkv) d] rows ldq floats apart; cos, sin [T, d]; q_out [T, hq, d];
@@ -125,9 +145,12 @@ int rope_store_f32(const float *qkv, int64_t ldq, const float *cos, const float 
     return 0;
 }
 
-/* rope_store_f32 into an int8 pool: kv [2, slots, hkv, d + 4] (each row d int8 values + fp32 scale) */
-int rope_store_q8(const float *qkv, int64_t ldq, const float *cos, const float *sin, float *q_out, float *k_out,
-                  int8_t *kv, int64_t slots, const int64_t *slot, int64_t rows, int hq, int hkv, int d, int nthreads) {
+/* rope_store_f32 into a quantized pool: kv [2, slots, hkv, d + 4] (each row d values of format FMT + fp32 scale) */
+static inline __attribute__((always_inline)) int rope_store_rows(const float *qkv, int64_t ldq, const float *cos,
+                                                                 const float *sin, float *q_out, float *k_out,
+                                                                 uint8_t *kv, int64_t slots, const int64_t *slot,
+                                                                 int64_t rows, int hq, int hkv, int d, int nthreads,
+                                                                 const int FMT) {
     for (int64_t t = 0; t < rows; t++)
         if (slot[t] >= slots) return -1; /* past the pool: refuse before writing anything */
     const int parts = threads_for(rows, nthreads);
@@ -141,11 +164,24 @@ int rope_store_q8(const float *qkv, int64_t ldq, const float *cos, const float *
         const int64_t at = slot[t];
         if (at < 0) continue;
         const float *v = row + (int64_t)(hq + hkv) * d;
-        int8_t *kd = kv + at * kv_row, *vd = kv + (slots + at) * kv_row;
+        uint8_t *kd = kv + at * kv_row, *vd = kv + (slots + at) * kv_row;
         for (int h = 0; h < hkv; h++) {
-            quantize_row(kr + (int64_t)h * d, kd + h * hs, d);
-            quantize_row(v + (int64_t)h * d, vd + h * hs, d);
+            quantize_row(kr + (int64_t)h * d, kd + h * hs, d, FMT);
+            quantize_row(v + (int64_t)h * d, vd + h * hs, d, FMT);
         }
     }
     return 0;
+}
+
+/* into an int8 pool (--kv-cache-dtype int8) */
+int rope_store_q8(const float *qkv, int64_t ldq, const float *cos, const float *sin, float *q_out, float *k_out,
+                  int8_t *kv, int64_t slots, const int64_t *slot, int64_t rows, int hq, int hkv, int d, int nthreads) {
+    return rope_store_rows(qkv, ldq, cos, sin, q_out, k_out, (uint8_t *)kv, slots, slot, rows, hq, hkv, d, nthreads,
+                           ROW_Q8);
+}
+
+/* into an fp8 pool (--kv-cache-dtype fp8: e4m3 bits, dtype uint8) */
+int rope_store_f8(const float *qkv, int64_t ldq, const float *cos, const float *sin, float *q_out, float *k_out,
+                  uint8_t *kv, int64_t slots, const int64_t *slot, int64_t rows, int hq, int hkv, int d, int nthreads) {
+    return rope_store_rows(qkv, ldq, cos, sin, q_out, k_out, kv, slots, slot, rows, hq, hkv, d, nthreads, ROW_F8);
 }

@@ -175,7 +175,12 @@ def built(lib: _Lib | None) -> _Lib:
 @functools.lru_cache(maxsize=None)
 def _library() -> ctypes.CDLL | None:
     lib = load_kernel(ATTENTION_SOURCE)
-    names = ("paged_decode_attention_f32", "paged_decode_attention_bf16", "paged_decode_attention_q8")
+    names = (
+        "paged_decode_attention_f32",
+        "paged_decode_attention_bf16",
+        "paged_decode_attention_q8",
+        "paged_decode_attention_f8",
+    )
     for fn in (getattr(lib, name) for name in names) if lib is not None else ():
         fn.restype = ctypes.c_int
         fn.argtypes = [
@@ -206,7 +211,10 @@ _PREFILL_ENTRIES = {
     (FLASH_SOURCE, torch.float32, torch.float32): "prefill_flash_f32",
     (FLASH_SOURCE, torch.bfloat16, torch.bfloat16): "prefill_flash_bf16",
     (FLASH_SOURCE, torch.float32, torch.int8): "prefill_flash_q8",  # --kv-cache-dtype int8
+    (FLASH_SOURCE, torch.float32, torch.uint8): "prefill_flash_f8",  # --kv-cache-dtype fp8 (e4m3 rows)
 }
+# the decode kernel's entry point for fp32 queries over a quantized pool, by the pool's dtype
+_DECODE_QUANTIZED = {torch.int8: "paged_decode_attention_q8", torch.uint8: "paged_decode_attention_f8"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -280,13 +288,13 @@ def available() -> bool:
 
 
 def _pool_matches(query: torch.Tensor, kv_layer: torch.Tensor) -> bool:
-    """The pool's dtype is the queries', or int8 rows (--kv-cache-dtype int8) under fp32 queries."""
-    return kv_layer.dtype == query.dtype or (kv_layer.dtype == torch.int8 and query.dtype == torch.float32)
+    """The pool's dtype is the queries', or quantized rows (--kv-cache-dtype int8|fp8) under fp32 queries."""
+    return kv_layer.dtype == query.dtype or (kv_layer.dtype in _DECODE_QUANTIZED and query.dtype == torch.float32)
 
 
 def _takes(query: torch.Tensor, kv_layer: torch.Tensor) -> bool:
     """What the decode kernel takes: fp32 or bf16 CPU tensors (query and pool of one dtype, or fp32
-    queries over an int8 pool), the pool contiguous (query rows may lie apart, as in the model's
+    queries over an int8 or fp8 pool), the pool contiguous (query rows may lie apart, as in the model's
     fused qkv; heads and head_dim must be dense, else they are copied)."""
     return (
         query.device.type == "cpu"
@@ -304,7 +312,7 @@ def can_run(query: torch.Tensor, kv_layer: torch.Tensor) -> bool:
 def can_run_prefill(query: torch.Tensor, kv_layer: torch.Tensor, source: Path = PREFILL_SOURCE) -> bool:
     """Whether the prefill kernel `source` is built and takes these tensors: CPU, the pool
     contiguous, queries and pool of dtypes it has an entry point for (fp32; bf16 and fp32 over
-    int8 rows for flash)."""
+    int8 or fp8 rows for flash)."""
     return (
         query.device.type == "cpu"
         and (source, query.dtype, kv_layer.dtype) in _PREFILL_ENTRIES
@@ -323,7 +331,7 @@ def paged_decode_attention(
     window: int | None = None,
     softcap: float | None = None,
 ) -> bool:
-    """query [n, Hq, D], kv_layer [2, N, bs, Hkv, D] (int8: D + 4), block_tables [>=n, W] int32,
+    """query [n, Hq, D], kv_layer [2, N, bs, Hkv, D] (int8, fp8: D + 4), block_tables [>=n, W] int32,
     context_lens [>=n] int32 -> out [n, Hq, D]; `window`: each query sees its last `window` keys
     only (the blocks before them are not read), `softcap`: tanh soft-capping of the scores.
     False when the kernel refuses the shapes (over its limits); the caller then takes the torch
@@ -337,8 +345,8 @@ def paged_decode_attention(
     assert out.dtype == query.dtype and _pool_matches(query, kv_layer)
     lib = built(_library())
     entry = (
-        lib.paged_decode_attention_q8
-        if kv_layer.dtype == torch.int8
+        getattr(lib, _DECODE_QUANTIZED[kv_layer.dtype])
+        if kv_layer.dtype in _DECODE_QUANTIZED
         else lib.paged_decode_attention_bf16
         if query.dtype == torch.bfloat16
         else lib.paged_decode_attention_f32

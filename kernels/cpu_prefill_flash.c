@@ -26,9 +26,9 @@
  *
  * fp32 or bf16 (queries, pool and output all one type; bf16 K/V tiles are widened to fp32 once per
  * item and tile, into kbuf/vbuf, and all arithmetic is fp32; outputs rounded to nearest even), or
- * an int8 pool under fp32 queries and output (--kv-cache-dtype int8, kernels/kv_int8.h: each row's
- * D int8 values times its scale, widened the same way into kbuf/vbuf, where the tile is reused by
- * every row of the item);
+ * a quantized pool under fp32 queries and output (--kv-cache-dtype int8|fp8, kernels/kv_quant.h:
+ * each row's D int8 or e4m3 values times its scale, widened the same way into kbuf/vbuf, where the
+ * tile is reused by every row of the item);
  * head_dim a multiple of VW up to MAX_D; OpenMP threads from torch's own runtime
  * (kernels/cpu_native.py builds and loads it). Heavy items (late tiles of long prompts) go first.
  *
@@ -42,7 +42,7 @@
 #include <stdlib.h>
 
 #include "bf16.h"
-#include "kv_int8.h"
+#include "kv_quant.h"
 
 #if defined(__AVX512F__)
 #define VW 16
@@ -123,15 +123,23 @@ static inline float elt(const void *p, int64_t i, const int bf16) {
     return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
-/* Element types of the pool (ET): fp32, bf16 (queries and output bf16 too), int8 rows (queries and
- * output fp32; a head's row is D values + the scale's 4 bytes) */
+/* Element types of the pool (ET): fp32, bf16 (queries and output bf16 too), int8 rows, e4m3 rows
+ * (queries and output fp32; a quantized head's row is D values + the scale's 4 bytes) */
 #define ET_F32 0
 #define ET_BF16 1
 #define ET_Q8 2
+#define ET_F8 3
+
+static inline int quantized(const int ET) { return ET == ET_Q8 || ET == ET_F8; }
+
+/* 8 values of a quantized row (ET_Q8 or ET_F8) from byte `c`, as floats, unscaled */
+static inline __attribute__((always_inline)) kv_f32x8 widen8(const void *row, int c, const int ET) {
+    return ET == ET_F8 ? f8_widen8((const uint8_t *)row + c) : q8_widen8((const int8_t *)row + c);
+}
 
 typedef struct {
     const void *q;           /* [T, Hq, D] token rows q_stride elements apart */
-    const void *k, *v;       /* [N*bs, Hkv, HS] token rows of the pool (HS = D; int8: D + 4) */
+    const void *k, *v;       /* [N*bs, Hkv, HS] token rows of the pool (HS = D; int8, fp8: D + 4) */
     const int32_t *tables;   /* [B, table_stride] block ids */
     const int32_t *cu_q;     /* [B+1] query row offsets */
     const int32_t *ctx_lens; /* [B] KV length, this step's rows included */
@@ -231,7 +239,7 @@ static inline __attribute__((always_inline)) void accumulate(float *acc, const f
 /* Item (b, h, tile): query positions [i0, i0 + nq) of sequence b, KV head h. */
 static inline __attribute__((always_inline)) void attend(const Job *j, const Item *it, const int D, const int ET) {
     const int b = it->seq, h = it->head, G = j->hq / j->hkv, bs = j->bs;
-    const int bf16 = ET == ET_BF16, HS = ET == ET_Q8 ? D + KV_INT8_SCALE_BYTES : D;
+    const int bf16 = ET == ET_BF16, HS = quantized(ET) ? D + KV_SCALE_BYTES : D;
     const int q0 = j->cu_q[b], q_len = j->cu_q[b + 1] - q0, ctx = j->ctx_lens[b];
     const int i0 = it->tile * j->bq, nq = q_len - i0 < j->bq ? q_len - i0 : j->bq;
     const int R = nq * G, RP = (R + RB - 1) / RB * RB, R4 = (R + PV_ROWS - 1) / PV_ROWS * PV_ROWS;
@@ -252,7 +260,7 @@ static inline __attribute__((always_inline)) void attend(const Job *j, const Ite
     int32_t lo[MAX_ROWS] __attribute__((aligned(64)));
     const int kwin = j->window > 0 ? kend - j->window : 0; /* keys before it are hidden from some row */
     const float *krow[KT], *vrow[KT];
-    float kbuf[ET != ET_F32 ? KT * MAX_D : 1] __attribute__((aligned(64))); /* [KT, D]: a bf16/int8 tile widened */
+    float kbuf[ET != ET_F32 ? KT * MAX_D : 1] __attribute__((aligned(64))); /* [KT, D]: a bf16/int8/fp8 tile widened */
     float vbuf[ET != ET_F32 ? KT * MAX_D : 1] __attribute__((aligned(64)));
 
     for (int r = 0; r < RP; r++) {
@@ -276,11 +284,11 @@ static inline __attribute__((always_inline)) void attend(const Job *j, const Ite
         const int nt = kend - t0 < KT ? kend - t0 : KT;
         for (int t = 0; t < nt; t++) {
             const int64_t at = ((int64_t)table[(t0 + t) / bs] * bs + (t0 + t) % bs) * row + (int64_t)h * HS;
-            if (ET == ET_Q8) { /* values times their row's scale */
-                const int8_t *kq = (const int8_t *)j->k + at, *vq = (const int8_t *)j->v + at;
-                const float ks = q8_scale(kq, D), vs = q8_scale(vq, D);
+            if (quantized(ET)) { /* values times their row's scale */
+                const char *kq = (const char *)j->k + at, *vq = (const char *)j->v + at;
+                const float ks = kv_row_scale(kq, D), vs = kv_row_scale(vq, D);
                 for (int c = 0; c < D; c += 8) {
-                    const kv_f32x8 k8 = q8_widen8(kq + c) * ks, v8 = q8_widen8(vq + c) * vs;
+                    const kv_f32x8 k8 = widen8(kq, c, ET) * ks, v8 = widen8(vq, c, ET) * vs;
                     __builtin_memcpy(kbuf + t * D + c, &k8, sizeof k8);
                     __builtin_memcpy(vbuf + t * D + c, &v8, sizeof v8);
                 }
@@ -324,6 +332,9 @@ static void attend_any_bf16(const Job *j, const Item *it) { attend(j, it, j->d, 
 static void attend_64_q8(const Job *j, const Item *it) { attend(j, it, 64, ET_Q8); }
 static void attend_128_q8(const Job *j, const Item *it) { attend(j, it, 128, ET_Q8); }
 static void attend_any_q8(const Job *j, const Item *it) { attend(j, it, j->d, ET_Q8); }
+static void attend_64_f8(const Job *j, const Item *it) { attend(j, it, 64, ET_F8); }
+static void attend_128_f8(const Job *j, const Item *it) { attend(j, it, 128, ET_F8); }
+static void attend_any_f8(const Job *j, const Item *it) { attend(j, it, j->d, ET_F8); }
 
 static int heavier_first(const void *a, const void *b) {
     const int64_t x = ((const Item *)a)->cost, y = ((const Item *)b)->cost;
@@ -333,7 +344,7 @@ static int heavier_first(const void *a, const void *b) {
 static int padded_rows(int bq, int g) { return (bq * g + RB - 1) / RB * RB; }
 
 /* Sequences [first, first + n) of the batch; q, kv and out fp32 (et ET_F32) or bf16 (ET_BF16), or
- * q and out fp32 over int8 rows (ET_Q8). Returns 0, or -1 when a shape is over this kernel's limits
+ * q and out fp32 over int8 rows (ET_Q8) or e4m3 rows (ET_F8). Returns 0, or -1 when a shape is over this kernel's limits
  * or memory runs out (the caller falls back). */
 static int prefill_flash(const void *q, int64_t q_stride, const void *kv, int64_t num_tokens_in_pool,
                          const int32_t *tables, int64_t table_stride, const int32_t *cu_q, const int32_t *ctx_lens,
@@ -355,12 +366,13 @@ static int prefill_flash(const void *q, int64_t q_stride, const void *kv, int64_
             for (int h = 0; h < hkv; h++) list[x++] = (Item){b, h, tile, past + (int64_t)tile * bq + bq};
     }
     qsort(list, items, sizeof(Item), heavier_first);
-    const int64_t row_bytes = et == ET_Q8 ? d + KV_INT8_SCALE_BYTES : (int64_t)d * (et == ET_BF16 ? 2 : 4);
+    const int64_t row_bytes = quantized(et) ? d + KV_SCALE_BYTES : (int64_t)d * (et == ET_BF16 ? 2 : 4);
     const Job job = {q,    kv,           (const char *)kv + num_tokens_in_pool * hkv * row_bytes,
                      tables, cu_q, ctx_lens, out, q_stride, table_stride, hq, hkv, d, bs, bq, scale, window, softcap};
     void (*fn)(const Job *, const Item *) =
         et == ET_BF16 ? (d == 64 ? attend_64_bf16 : d == 128 ? attend_128_bf16 : attend_any_bf16)
         : et == ET_Q8 ? (d == 64 ? attend_64_q8 : d == 128 ? attend_128_q8 : attend_any_q8)
+        : et == ET_F8 ? (d == 64 ? attend_64_f8 : d == 128 ? attend_128_f8 : attend_any_f8)
                       : (d == 64 ? attend_64 : d == 128 ? attend_128 : attend_any);
     if (nthreads > items) nthreads = (int)items;
     if (nthreads < 1) nthreads = 1;
@@ -386,11 +398,20 @@ int prefill_flash_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *kv, 
                          hq, hkv, d, bs, scale, window, softcap, nthreads, ET_BF16);
 }
 
-/* fp32 queries and output over an int8 pool [2, N, bs, Hkv, D + 4] (kernels/kv_int8.h) */
+/* fp32 queries and output over an int8 pool [2, N, bs, Hkv, D + 4] (kernels/kv_quant.h) */
 int prefill_flash_q8(const float *q, int64_t q_stride, const int8_t *kv, int64_t num_tokens_in_pool,
                      const int32_t *tables, int64_t table_stride, const int32_t *cu_q, const int32_t *ctx_lens,
                      float *out, int first, int n, int hq, int hkv, int d, int bs, float scale, int window,
                      float softcap, int nthreads) {
     return prefill_flash(q, q_stride, kv, num_tokens_in_pool, tables, table_stride, cu_q, ctx_lens, out, first, n,
                          hq, hkv, d, bs, scale, window, softcap, nthreads, ET_Q8);
+}
+
+/* fp32 queries and output over an fp8 (e4m3) pool [2, N, bs, Hkv, D + 4], dtype uint8 (kernels/kv_quant.h) */
+int prefill_flash_f8(const float *q, int64_t q_stride, const uint8_t *kv, int64_t num_tokens_in_pool,
+                     const int32_t *tables, int64_t table_stride, const int32_t *cu_q, const int32_t *ctx_lens,
+                     float *out, int first, int n, int hq, int hkv, int d, int bs, float scale, int window,
+                     float softcap, int nthreads) {
+    return prefill_flash(q, q_stride, kv, num_tokens_in_pool, tables, table_stride, cu_q, ctx_lens, out, first, n,
+                         hq, hkv, d, bs, scale, window, softcap, nthreads, ET_F8);
 }

@@ -136,8 +136,8 @@ def _address(lib: ctypes.CDLL, name: str) -> int | None:
 
 @functools.lru_cache(maxsize=None)
 def _library() -> tuple[ctypes.CDLL, dict[torch.dtype, KernelTable]] | None:
-    """The driver and the tables of kernels it calls, by the KV pool's dtype (fp32; int8 rows:
-    the int8 store and attention entries); None when any of them did not build."""
+    """The driver and the tables of kernels it calls, by the KV pool's dtype (fp32; int8 or fp8
+    rows: their store and attention entries); None when any of them did not build."""
     ops, gemm, attention = layer_ops._library(), panel_gemm._library(), cpu_native._library()
     if not (ops and gemm and attention):
         return None
@@ -168,6 +168,7 @@ def _library() -> tuple[ctypes.CDLL, dict[torch.dtype, KernelTable]] | None:
     return lib, {
         torch.float32: table("rope_store_f32", "paged_decode_attention_f32"),
         torch.int8: table("rope_store_q8", "paged_decode_attention_q8"),  # --kv-cache-dtype int8
+        torch.uint8: table("rope_store_f8", "paged_decode_attention_f8"),  # --kv-cache-dtype fp8 (e4m3 rows)
     }
 
 
@@ -204,9 +205,8 @@ class DecodeLayers:
         self.layers = (LayerWeights * len(layers))(*layers)
         self.max_rows = max_rows  # the most decode rows a step it runs may have (the model's rule)
         self._keep = keep or []  # ctypes arrays the layers point into (quantized segments)
-        self.kv_cache = (
-            kv_cache  # [L, 2, N, bs, Hkv, D] fp32 or int8 (D + 4): held, so the layers' pool pointers stay valid
-        )
+        # [L, 2, N, bs, Hkv, D] fp32, or int8 / uint8 (fp8) rows of D + 4: held, so the layers' pool pointers stay valid
+        self.kv_cache = kv_cache
         self.shape = shape
         self.slots = kv_cache.shape[2] * kv_cache.shape[3]
         lib = built(_library())[0]

@@ -19,6 +19,8 @@ from pdserve.env import settings
 from pdserve.kernels.cpu_native import built, load_kernel
 
 SOURCE = Path(__file__).with_name("cpu_layer_ops.c")
+# the fused rotary + KV store by the pool's dtype: fp32, int8 rows, fp8 (e4m3) rows (kernels/kv_quant.py)
+_ROPE_STORE = {torch.float32: "rope_store_f32", torch.int8: "rope_store_q8", torch.uint8: "rope_store_f8"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -33,6 +35,8 @@ def _library() -> ctypes.CDLL | None:
         ("silu_mul_f32", [p, i64, p, i64, i64, i32]),
         ("rope_store_f32", [p, i64, p, p, p, p, p, i64, p, i64, i32, i32, i32, i32]),
         ("rope_store_q8", [p, i64, p, p, p, p, p, i64, p, i64, i32, i32, i32, i32]),
+        ("rope_store_f8", [p, i64, p, p, p, p, p, i64, p, i64, i32, i32, i32, i32]),
+        ("f8_from_f32_n", [p, p, i64]),
     ):
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = ctypes.c_int, args
@@ -145,9 +149,9 @@ def rope_store(
     slot_mapping: torch.Tensor,
 ):
     """The fused qkv projection's rows [T, (Hq + 2 Hkv) D]: q and k rotated by cos, sin [T, 1, D],
-    k and v stored into kv_layer [2, N, bs, Hkv, D] at slot_mapping [T] (-1: not stored); an int8
-    pool [2, N, bs, Hkv, D + 4] (--kv-cache-dtype int8) takes the rows quantized, as
-    kernels/kv_int8.py's quantize does, bit for bit.
+    k and v stored into kv_layer [2, N, bs, Hkv, D] at slot_mapping [T] (-1: not stored); a
+    quantized pool [2, N, bs, Hkv, D + 4] (--kv-cache-dtype int8|fp8: dtype int8|uint8) takes the
+    rows quantized, as kernels/kv_quant.py's quantize does, bit for bit.
     Returns q [T, Hq, D], k [T, Hkv, D] (rotated, dense) and v [T, Hkv, D] (a view of qkv), or
     None when these tensors are not for the C op (the caller then rotates and stores in torch)."""
     d = cos.shape[-1]
@@ -157,7 +161,7 @@ def rope_store(
         and cos.is_contiguous()
         and sin.is_contiguous()
         and kv_layer.device.type == "cpu"
-        and kv_layer.dtype in (torch.float32, torch.int8)
+        and kv_layer.dtype in _ROPE_STORE
         and kv_layer.is_contiguous()
         and slot_mapping.dtype == torch.int64
         and slot_mapping.is_contiguous()
@@ -168,7 +172,7 @@ def rope_store(
     q = torch.empty(rows, num_heads, d, dtype=torch.float32)
     k = torch.empty(rows, num_kv_heads, d, dtype=torch.float32)
     lib = built(_library())
-    rc = (lib.rope_store_q8 if kv_layer.dtype == torch.int8 else lib.rope_store_f32)(
+    rc = getattr(lib, _ROPE_STORE[kv_layer.dtype])(
         qkv.data_ptr(),
         qkv.stride(0),
         cos.data_ptr(),
@@ -188,3 +192,12 @@ def rope_store(
         raise IndexError(f"slot_mapping holds a slot past the KV pool ({n * bs} slots)")
     v = qkv[:, (num_heads + num_kv_heads) * d :].view(rows, num_kv_heads, d)
     return q, k, v
+
+
+def f8_from_f32(x: torch.Tensor) -> torch.Tensor:
+    """x fp32 (contiguous, CPU) -> its e4m3 bits [same shape] uint8, by the C KV store's conversion
+    (kernels/kv_quant.h): torch's x.clamp(-448, 448).to(torch.float8_e4m3fn), bit for bit."""
+    assert x.dtype == torch.float32 and x.is_contiguous() and x.device.type == "cpu"
+    out = torch.empty(x.shape, dtype=torch.uint8)
+    built(_library()).f8_from_f32_n(x.data_ptr(), out.data_ptr(), x.numel())
+    return out

@@ -25,7 +25,7 @@ p, and the keys before the first query's window are not read at all. Soft-cappin
 tanh(s / cap) * cap on the scaled scores) is not something SDPA does: those layers take the
 plain math path (`_attend_math`).
 
-An int8 pool (`--kv-cache-dtype int8`, kernels/kv_int8.py) is written quantized and read
+A quantized pool (`--kv-cache-dtype int8|fp8`, kernels/kv_quant.py) is written quantized and read
 dequantized: gathers widen the blocks they read, and a chunk's own K/V is taken as the pool holds
 it (quantized and back), so every path attends over the values the pool stores.
 """
@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels import kv_int8
+from pdserve.kernels import kv_quant
 from pdserve.kernels.metadata import AttentionMetadata
 
 # Upper bound on the K+V bytes gathered at once for decode (cache-friendly; measured best at ~4 MB).
@@ -44,11 +44,12 @@ DECODE_CHUNK_BYTES = 4 << 20
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write key/value [T, Hkv, D] into kv_layer [2, N, bs, Hkv, D] at `slot_mapping` [T] (-1 = skip);
-    an int8 pool [2, N, bs, Hkv, D + 4] gets the rows quantized."""
+    a quantized pool [2, N, bs, Hkv, D + 4] (int8, or uint8 for fp8) gets the rows quantized."""
     if slot_mapping.numel() == 0:
         return
-    if kv_int8.is_int8(kv_layer) and key.dtype != torch.int8:
-        key, value = kv_int8.quantize(key), kv_int8.quantize(value)  # [T, Hkv, D + 4]
+    fmt = kv_quant.format_of(kv_layer)
+    if fmt is not None and key.dtype != kv_layer.dtype:
+        key, value = kv_quant.quantize(key, fmt), kv_quant.quantize(value, fmt)  # [T, Hkv, D + 4]
     _, n, bs, h, d = kv_layer.shape
     flat = kv_layer.view(2, n * bs, h, d)  # [2, N*bs, Hkv, D]
     valid = slot_mapping >= 0  # [T]
@@ -59,8 +60,8 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor, slo
 
 
 def gather_kv(kv_layer: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """kv_layer [2, N, bs, Hkv, D], block_ids [n, nb] -> [2, n, nb*bs, Hkv, D] in token order (an
-    int8 pool's rows [.., D + 4] dequantized to `dtype`)."""
+    """kv_layer [2, N, bs, Hkv, D], block_ids [n, nb] -> [2, n, nb*bs, Hkv, D] in token order (a
+    quantized pool's rows [.., D + 4] dequantized to `dtype`)."""
     _, num_blocks, bs, h, d = kv_layer.shape
     n, nb = block_ids.shape
     ids = block_ids.reshape(-1).long()  # [n*nb]
@@ -69,13 +70,13 @@ def gather_kv(kv_layer: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtyp
     else:
         g = kv_layer[:, ids]  # [2, n*nb, bs, Hkv, D]
     g = g.view(2, n, nb * bs, h, d)
-    return kv_int8.dequantize(g, dtype) if kv_int8.is_int8(kv_layer) else g  # [2, n, nb*bs, Hkv, D]
+    return kv_quant.dequantize(g, dtype) if kv_quant.is_quantized(kv_layer) else g  # [2, n, nb*bs, Hkv, D]
 
 
 def flat_pool(kv_layer: torch.Tensor) -> torch.Tensor | None:
     """kv_layer [2, N, bs, Hkv, D] as [2, N*bs, Hkv, D] token rows (a view), or None when the
-    pool's layout does not allow one, or its rows are int8 (then runs are gathered like any other blocks)."""
-    if kv_int8.is_int8(kv_layer) or kv_layer.stride(1) != kv_layer.shape[2] * kv_layer.stride(2):
+    pool's layout does not allow one, or its rows are quantized (then runs are gathered like any other blocks)."""
+    if kv_quant.is_quantized(kv_layer) or kv_layer.stride(1) != kv_layer.shape[2] * kv_layer.stride(2):
         return None
     return kv_layer.flatten(1, 2)
 
@@ -197,8 +198,9 @@ def attend_prefills(
     nd = meta.num_decode_seqs
     if nd == len(meta.context_lens_cpu):
         return
-    if kv_int8.is_int8(kv_layer):  # this step's K/V as the pool holds them
-        key, value = kv_int8.roundtrip(key), kv_int8.roundtrip(value)  # [T, Hkv, D]
+    fmt = kv_quant.format_of(kv_layer)
+    if fmt is not None:  # this step's K/V as the pool holds them
+        key, value = kv_quant.roundtrip(key, fmt), kv_quant.roundtrip(value, fmt)  # [T, Hkv, D]
     cu, ctx = meta.cu_seqlens_q_cpu, meta.context_lens_cpu
     bs = kv_layer.shape[2]
     gqa = query.shape[1] != kv_layer.shape[3]

@@ -451,7 +451,7 @@ class ShmKvSender(KvSender):
                 if not start <= p.kv_head_start < p.kv_head_end <= start + layout.num_kv_heads:
                     raise ValueError(f"shared pool {p.name}: KV heads outside the destination's layout")
                 shape = (layout.num_layers, 2, layout.num_blocks, layout.block_size, p.kv_head_end - p.kv_head_start)
-                width = kv_rows.row_width(layout.head_dim, layout.dtype)  # int8: values + their scale
+                width = kv_rows.row_width(layout.head_dim, layout.dtype)  # int8, uint8 (fp8): values + their scale
                 pool = self._attach(p.name, (*shape, width), torch_dtype(layout.dtype))
                 self._mapped.append(pool)
                 assert pool.tensor is not None

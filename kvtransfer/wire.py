@@ -6,8 +6,8 @@ its msgpack header is a tagged union told apart by the msgspec tag field `"type"
     {"type": "KvFrameHeader", ...} + 1 raw payload frame   one layer's K and V for some blocks,
                                                            [2, n_blocks, block_size, heads, head_dim],
                                                            C-contiguous, native byte order, `dtype`
-                                                           (int8: head_dim + 4, each row's fp32 scale
-                                                           after its values, kernels/kv_int8.py)
+                                                           (int8, uint8: head_dim + 4, each row's fp32
+                                                           scale after its values, kernels/kv_quant.py)
     {"type": "KvFrameHeader", ..., "in_place": true}       same, no payload: P already wrote the
                                                            blocks into D's shared-memory pool
     {"type": "KvDone", ...}                                protocol.messages.KvDone: all layers sent
@@ -73,7 +73,8 @@ _DTYPES = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
     "float64": torch.float64,
-    "int8": torch.int8,  # --kv-cache-dtype int8: rows of D values + their fp32 scale (kernels/kv_int8.py)
+    "int8": torch.int8,  # --kv-cache-dtype int8: rows of D values + their fp32 scale (kernels/kv_quant.py)
+    "uint8": torch.uint8,  # --kv-cache-dtype fp8: rows of D e4m3 values + their fp32 scale (the same)
 }
 if hasattr(torch, "float8_e4m3fn"):
     _DTYPES["float8_e4m3fn"] = torch.float8_e4m3fn

@@ -30,6 +30,7 @@ from pdserve.prefill_node.lane_split import step_budget_for_lanes
 from pdserve.prefill_node.lanes import LaneJob, PrefillLanes
 from pdserve.prefill_node.request_record import PrefillRecord
 from pdserve.prefill_node.settings import PrefillSettings
+from pdserve.protocol import kv_rows
 from pdserve.protocol.auth import FrameAuth
 from pdserve.protocol.messages import (
     Abort,
@@ -95,8 +96,8 @@ class PrefillWorker(WorkerBase):
             lease = req.dest.lease
             if req.dest.layout.dtype != self.engine.info.kv_dtype:  # (the gateway pairs by fingerprint, which names it)
                 raise ValueError(
-                    f"KV cache dtype mismatch: this prefill worker stores {self.engine.info.kv_dtype}, the decode "
-                    f"worker {req.dest.layout.dtype} (--kv-cache-dtype must agree)"
+                    f"KV cache dtype mismatch: this prefill worker stores {kv_rows.describe(self.engine.info.kv_dtype)}, "
+                    f"the decode worker {kv_rows.describe(req.dest.layout.dtype)} (--kv-cache-dtype must agree)"
                 )
             if (len(lease.prefix_block_ids) + len(lease.block_ids)) * self.engine.info.block_size < len(
                 req.prompt_token_ids

@@ -1,17 +1,29 @@
 """The width of a KV pool's rows by its dtype name, for every layer that maps or checks a pool
-(torch-free: the layout travels in messages). An int8 pool (--kv-cache-dtype int8,
-kernels/kv_int8.py) stores each head's row as its `head_dim` int8 values followed by their fp32
-scale; any other dtype stores `head_dim` values."""
+(torch-free: the layout travels in messages). A quantized pool (--kv-cache-dtype int8|fp8,
+kernels/kv_quant.py) stores each head's row as its `head_dim` one-byte values followed by their
+fp32 scale: int8 values in a pool of dtype int8, fp8 e4m3 values in a pool of dtype uint8. Any
+other dtype stores `head_dim` values."""
 
 from __future__ import annotations
 
-INT8_SCALE_BYTES = 4  # one fp32 after the values of an int8 row
+SCALE_BYTES = 4  # one fp32 after the values of a quantized row
+
+# a quantized pool's dtype name -> the --kv-cache-dtype that makes it
+QUANTIZED_POOL_DTYPES = {"int8": "int8", "uint8": "fp8"}
 
 
 def row_width(head_dim: int, dtype: str) -> int:
-    """Elements of a pool row (its last axis) for `head_dim` values stored as `dtype` ("int8", "float32", ...)."""
-    if dtype != "int8":
+    """Elements of a pool row (its last axis) for `head_dim` values stored as `dtype` ("int8", "uint8", "float32", ...)."""
+    flag = QUANTIZED_POOL_DTYPES.get(dtype)
+    if flag is None:
         return head_dim
     if head_dim % 4:
-        raise ValueError(f"--kv-cache-dtype int8 needs head_dim a multiple of 4, got {head_dim}")
-    return head_dim + INT8_SCALE_BYTES
+        raise ValueError(f"--kv-cache-dtype {flag} needs head_dim a multiple of 4, got {head_dim}")
+    return head_dim + SCALE_BYTES
+
+
+def describe(dtype: str) -> str:
+    """A pool's dtype name, with the --kv-cache-dtype that makes it where that is not "auto"
+    ("uint8 (--kv-cache-dtype fp8)"): for messages that tell people which flag differs."""
+    flag = QUANTIZED_POOL_DTYPES.get(dtype)
+    return dtype if flag is None else f"{dtype} (--kv-cache-dtype {flag})"

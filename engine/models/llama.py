@@ -212,17 +212,17 @@ class LlamaForCausalLM(nn.Module):
     def describe_decode_layers(self, kv_cache: torch.Tensor) -> decode_layers.DecodeLayers | None:
         """The layers over this KV pool [L, 2, N, bs, Hkv, D], described once for the one-call
         decode driver (kernels/decode_layers.py); None when it cannot run them: not the fp32 CPU
-        path (the pool fp32 or int8 rows), a layer the driver does not know (q/k norm, partial rotary, o_proj bias), a linear
+        path (the pool fp32, or int8 or fp8 rows), a layer the driver does not know (q/k norm, partial rotary, o_proj bias), a linear
         it cannot take (neither few-row panels nor quantized segments without input padding:
         models/quantized_linear.py), or the driver not built, or tensor parallelism (the driver
         has no all-reduce between layers), or a sliding window or soft-capping (the driver
         attends over the whole context), or a mixture of experts."""
         if self.tp is not None:
             return None
-        pool_dtypes = (torch.float32, torch.int8)  # int8: --kv-cache-dtype int8, the driver's int8 table
+        pool_dtypes = (torch.float32, torch.int8, torch.uint8)  # int8, uint8: --kv-cache-dtype int8|fp8
         if not (kv_cache.device.type == "cpu" and kv_cache.dtype in pool_dtypes and kv_cache.is_contiguous()):
             return None
-        if self.decoder_layers[0].input_layernorm.weight.dtype != torch.float32:  # (an int8 pool under bf16)
+        if self.decoder_layers[0].input_layernorm.weight.dtype != torch.float32:  # (a quantized pool under bf16)
             return None
         c = self.cfg
         if c.qk_norm or c.rotary_dims != c.head_dim or c.o_bias or c.layer_windows or c.attn_softcap or c.num_experts:

@@ -22,7 +22,7 @@ from torch import nn
 
 from pdserve import kernels
 from pdserve.engine.models.llama import ForwardContext
-from pdserve.kernels import kv_int8
+from pdserve.kernels import kv_quant
 
 ATTN_IMPLEMENTATION = "pdserve_paged"
 SLOT_ATTR = "pdserve_slot"  # set on every module of the decoder layers (models/transformers_backend.py)
@@ -68,8 +68,8 @@ def paged_attention_forward(
     q = query[0].transpose(0, 1).contiguous()  # [T, Hq, D]
     k = key[0].transpose(0, 1).contiguous()  # [T, Hkv, D]
     v = value[0].transpose(0, 1).contiguous()  # [T, Hkv, D]
-    kv_layer = ctx.kv_cache[layer]  # [2, N, bs, Hkv, D] (int8 rows: D + 4)
-    pool_heads = (kv_layer.shape[-2], kv_int8.head_dim(kv_layer))
+    kv_layer = ctx.kv_cache[layer]  # [2, N, bs, Hkv, D] (int8, fp8 rows: D + 4)
+    pool_heads = (kv_layer.shape[-2], kv_quant.head_dim(kv_layer))
     if tuple(k.shape[1:]) != pool_heads:
         raise ValueError(f"layer {layer}: KV heads x head dim {tuple(k.shape[1:])} != the KV pool's {pool_heads}")
     kernels.store_kv(k, v, kv_layer, ctx.slot_mapping)

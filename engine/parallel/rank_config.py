@@ -24,4 +24,4 @@ class RankConfig(msgspec.Struct, frozen=True):
     # a prefill worker's rank sends its own KV heads (kvtransfer/rank_sends.py) with this
     # --kv-payload-mac mode; None: it sends nothing (decode and colocated workers)
     kv_payload_mac: str | None = None
-    kv_cache_dtype: str = "auto"  # --kv-cache-dtype: the pool stores the model's dtype, or int8 rows
+    kv_cache_dtype: str = "auto"  # --kv-cache-dtype: the pool stores the model's dtype, or int8 / fp8 rows

@@ -24,7 +24,7 @@ ENGINE = {
     "--num-blocks": (None, None, "", None),
     "--kv-cache-memory": (1073741824, None, "", None),
     "--enable-prefix-caching": (True, None, "on/off", None),
-    "--kv-cache-dtype": ("auto", ("auto", "int8"), "", None),  # added with int8 KV blocks
+    "--kv-cache-dtype": ("auto", ("auto", "int8", "fp8"), "", None),  # added with int8 KV blocks (fp8: e4m3 rows)
     "--kv-offload-dir": (None, None, "", None),  # added with the prefix cache's disk tier
     "--kv-offload-size": (20 * 2**30, None, "", None),
     "--max-num-seqs": (64, None, "", None),

@@ -44,11 +44,11 @@ def prefill_keeping_kv(engine, prompt, hook_factory=None):
 
 @pytest.mark.parametrize(
     "length,kv_cache_dtype",
-    [(41, "auto"), (33, "auto"), (41, "int8")],  # chunks of 16, 16 and 9; 16, 16 and the last token alone
+    [(41, "auto"), (33, "auto"), (41, "int8"), (41, "fp8")],  # chunks of 16, 16 and 9; 16, 16 and the last token alone
 )
 @pytest.mark.parametrize("transport", ["zmq-tcp", "zmq-ipc", "shm"])
 def test_received_kv_equals_colocated_kv(tiny_llama, tmp_path, transport, length, kv_cache_dtype):
-    """int8 (--kv-cache-dtype int8): the blocks' values and scales, as stored."""
+    """int8, fp8 (--kv-cache-dtype): the blocks' values and scales, as stored."""
     budget = dict(block_size=4, num_blocks=64, max_num_batched_tokens=16, kv_cache_dtype=kv_cache_dtype)
     colocated, prefill = make_engine(tiny_llama, **budget), make_engine(tiny_llama, **budget)
     prompt = random_prompts(colocated.model_config.vocab_size, [length], seed=9)[0]

@@ -46,7 +46,7 @@ def per_op_layers(model, fp) -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])  # int8: the driver's int8 store and attention
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8"])  # int8, fp8: the driver's tables for them
 @pytest.mark.parametrize("batch", [1, 3, few_rows()])
 @torch.inference_mode()
 def test_fused_equals_per_op_bit_for_bit(tiny_model, batch, kv_cache_dtype):
