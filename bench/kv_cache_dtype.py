@@ -84,7 +84,7 @@ def agreement(model: str, sequences: int, length: int) -> dict[str, tuple[int, i
     vocab = fp32.model_config.vocab_size
     prompts = [torch.randint(3, vocab, (64,), generator=g).tolist() for _ in range(sequences)]
     want = fp32.generate(prompts, SamplingParams(max_tokens=length, temperature=0.0, ignore_eos=True))
-    res = {
+    res: dict[str, tuple[int, int]] = {
         k: teacher_forced(engine(model, k, 64 + length + 8, sequences * (64 + length) // 16 + 64), prompts, want)
         for k in QUANTIZED
     }
