@@ -5,7 +5,8 @@
  *
  * x's rows are first quantized per 256 inputs (ggml's Q8_K: dx = max|x| / 127, xq = round(x / dx),
  * and the sum of xq per 16). A super-block's products are then integers, summed exactly (AVX2's
- * maddubs + madd; the scalar build the same integers):
+ * maddubs + madd; with AVX-512 BW the same on zmm, two sub-blocks an instruction, the K-quants'
+ * halves then added; the scalar build the same integers):
  *   Q4_K, Q5_K: y += (d dx) sum_j sc_j (q_j . xq_j)  -  (dmin dx) sum_j mn_j (sum xq_j)   (8 sub-blocks of 32)
  *   Q6_K:       y += (d dx) sum_g sc_g (q_g . xq_g  -  32 sum xq_g)                     (16 groups of 16)
  *   Q8_0:       y += dx sum_b d_b (q_b . xq_b)                                           (8 blocks of 32)
@@ -246,6 +247,63 @@ static inline void q6k_vectors(const int8_t *sc, __m256i out[8], __m256i *all16)
     *all16 = _mm256_cvtepi8_epi16(s);
 }
 
+#if defined(__AVX512BW__)
+/* The same integer sums two sub-blocks (64 inputs) an instruction, in zmm: inputs 64c.. in v[c],
+ * lower half the first 32, upper half the next. A zmm lane k (k < 8) sums what ymm lane k would for
+ * the even sub-blocks, lane 8 + k for the odd ones; their sum (exact integers) is the ymm lanes. */
+static inline __m512i zmm_of(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
+
+/* Q4_K / Q5_K: q[c] = [sub-block 2c | sub-block 2c + 1], as unpack_k4's q[2c], q[2c + 1] */
+static inline void unpack_k4_zmm(const uint8_t *qs, const uint8_t *qh, __m512i q[4]) {
+    const __m512i nib = _mm512_set1_epi8(15), one = _mm512_set1_epi8(1);
+    __m512i hbits = _mm512_setzero_si512();
+    if (qh) { /* [qh | qh >> 1]: the fifth bits of sub-blocks 2c and 2c + 1 at bit 2c of each half */
+        const __m256i h = _mm256_loadu_si256((const __m256i *)qh);
+        hbits = zmm_of(h, _mm256_srli_epi16(h, 1));
+    }
+    for (int c = 0; c < 4; c++) {
+        const __m256i b = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+        __m512i v = _mm512_and_si512(zmm_of(b, _mm256_srli_epi16(b, 4)), nib);
+        if (qh) v = _mm512_or_si512(v, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hbits, 2 * c), one), 4));
+        q[c] = v;
+    }
+}
+
+/* Q6_K: u[j] = inputs 64j.. (unpack_q6k's u[2j], u[2j + 1]) */
+static inline void unpack_q6k_zmm(const uint8_t *ql, const uint8_t *qh, __m512i u[4]) {
+    const __m512i nib = _mm512_set1_epi8(15), three = _mm512_set1_epi8(3);
+    for (int n = 0; n < 2; n++) { /* 128 inputs: ql[64] = [l0 | l1], qh[32] */
+        const __m512i l = _mm512_loadu_si512((const void *)(ql + 64 * n));
+        const __m256i h8 = _mm256_loadu_si256((const __m256i *)(qh + 32 * n));
+        const __m512i h = zmm_of(h8, _mm256_srli_epi16(h8, 2)); /* l1's high bits sit 2 above l0's */
+        u[2 * n] = _mm512_or_si512(_mm512_and_si512(l, nib), _mm512_slli_epi16(_mm512_and_si512(h, three), 4));
+        u[2 * n + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), nib),
+                                       _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 4), three), 4));
+    }
+}
+
+/* tile_unpacked on zmm: q[c] and sc16[c] cover inputs 64c.., the result the ymm lanes */
+static inline __attribute__((always_inline)) void tile_unpacked_zmm(const __m512i q[4], const __m512i sc16[4],
+                                                                    const q8k *x, int64_t nsb, int64_t b,
+                                                                    const int rn, __m256i acc[]) {
+    __m512i a[8];
+    for (int r = 0; r < rn; r++) a[r] = _mm512_setzero_si512();
+    for (int c = 0; c < 4; c++) {
+        const __m512i qc = q[c], sc = sc16[c];
+        for (int r = 0; r < rn; r++) {
+            const __m512i xc = _mm512_loadu_si512((const void *)(x[r * nsb + b].q + 64 * c));
+            a[r] = _mm512_add_epi32(a[r], _mm512_madd_epi16(_mm512_maddubs_epi16(qc, xc), sc));
+        }
+    }
+    for (int r = 0; r < rn; r++) acc[r] = _mm256_add_epi32(_mm512_castsi512_si256(a[r]), _mm512_extracti64x4_epi64(a[r], 1));
+}
+
+/* ymm scale vectors [8] (k4_vectors, q6k_vectors) paired for tile_unpacked_zmm */
+static inline void pair_vectors(const __m256i v[8], __m512i out[4]) {
+    for (int c = 0; c < 4; c++) out[c] = zmm_of(v[2 * c], v[2 * c + 1]);
+}
+#endif
+
 /* Q8_0: lane k of q . xq over one block of 32 */
 static inline v8i lanes_q8_0(const int8_t *q, const int8_t *xq) {
     const __m256i w = _mm256_loadu_si256((const __m256i *)q), x = _mm256_loadu_si256((const __m256i *)xq);
@@ -337,7 +395,14 @@ static inline __attribute__((always_inline)) void row_tile(const int type, const
             const uint8_t *qs = blk + (type == Q4_K ? 16 : 48);
             k4_scales s;
             k4_decode(blk, &s);
-#if defined(__AVX2__)
+#if defined(__AVX512BW__)
+            __m256i sv[8], sums[ROWS];
+            __m512i q[4], sz[4];
+            k4_vectors(&s, sv);
+            pair_vectors(sv, sz);
+            unpack_k4_zmm(qs, type == Q4_K ? NULL : blk + 16, q);
+            tile_unpacked_zmm(q, sz, x, nsb, b, rn, sums);
+#elif defined(__AVX2__)
             __m256i sv[8], q[8], sums[ROWS];
             k4_vectors(&s, sv);
             unpack_k4(qs, type == Q4_K ? NULL : blk + 16, q);
@@ -360,7 +425,14 @@ static inline __attribute__((always_inline)) void row_tile(const int type, const
             const uint8_t *blk = w + b * 210;
             const int8_t *sc = (const int8_t *)(blk + 192);
             const float d = f16(blk + 208);
-#if defined(__AVX2__)
+#if defined(__AVX512BW__)
+            __m256i sv[8], all16, sums[ROWS];
+            __m512i u[4], sz[4];
+            q6k_vectors(sc, sv, &all16);
+            pair_vectors(sv, sz);
+            unpack_q6k_zmm(blk, blk + 128, u);
+            tile_unpacked_zmm(u, sz, x, nsb, b, rn, sums);
+#elif defined(__AVX2__)
             __m256i sv[8], all16, u[8], sums[ROWS];
             q6k_vectors(sc, sv, &all16);
             unpack_q6k(blk, blk + 128, u);
