@@ -298,10 +298,29 @@ static inline __attribute__((always_inline)) void tile_unpacked_zmm(const __m512
     for (int r = 0; r < rn; r++) acc[r] = _mm256_add_epi32(_mm512_castsi512_si256(a[r]), _mm512_extracti64x4_epi64(a[r], 1));
 }
 
-/* ymm scale vectors [8] (k4_vectors, q6k_vectors) paired for tile_unpacked_zmm */
-static inline void pair_vectors(const __m256i v[8], __m512i out[4]) {
-    for (int c = 0; c < 4; c++) out[c] = zmm_of(v[2 * c], v[2 * c + 1]);
+/* int16 lane i of out[c] = v16[idx(c, i)], v16 the int16s of a zmm's low 128 bits: one vpermw each */
+#define SCALE_PICKS(IDX)                                                                                \
+    for (int c = 0; c < 4; c++) {                                                                       \
+        short ix[32];                                                                                   \
+        for (int i = 0; i < 32; i++) ix[i] = (short)(IDX);                                              \
+        out[c] = _mm512_permutexvar_epi16(_mm512_loadu_si512((const void *)ix), v16);                    \
+    }
+
+/* Q4_K / Q5_K's scales for tile_unpacked_zmm: sub-block 2c's in lanes 0-15, 2c + 1's in 16-31 */
+static inline void k4_vectors_zmm(const k4_scales *s, __m512i out[4]) {
+    uint64_t s8;
+    memcpy(&s8, s->sc, 8);
+    const __m512i v16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)s8)));
+    SCALE_PICKS(2 * c + i / 16)
 }
+
+/* Q6_K's 16 scales for tile_unpacked_zmm: group g's (16 inputs) in the 8 lanes of its 4 madd sums */
+static inline void q6k_vectors_zmm(const int8_t *sc, __m512i out[4], __m256i *all16) {
+    *all16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
+    const __m512i v16 = _mm512_castsi256_si512(*all16);
+    SCALE_PICKS(4 * c + i / 8)
+}
+#undef SCALE_PICKS
 #endif
 
 /* Q8_0: lane k of q . xq over one block of 32 */
@@ -396,10 +415,9 @@ static inline __attribute__((always_inline)) void row_tile(const int type, const
             k4_scales s;
             k4_decode(blk, &s);
 #if defined(__AVX512BW__)
-            __m256i sv[8], sums[ROWS];
+            __m256i sums[ROWS];
             __m512i q[4], sz[4];
-            k4_vectors(&s, sv);
-            pair_vectors(sv, sz);
+            k4_vectors_zmm(&s, sz);
             unpack_k4_zmm(qs, type == Q4_K ? NULL : blk + 16, q);
             tile_unpacked_zmm(q, sz, x, nsb, b, rn, sums);
 #elif defined(__AVX2__)
@@ -426,10 +444,9 @@ static inline __attribute__((always_inline)) void row_tile(const int type, const
             const int8_t *sc = (const int8_t *)(blk + 192);
             const float d = f16(blk + 208);
 #if defined(__AVX512BW__)
-            __m256i sv[8], all16, sums[ROWS];
+            __m256i all16, sums[ROWS];
             __m512i u[4], sz[4];
-            q6k_vectors(sc, sv, &all16);
-            pair_vectors(sv, sz);
+            q6k_vectors_zmm(sc, sz, &all16);
             unpack_q6k_zmm(blk, blk + 128, u);
             tile_unpacked_zmm(u, sz, x, nsb, b, rn, sums);
 #elif defined(__AVX2__)
