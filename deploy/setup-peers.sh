@@ -32,13 +32,13 @@ if [ -z "$LLAMA_SRC" ]; then
 fi
 LLAMA_SERVER=$LLAMA_SRC/build/bin/llama-server
 if [ ! -x "$LLAMA_SERVER" ]; then
-    log "building llama-server (cmake Release, -j2; ~6-10 minutes)"
+    log "building llama-server, llama-quantize, llama-bench (cmake Release, -j2; ~6-10 minutes)"
     cmake -S "$LLAMA_SRC" -B "$LLAMA_SRC/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF >/dev/null
-    cmake --build "$LLAMA_SRC/build" -j2 --target llama-server >/dev/null
+    cmake --build "$LLAMA_SRC/build" -j2 --target llama-server llama-quantize llama-bench >/dev/null
 fi
 
-# GGUF with llama.cpp's own converter. Our byte-level BPE tokenizer's pre-tokenizer hash is
-# unknown to it; the tokenizer is GPT-2 style, so an unknown hash maps to "gpt-2".
+# GGUF with llama.cpp's own converter (deploy/convert_hf_to_gguf.py: our GPT-2-style tokenizer's
+# unknown pre-tokenizer hash maps to "gpt-2").
 GGUF=$PEERS/bench-model.gguf
 if [ ! -f "$GGUF" ]; then
     log "GGUF (f32) with convert_hf_to_gguf.py"
@@ -46,26 +46,7 @@ if [ ! -f "$GGUF" ]; then
         python -m venv --system-site-packages "$PEERS/convert"
         "$PEERS/convert/bin/pip" install -q sentencepiece
     fi
-    cat > "$PEERS/src/convert_gpt2_pre.py" <<'EOF'
-import runpy, sys
-sys.path.insert(0, sys.argv.pop(1))            # llama.cpp source dir
-sys.path.insert(0, sys.path[0] + "/gguf-py")
-import convert_hf_to_gguf as conv
-try:                                           # newer llama.cpp: models live in conversion/
-    from conversion.base import TextModel as _base
-except ImportError:                            # older: one file
-    _base = getattr(conv, "TextModel", None) or conv.Model
-_orig = _base.get_vocab_base_pre
-def _pre(self, tokenizer):
-    try:
-        return _orig(self, tokenizer)
-    except NotImplementedError:
-        return "gpt-2"
-_base.get_vocab_base_pre = _pre
-sys.argv[0] = "convert_hf_to_gguf.py"
-conv.main()
-EOF
-    "$PEERS/convert/bin/python" "$PEERS/src/convert_gpt2_pre.py" "$LLAMA_SRC" "$MODEL" \
+    "$PEERS/convert/bin/python" "$(dirname "$0")/convert_hf_to_gguf.py" "$LLAMA_SRC" "$MODEL" \
         --outtype f32 --outfile "$GGUF"
 fi
 
