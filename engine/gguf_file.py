@@ -194,6 +194,25 @@ def weight_types(reader: "GgufFile") -> str:
     return "gguf-" + "+".join(name for name, _ in counts.most_common())
 
 
+def unrendered_token_ids(model: str | Path) -> frozenset[int]:
+    """Ids of a GGUF file's UNUSED-type tokens (what a converter pads a vocabulary with), which
+    llama.cpp renders as no text; none for an HF folder. transformers' conversion decodes them as
+    their placeholder strings ("[PAD123]"), so the gateway drops them from the text itself."""
+    path = Path(model)
+    if not is_gguf(path):
+        return frozenset()
+    import gguf
+    import numpy as np
+
+    from pdserve.engine.gguf_reader import GgufFile
+
+    field = GgufFile(path).fields.get("tokenizer.ggml.token_type")
+    if field is None:
+        return frozenset()
+    types = np.asarray(field.contents())
+    return frozenset(np.flatnonzero(types == int(gguf.TokenType.UNUSED)).tolist())
+
+
 def load_tokenizer(model: str | Path) -> "PreTrainedTokenizerBase":
     """The tokenizer (and chat template) of `--model`: an HF folder, or a GGUF file's metadata
     (transformers builds it, once per file: `_converted_tokenizer`)."""

@@ -122,6 +122,7 @@ class GatewayApp:
         tenants: TenantDirectory,
         tool_parser: ToolParser | None = None,
         reasoning: ReasoningParser | None = None,  # --reasoning-parser's (gateway/reasoning.py)
+        unrendered: frozenset[int] = frozenset(),  # ids that stand for no text (engine/gguf_file.py)
     ) -> None:
         self.backend = backend
         self.tool_parser = tool_parser  # --tool-call-parser's (gateway/tools/)
@@ -152,6 +153,7 @@ class GatewayApp:
             tool_markers=self.tool_markers,
             reasoning=reasoning,
             reasoning_markers=special_markers(tokenizer, reasoning.markers) if reasoning else {},
+            unrendered=unrendered,
             on_cut=self.stream_cut,
             on_done=self._done,
         )
@@ -475,11 +477,13 @@ def create_app(
     model_root: str | None = None,
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
+    unrendered_token_ids: frozenset[int] = frozenset(),
 ) -> Starlette:
     """`api_key`: one key (tenant `default`, no limits); `tenants`: the keys file's (which
     already holds `api_key`'s, TenantDirectory.build); neither: no key needed.
     `tool_call_parser`: how tool calls are read and forced (gateway/tools/registry.py; None:
-    chat requests with tools get a 400 unless tool_choice is none)."""
+    chat requests with tools get a 400 unless tool_choice is none). `unrendered_token_ids`: ids
+    whose text is none (a GGUF file's UNUSED tokens: engine/gguf_file.py unrendered_token_ids)."""
     if tenants is None:
         tenants = TenantDirectory.build(api_key)
     elif api_key:
@@ -496,6 +500,7 @@ def create_app(
         tenants,
         parser,
         thinking,
+        unrendered_token_ids,
     )
 
     async def completions(request: Request) -> Response:

@@ -15,12 +15,20 @@ _REPLACEMENT = "\ufffd"
 
 class IncrementalDetokenizer:
     """`keep`: special token ids to keep as their text though special tokens are skipped (a
-    tool-call format's markers, e.g. Mistral's `[TOOL_CALLS]`: gateway/tools/)."""
+    tool-call format's markers, e.g. Mistral's `[TOOL_CALLS]`: gateway/tools/). `unrendered`: ids
+    that stand for no text (a GGUF file's UNUSED tokens, as llama.cpp renders them)."""
 
-    def __init__(self, tokenizer, skip_special_tokens: bool = True, keep: dict[int, str] | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        skip_special_tokens: bool = True,
+        keep: dict[int, str] | None = None,
+        unrendered: frozenset[int] = frozenset(),
+    ) -> None:
         self.tokenizer = tokenizer
         self.skip_special = skip_special_tokens
         self.keep = keep or {}
+        self.unrendered = unrendered
         self.ids: list[int] = []
         self.prefix_offset = 0  # window start
         self.read_offset = 0  # tokens before this are already emitted
@@ -42,6 +50,8 @@ class IncrementalDetokenizer:
         return "".join(out)
 
     def add(self, token_id: int) -> str:
+        if token_id in self.unrendered:
+            return ""
         self.ids.append(token_id)
         if self._stream is not None:
             try:

@@ -91,6 +91,7 @@ class RunContext:
     on_done: Callable[[GenerationRun], None]  # the run's end, once: in-flight counts, the key's usage
     reasoning: ReasoningParser | None = None  # --reasoning-parser's: chat answers carry it apart
     reasoning_markers: dict[int, str] = field(default_factory=dict)  # its markers held as special tokens
+    unrendered: frozenset[int] = frozenset()  # token ids that stand for no text (a GGUF's UNUSED ones)
 
 
 class GenerationRun:
@@ -128,7 +129,12 @@ class GenerationRun:
             keep |= ctx.reasoning_markers
             opened = thinking.prompt_opens(prompt, ctx.token_text)
         self.choices = [
-            Choice(i, base_id, IncrementalDetokenizer(ctx.text_decoder, keep=keep or None), StopMatcher(req.stop))
+            Choice(
+                i,
+                base_id,
+                IncrementalDetokenizer(ctx.text_decoder, keep=keep or None, unrendered=ctx.unrendered),
+                StopMatcher(req.stop),
+            )
             for i in range(req.n)
         ]
         if reader is not None:

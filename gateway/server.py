@@ -12,7 +12,7 @@ import uvicorn
 
 from pdserve import tracing
 from pdserve.engine.config import ModelConfig
-from pdserve.engine.gguf_file import load_tokenizer
+from pdserve.engine.gguf_file import load_tokenizer, unrendered_token_ids
 from pdserve.gateway.app import create_app
 from pdserve.gateway.cluster_backend import ClusterBackend
 from pdserve.gateway.limits import GatewayLimits
@@ -90,6 +90,7 @@ def serve_gateway(opts: GatewayOptions, auth: FrameAuth) -> None:
         tool_call_parser=opts.tool_call_parser,
         reasoning_parser=opts.reasoning_parser,
         model_root=str(Path(opts.model).resolve()),
+        unrendered_token_ids=unrendered_token_ids(opts.model),
     )
 
     async def main() -> None:
