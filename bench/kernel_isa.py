@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -48,6 +49,18 @@ def _best_seconds(fn: Callable[[int], object], copies: int, budget: float) -> fl
             return best
 
 
+def _block_call(x: torch.Tensor, weights: list, i: int) -> torch.Tensor:
+    from pdserve.kernels import block_gemm
+
+    return block_gemm.linear(x, weights[i], None)
+
+
+def _quant_call(x: torch.Tensor, weights: list, int8x: bool, i: int) -> torch.Tensor:
+    from pdserve.kernels import quant_gemm
+
+    return quant_gemm.linear(x, weights[i], None, int8_activations=int8x)
+
+
 def _child(budget: float) -> dict[str, float]:
     """This process's level (PDSERVE_KERNEL_ISA): every case's figure, and the ceilings."""
     import gguf
@@ -55,7 +68,7 @@ def _child(budget: float) -> dict[str, float]:
     from pdserve.bench.block_gemm_ceiling import mac_ceiling
     from pdserve.bench.machine import measure_read_gbps
     from pdserve.engine.quantize import quantize
-    from pdserve.kernels import block_gemm, quant_gemm
+    from pdserve.kernels import block_gemm
     from pdserve.modelgen.random_blocks import random_blocks
 
     out_f, in_f = GATE
@@ -66,24 +79,19 @@ def _child(budget: float) -> dict[str, float]:
     res = {"read_gbps": measure_read_gbps(), "mac_gprod": mac}
     for name in BLOCK_TYPES:
         qtype = gguf.GGMLQuantizationType[name]
-        ws = [
+        blocks = [
             block_gemm.BlockWeight(int(qtype), torch.from_numpy(random_blocks(qtype, out_f, in_f, seed=c)), in_f)
             for c in range(COPIES)
         ]
         for m in BLOCK_ROWS:
-            x = torch.randn(m, in_f)
-            t = _best_seconds(lambda i, x=x, ws=ws: block_gemm.linear(x, ws[i], None), COPIES if m == 1 else 1, budget)
-            res[f"block {name} {m}"] = ws[0].nbytes() / t / 1e9 if m == 1 else m * out_f * in_f / t / 1e9
+            t = _best_seconds(partial(_block_call, torch.randn(m, in_f), blocks), COPIES if m == 1 else 1, budget)
+            res[f"block {name} {m}"] = blocks[0].nbytes() / t / 1e9 if m == 1 else m * out_f * in_f / t / 1e9
     dense = [torch.randn(out_f, in_f) / in_f**0.5 for _ in range(2)]
     for scheme in ("int4", "int8"):
-        ws = [quantize(dense[c % 2], scheme) for c in range(COPIES)]
-        nbytes = ws[0].q.numel() + 4 * ws[0].scales.numel()
+        quant = [quantize(dense[c % 2], scheme) for c in range(COPIES)]
+        nbytes = quant[0].q.numel() + 4 * quant[0].scales.numel()
         for m, int8x in [(m, False) for m in QUANT_ROWS] + [(1, True)]:
-            x = torch.randn(m, in_f)
-
-            def call(i: int, x: torch.Tensor = x, ws: list = ws, int8x: bool = int8x) -> torch.Tensor:
-                return quant_gemm.linear(x, ws[i], None, int8_activations=int8x)
-
+            call = partial(_quant_call, torch.randn(m, in_f), quant, int8x)
             t = _best_seconds(call, COPIES if m == 1 else 1, budget)
             key = f"{scheme}{' int8-x' if int8x else ''} {m}"
             res[key] = nbytes / t / 1e9 if m == 1 else m * out_f * in_f / t / 1e9
