@@ -157,6 +157,9 @@ def _specs(
         "pdserve-colocated-int8kv": ServerSpec(
             "pdserve-colocated-int8kv", py + ["--colocated", "--kv-cache-dtype", "int8"], "/health"
         ),
+        "pdserve-colocated-fp8kv": ServerSpec(
+            "pdserve-colocated-fp8kv", py + ["--colocated", "--kv-cache-dtype", "fp8"], "/health"
+        ),
         "llama.cpp-q8_0kv": ServerSpec(
             "llama.cpp-q8_0kv", [*llama.argv, "-ctk", "q8_0", "-ctv", "q8_0"], skip_reason=llama.skip_reason
         ),
@@ -207,7 +210,7 @@ def main() -> None:
     ap.add_argument(
         "--servers",
         default=",".join(SERVERS),
-        help="also: pdserve-colocated-int8kv (--kv-cache-dtype int8), llama.cpp-q8_0kv (-ctk q8_0 -ctv q8_0)",
+        help="also: pdserve-colocated-int8kv / -fp8kv (--kv-cache-dtype int8 / fp8), llama.cpp-q8_0kv (-ctk q8_0 -ctv q8_0)",
     )
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--single", type=int, default=4, help="requests one at a time")
