@@ -228,14 +228,14 @@ class GenerationRun:
             return []
         events = []
         for choice in targets:
-            delta, lps, reason = self._apply(choice, item)
+            delta, lps, reason, textless = self._apply(choice, item)
             if reason == "stop" and choice.stop.stops and item.finish_reason is None:
                 # stop string: abort the rest upstream (a group's once every choice has ended)
                 if not self.unfinished:
                     self.stream.close()
                 else:  # the worker stops this member alone
                     self.ctx.backend.stop_choice(self.base_id, choice.index)
-            if delta or lps or reason:
+            if delta or lps or reason or textless:  # (a token of no text is an empty chunk, as llama.cpp's)
                 events.append((choice, delta, lps, reason))
         return events
 
@@ -249,7 +249,9 @@ class GenerationRun:
         self.unfinished = 0
         return events
 
-    def _apply(self, choice: Choice, out: TokenOutput):
+    def _apply(self, choice: Choice, out: TokenOutput) -> tuple[str, list, str | None, bool]:
+        """`out` fed to the choice: (its text delta, logprob entries, finish reason, whether a
+        token of it stands for no text: a GGUF file's UNUSED one)."""
         now = time.monotonic()
         if out.timings:
             choice.timings.update(out.timings)
@@ -257,7 +259,7 @@ class GenerationRun:
         if out.error is not None:
             choice.finish_reason, choice.error = "error", out.error
             self.unfinished -= 1
-            return "", [], "error"
+            return "", [], "error", False
         pieces, lps = [], []
         hit = False
         tokens = out.token_ids
@@ -287,7 +289,7 @@ class GenerationRun:
         delta = "".join(pieces)
         choice.text.append(delta)
         choice.logprobs.extend(lps)
-        return delta, lps, reason
+        return delta, lps, reason, any(t in choice.detok.unrendered for t in tokens)
 
     def _finish(self, choice: Choice, reason: str, now: float) -> None:
         choice.finish_reason = reason
