@@ -133,14 +133,19 @@ class Sampler:
         return probs
 
     def _draw(self, probs: torch.Tensor, p: SamplingParams, step: int) -> int:
-        """Exponential race: argmax(probs / E), E ~ Exp(1) -- a categorical draw. The noise comes
-        from a CPU generator whatever the device, so a seed draws the same on CPU and GPU workers."""
+        """A categorical draw by the inverse CDF: the first token whose cumulative probability
+        (float64) passes u * total, u ~ U[0, 1) one number from a CPU generator whatever the device,
+        so a seed draws the same on CPU and GPU workers. A token of no probability is never drawn.
+        (One number, not a race of V exponentials: over a 128k vocabulary that took 4-8 ms a
+        token on one core, a quarter of a 1B model's decode step.)"""
         if p.seed is not None:
             gen = torch.Generator().manual_seed(_mix_seed(p.seed, step))
         else:
             gen = self._generator
-        noise = torch.empty(probs.shape, dtype=probs.dtype).exponential_(generator=gen).to(probs.device)  # [V]
-        return int((probs / noise).argmax())
+        cdf = probs.double().cumsum(0)  # [V]
+        u = torch.rand((), dtype=torch.float64, generator=gen).to(cdf.device) * cdf[-1]
+        i = int(torch.searchsorted(cdf, u.reshape(1), right=True))
+        return i if i < probs.shape[0] else int(probs.nonzero().max())  # (u rounded up to the total)
 
     @staticmethod
     def _logprobs(raw: torch.Tensor, params: Sequence[SamplingParams], tokens: list[int]) -> list[TokenLogprob | None]:

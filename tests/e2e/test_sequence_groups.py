@@ -39,7 +39,7 @@ def test_groups_over_http(request, tiny_llama, mode):
         assert [c["index"] for c in body["choices"]] == [0, 1]
         assert [c["text"] for c in body["choices"]] == [tok.decode(b, skip_special_tokens=True) for b in beams]
         # n sampled choices, seeded: choice i equals an n=1 request with seed + i
-        sampled = {"prompt": prompt, "max_tokens": 10, "temperature": 1.5, "top_k": 40}
+        sampled = {"prompt": prompt, "max_tokens": 10, "temperature": 3.0, "top_k": 40}
         group = complete(base, **sampled, n=3, seed=21)
         alone = [complete(base, **sampled, seed=21 + i)["choices"][0]["text"] for i in range(3)]
         assert [c["text"] for c in group["choices"]] == alone
@@ -54,9 +54,10 @@ def test_groups_over_http(request, tiny_llama, mode):
         assert texts == alone
         # a stop string in choice 1 only: that member stops at its worker, the others run on
         stop = next(
-            alone[1][k : k + 2]
-            for k in range(1, len(alone[1]) - 1)
-            if all(alone[1][k : k + 2] not in t for t in (alone[0], alone[2]))
+            alone[1][k : k + n]
+            for n in range(2, 8)
+            for k in range(1, len(alone[1]) - n + 1)
+            if all(alone[1][k : k + n] not in t for t in (alone[0], alone[2]))
         )
         cut = complete(base, **sampled, n=3, seed=21, stop=[stop])["choices"]
         assert [c["finish_reason"] for c in cut] == ["length", "stop", "length"]
