@@ -1,7 +1,8 @@
-"""Decode steps with OpenMP's idle threads asleep (OMP_WAIT_POLICY=PASSIVE, what `pdserve` sets:
-runtime/thread_waits.py) against libgomp's default (spin, then sleep), each in a fresh process,
-alternating, optionally beside CPU hogs (a machine whose cores other work shares, as a prefill
-and a decode worker of one host share theirs).
+"""Decode steps by how OpenMP's idle threads wait: asleep at once (OMP_WAIT_POLICY=PASSIVE, what
+`pdserve` sets: runtime/thread_waits.py), libgomp's default (a long spin, then asleep) and a short
+spin then asleep (GOMP_SPINCOUNT=20000), each in a fresh process, the settings alternating,
+optionally beside CPU hogs (a machine whose cores other work shares, as a prefill and a decode
+worker of one host share theirs).
 
     python -m pdserve.bench.thread_waits --model FILE.gguf|DIR [--threads 2] [--hogs 0,1] [--rounds 3]
 
@@ -45,10 +46,12 @@ print(json.dumps({"wall_ms": 1e3 * (time.perf_counter() - t0) / steps, "cpu_ms":
 """
 
 
-def one_run(model: str, threads: int, steps: int, passive: bool) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    if passive:
-        env["OMP_WAIT_POLICY"] = "PASSIVE"
+# how idle threads wait: the environment each setting runs under (besides the caller's)
+WAITS = {"passive": {"OMP_WAIT_POLICY": "PASSIVE"}, "default": {}, "short": {"GOMP_SPINCOUNT": "20000"}}
+
+
+def one_run(model: str, threads: int, steps: int, waits: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")} | WAITS[waits]
     out = subprocess.run(
         [sys.executable, "-c", STEP, model, str(threads), str(steps)], capture_output=True, text=True, env=env
     )
@@ -70,19 +73,20 @@ def main(argv: list[str] | None = None) -> int:
     for hogs in (int(h) for h in args.hogs.split(",")):
         procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(hogs)]
         try:
-            runs: dict[bool, list[dict]] = {True: [], False: []}
+            runs: dict[str, list[dict]] = {w: [] for w in WAITS}
             for r in range(args.rounds):
-                for passive in (r % 2 == 0, r % 2 != 0):  # the order alternates round by round
-                    runs[passive].append(one_run(args.model, args.threads, args.steps, passive))
+                order = list(WAITS)[r % len(WAITS) :] + list(WAITS)[: r % len(WAITS)]  # rotates round by round
+                for waits in order:
+                    runs[waits].append(one_run(args.model, args.threads, args.steps, waits))
         finally:
             for p in procs:
                 p.kill()
                 p.wait()
-        for passive in (False, True):
-            walls = [x["wall_ms"] for x in runs[passive]]
-            cpus = [x["cpu_ms"] for x in runs[passive]]
+        for waits, got in runs.items():
+            walls = [x["wall_ms"] for x in got]
+            cpus = [x["cpu_ms"] for x in got]
             print(
-                f"{hogs:4d}  {'passive' if passive else 'default':7s}  {', '.join(f'{w:.0f}' for w in walls):30s}"
+                f"{hogs:4d}  {waits:7s}  {', '.join(f'{w:.0f}' for w in walls):30s}"
                 f"  {statistics.median(walls):6.0f}  {statistics.median(cpus):6.0f}"
             )
     return 0
