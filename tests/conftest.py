@@ -7,6 +7,7 @@ import random
 from pathlib import Path
 
 import pytest
+import zmq
 
 from pdserve.runtime.thread_waits import use_passive_waits
 
@@ -39,6 +40,14 @@ def cores_left_as_found():
     if os.sched_getaffinity(0) != before:
         pin(sorted(before))
         pytest.fail(f"the test left this process pinned to other cores than {sorted(before)}")
+
+
+@pytest.fixture
+def ctx():
+    """A ZeroMQ context for a test's sockets, destroyed (linger 0) after it."""
+    c = zmq.Context()
+    yield c
+    c.destroy(linger=0)
 
 
 @pytest.fixture(scope="session")

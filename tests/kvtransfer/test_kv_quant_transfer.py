@@ -8,7 +8,6 @@ import time
 
 import pytest
 import torch
-import zmq
 
 from pdserve.kernels import kv_quant
 from pdserve.kernels.kv_quant import FP8, INT8, RowFormat
@@ -21,13 +20,6 @@ from pdserve.protocol.messages import KvDone, KvLayout
 
 L, N, BS, H, D = 3, 12, 4, 2, 8
 AUTH = FrameAuth(b"k" * 32, encryption="off")
-
-
-@pytest.fixture
-def ctx():
-    c = zmq.Context()
-    yield c
-    c.destroy(linger=0)
 
 
 def drain(receiver: KvReceiver, want: int = 1, timeout_s: float = 5.0) -> list[KvDone]:

@@ -5,11 +5,9 @@ once every stream is done and every head range of every layer arrived, whatever 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import pytest
 import torch
-import zmq
 
 from pdserve.kvtransfer.head_ranges import HeadShard, rank_kv_heads
 from pdserve.kvtransfer.lease import LeaseTable
@@ -22,13 +20,6 @@ from pdserve.protocol.messages import KvDone, KvLayout, Lease, ShmPool
 L, N, BS, H, D = 3, 10, 4, 2, 8
 AUTH = FrameAuth(b"r" * 32, encryption="off")
 SRC, DST = [3, 7], [1, 5]
-
-
-@pytest.fixture
-def ctx() -> Iterator[zmq.Context]:
-    c = zmq.Context()
-    yield c
-    c.destroy(linger=0)
 
 
 def poll_for(rx: KvReceiver, seconds: float) -> list[KvDone]:

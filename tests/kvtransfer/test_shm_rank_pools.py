@@ -5,11 +5,9 @@ them (replicas too); the receiver accounts for the in-place headers; deadlines f
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import pytest
 import torch
-import zmq
 
 from pdserve.kvtransfer.head_ranges import HeadShard, distinct_shards, rank_kv_heads
 from pdserve.kvtransfer.lease import QUARANTINE_GRACE_S, LeaseTable
@@ -49,13 +47,6 @@ class RankPools:
     def close(self) -> None:
         for t in self.shared:
             t.close()
-
-
-@pytest.fixture
-def ctx() -> Iterator[zmq.Context]:
-    c = zmq.Context()
-    yield c
-    c.destroy(linger=0)
 
 
 def prefill_rank_pools(full: torch.Tensor, degree: int) -> list[HeadShard]:

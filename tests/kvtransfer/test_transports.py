@@ -7,7 +7,6 @@ import time
 import msgspec
 import pytest
 import torch
-import zmq
 
 from pdserve.kvtransfer import sender as sender_module
 from pdserve.kvtransfer.lease import LeaseTable
@@ -26,13 +25,6 @@ BLOCK_BYTES = 2 * BS * H * D * 4
 # per new connection (the default over tcp) made one miss a frame on a loaded machine. Encrypted
 # KV links: tests/protocol/test_plane_encryption.py.
 AUTH = FrameAuth(b"k" * 32, encryption="off")
-
-
-@pytest.fixture
-def ctx():
-    c = zmq.Context()
-    yield c
-    c.destroy(linger=0)
 
 
 @pytest.fixture

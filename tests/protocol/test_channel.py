@@ -20,13 +20,6 @@ PICKLE_DICT = b"\x80\x04\x95\n\x00\x00\x00\x00\x00\x00\x00}\x94\x8c\x01a\x94K\x0
 PICKLE_GADGET = b"cos\nsystem\n(S'echo pwned'\ntR."
 
 
-@pytest.fixture
-def ctx():
-    c = zmq.Context()
-    yield c
-    c.destroy(linger=0)
-
-
 @pytest.fixture(params=["tcp", "ipc"])
 def bind_addr(request, tmp_path):
     return "tcp://127.0.0.1:0" if request.param == "tcp" else f"ipc://{tmp_path}/inbox.sock"

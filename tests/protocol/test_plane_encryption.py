@@ -66,13 +66,6 @@ def _port(addr: str) -> int:
     return int(addr.rsplit(":", 1)[1])
 
 
-@pytest.fixture
-def ctx():
-    c = zmq.Context()
-    yield c
-    c.destroy(linger=0)
-
-
 @pytest.mark.parametrize("mode", ["auto", "off"])
 def test_a_tcp_link_carries_no_message_or_kv_bytes_in_clear_unless_encryption_is_off(ctx, mode):
     auth = FrameAuth(SECRET, encryption=mode)
