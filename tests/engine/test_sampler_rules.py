@@ -57,6 +57,21 @@ def test_temperature_one_follows_the_distribution():
     assert torch.allclose(counts / counts.sum(), probs, atol=0.03)
 
 
+def test_seeded_draws_follow_the_distribution_and_never_take_a_filtered_token():
+    """Seeds draw by the inverse CDF too: over many seeds the frequencies are the probabilities,
+    and a token top-k removed (probability 0, lying between kept ones in vocabulary order) never
+    comes out."""
+    probs = torch.tensor([0.15, 0.5, 0.05, 0.3])
+    logits = probs.log().unsqueeze(0)
+    counts, kept = torch.zeros(4), torch.zeros(4)
+    for seed in range(4000):
+        counts[sample(logits, [SP(temperature=1.0, seed=seed)]).token_ids[0]] += 1
+        kept[sample(logits, [SP(temperature=1.0, top_k=2, seed=seed)]).token_ids[0]] += 1
+    assert torch.allclose(counts / counts.sum(), probs, atol=0.03)
+    assert kept[0] == 0 and kept[2] == 0
+    assert abs(kept[1] / kept.sum() - 0.5 / 0.8) < 0.03
+
+
 def test_penalties_change_the_choice():
     logits = torch.tensor([[0.0, 2.0, 1.9, 0.0] + [-5.0] * (V - 4)])
     assert sample(logits, [SP(temperature=0)]).token_ids == [1]
