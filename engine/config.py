@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args
 
 from pdserve.engine.spec.config import SpeculativeConfig
 from pdserve.flag import Flag, parse_size
+from pdserve.protocol import kv_rows
 
 if TYPE_CHECKING:  # the gateway reads configs without importing torch
     import torch
@@ -182,7 +183,7 @@ class ModelConfig:
             + (f"/{self.weights_tag}" if self.weights_tag else "")
             + ("/transformers" if self.impl == "transformers" else "")  # its KV rounds differently
             + (f"/SW{'-'.join(map(str, sorted(set(self.layer_windows))))}" if self.layer_windows else "")
-            + (f"/kv-{kv_cache_dtype}" if kv_cache_dtype != "auto" else "")
+            + kv_rows.fingerprint_tag(kv_cache_dtype)
         )
 
     @classmethod

@@ -23,6 +23,7 @@ from pdserve.gateway.kv_index import KvIndex
 from pdserve.gateway.membership import WorkerEntry, WorkerTable
 from pdserve.gateway.worker_plane import WorkerPlane
 from pdserve.protocol.block_hashes import BlockHasher, short_id
+from pdserve.protocol.kv_rows import split_fingerprint
 from pdserve.protocol.messages import (
     Abort,
     Deregister,
@@ -38,16 +39,6 @@ log = logging.getLogger(__name__)
 
 BlockMemo = dict[tuple[str, int], list[bytes]]  # a prompt's block hashes per model and block size
 PAIRED_ROLES = ("prefill", "decode")  # the roles that exchange KV (colocated workers pair with none)
-
-
-def kv_cache_dtype(fingerprint: str) -> str:
-    """The --kv-cache-dtype a model fingerprint names (engine/config.py ModelConfig.fingerprint)."""
-    return fingerprint.rpartition("/kv-")[2] if "/kv-" in fingerprint else "auto"
-
-
-def model_of(fingerprint: str) -> str:
-    """The fingerprint without its KV cache dtype: the model, its dtype and its weights."""
-    return fingerprint.partition("/kv-")[0]
 
 
 class ClusterMembers:
@@ -99,11 +90,11 @@ class ClusterMembers:
         model, or None. The first such worker's --kv-cache-dtype holds for the model's pools."""
         if info.role not in PAIRED_ROLES:
             return None
-        mine, model = kv_cache_dtype(info.model_fingerprint), model_of(info.model_fingerprint)
+        model, mine = split_fingerprint(info.model_fingerprint)
         now = time.monotonic()
         for w in self.table.workers.values():
-            theirs = kv_cache_dtype(w.info.model_fingerprint)
-            same_model = w.info.role in PAIRED_ROLES and model_of(w.info.model_fingerprint) == model
+            their_model, theirs = split_fingerprint(w.info.model_fingerprint)
+            same_model = w.info.role in PAIRED_ROLES and their_model == model
             if same_model and theirs != mine and self.table.is_live(w, now):
                 return (
                     f"its --kv-cache-dtype is {mine}, and {w.info.role} worker {w.worker_id} serving the same "

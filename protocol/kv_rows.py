@@ -27,3 +27,19 @@ def describe(dtype: str) -> str:
     ("uint8 (--kv-cache-dtype fp8)"): for messages that tell people which flag differs."""
     flag = QUANTIZED_POOL_DTYPES.get(dtype)
     return dtype if flag is None else f"{dtype} (--kv-cache-dtype {flag})"
+
+
+# What a model fingerprint (engine/config.py ModelConfig.fingerprint) gains for a --kv-cache-dtype
+# other than "auto": pools exchange KV only when their fingerprints match.
+FINGERPRINT_TAG = "/kv-"
+
+
+def fingerprint_tag(kv_cache_dtype: str) -> str:
+    """The fingerprint's suffix for `kv_cache_dtype` ("" for auto)."""
+    return "" if kv_cache_dtype == "auto" else f"{FINGERPRINT_TAG}{kv_cache_dtype}"
+
+
+def split_fingerprint(fingerprint: str) -> tuple[str, str]:
+    """A fingerprint -> (the model, its dtype and weights; the --kv-cache-dtype it names)."""
+    model, tag, kv = fingerprint.partition(FINGERPRINT_TAG)
+    return model, kv if tag else "auto"

@@ -9,9 +9,10 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from pdserve.gateway.cluster_members import ClusterMembers, kv_cache_dtype, model_of
+from pdserve.gateway.cluster_members import ClusterMembers
 from pdserve.gateway.membership import WorkerEntry, WorkerTable
 from pdserve.protocol.auth import FrameAuth
+from pdserve.protocol.kv_rows import split_fingerprint
 from pdserve.protocol.messages import Deregister, Heartbeat, Refused, Register, Welcome, WorkerInfo, WorkerStats
 from tests.gateway.conftest import fake_worker, gateway_with_fake_worker
 
@@ -56,8 +57,8 @@ def refusals(plane: Plane) -> dict[str, str]:
 
 
 def test_the_fingerprint_names_the_kv_dtype():
-    assert kv_cache_dtype(MODEL) == "auto" and kv_cache_dtype(MODEL + "/kv-int8") == "int8"
-    assert model_of(MODEL + "/kv-int8") == model_of(MODEL) == MODEL
+    assert split_fingerprint(MODEL) == (MODEL, "auto")
+    assert split_fingerprint(MODEL + "/kv-int8") == split_fingerprint(MODEL + "/kv-fp8")[:1] + ("int8",)
 
 
 def test_a_decode_worker_of_another_kv_dtype_is_refused_and_ignored_after():
