@@ -14,7 +14,7 @@ from pdserve.kvtransfer.lease import LeaseTable
 from pdserve.kvtransfer.receiver import KvReceiver
 from pdserve.kvtransfer.sender import make_kv_sender
 from pdserve.protocol.messages import KvDone, KvLayout
-from tests.kvtransfer.test_transports import AUTH, BS, D, H, L, N, ctx, drain, pool, untouched  # noqa: F401
+from tests.kvtransfer.test_transports import AUTH, BS, D, H, L, N, drain, pool, untouched  # noqa: F401
 
 LD, HD, DD = 2, 1, 4  # the draft: fewer layers, heads and head size than the target
 
