@@ -100,6 +100,9 @@ class EngineInfo:
     max_num_batched_tokens: int  # a step's token budget
     device: str  # "cpu", "cuda:0", ...
     caches_prefixes: bool  # a prefix cache: blocks found again by their hashes
+    # its cached blocks can be copied out for peers and peers' blocks loaded in (export_prefix,
+    # import_prefix): a prefix cache, one pool holding every KV head (no tensor parallelism)
+    shares_prefixes: bool = False
 
 
 @dataclass(frozen=True)
@@ -184,6 +187,24 @@ class EngineCore(ABC):
     def cached_prefix(self, block_hashes: list[bytes]) -> list[int]:
         """The blocks holding the longest leading run of these full-block hashes ([] without a
         prefix cache); nothing is taken."""
+
+    # --- prefix blocks shared with peer workers (kvtransfer/prefix_exporter.py, prefix_fetcher.py)
+    @abstractmethod
+    def prefix_hashes(self, prompt_token_ids: list[int]) -> list[bytes]:
+        """The hashes of the prompt's full blocks a prefill may take from the cache (all but the
+        block holding its last token); [] without a prefix cache."""
+
+    @abstractmethod
+    def export_prefix(self, block_hashes: list[bytes]) -> list[torch.Tensor]:
+        """Copies of the leading run of these blocks this pool holds, one tensor per pool (the
+        target's, then a draft model's: [L, 2, n, bs, Hkv, W] on the CPU); [] when none is held
+        or `info.shares_prefixes` is off. The blocks stay cached."""
+
+    @abstractmethod
+    def import_prefix(self, prompt_hashes: list[bytes], first: int, layers: list[memoryview]) -> int:
+        """Load blocks a peer exported (one payload per layer, target's then draft's, each
+        [2, k, bs, Hkv, W]) as `prompt_hashes[first : first + k]`: those extending the leading run
+        held now, as free room allows, become cached blocks; returns how many. Loop thread only."""
 
     @abstractmethod
     def can_reserve(self, num_blocks: int, prefix: list[int]) -> bool:

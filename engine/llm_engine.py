@@ -45,6 +45,7 @@ from pdserve.engine.kv_offload import KvOffload
 from pdserve.engine.model_runner import ForwardPass, ModelRunner, load_model
 from pdserve.engine.models.interface import CausalLM
 from pdserve.engine.models.llama import LlamaForCausalLM
+from pdserve.engine.peer_prefix import PeerPrefix
 from pdserve.engine.prefix_cache import BlockHasher
 from pdserve.engine.prompt_logprobs import PromptScores
 from pdserve.engine.sampler import Sampler
@@ -166,6 +167,9 @@ class LLMEngine(EngineCore):
         self.offload = self._disk_tier(config, mc.fingerprint(self.dtype, kv_dtype), runner) if caching else None
         self.scheduler.offload = self.offload
         draft = self.draft
+        # blocks shared with peer workers: one pool with every KV head (rank 0 holds only its own)
+        sharing = caching and config.tensor_parallel_size == 1
+        self.peers = PeerPrefix(self.pool, [self.kv_cache, *self._draft_pools()]) if sharing else None
         self.info = EngineInfo(
             model_fingerprint=mc.fingerprint(self.dtype, kv_dtype),
             draft_fingerprint=self.draft_config.fingerprint(self.dtype) if self.draft_config is not None else None,
@@ -181,6 +185,7 @@ class LLMEngine(EngineCore):
             max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
             device=str(self.device),
             caches_prefixes=self.hasher is not None,
+            shares_prefixes=self.peers is not None,
         )
 
     def _decode_graphs(self, model: CausalLM, kv_cache: torch.Tensor) -> DecodeGraphs | None:
@@ -330,6 +335,21 @@ class LLMEngine(EngineCore):
 
     def can_reserve(self, num_blocks: int, prefix: list[int]) -> bool:
         return self.scheduler.can_reserve(num_blocks, prefix)
+
+    # --- prefix blocks shared with peer workers (engine/peer_prefix.py) ------------------------
+    def _draft_pools(self) -> list[torch.Tensor]:
+        return [self.draft_kv_cache] if self.draft_kv_cache is not None else []
+
+    def prefix_hashes(self, prompt_token_ids: list[int]) -> list[bytes]:
+        if self.hasher is None:
+            return []
+        return self.hasher.hashes(prompt_token_ids, (len(prompt_token_ids) - 1) // self.block_size)
+
+    def export_prefix(self, block_hashes: list[bytes]) -> list[torch.Tensor]:
+        return self.peers.export(block_hashes) if self.peers is not None else []
+
+    def import_prefix(self, prompt_hashes: list[bytes], first: int, layers: list[memoryview]) -> int:
+        return self.peers.load(prompt_hashes, first, layers) if self.peers is not None else 0
 
     def reserve_blocks(self, num_blocks: int, prefix: list[int]) -> list[int]:
         return self.scheduler.reserve(num_blocks, prefix)

@@ -26,6 +26,11 @@ Who sends what (G = gateway, P = prefill worker, D = decode worker, C = colocate
                                              first one: the prompt's logprobs, when asked)
     D,C -> G  TokenOutputBatch               one step's TokenOutputs for one gateway, in one frame
     G -> P,D,C  Abort                        client went away or stop string hit
+    W -> W  PrefixFetch (export socket)      a worker asks a peer for a prompt's leading blocks
+                                             (hashes; the gateway's PrefillRequest.prefix_source
+                                             names the peer); kvtransfer/prefix_exporter.py
+    W -> W  KvFrameHeader (+ raw frame), PrefixFetchDone   the peer's answer on that socket:
+                                             each layer's KV of the blocks it held, then how many
 """
 
 from __future__ import annotations
@@ -119,6 +124,14 @@ class WorkerStats(msgspec.Struct, frozen=True):
     kv_disk_evictions: int = 0  # files removed to stay within the size
     kv_disk_corrupt: int = 0  # files that failed their check (deleted; their blocks computed)
     kv_disk_dropped_writes: int = 0  # blocks not written: the writer was too far behind
+    # prefix blocks fetched from peer workers instead of computed (kvtransfer/prefix_fetcher.py), totals
+    prefix_fetches: int = 0  # fetches asked of peers
+    prefix_fetch_blocks: int = 0  # blocks that arrived, verified, and went into this worker's prefix cache
+    prefix_fetch_bytes: int = 0  # their KV bytes
+    prefix_fetch_failures: int = 0  # fetches that brought nothing (peer gone, timeout, refused, bad frames)
+    prefix_exports: int = 0  # fetches this worker answered for peers
+    prefix_export_blocks: int = 0  # blocks it sent them
+    prefix_export_bytes: int = 0
 
 
 class WorkerInfo(msgspec.Struct, frozen=True):
@@ -139,6 +152,9 @@ class WorkerInfo(msgspec.Struct, frozen=True):
     # the GPU (its UUID) holding this worker's KV pool; "" on the CPU. A D's pool on a GPU is
     # shared by CUDA IPC (shm_name is then its handle, kvtransfer/cuda_ipc.py) with a P on that GPU
     kv_device: str = ""
+    # where peers fetch prompt blocks this worker's prefix cache holds (kvtransfer/prefix_exporter.py);
+    # None: it exports none
+    export_addr: str | None = None
 
 
 class Register(_Msg, kw_only=True, frozen=True):
@@ -252,6 +268,18 @@ class KvDestination(msgspec.Struct, frozen=True):
     shm_pools: list[ShmPool] = msgspec.field(default_factory=list)  # its rank pools (WorkerInfo's)
 
 
+class PrefixSource(msgspec.Struct, frozen=True, kw_only=True):
+    """A peer holding more of a prompt's leading blocks than the worker asked to prefill it, as the
+    gateway's KV index says (a hint: the worker checks the hashes it gets). The worker fetches
+    those blocks from it before computing the rest, when `num_blocks` exceed what it holds, and
+    waits at most `timeout_s` for them (gateway/prefix_fetch_plan.py decides; then it computes)."""
+
+    worker_id: str
+    export_addr: str  # the peer's WorkerInfo.export_addr (from its registration, never a client's)
+    num_blocks: int  # the prompt's leading full blocks the peer holds
+    timeout_s: float
+
+
 class PrefillRequest(_Msg, kw_only=True, frozen=True):
     request_id: str
     gateway_id: str
@@ -259,6 +287,7 @@ class PrefillRequest(_Msg, kw_only=True, frozen=True):
     sampling: SamplingParams = SamplingParams()
     dest: KvDestination
     arrival_time: float = 0.0
+    prefix_source: PrefixSource | None = None  # fetch the prompt's leading blocks from this peer first
 
 
 class GenerateRequest(_Msg, kw_only=True, frozen=True):
@@ -309,6 +338,28 @@ class KvDone(_Msg, kw_only=True, frozen=True):
     fork: list[TokenLogprob] = []
     # a group's prompt scores (SamplingParams.prompt_logprobs): D sends them on with its first output
     prompt_logprobs: PromptLogprobs | None = None
+
+
+class PrefixFetch(_Msg, kw_only=True, frozen=True):
+    """W -> a peer's export socket: send the KV of the leading run of these blocks you hold.
+    The peer answers on the same connection: one KvFrameHeader + payload per layer (its target's
+    layers, then a draft model's), `block_ids` being positions in `block_hashes`, then a
+    PrefixFetchDone. `model_fingerprint` and `layout` (num_blocks aside) must be the peer's own,
+    else it sends none."""
+
+    fetch_id: str
+    block_hashes: list[bytes]
+    model_fingerprint: str
+    layout: KvLayout
+    payload_mac: bool = False  # put each payload's HMAC tag in its header (the asker checks them)
+
+
+class PrefixFetchDone(_Msg, kw_only=True, frozen=True):
+    """The peer's last message for a PrefixFetch: `num_blocks` leading blocks sent (0: none, `reason`)."""
+
+    fetch_id: str
+    num_blocks: int
+    reason: str = ""
 
 
 class KvRangeDone(_Msg, kw_only=True, frozen=True):
