@@ -139,7 +139,15 @@ def plan_children(args: argparse.Namespace, run_dir: str) -> list[Child]:
     for i in range(pools.prefill_workers):
         name = f"prefill-{i}"
         engine = engine_config(prefill_args, "prefill", pools.prefill_max_num_batched_tokens)
-        settings = worker(name, "prefill", {"engine": engine, "threads": topo.prefill_share, "idle_lanes": idle_lanes})
+        export = "tcp://127.0.0.1:0" if pools.kv_transport == "zmq-tcp" else f"ipc://{run_dir}/{name}-export.sock"
+        planned = {
+            "engine": engine,
+            "threads": topo.prefill_share,
+            "idle_lanes": idle_lanes,
+            "prefix_export_bind": export,
+            "prefix_sharing": pools.prefix_sharing,
+        }
+        settings = worker(name, "prefill", planned)
         children.append(child(name, "prefill", settings, nice=pools.prefill_nice))
     for i in range(pools.decode_workers):
         name = f"decode-{i}"

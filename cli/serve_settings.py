@@ -93,3 +93,11 @@ class ServeSettings:
             "gives a queue's first prompts their first token sooner; else --max-num-batched-tokens)"
         ),
     ] = None
+    prefix_sharing: Annotated[
+        bool,
+        Flag(
+            "prefill workers neither export prompt blocks to each other nor fetch those a peer holds (which the "
+            "gateway suggests when fetching costs less than computing)",
+            name="--no-prefix-sharing",
+        ),
+    ] = True

@@ -198,6 +198,7 @@ class ClusterMembers:
                         # how prefill workers on its host write its pool in place (None: they send frames)
                         "shared_as": ("cuda-ipc" if w.info.kv_device else "shm") if w.info.shm_name else None,
                         "disk": _disk_tier(st),
+                        "peers": _prefix_sharing(w.info.export_addr, st),
                     },
                 }
             )
@@ -218,4 +219,21 @@ def _disk_tier(st: WorkerStats) -> dict | None:
         "read_bytes": st.kv_disk_read_bytes,
         "evictions": st.kv_disk_evictions,
         "corrupt": st.kv_disk_corrupt,
+    }
+
+
+def _prefix_sharing(export_addr: str | None, st: WorkerStats) -> dict | None:
+    """Prefix blocks fetched from peers and exported to them, as GET /v1/workers shows it (None:
+    the worker shares none)."""
+    if export_addr is None:
+        return None
+    return {
+        "export_addr": export_addr,
+        "fetches": st.prefix_fetches,
+        "fetched_blocks": st.prefix_fetch_blocks,
+        "fetched_bytes": st.prefix_fetch_bytes,
+        "fetch_failures": st.prefix_fetch_failures,
+        "exports": st.prefix_exports,
+        "exported_blocks": st.prefix_export_blocks,
+        "exported_bytes": st.prefix_export_bytes,
     }

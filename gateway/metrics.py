@@ -93,6 +93,32 @@ class _WorkerCollector:
                 "Disk tier files that failed their checksum or were cut short (deleted; recomputed)",
                 labels=["node"],
             ),
+            # prefix blocks fetched from peer workers instead of computed (prefill_node/prefix_sharing.py)
+            "prefix_fetches": CounterMetricFamily(
+                "pdserve_prefix_fetches", "Fetches of a prompt's leading blocks asked of a peer worker", labels=["node"]
+            ),
+            "prefix_fetch_blocks": CounterMetricFamily(
+                "pdserve_prefix_fetch_blocks",
+                "KV blocks fetched from peer workers into the prefix cache (not computed)",
+                labels=["node"],
+            ),
+            "prefix_fetch_bytes": CounterMetricFamily(
+                "pdserve_prefix_fetch_bytes", "KV bytes fetched from peer workers", labels=["node"]
+            ),
+            "prefix_fetch_failures": CounterMetricFamily(
+                "pdserve_prefix_fetch_failures",
+                "Prefix fetches that brought nothing (peer gone, timed out, refused, bad frames): computed instead",
+                labels=["node"],
+            ),
+            "prefix_exports": CounterMetricFamily(
+                "pdserve_prefix_exports", "Peers' prefix fetches this worker answered with blocks", labels=["node"]
+            ),
+            "prefix_export_blocks": CounterMetricFamily(
+                "pdserve_prefix_export_blocks", "KV blocks this worker sent peers", labels=["node"]
+            ),
+            "prefix_export_bytes": CounterMetricFamily(
+                "pdserve_prefix_export_bytes", "KV bytes this worker sent peers", labels=["node"]
+            ),
             # constrained decoding (engine/structured/): the workers' masking cost
             "structured_mask_rows": CounterMetricFamily(
                 "pdserve_structured_mask_rows", "Logit rows masked by their grammar", labels=["node"]

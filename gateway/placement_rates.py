@@ -8,6 +8,9 @@ gateway already sees of each request's first output:
 - decode worker's own prefill tokens/s: from its "local" ReserveReply to its first output (the
   wait for its running step included: that is what a local prompt pays), capped the same way.
 - KV link bytes/s: `kv_bytes` / `kv_transfer_s` of the prefill worker's timings.
+- prefix fetch bytes/s (gateway/prefix_fetch_plan.py): `prefix_fetch_bytes` / `prefix_fetch_s` of
+  a prefill worker's timings when it fetched a prompt's blocks from a peer (the whole fetch: the
+  connection, the peer's copy-out, the transfer and the load into its pool).
 Each rate is an EWMA of amount and of seconds apart (rate = their ratio, so a sample with little
 time weighs by its amount, not as a spike). Until measured: DEFAULT_PREFILL_TOKENS_PER_S and
 DEFAULT_LINK_BYTES_PER_S, and a decode worker's own rate is taken as the prefill pool's (the same
@@ -67,6 +70,7 @@ class PlacementRates:
     prefill: RateMeter = field(default_factory=lambda: RateMeter(DEFAULT_PREFILL_TOKENS_PER_S))
     local: RateMeter = field(default_factory=lambda: RateMeter(DEFAULT_PREFILL_TOKENS_PER_S))
     link: RateMeter = field(default_factory=lambda: RateMeter(DEFAULT_LINK_BYTES_PER_S))
+    fetch: RateMeter = field(default_factory=lambda: RateMeter(DEFAULT_LINK_BYTES_PER_S))
     _last_first_output: dict[str, float] = field(default_factory=dict)  # worker id -> monotonic
 
     def _busy_seconds(self, worker_id: str, seconds: float, now: float) -> float:
@@ -80,6 +84,8 @@ class PlacementRates:
             self.prefill.observe(tokens, self._busy_seconds(worker_id, timings["prefill_compute_s"], now))
         if timings.get("kv_transfer_s", 0.0) > 0:
             self.link.observe(timings.get("kv_bytes", 0.0), timings["kv_transfer_s"])
+        if timings.get("prefix_fetch_s", 0.0) > 0:
+            self.fetch.observe(timings.get("prefix_fetch_bytes", 0.0), timings["prefix_fetch_s"])
 
     def observe_local(self, worker_id: str, tokens: int, started: float, now: float) -> None:
         """A decode worker's first output of a prompt it took at `started` (monotonic)."""

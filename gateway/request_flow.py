@@ -32,10 +32,20 @@ from pdserve.gateway.cluster_members import BlockMemo, ClusterMembers
 from pdserve.gateway.membership import WorkerEntry
 from pdserve.gateway.placement_rates import PlacementRates, kv_bytes_per_token
 from pdserve.gateway.prefill_placement import PlacementInputs
+from pdserve.gateway.prefix_fetch_plan import FetchPlan, FetchRates, can_export_to, effective_held_tokens, plan_fetch
 from pdserve.gateway.reconcile import RequestForgotten
 from pdserve.gateway.request_record import RequestRecord, RequestTable, WorkerLost
 from pdserve.gateway.router import Router
-from pdserve.protocol.messages import Abort, KvDestination, PrefillRequest, ReserveReply, ReserveRequest, TokenOutput
+from pdserve.protocol.messages import (
+    Abort,
+    KvDestination,
+    PrefillRequest,
+    PrefixSource,
+    ReserveReply,
+    ReserveRequest,
+    TokenOutput,
+)
+from pdserve.protocol.sampling import SamplingParams
 
 # the one default of each (GatewayOptions, ClusterBackend)
 KV_TRANSPORTS = ("auto", "shm", "cuda-ipc", "zmq")
@@ -137,6 +147,7 @@ class DisaggregatedFlow:
                         dest=dest,
                         arrival_time=time.time(),
                         traceparent=tracing.current_traceparent.get(),
+                        prefix_source=self._prefix_source(p, prompt, sampling),
                     ),
                 )
             assert rec.outcome is not None
@@ -214,13 +225,61 @@ class DisaggregatedFlow:
                 d.worker_id, Abort(request_id=rec.worker_request_id, reason="no prefill worker", lease_unused=True)
             )
             raise BackendUnavailable(f"no live prefill worker for {d.info.model_fingerprint}", retry_after_s=2.0)
-        queued = self.queued_prefill_tokens()
-        held = {w.worker_id: self.members.held_blocks(w, prompt, memo) * w.info.kv_layout.block_size for w in prefills}
-        p = self.router.pick_prefill("prefill", prefills, held, queued, len(prompt))
+        p = self._pick_prefill(prefills, prompt, memo)[0]
         rec.lease_deadline = reply.lease.deadline
         rec.hold(p, d)
         rec.state = "prefilling"  # (counted at the prefill worker from now on)
         return p, d, reply
+
+    def _pick_prefill(
+        self, prefills: list[WorkerEntry], prompt: list[int], memo: BlockMemo
+    ) -> tuple[WorkerEntry, dict[str, int]]:
+        """The router's prefill worker for this prompt, and the tokens of it each candidate
+        counts as holding: kv-aware, a prefix a peer could send it counts too, less the fetch's
+        cost (gateway/prefix_fetch_plan.py)."""
+        held = {w.worker_id: self.members.held_blocks(w, prompt, memo) * w.info.kv_layout.block_size for w in prefills}
+        if self.router.policy == "kv-aware":
+            for w in prefills:
+                plan = self._prefix_fetch(w, held[w.worker_id] // w.info.kv_layout.block_size, prompt, memo)
+                held[w.worker_id] = effective_held_tokens(held[w.worker_id], plan)
+        return self.router.pick_prefill("prefill", prefills, held, self.queued_prefill_tokens(), len(prompt)), held
+
+    def _prefix_fetch(self, w: WorkerEntry, held_blocks: int, prompt: list[int], memo: BlockMemo) -> FetchPlan | None:
+        """Whether `w`, holding `held_blocks` of the prompt's leading blocks, should fetch more of
+        them from a live peer than compute them (None: compute)."""
+        if w.info.export_addr is None:  # (a worker without prefix sharing fetches nothing either)
+            return None
+        now = time.monotonic()
+        peers = {
+            e.worker_id: self.members.held_blocks(e, prompt, memo)
+            for e in self.table.workers.values()
+            if can_export_to(e.info, w.info) and self.table.is_live(e, now)
+        }
+        lay = w.info.kv_layout
+        rates = FetchRates(
+            lay.block_size,
+            kv_bytes_per_token(lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.dtype),
+            self.rates.prefill.rate,
+            self.rates.fetch.rate,
+        )
+        return plan_fetch(held_blocks, peers, (len(prompt) - 1) // lay.block_size, rates)
+
+    def _prefix_source(self, p: WorkerEntry, prompt: list[int], sampling: SamplingParams) -> PrefixSource | None:
+        """The peer `p` fetches the prompt's leading blocks from before computing the rest, if any."""
+        if sampling.prompt_logprobs is not None:  # (scored whole: nothing comes from a cache)
+            return None
+        memo: BlockMemo = {}
+        plan = self._prefix_fetch(p, self.members.held_blocks(p, prompt, memo), prompt, memo)
+        peer = self.table.get(plan.peer_id) if plan is not None else None
+        if plan is None or peer is None or peer.info.export_addr is None:
+            return None
+        log.debug("prefix fetch for %s on %s: %s", prompt[:4], p.worker_id, plan)
+        return PrefixSource(
+            worker_id=peer.worker_id,
+            export_addr=peer.info.export_addr,
+            num_blocks=plan.num_blocks,
+            timeout_s=plan.timeout_s,
+        )
 
     def queued_prefill_tokens(self) -> dict[str, int]:
         """Prompt tokens handed to each prefill worker that has not sent their first token yet."""
@@ -248,8 +307,7 @@ class DisaggregatedFlow:
         if not prefills:
             return None
         queued = self.queued_prefill_tokens()
-        held = {w.worker_id: self.members.held_blocks(w, prompt, memo) * w.info.kv_layout.block_size for w in prefills}
-        p = self.router.pick_prefill("prefill", prefills, held, queued, len(prompt))
+        p, held = self._pick_prefill(prefills, prompt, memo)
         # what this gateway knows before d's next heartbeat: its requests decoding there, and
         # its local prefills there without a first token (prompts waiting for d's engine)
         decoding = local_waiting = 0

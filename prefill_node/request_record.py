@@ -26,6 +26,10 @@ class PrefillRecord:
     renew_sent: float = 0.0  # time.time() of the last KvRenew for its lease
     transfer: TransferStats = field(default_factory=TransferStats)
     ships_draft: bool = False  # the draft model's layers go too (D runs the same draft)
+    # its prompt's leading blocks fetched from a peer before it was queued (prefix_sharing.py)
+    fetched_blocks: int = 0
+    fetch_bytes: int = 0
+    fetch_s: float = 0.0
     dest: KvDestination = field(init=False)  # the lease as last renewed (same epoch, later deadline)
 
     def __post_init__(self) -> None:

@@ -24,6 +24,18 @@ class PrefillSettings(WorkerSettings, frozen=True, kw_only=True, forbid_unknown_
             planned=True,
         ),
     ] = 0
+    # peers fetch the prompt blocks its prefix cache holds here (prefill_node/prefix_sharing.py)
+    prefix_export_bind: Annotated[
+        str, Flag("the socket peers fetch prompt blocks this worker's prefix cache holds from")
+    ] = "tcp://127.0.0.1:0"
+    prefix_sharing: Annotated[
+        bool,
+        Flag(
+            "neither export prompt blocks to peer workers nor fetch those a peer holds (which the gateway "
+            "suggests when fetching costs less than computing)",
+            name="--no-prefix-sharing",
+        ),
+    ] = True
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -11,7 +11,13 @@ half its ttl is left (`KvRenew` on the KV stream) and writes by a new deadline o
 `LeaseRenewed` comes back (kvtransfer/lease.py), so no request fails on the lease clock while
 this worker makes progress; a stuck or dead worker stops renewing and its leases run out.
 
-Settings (prefill_node/settings.py): lanes, idle lanes, and whether KV payloads carry a MAC.
+Prefix sharing (prefill_node/prefix_sharing.py): peers fetch the prompt blocks this worker's
+prefix cache holds from its export socket, and a request whose gateway names a peer holding more of
+its prompt waits here, off the loop, for those blocks (at most the fetch's deadline) before it is
+queued; what did not come is computed.
+
+Settings (prefill_node/settings.py): lanes, idle lanes, whether KV payloads carry a MAC, and
+prefix sharing's socket.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from pdserve.kvtransfer.sender_cache import KvSenderCache
 from pdserve.prefill_node.kv_streamer import KvStreamer
 from pdserve.prefill_node.lane_split import step_budget_for_lanes
 from pdserve.prefill_node.lanes import LaneJob, PrefillLanes
+from pdserve.prefill_node.prefix_sharing import PrefixSharing
 from pdserve.prefill_node.request_record import PrefillRecord
 from pdserve.prefill_node.settings import PrefillSettings
 from pdserve.protocol import kv_rows
@@ -60,7 +67,14 @@ class PrefillWorker(WorkerBase):
             on_layer_done=self.rt.mark_progress,  # a long step's layers: progress
         )
         info = self.engine.info
-        self.describe(describe_worker(info, "prefill", self.rt.control_addr, settings.host))
+        worker = describe_worker(info, "prefill", self.rt.control_addr, settings.host)
+        # peers fetch what its prefix cache holds; it fetches what a peer holds (prefix_sharing.py)
+        self.sharing: PrefixSharing | None = None
+        if settings.prefix_sharing and info.shares_prefixes:
+            args = (self.engine, self.ctx, auth, settings.prefix_export_bind, settings.kv_payload_mac, worker.kv_layout)
+            self.sharing = PrefixSharing(*args)
+            worker = msgspec.structs.replace(worker, export_addr=self.sharing.addr)
+        self.describe(worker)
         if info.caches_prefixes:
             self.kv_report = PrefixCacheReport(self.engine)
         self.handlers.update(
@@ -103,19 +117,40 @@ class PrefillWorker(WorkerBase):
                 req.prompt_token_ids
             ):
                 raise ValueError("lease holds too few blocks for the prompt")
-            self.engine.add_request(req.request_id, req.prompt_token_ids, req.sampling, prefill_only=True)
+            fetching = self.sharing is not None and self.sharing.begin(req)
+            if not fetching:  # (else queued once its blocks are in: _after_fetches)
+                self.engine.add_request(req.request_id, req.prompt_token_ids, req.sampling, prefill_only=True)
         except ValueError as e:
-            self.rt.to_gateway(
-                req.gateway_id,
-                TokenOutput(request_id=req.request_id, worker_id=self.worker_id, finish_reason="error", error=str(e)),
-            )
-            with self._send_lock:
-                self.senders.get(req.dest).send_release(req.request_id, req.dest.lease.epoch)
+            self._refuse(req, str(e))
             return
         ships_draft = self.draft_fingerprint is not None and req.dest.layout.draft_fingerprint == self.draft_fingerprint
         self.requests[req.request_id] = PrefillRecord(
             req, self.senders.get(req.dest), time.monotonic(), ships_draft=ships_draft
         )
+
+    def _refuse(self, req: PrefillRequest, error: str) -> None:
+        """The request cannot run here: an error to its gateway, its lease back to its decoder."""
+        self.rt.to_gateway(
+            req.gateway_id,
+            TokenOutput(request_id=req.request_id, worker_id=self.worker_id, finish_reason="error", error=error),
+        )
+        with self._send_lock:
+            self.senders.get(req.dest).send_release(req.request_id, req.dest.lease.epoch)
+
+    def _after_fetches(self) -> None:
+        """Queue the requests whose prefix fetch ended (their fetched blocks now cached here)."""
+        assert self.sharing is not None
+        for done in self.sharing.collect():
+            req = done.req
+            r = self.requests.get(req.request_id)
+            if r is None or r.req is not req:
+                continue  # (ended meanwhile)
+            r.fetched_blocks, r.fetch_bytes, r.fetch_s = done.blocks, done.nbytes, done.seconds
+            try:
+                self.engine.add_request(req.request_id, req.prompt_token_ids, req.sampling, prefill_only=True)
+            except ValueError as e:
+                self.requests.pop(req.request_id, None)
+                self._refuse(req, str(e))
 
     # --- lease renewal ----------------------------------------------------------------------
     def _renew_leases(self) -> None:
@@ -176,6 +211,8 @@ class PrefillWorker(WorkerBase):
             self._abort_after.add(request_id)
             return
         self._abort_after.discard(request_id)
+        if self.sharing is not None:
+            self.sharing.forget(request_id)
         self.engine.abort(request_id)
         self._release(request_id)
         self._forget(request_id)
@@ -220,6 +257,8 @@ class PrefillWorker(WorkerBase):
                 "kv_transfer_s": ts.seconds,
                 "kv_bytes": float(ts.bytes),
             }
+            if r.fetch_s > 0:  # its leading blocks fetched from a peer (within prefill_queue_s)
+                timings |= {"prefix_fetch_s": r.fetch_s, "prefix_fetch_bytes": float(r.fetch_bytes)}
             self._trace(r, done_at, out.num_cached_tokens)
             info = self.engine.info  # its layers (+ the draft's when they went too)
             num_layers = info.num_layers + (info.draft_num_layers if r.ships_draft else 0)
@@ -284,7 +323,8 @@ class PrefillWorker(WorkerBase):
         )
 
     def stats(self) -> WorkerStats:
-        return engine_stats(self.engine.stats(), self._last_progress, sum(self.rt.inbox.dropped.values()))
+        sharing = self.sharing.stats() if self.sharing is not None else {}
+        return engine_stats(self.engine.stats(), self._last_progress, sum(self.rt.inbox.dropped.values()), **sharing)
 
     def has_work(self) -> bool:
         return bool(self.requests) or self.engine.has_work()
@@ -302,9 +342,14 @@ class PrefillWorker(WorkerBase):
 
     def run_once(self) -> None:
         launched = self.launch()
-        # sleep on the inbox and the lanes' wake-up pipe (a step finished)
-        for msg in self.rt.drain(0 if launched else 20, wake_fd=self.lanes.wake_fd):
+        # sleep on the inbox, the lanes' wake-up pipe (a step finished), and prefix sharing's
+        # socket and pipe (a peer's fetch, one of ours ended)
+        wake = [self.lanes.wake_fd, *(self.sharing.wake if self.sharing is not None else [])]
+        for msg in self.rt.drain(0 if launched else 20, wake):
             self.dispatch(msg)
+        if self.sharing is not None:
+            self.sharing.serve()
+            self._after_fetches()
         for job in self.lanes.collect():
             self.complete(job)
         self._renew_leases()
@@ -312,4 +357,6 @@ class PrefillWorker(WorkerBase):
     def close(self) -> None:
         self.lanes.close()
         self.senders.close()
+        if self.sharing is not None:
+            self.sharing.close()
         super().close()

@@ -20,6 +20,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any, Callable
 
 import msgspec
@@ -278,7 +279,7 @@ class WorkerRuntime:
             raise ValueError("a worker needs at least one --gateway address")
         self.ctx = ctx
         self.inbox = Inbox(ctx, auth, control_bind, decoder=decode_to_worker)
-        self._poller: zmq.Poller | None = None  # inbox + a wake-up pipe (drain's wake_fd)
+        self._poller: zmq.Poller | None = None  # inbox + what drain's `wake` names
         self._by_addr = {addr: Outbox(ctx, auth, addr) for addr in gateway_addrs}
         self._by_id: dict[str, Outbox] = {}
         self._welcomed: set[str] = set()
@@ -350,14 +351,15 @@ class WorkerRuntime:
         """A step in progress finished a layer (any thread): `Heartbeater.mark_progress`."""
         self._heartbeater.mark_progress()
 
-    def drain(self, timeout_ms: int, wake_fd: int | None = None) -> list[Message]:
-        """Messages now waiting; blocks up to `timeout_ms` for the first one, or until `wake_fd`
-        (a pipe the caller's own threads write to) is readable."""
-        if wake_fd is not None and timeout_ms:
+    def drain(self, timeout_ms: int, wake: Sequence[int | zmq.Socket] = ()) -> list[Message]:
+        """Messages now waiting; blocks up to `timeout_ms` for the first one, or until one of
+        `wake` (pipes the caller's own threads write to, sockets it serves) is readable. The
+        first call's `wake` holds for every later one."""
+        if wake and timeout_ms:
             if self._poller is None:
                 self._poller = zmq.Poller()
-                self._poller.register(self.inbox.socket, zmq.POLLIN)
-                self._poller.register(wake_fd, zmq.POLLIN)
+                for w in [self.inbox.socket, *wake]:
+                    self._poller.register(w, zmq.POLLIN)
             self._poller.poll(timeout_ms)
             timeout_ms = 0
         msgs = []

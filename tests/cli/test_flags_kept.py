@@ -47,7 +47,14 @@ WORKER = {
     "--advertise-host": (None, None, "", None),
 }
 MAC = {"--kv-payload-mac": ("auto", ("auto", "on", "off"), "", None)}
-PREFILL = {**WORKER, **MAC, "--lanes": (1, None, "", None), "--idle-lanes": (None, None, "", None)}
+PREFILL = {
+    **WORKER,
+    **MAC,
+    "--lanes": (1, None, "", None),
+    "--idle-lanes": (None, None, "", None),
+    "--prefix-export-bind": ("tcp://127.0.0.1:0", None, "", None),  # added with prefix fetches between workers
+    "--no-prefix-sharing": (False, None, "store_true", None),
+}
 DECODE = {
     **WORKER,
     **MAC,
@@ -113,6 +120,7 @@ SERVE = {
     "--min-num-seqs": (None, None, "", None),
     "--decode-step-interval-ms": (None, None, "", None),
     "--prefill-max-num-batched-tokens": (None, None, "", None),
+    "--no-prefix-sharing": (False, None, "store_true", None),  # added with prefix fetches between workers
 }
 GOLDEN = {"prefill": PREFILL, "decode": DECODE, "colocated": WORKER, "gateway": GATEWAY, "serve": SERVE}
 KINDS = {

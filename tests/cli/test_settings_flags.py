@@ -112,6 +112,8 @@ SAMPLES: dict[str, tuple[list[str], object]] = {
     "--kv-payload-mac": (["on"], "on"),
     "--lanes": (["2"], 2),
     "--idle-lanes": (["3"], 3),
+    "--prefix-export-bind": (["ipc:///tmp/e"], "ipc:///tmp/e"),
+    "--no-prefix-sharing": (["--no-prefix-sharing"], False),
     "--kv-bind": (["tcp://127.0.0.1:5"], "tcp://127.0.0.1:5"),
     "--kv-advertise": (["tcp://a:5"], "tcp://a:5"),
     "--no-shm": (["--no-shm"], False),
