@@ -1,8 +1,9 @@
 """The K-quant block GEMM (kernels/cpu_block_dot.c) against the int8 multiply-add ceiling of the
 core it runs on, measured in the same run: `python -m pdserve.bench.block_gemm_ceiling --model F.gguf`.
 
-The ceiling (bench/int8_mac_ceiling.c): 8 independent chains of AVX2 maddubs + madd, the pair the
-kernel spends on each 32 products, timed on one thread: int8 products a second. The GEMM: one
+The ceilings (bench/int8_mac_ceiling.c): 8 independent chains of AVX2 maddubs + madd, the pair the
+AVX2 kernel spends on each 32 products, and on an AVX-512 machine 12 chains of the zmm pair (maddubs
+then VNNI's dpwssd, or madd + add), timed on one thread: int8 products a second. The GEMM: one
 layer's tensors of the file (ffn_gate, ffn_down) at 1-256 rows on one thread, products a second
 (rows x out x in / seconds), and their ratio to the ceiling. Where that ratio is near 1, prefill
 and batched decode through these blocks can only go faster with other instructions (VNNI)."""
@@ -22,21 +23,26 @@ from pdserve.kernels.cpu_native import load_kernel
 CEILING_SOURCE = Path(__file__).with_name("int8_mac_ceiling.c")
 
 
-def mac_ceiling(seconds: float = 0.5) -> float:
-    """int8 products a second on one thread (32 a maddubs + madd pair), best of 5."""
+def mac_ceiling(seconds: float = 0.5, width: str = "ymm") -> float:
+    """int8 products a second on one thread, best of 5: `ymm` the AVX2 maddubs + madd pair (32
+    products), `zmm` the AVX-512 pair the K-quant kernels spend on this build (64; 0.0 without
+    AVX-512 BW)."""
     lib = load_kernel(CEILING_SOURCE)
     if lib is None:
         raise RuntimeError("no C compiler: the ceiling cannot be measured")
-    lib.int8_mac_pairs.restype = ctypes.c_int64
-    lib.int8_mac_pairs.argtypes = [ctypes.c_int64]
-    if lib.int8_mac_pairs(1) < 0:
+    fn, chains, products = (lib.int8_mac_pairs, 8, 32) if width == "ymm" else (lib.int8_mac_pairs_zmm, 12, 64)
+    fn.restype = ctypes.c_int64
+    fn.argtypes = [ctypes.c_int64]
+    if fn(1) < 0:
+        if width == "zmm":
+            return 0.0
         raise RuntimeError("not an AVX2 build: no maddubs to measure")
     iters, best = 1 << 20, 0.0
     for _ in range(5):
         t0 = time.perf_counter()
-        lib.int8_mac_pairs(iters)
+        fn(iters)
         dt = time.perf_counter() - t0
-        best = max(best, iters * 8 * 32 / dt)
+        best = max(best, iters * chains * products / dt)
         iters = max(iters, int(iters * seconds / max(dt, 1e-6)))
     return best
 
@@ -67,18 +73,22 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     tensors = {t.name: t for t in gguf.GGUFReader(args.model).tensors}
-    ceiling = mac_ceiling()
-    print(f"int8 multiply-add ceiling, one thread: {ceiling / 1e9:.1f} G products/s")
-    print("| tensor | type | rows | G products/s | / ceiling |")
-    print("|---|---|---:|---:|---:|")
+    ceiling, wide = mac_ceiling(), mac_ceiling(width="zmm")
+    print(f"int8 multiply-add ceilings, one thread: ymm pairs {ceiling / 1e9:.1f} G products/s", end="")
+    print(f", zmm pairs {wide / 1e9:.1f}" if wide else " (no AVX-512 BW)")
+    print("| tensor | type | rows | G products/s | / ymm ceiling | / zmm ceiling |")
+    print("|---|---|---:|---:|---:|---:|")
     for name in (f"blk.{args.layer}.{t}.weight" for t in args.tensors.split(",")):
         t = tensors[name]
         out, inn = int(t.shape[1]), int(t.shape[0])
         w = block_gemm.BlockWeight(int(t.tensor_type), torch.from_numpy(t.data.reshape(out, -1).copy()), inn)
         for m in (int(r) for r in args.rows.split(",")):
             rate = gemm_rate(w, m)
-            print(f"| {name} | {w.name} | {m} | {rate / 1e9:.1f} | {rate / ceiling:.2f} |", flush=True)
-    print(f"ceiling again (drift check): {mac_ceiling() / 1e9:.1f} G products/s")
+            zmm = f"{rate / wide:.2f}" if wide else "-"
+            print(f"| {name} | {w.name} | {m} | {rate / 1e9:.1f} | {rate / ceiling:.2f} | {zmm} |", flush=True)
+    print(
+        f"ceilings again (drift check): ymm {mac_ceiling() / 1e9:.1f}, zmm {mac_ceiling(width='zmm') / 1e9:.1f} G products/s"
+    )
     return 0
 
 

@@ -19,6 +19,12 @@
  * call, nor on the thread count, nor on the instruction set (tests build the variants).
  * Threads (OpenMP) split output rows.
  *
+ * Tiles: a weight row's super-block is decoded and unpacked once for a tile of x's rows (8; 16 for
+ * the K-quants with AVX-512 BW, whose sums are then taken two rows to a zmm: the madd into int32
+ * by VNNI's dpwssd where the CPU has it, two rows' lanes scaled and added side by side). Weight rows
+ * come in blocks of 16 that meet a tile's rows 8 super-blocks at a time (more for fewer rows), so
+ * the part of x a block reads stays in L1 at any row length (ffn_down's 8192 inputs too).
+ *
  * `moe_int8x` runs a mixture's experts over a step in one call (x quantized once, the experts' three
  * products on these kernels, their outputs summed per token in expert order).
  *
@@ -53,6 +59,11 @@ enum { Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 }; /* ggml's type ids */
 #else
 #define KEEPV(v) __asm__("" : "+m"(v))
 #endif
+
+/* a weight row's bytes on their way from memory (a row the kernel reaches soon) */
+static inline void prefetch_row(const uint8_t *row, int64_t nbytes) {
+    for (int64_t b = 0; b < nbytes; b += 64) __builtin_prefetch((const char *)row + b, 0, 0);
+}
 
 /* bytes of one super-block's worth (256 inputs) of a row; 0: not a type this kernel reads */
 static int64_t sb_bytes(int type) {
@@ -282,20 +293,37 @@ static inline void unpack_q6k_zmm(const uint8_t *ql, const uint8_t *qh, __m512i 
     }
 }
 
-/* tile_unpacked on zmm: q[c] and sc16[c] cover inputs 64c.., the result the ymm lanes */
+/* a + the int16 pairs of p times the scales s, summed in pairs into int32 (exact integers; one VNNI
+ * instruction where the CPU has it) */
+static inline __m512i madd_scaled(__m512i a, __m512i p, __m512i s) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpwssd_epi32(a, p, s);
+#else
+    return _mm512_add_epi32(a, _mm512_madd_epi16(p, s));
+#endif
+}
+
+/* Two rows' 16 lanes folded to the ymm lanes, side by side: lanes 0-7 a's (lane k + lane 8 + k),
+ * 8-15 b's */
+static inline __m512i fold_pair(__m512i a, __m512i b) {
+    return _mm512_add_epi32(_mm512_shuffle_i64x2(a, b, 0x44), _mm512_shuffle_i64x2(a, b, 0xEE));
+}
+
+/* tile_unpacked on zmm for rn <= 8 rows: q[c] and sc16[c] cover inputs 64c..; acc[i] holds rows
+ * 2i and 2i + 1's ymm lanes side by side (an odd last row beside itself) */
 static inline __attribute__((always_inline)) void tile_unpacked_zmm(const __m512i q[4], const __m512i sc16[4],
                                                                     const q8k *x, int64_t nsb, int64_t b,
-                                                                    const int rn, __m256i acc[]) {
+                                                                    const int rn, __m512i acc[]) {
     __m512i a[8];
     for (int r = 0; r < rn; r++) a[r] = _mm512_setzero_si512();
     for (int c = 0; c < 4; c++) {
         const __m512i qc = q[c], sc = sc16[c];
         for (int r = 0; r < rn; r++) {
             const __m512i xc = _mm512_loadu_si512((const void *)(x[r * nsb + b].q + 64 * c));
-            a[r] = _mm512_add_epi32(a[r], _mm512_madd_epi16(_mm512_maddubs_epi16(qc, xc), sc));
+            a[r] = madd_scaled(a[r], _mm512_maddubs_epi16(qc, xc), sc);
         }
     }
-    for (int r = 0; r < rn; r++) acc[r] = _mm256_add_epi32(_mm512_castsi512_si256(a[r]), _mm512_extracti64x4_epi64(a[r], 1));
+    for (int r = 0; r < rn; r += 2) acc[r / 2] = fold_pair(a[r], a[r + 1 < rn ? r + 1 : r]);
 }
 
 /* int16 lane i of out[c] = v16[idx(c, i)], v16 the int16s of a zmm's low 128 bits: one vpermw each */
@@ -399,7 +427,11 @@ static inline float lanes_sum(v8f acc) {
     return sum;
 }
 
-#define ROWS 8       /* rows of x a weight row's super-block is decoded once for */
+#if defined(__AVX512BW__)
+#define ROWS 16 /* rows of x a weight row's super-block is decoded once for (the K-quants; Q8_0: 8) */
+#else
+#define ROWS 8
+#endif
 #define OUT_BLOCK 16 /* weight rows a tile of x's rows meets before the next tile */
 
 /* out[r] = weight row w . quantized x rows x[r * nsb ...] in 8 lanes, r < rn (a constant: the
@@ -414,13 +446,7 @@ static inline __attribute__((always_inline)) void row_tile(const int type, const
             const uint8_t *qs = blk + (type == Q4_K ? 16 : 48);
             k4_scales s;
             k4_decode(blk, &s);
-#if defined(__AVX512BW__)
-            __m256i sums[ROWS];
-            __m512i q[4], sz[4];
-            k4_vectors_zmm(&s, sz);
-            unpack_k4_zmm(qs, type == Q4_K ? NULL : blk + 16, q);
-            tile_unpacked_zmm(q, sz, x, nsb, b, rn, sums);
-#elif defined(__AVX2__)
+#if defined(__AVX2__)
             __m256i sv[8], q[8], sums[ROWS];
             k4_vectors(&s, sv);
             unpack_k4(qs, type == Q4_K ? NULL : blk + 16, q);
@@ -443,13 +469,7 @@ static inline __attribute__((always_inline)) void row_tile(const int type, const
             const uint8_t *blk = w + b * 210;
             const int8_t *sc = (const int8_t *)(blk + 192);
             const float d = f16(blk + 208);
-#if defined(__AVX512BW__)
-            __m256i all16, sums[ROWS];
-            __m512i u[4], sz[4];
-            q6k_vectors_zmm(sc, sz, &all16);
-            unpack_q6k_zmm(blk, blk + 128, u);
-            tile_unpacked_zmm(u, sz, x, nsb, b, rn, sums);
-#elif defined(__AVX2__)
+#if defined(__AVX2__)
             __m256i sv[8], all16, u[8], sums[ROWS];
             q6k_vectors(sc, sv, &all16);
             unpack_q6k(blk, blk + 128, u);
@@ -481,6 +501,153 @@ static inline __attribute__((always_inline)) void row_tile(const int type, const
     for (int r = 0; r < rn; r++) out[r] = acc[r];
 }
 
+#if defined(__AVX512BW__)
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+/* add_scaled for two rows side by side (lanes 0-7 one row's, 8-15 the other's, each half its own
+ * factor): per lane the same operations, so the same bits */
+static inline __attribute__((always_inline)) v16f add_scaled2(v16f acc, __m512i lanes, float f0, float f1) {
+    const v16f f = (v16f)_mm512_castpd_ps(
+        _mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(f0)), _mm256_castps_pd(_mm256_set1_ps(f1)), 1));
+    v16f p = __builtin_convertvector((v16i)lanes, v16f) * f;
+    KEEPV(p);
+    v16f t = acc + p;
+    KEEPV(t);
+    return t;
+}
+
+/* two rows' int16 bsums [16] side by side */
+static inline __m512i bsums2(const q8k *x0, const q8k *x1) {
+    return zmm_of(_mm256_loadu_si256((const __m256i *)x0->bsums), _mm256_loadu_si256((const __m256i *)x1->bsums));
+}
+
+/* row_tile for the K-quants on zmm, rn <= 16 rows, super-blocks [b0, b1) added to acc: a super-block
+ * is decoded and unpacked once for all the rows, its integer sums taken 8 rows at a time, and two
+ * rows' lanes scaled and added in one zmm (rows 2i and 2i + 1 in acc[i]; an odd last row beside
+ * itself). Bits as row_tile's. */
+static inline __attribute__((always_inline)) void row_tile_zmm(const int type, const uint8_t *w, const q8k *x,
+                                                               int64_t nsb, int64_t b0, int64_t b1, const int rn,
+                                                               v16f acc_io[ROWS / 2]) {
+    v16f acc[ROWS / 2]; /* in registers: the blocks (char) may alias acc_io as far as the compiler knows */
+    for (int i = 0; i < (rn + 1) / 2; i++) acc[i] = acc_io[i];
+    v8f acc1 = (v8f)_mm512_castsi512_si256((__m512i)acc[0]); /* (rn == 1) */
+    for (int64_t b = b0; b < b1; b++) {
+        __m512i q[4], sz[4], sums[4];
+        if (type == Q4_K || type == Q5_K) {
+            const uint8_t *blk = w + b * (type == Q4_K ? 144 : 176);
+            k4_scales s;
+            k4_decode(blk, &s);
+            k4_vectors_zmm(&s, sz);
+            unpack_k4_zmm(blk + (type == Q4_K ? 16 : 48), type == Q4_K ? NULL : blk + 16, q);
+            uint64_t m8;
+            memcpy(&m8, s.mn, 8);
+            const __m128i m = _mm_cvtsi64_si128((long long)m8); /* mn0 mn0 mn1 mn1 ...: lane j of a row's madd */
+            const __m512i dup = _mm512_broadcast_i64x4(_mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m, m)));
+            for (int h = 0; h < rn; h += 8) { /* 8 rows' integer sums at a time */
+                const int hn = rn - h < 8 ? rn - h : 8;
+                tile_unpacked_zmm(q, sz, x + h * nsb, nsb, b, hn, sums);
+                if (rn == 1) { /* one row: row_tile's 8-lane steps, fewer instructions */
+                    const q8k *x0 = &x[b];
+                    float da = s.d * x0->d, dm = -(s.dmin * x0->d);
+                    KEEP(da);
+                    KEEP(dm);
+                    const v8i mins = to_v8i(_mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)x0->bsums),
+                                                              _mm512_castsi512_si256(dup)));
+                    acc1 = add_scaled(add_scaled(acc1, to_v8i(_mm512_castsi512_si256(sums[0])), da), mins, dm);
+                    continue;
+                }
+                for (int i = 0; i < (hn + 1) / 2; i++) {
+                    const int r0 = h + 2 * i, r1 = r0 + 1 < rn ? r0 + 1 : r0;
+                    const q8k *x0 = &x[r0 * nsb + b], *x1 = &x[r1 * nsb + b];
+                    float da0 = s.d * x0->d, da1 = s.d * x1->d, dm0 = -(s.dmin * x0->d), dm1 = -(s.dmin * x1->d);
+                    KEEP(da0);
+                    KEEP(da1);
+                    KEEP(dm0);
+                    KEEP(dm1);
+                    v16f a = add_scaled2(acc[r0 / 2], sums[i], da0, da1);
+                    acc[r0 / 2] = add_scaled2(a, _mm512_madd_epi16(bsums2(x0, x1), dup), dm0, dm1);
+                }
+            }
+        } else { /* Q6_K */
+            const uint8_t *blk = w + b * 210;
+            const int8_t *sc = (const int8_t *)(blk + 192);
+            const float d = f16(blk + 208);
+            __m256i all16;
+            q6k_vectors_zmm(sc, sz, &all16);
+            unpack_q6k_zmm(blk, blk + 128, q);
+            const __m512i sc2 = _mm512_broadcast_i64x4(all16);
+            for (int h = 0; h < rn; h += 8) {
+                const int hn = rn - h < 8 ? rn - h : 8;
+                tile_unpacked_zmm(q, sz, x + h * nsb, nsb, b, hn, sums);
+                if (rn == 1) {
+                    float da = d * x[b].d;
+                    KEEP(da);
+                    acc1 = add_scaled(acc1, lanes_q6k_from(_mm512_castsi512_si256(sums[0]), all16, x[b].bsums), da);
+                    continue;
+                }
+                for (int i = 0; i < (hn + 1) / 2; i++) {
+                    const int r0 = h + 2 * i, r1 = r0 + 1 < rn ? r0 + 1 : r0;
+                    const q8k *x0 = &x[r0 * nsb + b], *x1 = &x[r1 * nsb + b];
+                    float da0 = d * x0->d, da1 = d * x1->d;
+                    KEEP(da0);
+                    KEEP(da1);
+                    const __m512i bias = _mm512_madd_epi16(bsums2(x0, x1), sc2);
+                    acc[r0 / 2] = add_scaled2(acc[r0 / 2], _mm512_sub_epi32(sums[i], _mm512_slli_epi32(bias, 5)), da0, da1);
+                }
+            }
+        }
+    }
+    if (rn == 1) acc[0] = (v16f)_mm512_castsi256_si512((__m256i)acc1);
+    for (int i = 0; i < (rn + 1) / 2; i++) acc_io[i] = acc[i];
+}
+
+/* row r's 8 lanes of a row_tile_zmm accumulator */
+static inline v8f row_lanes(const v16f acc[], int r) {
+    const __m512i v = (__m512i)acc[r / 2];
+    return (v8f)(r % 2 ? _mm512_extracti64x4_epi64(v, 1) : _mm512_castsi512_si256(v));
+}
+
+#define K_CHUNK 8 /* super-blocks of x's tile a weight block meets at a time: 16 rows' 37 KB, in L1 */
+
+/* gemm_rows' tile of rn rows (xr) over weight rows [ob, oe) on zmm (K-quants), super-blocks in
+ * chunks so that the tile's part stays in L1 at any row length; each (weight row, row) pair still
+ * adds its super-blocks in order */
+static __attribute__((noinline)) void tile_block_zmm(const int type, const uint8_t *w, int64_t row_bytes, const q8k *xr, int64_t nsb,
+                           const int rn, int64_t ob, int64_t oe, int64_t prefetch_below, const float *bias, float *y,
+                           int64_t ldy) {
+    v16f acc[OUT_BLOCK][ROWS / 2];
+    for (int64_t o = ob; o < oe; o++)
+        for (int i = 0; i < (rn + 1) / 2; i++) acc[o - ob][i] = (v16f){0};
+    const int64_t chunk = K_CHUNK * (ROWS / rn); /* the tile's part of x about the same bytes at any rn */
+    for (int64_t b0 = 0; b0 < nsb; b0 += chunk) {
+        const int64_t b1 = b0 + chunk < nsb ? b0 + chunk : nsb;
+        for (int64_t o = ob; o < oe; o++) {
+            if (b0 == 0 && o + PREFETCH_ROWS < prefetch_below) /* (gemm_rows: the first tile only) */
+                prefetch_row(w + (o + PREFETCH_ROWS) * row_bytes, row_bytes);
+            const uint8_t *wr = w + o * row_bytes;
+            v16f *a = acc[o - ob];
+            switch (type * 32 + rn) { /* one copy of the loop a type and tile: accumulators in registers */
+#define CASE(T, RN) \
+    case T * 32 + RN: row_tile_zmm(T, wr, xr, nsb, b0, b1, RN, a); break;
+#define CASES(T) CASE(T, 1) CASE(T, 2) CASE(T, 4) CASE(T, 8) CASE(T, 16)
+                CASES(Q4_K)
+                CASES(Q5_K)
+                CASES(Q6_K)
+#undef CASES
+#undef CASE
+            }
+        }
+    }
+    for (int64_t o = ob; o < oe; o++)
+        for (int r = 0; r < rn; r++) {
+            float v = lanes_sum(row_lanes(acc[o - ob], r));
+            if (bias) v += bias[o];
+            y[r * ldy + o] = v;
+        }
+}
+#endif
+
 
 /* Output rows [o0, o1) of y [m, ldy] = xq [m rows of nsb super-blocks] . dequant(w)^T (+ bias). */
 static void gemm_rows(const q8k *xq, int64_t m, int64_t nsb, const uint8_t *w, int type, const float *bias, float *y,
@@ -489,22 +656,30 @@ static void gemm_rows(const q8k *xq, int64_t m, int64_t nsb, const uint8_t *w, i
     for (int64_t ob = o0; ob < o1; ob += OUT_BLOCK) { /* a block of weight rows, kept in cache over all of x */
         const int64_t oe = ob + OUT_BLOCK < o1 ? ob + OUT_BLOCK : o1;
         for (int64_t r0 = 0; r0 < m;) { /* a tile of x's rows, kept in L1 over the block */
-            const int rn = m - r0 >= 8 ? 8 : m - r0 >= 4 ? 4 : m - r0 >= 2 ? 2 : 1;
+            const int most = type == Q8_0 ? 8 : ROWS;
+            const int rn = m - r0 >= most ? most : m - r0 >= 8 ? 8 : m - r0 >= 4 ? 4 : m - r0 >= 2 ? 2 : 1;
             const q8k *xr = xq + r0 * nsb;
+#if defined(__AVX512BW__)
+            if (type != Q8_0) { /* (one row: row_tile) */
+                tile_block_zmm(type, w, row_bytes, xr, nsb, rn, ob, oe, r0 == 0 ? o1 : 0, bias, y + r0 * ldy, ldy);
+                r0 += rn;
+                continue;
+            }
+#endif
             for (int64_t o = ob; o < oe; o++) {
-                if (r0 == 0 && o + PREFETCH_ROWS < o1) { /* the weights on their way from memory */
-                    const char *ahead = (const char *)(w + (o + PREFETCH_ROWS) * row_bytes);
-                    for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(ahead + b, 0, 0);
-                }
+                if (r0 == 0 && o + PREFETCH_ROWS < o1) /* the weights on their way from memory */
+                    prefetch_row(w + (o + PREFETCH_ROWS) * row_bytes, row_bytes);
                 v8f acc[ROWS];
                 const uint8_t *wr = w + o * row_bytes;
-                switch (type * 16 + rn) { /* one copy of the loop a type and tile: accumulators in registers */
+                switch (type * 32 + rn) { /* one copy of the loop a type and tile: accumulators in registers */
 #define CASE(T, RN) \
-    case T * 16 + RN: row_tile(T, wr, xr, nsb, RN, acc); break;
+    case T * 32 + RN: row_tile(T, wr, xr, nsb, RN, acc); break;
 #define CASES(T) CASE(T, 1) CASE(T, 2) CASE(T, 4) CASE(T, 8)
+#if !defined(__AVX512BW__)
                 CASES(Q4_K)
                 CASES(Q5_K)
                 CASES(Q6_K)
+#endif
                 CASES(Q8_0)
 #undef CASES
 #undef CASE
