@@ -37,6 +37,12 @@
 #include <string.h>
 
 #include "thread_scratch.h"
+#ifdef _OPENMP
+#include <omp.h>
+#define THREAD_NUM() omp_get_thread_num()
+#else
+#define THREAD_NUM() 0
+#endif
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -716,10 +722,19 @@ int block_gemm_int8x(const float *x, int64_t ldx, const uint8_t *w, const float 
     const int64_t nsb = in / QK;
     q8k *xq = scratch((size_t)(m * nsb) * sizeof(q8k));
     if (!xq) return -2;
-    for (int64_t r = 0; r < m; r++) quantize_row_q8k(x + r * ldx, in, xq + r * nsb);
     const int parts = parts_for(out, nthreads);
-#pragma omp parallel for num_threads(parts) schedule(static, 1) if (parts > 1)
-    for (int t = 0; t < parts; t++) {
+    /* a prompt's rows are quantized by the same team (each row alone: the same bytes); a few rows
+     * by the caller first (a barrier inside the region would cost more than they do) */
+    const int shared_quantize = parts > 1 && m * in >= (1 << 15);
+    if (!shared_quantize)
+        for (int64_t r = 0; r < m; r++) quantize_row_q8k(x + r * ldx, in, xq + r * nsb);
+#pragma omp parallel num_threads(parts) if (parts > 1)
+    {
+        const int t = THREAD_NUM();
+        if (shared_quantize) {
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < m; r++) quantize_row_q8k(x + r * ldx, in, xq + r * nsb);
+        }
         int64_t o0, o1;
         share(out, parts, t, &o0, &o1);
         gemm_rows(xq, m, nsb, w, type, bias, y, out, o0, o1);
@@ -754,13 +769,6 @@ static void expert_activations(const moe_shape *m, float *gu, int64_t n, q8k *aq
         quantize_row_q8k(g, m->inter, aq + j * m->nsb_i);
     }
 }
-
-#ifdef _OPENMP
-#include <omp.h>
-#define THREAD_NUM() omp_get_thread_num()
-#else
-#define THREAD_NUM() 0
-#endif
 
 /* A mixture of experts over one step (engine/models/moe.py), in one call:
  *   out [T, hidden] = sum over each token's experts, in ascending expert order, of
