@@ -44,7 +44,8 @@ def counters(base: str, prefix: str) -> dict[str, float]:
 def timed_request(client: httpx.Client, base: str, prompt: list[int]) -> tuple[float, str, dict[str, float]]:
     """(TTFT in seconds, the greedy answer, the workers' timings) of one streamed completion."""
     body = {"model": model_name(base), "prompt": prompt, "max_tokens": OUT_TOKENS, "temperature": 0, "stream": True}
-    t0, ttft, text, timings = time.perf_counter(), None, [], {}
+    t0, ttft, text = time.perf_counter(), None, []
+    timings: dict[str, float] = {}
     with client.stream("POST", f"{base}/v1/completions", json=body, timeout=600) as r:
         r.raise_for_status()
         for line in r.iter_lines():
