@@ -158,6 +158,8 @@ class PrefixFetcher:
         started = time.monotonic()
         try:
             n, layers, error = self._fetch(fetch_id, addr, hashes, started + timeout_s)
+        except zmq.ContextTerminated:  # the worker is stopping
+            n, layers, error = 0, [], "the worker is stopping"
         except Exception as e:  # never let a fetch take the worker down: it computes instead
             log.exception("prefix fetch %s from %s failed", fetch_id, addr)
             n, layers, error = 0, [], f"internal error: {e!r}"
@@ -166,10 +168,12 @@ class PrefixFetcher:
         if error is not None:
             log.info("prefix fetch %s from %s: %s (the blocks are computed)", fetch_id, addr, error)
         self._done.put(result)
+        if self._closed:
+            return  # (the pipe is closed, its number maybe another file's now)
         try:
             os.write(self._wake_w, b"x")
         except (BlockingIOError, OSError):
-            pass  # (full: the loop wakes anyway; closed: the worker is stopping)
+            pass  # (full: the loop wakes anyway)
 
     def _fetch(
         self, fetch_id: str, addr: str, hashes: list[bytes], deadline: float
@@ -248,11 +252,13 @@ class PrefixFetcher:
         return done.num_blocks, want.layers, None
 
     def close(self) -> None:
-        """Wait briefly for fetches in flight (each ends by its deadline), then close the pipe."""
+        """Stop taking results; the pipe is closed once no fetch is left in flight (a fetch still
+        running ends by its deadline, or when the worker's ZMQ context ends)."""
         if self._closed:
             return
         self._closed = True
         for t in self._threads:
-            t.join(timeout=2)
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+            t.join(timeout=0.1)
+        if not any(t.is_alive() for t in self._threads):
+            os.close(self._wake_r)
+            os.close(self._wake_w)
