@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import random
@@ -166,6 +167,15 @@ def _specs(
     }
 
 
+def _with_env(specs: dict[str, ServerSpec], name: str) -> ServerSpec:
+    """The server `name` names: a spec's label, or one followed by `+VAR=VALUE`s, the same server
+    started with those variables set (e.g. `pdserve-colocated+GOMP_SPINCOUNT=2000`)."""
+    base, *settings = name.split("+")
+    spec = specs[base]
+    env = dict(setting.split("=", 1) for setting in settings)
+    return dataclasses.replace(spec, label=name, env={**spec.env, **env}) if env else spec
+
+
 def _http_threads(spec: ServerSpec, slots: int) -> ServerSpec:
     """llama-server's HTTP threads default to slots + 2: connections of an earlier phase still kept
     alive then leave a burst's last requests unwritten ("Can not write request body")."""
@@ -210,7 +220,8 @@ def main() -> None:
     ap.add_argument(
         "--servers",
         default=",".join(SERVERS),
-        help="also: pdserve-colocated-int8kv / -fp8kv (--kv-cache-dtype int8 / fp8), llama.cpp-q8_0kv (-ctk q8_0 -ctv q8_0)",
+        help="also: pdserve-colocated-int8kv / -fp8kv (--kv-cache-dtype int8 / fp8), llama.cpp-q8_0kv (-ctk q8_0 -ctv q8_0); "
+        "NAME+VAR=VALUE: that server with the variable set",
     )
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--single", type=int, default=4, help="requests one at a time")
@@ -230,7 +241,9 @@ def main() -> None:
     for r in range(args.rounds):
         for name in names if r % 2 == 0 else names[::-1]:
             port = free_port()
-            spec = _specs(args.model, args.llama_server, port, args.burst, args.threads, args.kv_cache_memory)[name]
+            spec = _with_env(
+                _specs(args.model, args.llama_server, port, args.burst, args.threads, args.kv_cache_memory), name
+            )
             if spec.skip_reason:
                 print(f"{name}: skipped ({spec.skip_reason})")
                 continue

@@ -1,6 +1,6 @@
 """Decode steps by how OpenMP's idle threads wait: asleep at once (OMP_WAIT_POLICY=PASSIVE, what
-`pdserve` sets: runtime/thread_waits.py), libgomp's default (a long spin, then asleep) and a short
-spin then asleep (GOMP_SPINCOUNT=20000), each in a fresh process, the settings alternating,
+`pdserve` sets: runtime/thread_waits.py), libgomp's default (a long spin, then asleep) and short
+spins then asleep (GOMP_SPINCOUNT=N, --spincounts), each in a fresh process, the settings alternating,
 optionally beside CPU hogs (a machine whose cores other work shares, as a prefill and a decode
 worker of one host share theirs).
 
@@ -46,12 +46,17 @@ print(json.dumps({"wall_ms": 1e3 * (time.perf_counter() - t0) / steps, "cpu_ms":
 """
 
 
-# how idle threads wait: the environment each setting runs under (besides the caller's)
-WAITS = {"passive": {"OMP_WAIT_POLICY": "PASSIVE"}, "default": {}, "short": {"GOMP_SPINCOUNT": "20000"}}
+# how idle threads wait: the environment each setting runs under (besides the caller's); `spinN`:
+# GOMP_SPINCOUNT=N (about N x 23-47 ns of spinning on a Zen 5), added by --spincounts
+WAITS = {"passive": {"OMP_WAIT_POLICY": "PASSIVE"}, "default": {}}
+
+
+def waits_env(waits: str) -> dict[str, str]:
+    return {"GOMP_SPINCOUNT": waits.removeprefix("spin")} if waits.startswith("spin") else WAITS[waits]
 
 
 def one_run(model: str, threads: int, steps: int, waits: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")} | WAITS[waits]
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")} | waits_env(waits)
     out = subprocess.run(
         [sys.executable, "-c", STEP, model, str(threads), str(steps)], capture_output=True, text=True, env=env
     )
@@ -67,15 +72,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--hogs", default="0,1", help="CPU-hog processes beside the run, one setting per figure")
+    ap.add_argument("--spincounts", default="2000,20000", help="short spins to compare (GOMP_SPINCOUNT values)")
+    ap.add_argument("--no-default", action="store_true", help="leave out libgomp's default (a long spin)")
     args = ap.parse_args(argv)
+    settings = [w for w in WAITS if not (args.no_default and w == "default")]
+    settings += [f"spin{n}" for n in args.spincounts.split(",") if n]
     print(f"{args.model}: batch 1, {args.threads} threads, {args.steps} steps a run, {args.rounds} rounds alternating")
     print("hogs  waits    wall ms/step (runs)            median  cpu ms/step median")
     for hogs in (int(h) for h in args.hogs.split(",")):
         procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(hogs)]
         try:
-            runs: dict[str, list[dict]] = {w: [] for w in WAITS}
+            runs: dict[str, list[dict]] = {w: [] for w in settings}
             for r in range(args.rounds):
-                order = list(WAITS)[r % len(WAITS) :] + list(WAITS)[: r % len(WAITS)]  # rotates round by round
+                order = settings[r % len(settings) :] + settings[: r % len(settings)]  # rotates round by round
                 for waits in order:
                     runs[waits].append(one_run(args.model, args.threads, args.steps, waits))
         finally:
@@ -86,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             walls = [x["wall_ms"] for x in got]
             cpus = [x["cpu_ms"] for x in got]
             print(
-                f"{hogs:4d}  {waits:7s}  {', '.join(f'{w:.0f}' for w in walls):30s}"
+                f"{hogs:4d}  {waits:9s}  {', '.join(f'{w:.0f}' for w in walls):30s}"
                 f"  {statistics.median(walls):6.0f}  {statistics.median(cpus):6.0f}"
             )
     return 0

@@ -11,7 +11,7 @@ from pdserve.cli.serve_settings import DECODE_FLAGS, GATEWAY_FIELDS_SET, ServeSe
 from pdserve.cli.settings_flags import add_flags
 from pdserve.decode_node.settings import DecodeSettings
 from pdserve.gateway.options import GatewayOptions
-from pdserve.runtime.thread_waits import use_passive_waits
+from pdserve.runtime.thread_waits import choose_thread_waits
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,7 +56,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    use_passive_waits()  # before anything imports torch (runtime/thread_waits.py)
+    choose_thread_waits(argv[0] if argv else None)  # before anything imports torch (runtime/thread_waits.py)
     # Tools with their own parsers get the rest of the command line untouched.
     if argv and argv[0] == "make-model":
         from pdserve.modelgen.make_model import make_model_main

@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import functools
+import os
 import random
 from pathlib import Path
 
 import pytest
 import zmq
 
-from pdserve.runtime.thread_waits import use_passive_waits
+from pdserve.runtime.thread_waits import choose_thread_waits
 
-# the suite's own process waits as every pdserve process does (runtime/thread_waits.py): before
-# torch loads libgomp. Its in-process engines share the cores with the servers tests start.
-use_passive_waits()
+# The suite's idle OpenMP threads sleep at once, as a pdserve process's that is not a decode worker
+# (runtime/thread_waits.py): set before torch loads libgomp. Its in-process engines share the
+# cores with the servers tests start, and so do those servers' workers, tiny models' steps among
+# more processes than cores: the suite pins the setting as a user would, so they all sleep at once.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+choose_thread_waits(None)
 
 
 @pytest.fixture(autouse=True)
