@@ -56,6 +56,10 @@ def test_a_value_the_user_set_wins():
 
 
 def test_set_after_torch_it_reports_that_it_came_too_late():
-    code = "import torch\nfrom pdserve.runtime.thread_waits import choose_thread_waits\nprint(choose_thread_waits(None))"
+    code = (
+        "import torch\nfrom pdserve.runtime.thread_waits import choose_thread_waits\nprint(choose_thread_waits(None))"
+    )
     assert run(code) == "False"
-    assert run("from pdserve.runtime.thread_waits import choose_thread_waits\nprint(choose_thread_waits(None))") == "True"
+    assert (
+        run("from pdserve.runtime.thread_waits import choose_thread_waits\nprint(choose_thread_waits(None))") == "True"
+    )
