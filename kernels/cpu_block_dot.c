@@ -21,7 +21,8 @@
  *
  * Tiles: a weight row's super-block is decoded and unpacked once for a tile of x's rows (8; 16 for
  * the K-quants with AVX-512 BW, whose sums are then taken two rows to a zmm: the madd into int32
- * by VNNI's dpwssd where the CPU has it, two rows' lanes scaled and added side by side). Weight rows
+ * by VNNI's dpwssd where the CPU has it, two rows' lanes scaled and added side by side). Q8_0 on
+ * AVX-512 BW takes two blocks an instruction (VNNI's dpbusd on |q| and x signed by q). Weight rows
  * come in blocks of 16 that meet a tile's rows 8 super-blocks at a time (more for fewer rows), so
  * the part of x a block reads stays in L1 at any row length (ffn_down's 8192 inputs too).
  *
@@ -163,6 +164,8 @@ static void quantize_row_q8k(const float *x, int64_t in, q8k *out) {
 
 typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
+typedef float v16f __attribute__((vector_size(64))); /* (AVX-512 paths) */
+typedef int32_t v16i __attribute__((vector_size(64)));
 
 /* a super-block's scales as the row loop needs them, decoded once for every row of x */
 typedef struct {
@@ -415,6 +418,51 @@ static inline v8i lanes_q8_0(const int8_t *q, const int8_t *xq) {
 }
 #endif
 
+#if defined(__AVX512BW__)
+/* A Q8_0 super-block (8 blocks of 32, blk) against the tile's rn rows of x, two blocks an
+ * instruction: |q| times x with q's sign (a masked negation: AVX-512 has no vpsignb), summed four
+ * products a lane (VNNI's dpbusd, else maddubs + madd: |q| <= 128, |x| <= 127, no pair saturates),
+ * so lanes 0-7 are block 2c's lanes_q8_0 and 8-15 block 2c + 1's; each block's lanes scaled by its
+ * d dx and added to the row's 8 lanes in block order, as the ymm path does. */
+static inline __attribute__((always_inline)) void q8_0_superblock_zmm(const uint8_t *blk, const q8k *x, int64_t nsb,
+                                                                      int64_t b, const int rn, v8f acc[]) {
+    __m512i aq[4];
+    __mmask64 neg[4];
+    __m512 d2[4]; /* [d_2c x 8 | d_2c+1 x 8] */
+    for (int c = 0; c < 4; c++) {
+        const uint8_t *b0 = blk + 68 * c, *b1 = b0 + 34;
+        const __m512i q = zmm_of(_mm256_loadu_si256((const __m256i *)(b0 + 2)), _mm256_loadu_si256((const __m256i *)(b1 + 2)));
+        aq[c] = _mm512_abs_epi8(q);
+        neg[c] = _mm512_movepi8_mask(q);
+        d2[c] = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(f16(b0))),
+                                                    _mm256_castps_pd(_mm256_set1_ps(f16(b1))), 1));
+    }
+    for (int r = 0; r < rn; r++) {
+        const q8k *xb = &x[r * nsb + b];
+        const __m512 dx = _mm512_set1_ps(xb->d);
+        v8f a = acc[r];
+        for (int c = 0; c < 4; c++) {
+            const __m512i xc = _mm512_loadu_si512((const void *)(xb->q + 64 * c));
+            const __m512i xs = _mm512_mask_sub_epi8(xc, neg[c], _mm512_setzero_si512(), xc); /* x sign(q) */
+#if defined(__AVX512VNNI__)
+            const __m512i lanes = _mm512_dpbusd_epi32(_mm512_setzero_si512(), aq[c], xs);
+#else
+            const __m512i lanes = _mm512_madd_epi16(_mm512_maddubs_epi16(aq[c], xs), _mm512_set1_epi16(1));
+#endif
+            v16f dd = (v16f)_mm512_mul_ps(d2[c], dx); /* d_k dx, rounded as the scalar product */
+            KEEPV(dd);
+            v16f pr = __builtin_convertvector((v16i)lanes, v16f) * dd;
+            KEEPV(pr);
+            a = a + (v8f)_mm512_castps512_ps256((__m512)pr);
+            KEEPV(a);
+            a = a + (v8f)_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd((__m512)pr), 1));
+            KEEPV(a);
+        }
+        acc[r] = a;
+    }
+}
+#endif
+
 /* lanes's widened integers times f, added to acc: the product rounded first (no FMA on any build) */
 static inline __attribute__((always_inline)) v8f add_scaled(v8f acc, v8i lanes, float f) {
     v8f p = __builtin_convertvector(lanes, v8f) * f;
@@ -493,6 +541,10 @@ static inline __attribute__((always_inline)) void row_tile(const int type, const
             }
         } else { /* Q8_0: 8 blocks of 32, each its own scale */
             const uint8_t *blk = w + b * 8 * 34;
+#if defined(__AVX512BW__)
+            q8_0_superblock_zmm(blk, x, nsb, b, rn, acc);
+            continue;
+#endif
             for (int k = 0; k < 8; k++) {
                 const float d = f16(blk + 34 * k);
                 for (int r = 0; r < rn; r++) {
@@ -508,8 +560,6 @@ static inline __attribute__((always_inline)) void row_tile(const int type, const
 }
 
 #if defined(__AVX512BW__)
-typedef float v16f __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
 
 /* add_scaled for two rows side by side (lanes 0-7 one row's, 8-15 the other's, each half its own
  * factor): per lane the same operations, so the same bits */
