@@ -7,8 +7,8 @@ machine in one run: start-up, resident memory, one-at-a-time TPOT and a burst's 
 Each server is started alone, timed from launch to its first 200 (ready), warmed up with an untimed
 burst, measured, and stopped; `--rounds` rounds, the order reversed every other round, the median
 round reported. Workloads (prompts are random token ids, greedy, ignore_eos):
-    single : `--single` requests one after another, 64-token prompts, 64 tokens out: TPOT =
-             (latency - first token) / (tokens - 1), median over requests
+    single : `--single` requests one after another, `--single-prompt` (64) token prompts, 64
+             tokens out: TPOT = (latency - first token) / (tokens - 1), median over requests
     burst  : `--burst` requests at once, prompts 64-256 tokens, 32-64 out: output tok/s
 Memory: each server's process tree after its measurement, RSS and PSS (/proc/PID/smaps_rollup:
 a page mapped by k processes counts 1/k in each one's PSS, so the PSS sum is the host's share;
@@ -133,8 +133,9 @@ def _memory(pid: int) -> dict[str, float]:
 
 
 def _specs(
-    model: str, llama_server: str | None, port: int, slots: int, threads: int, kv_memory: str
+    model: str, llama_server: str | None, port: int, slots: int, threads: int, kv_memory: str, slot_ctx: int = 512
 ) -> dict[str, ServerSpec]:
+    """`slot_ctx`: the context each of llama-server's slots holds (its -c is slots x this)."""
     py = [
         sys.executable,
         "-m",
@@ -149,7 +150,7 @@ def _specs(
         "--max-model-len",
         "4096",
     ]
-    llama = _http_threads(llamacpp_spec(port, llama_server, model, slots, slots * 512, threads), slots)
+    llama = _http_threads(llamacpp_spec(port, llama_server, model, slots, slots * slot_ctx, threads), slots)
     return {
         "pdserve-colocated": ServerSpec("pdserve-colocated", py + ["--colocated"], "/health"),
         "pdserve-1P1D": ServerSpec("pdserve-1P1D", py, "/health"),
@@ -189,7 +190,7 @@ def measure(spec: ServerSpec, port: int, vocab: int, args, round_no: int, log_di
     url = base + "/v1/completions"
     rng = random.Random(1000 * round_no + 7)
     warm = _requests(rng, vocab, 4, (64, 128), (8, 16))
-    single = _requests(rng, vocab, args.single, (64, 64), (64, 64))
+    single = _requests(rng, vocab, args.single, (args.single_prompt, args.single_prompt), (64, 64))
     burst = _requests(rng, vocab, args.burst, (64, 256), (32, 64))
     t0 = time.perf_counter()
     with running(spec, base, log_dir / f"{spec.label}-{round_no}.log", timeout_s=900) as proc:
@@ -225,6 +226,7 @@ def main() -> None:
     )
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--single", type=int, default=4, help="requests one at a time")
+    ap.add_argument("--single-prompt", type=int, default=64, help="their prompt tokens (4000: TPOT at a 4k context)")
     ap.add_argument("--burst", type=int, default=16, help="requests at once")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama-server's -t")
     ap.add_argument("--kv-cache-memory", default="512MiB", help="pdserve's KV budget a worker (4096 tokens must fit)")
@@ -242,7 +244,16 @@ def main() -> None:
         for name in names if r % 2 == 0 else names[::-1]:
             port = free_port()
             spec = _with_env(
-                _specs(args.model, args.llama_server, port, args.burst, args.threads, args.kv_cache_memory), name
+                _specs(
+                    args.model,
+                    args.llama_server,
+                    port,
+                    args.burst,
+                    args.threads,
+                    args.kv_cache_memory,
+                    max(512, args.single_prompt + 128),
+                ),
+                name,
             )
             if spec.skip_reason:
                 print(f"{name}: skipped ({spec.skip_reason})")
