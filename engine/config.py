@@ -515,7 +515,7 @@ class CacheConfig:
         Flag(
             "what the paged KV cache stores: auto, the model's dtype; int8, each token's K and V per head as "
             "int8 with an fp32 scale; fp8, the same as float8 e4m3 values (both about a quarter of fp32's bytes, "
-            "in memory and on the KV wire; CPU only). Prefill and decode workers exchanging KV must agree"
+            "in memory and on the KV wire). Prefill and decode workers exchanging KV must agree"
         ),
     ] = "auto"
     kv_offload_dir: Annotated[

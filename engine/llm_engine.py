@@ -83,12 +83,6 @@ class LLMEngine(EngineCore):
         tensor-parallel prefill worker's --kv-payload-mac mode, its ranks sending their own KV heads."""
         self.config = config
         self.device = torch.device(config.device)
-        if config.cache.kv_cache_dtype != "auto" and self.device.type != "cpu":
-            raise ValueError(
-                f"--kv-cache-dtype {config.cache.kv_cache_dtype} is built for the CPU kernels only (int8 and fp8 "
-                f"rows alike; the Triton kernels read KV in the model's dtype): use --kv-cache-dtype auto with "
-                f"--device {config.device}"
-            )
         activations = resolve_activations(config.activation_quantization, config.quantization, config.model)
         self.model_config = quantized(
             ModelConfig.from_folder(config.model, config.model_impl),

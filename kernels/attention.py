@@ -18,9 +18,11 @@ everywhere, the reference). Triton on CPU tensors needs TRITON_INTERPRET=1 set b
 first imported.
 
 A quantized pool (`--kv-cache-dtype int8|fp8`: rows of int8 or e4m3 values and their fp32 scale,
-kernels/kv_quant.py) never goes to Triton: stores quantize each row, the C kernels read the rows
-as stored (decode: dequantized in registers; flash prefill: a tile at a time) with fp32 sums, and
-torch dequantizes what it gathers. The older tiled prefill kernel takes no quantized pool.
+kernels/kv_quant.py) is written by torch's quantizing store on every device (one set of bytes);
+the C kernels read the rows as stored (decode: dequantized in registers; flash prefill: a tile at
+a time) with fp32 sums, the Triton kernels likewise (each row widened and scaled in registers,
+fp32 dots), and torch dequantizes what it gathers. The older tiled prefill kernel takes no
+quantized pool.
 """
 
 from __future__ import annotations
@@ -139,7 +141,7 @@ def paged_attention(
     """query [T, Hq, D], this step's key/value [T, Hkv, D] (already stored) -> out [T, Hq, D].
     `window`: this layer's sliding window (None: full attention); `softcap`: score soft-capping."""
     choice = _choice()  # read once per call
-    if use_triton(query, choice) and not kv_quant.is_quantized(kv_layer):
+    if use_triton(query, choice):
         from pdserve.kernels import triton_attention
 
         return triton_attention.paged_attention(

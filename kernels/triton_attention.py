@@ -9,6 +9,11 @@
 - prefill kernel: programs over (prefill sequence, query tile, query head); loops over KV tokens
   of the paged cache up to the tile's causal limit (bottom-right aligned), online softmax.
 
+A quantized pool (`--kv-cache-dtype int8|fp8`, kernels/kv_quant.py) is read as it is stored:
+each row's D bytes widened to fp32 and scaled by the row's fp32 scale in registers (`_kv_rows`),
+dots in fp32; it is written by torch's quantizing store (kernels/attention.py), the same bytes as
+on the CPU.
+
 KV addresses are computed per token (`block_tables[b, n // bs] * bs + n % bs`), so any block
 size works; head_dim is padded to a power of two with masks. Softmax runs in fp32 (exp2 with
 log2(e) folded into the scale); fp32 inputs use IEEE fp32 dots (no TF32).
@@ -25,9 +30,12 @@ import triton
 import triton.language as tl
 
 from pdserve.env import settings
+from pdserve.kernels import kv_quant
 from pdserve.kernels.metadata import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
+# a pool's dtype -> the kernels' QUANT (kernels/kv_quant.py's row formats; 0: values as stored)
+QUANT_CODES = {kv_quant.INT8.pool_dtype: 1, kv_quant.FP8.pool_dtype: 2}
 
 
 @triton.jit
@@ -51,6 +59,29 @@ def _scaled(s, qk_scale, softcap, SOFTCAP: tl.constexpr):
         t = (1.0 - e) / (1.0 + e)
         return softcap * tl.where(x < 0, -t, t) * 1.4426950408889634
     return s * qk_scale
+
+
+@triton.jit
+def _kv_rows(ptr, base, offs_d, n_mask, d_mask, skv_d, D: tl.constexpr, QUANT: tl.constexpr):
+    """K or V rows [BLOCK_N, BLOCK_D] of the pool at `base` [BLOCK_N] (each row's first element).
+    QUANT 0: the pool's values as stored. 1 (int8) and 2 (fp8 e4m3, uint8 bits): rows of D one-byte
+    values and their fp32 scale (kernels/kv_quant.py), widened and scaled to fp32 as
+    `kv_quant.dequantize` does: e4m3 through its bits (exponent rebiased under fp32's, subnormals
+    m * 2^-9), so the values are exact on every backend."""
+    x = tl.load(ptr + base[:, None] + offs_d[None, :] * skv_d, mask=n_mask[:, None] & d_mask[None, :], other=0)
+    if QUANT == 0:
+        return x
+    scale = tl.load((ptr + base + D).to(tl.pointer_type(tl.float32)), mask=n_mask, other=0.0)  # [BLOCK_N]
+    if QUANT == 1:
+        vals = x.to(tl.float32)
+    else:
+        bits = x.to(tl.int32)  # [0, 255]
+        e = (bits >> 3) & 15
+        m = bits & 7
+        normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+        mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+        vals = tl.where(bits >= 128, -mag, mag)
+    return vals * scale[:, None]
 
 
 @triton.jit
@@ -128,6 +159,7 @@ def _decode_kernel(
     SPLIT: tl.constexpr,
     WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     """One (decode sequence, KV head, KV split). SPLIT: this program covers KV positions
     [split * chunk, (split + 1) * chunk) and writes its normalised partial output to
@@ -163,10 +195,8 @@ def _decode_kernel(
         n_mask = n < kv_hi
         blk = tl.load(bt_row + n // BS, mask=n_mask, other=0).to(tl.int64)
         base = blk * skv_blk + (n % BS) * skv_off + kvh * skv_h  # [BLOCK_N]
-        kv_off = base[:, None] + offs_d[None, :] * skv_d  # [BLOCK_N, BLOCK_D]
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(kv_ptr + kv_off, mask=kv_mask, other=0.0)
-        v = tl.load(kv_ptr + skv_kv + kv_off, mask=kv_mask, other=0.0)
+        k = _kv_rows(kv_ptr, base, offs_d, n_mask, d_mask, skv_d, D, QUANT)  # [BLOCK_N, BLOCK_D]
+        v = _kv_rows(kv_ptr + skv_kv, base, offs_d, n_mask, d_mask, skv_d, D, QUANT)
         s = _dot(q, tl.trans(k), FP32)
         s = tl.where(n_mask[None, :], _scaled(s, qk_scale, softcap, SOFTCAP), float("-inf"))  # [BLOCK_G, BLOCK_N]
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -249,6 +279,7 @@ def _prefill_kernel(
     FP32: tl.constexpr,
     WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     """WINDOW: the query at position p sees keys > p - window, and keys before the tile's first
     query's window are not read; SOFTCAP as in `_decode_kernel`."""
@@ -285,10 +316,8 @@ def _prefill_kernel(
             n_mask = n < kv_end
             blk = tl.load(bt_row + n // BS, mask=n_mask, other=0).to(tl.int64)
             base = blk * skv_blk + (n % BS) * skv_off + kvh * skv_h
-            kv_off = base[:, None] + offs_d[None, :] * skv_d  # [BLOCK_N, BLOCK_D]
-            kv_mask = n_mask[:, None] & d_mask[None, :]
-            k = tl.load(kv_ptr + kv_off, mask=kv_mask, other=0.0)
-            v = tl.load(kv_ptr + skv_kv + kv_off, mask=kv_mask, other=0.0)
+            k = _kv_rows(kv_ptr, base, offs_d, n_mask, d_mask, skv_d, D, QUANT)  # [BLOCK_N, BLOCK_D]
+            v = _kv_rows(kv_ptr + skv_kv, base, offs_d, n_mask, d_mask, skv_d, D, QUANT)
             s = _dot(q, tl.trans(k), FP32)
             keep = n_mask[None, :] & (n[None, :] <= pos[:, None])  # [BLOCK_M, BLOCK_N]
             if WINDOW:
@@ -390,7 +419,8 @@ def paged_attention(
     window: int | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """query [T, Hq, D]; key/value [T, Hkv, D] (already stored, unused here) -> out [T, Hq, D].
+    """query [T, Hq, D]; key/value [T, Hkv, D] (already stored, unused here) -> out [T, Hq, D];
+    kv_layer [2, N, bs, Hkv, D], or [2, N, bs, Hkv, D + 4] of int8 / fp8 rows (read widened).
     `window`: a sliding window (keys before it are not read); `softcap`: scores soft-capped.
     `decode_splits`: KV splits per decode sequence (None: chosen from the GPU's size);
     `prefill_tiles`: (BLOCK_M, BLOCK_N, num_warps, num_stages) instead of the defaults."""
@@ -401,10 +431,12 @@ def paged_attention(
     hkv, bs = kv_layer.shape[3], kv_layer.shape[2]
     groups = hq // hkv
     block_d = _pow2(d, 16)
-    # fp32 dots for fp32 inputs, and always under the interpreter (its bf16 dot is wrong).
-    fp32_dot = query.dtype == torch.float32 or _interpreting()
+    # fp32 dots for fp32 inputs, for a quantized pool (its rows widen to fp32), and always under
+    # the interpreter (its bf16 dot is wrong).
+    quant = QUANT_CODES.get(kv_layer.dtype, 0)
+    fp32_dot = query.dtype == torch.float32 or quant != 0 or _interpreting()
     qk_scale = scale * _LOG2E
-    options = dict(WINDOW=bool(window), SOFTCAP=softcap is not None)
+    options = dict(WINDOW=bool(window), SOFTCAP=softcap is not None, QUANT=quant)
     extra = (window or 0, softcap or 1.0)  # window, softcap (runtime values; unused where off)
     strides = (
         *query.stride(),

@@ -27,13 +27,15 @@ def _no_tf32():
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
-def cuda_engine(model, dtype="float32", block_size=16, num_blocks=256, budget=512, max_model_len=256) -> LLMEngine:
+def cuda_engine(
+    model, dtype="float32", block_size=16, num_blocks=256, budget=512, max_model_len=256, kv_cache_dtype="auto"
+) -> LLMEngine:
     return LLMEngine(
         EngineConfig(
             model=str(model),
             dtype=dtype,
             device="cuda",
-            cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
+            cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, kv_cache_dtype=kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=budget, max_model_len=max_model_len),
         ),
         show_progress=False,
@@ -123,3 +125,21 @@ def test_ngram_speculation_on_cuda_equals_hf(tiny_llama):
     assert engine.generate(prompts, GREEDY) == hf_greedy_cuda(tiny_llama, prompts)
     assert engine.speculator is not None and engine.speculator.stats.num_drafts > 0
     engine.pool.assert_all_free()
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_quantized_kv_on_cuda_reads_as_torch_does(tiny_model, kv_cache_dtype, monkeypatch):
+    """A CUDA pool of int8 / fp8 rows (written by torch's quantizing store): the Triton kernels'
+    greedy output equals torch's attention over the same pool, chunked and ragged."""
+    from pdserve.env import reload
+
+    outs = {}
+    for attention in ("triton", "torch"):
+        monkeypatch.setenv("PDSERVE_ATTENTION", attention)
+        reload()
+        engine = cuda_engine(tiny_model, block_size=4, budget=7, kv_cache_dtype=kv_cache_dtype)
+        assert engine.runner.kv_cache.is_cuda and engine.runner.kv_cache.dtype in (torch.int8, torch.uint8)
+        prompts = random_prompts(engine.model_config.vocab_size, LENGTHS, seed=7)
+        outs[attention] = engine.generate(prompts, GREEDY)
+        engine.pool.assert_all_free()
+    assert outs["triton"] == outs["torch"]

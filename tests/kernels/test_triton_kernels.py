@@ -84,6 +84,34 @@ def _store_errors() -> dict[str, float]:
     return res
 
 
+def _quantized_errors() -> dict[str, dict[str, float]]:
+    """int8 and fp8 pools (kernels/kv_quant.py rows): the kernels read each row widened and scaled,
+    so their output equals, bit for bit, theirs on the pool's dequantized values; and it is close
+    to torch's path on the same pool (decodes, prefills, splits and a sliding window)."""
+    import torch
+
+    from pdserve.kernels import kv_quant, torch_attention, triton_attention
+    from tests.kernels.test_torch_attention import make_case
+
+    res = {}
+    for fmt in (kv_quant.INT8, kv_quant.FP8):
+        case = make_case(MIXED, 3, 8, 2, 64, 16, seed=21)
+        pool = kv_quant.quantize(case.kv_layer, fmt)  # [2, N, bs, Hkv, D + 4]
+        plain = kv_quant.dequantize(pool)  # [2, N, bs, Hkv, D] fp32
+        q, k, v, meta, sc = case.query, case.key, case.value, case.meta, case.scale
+        errs = {}
+        for label, kw in (("whole", {}), ("split", {"decode_splits": 3}), ("window", {"window": 9})):
+            out = triton_attention.paged_attention(q, k, v, pool, meta, sc, **kw)
+            same = triton_attention.paged_attention(q, k, v, plain, meta, sc, **kw)
+            ref = torch.empty_like(q)
+            torch_attention.attend_decodes(q, pool, meta, sc, ref, kw.get("window"))
+            torch_attention.attend_prefills(q, k, v, pool, meta, sc, ref, kw.get("window"))
+            errs[f"{label}_equal_dequantized"] = float(torch.equal(out, same))
+            errs[f"{label}_vs_torch"] = (out.double() - ref.double()).abs().max().item()
+        res[fmt.kv_cache_dtype] = errs
+    return res
+
+
 def _dispatch_ok() -> float:
     """PDSERVE_ATTENTION=triton routes CPU tensors to the Triton kernels."""
     import torch
@@ -108,6 +136,7 @@ def main(argv: list[str]) -> None:
         "cases": {name: _case_errors(CASES[name]) for name in names},
         "split_cases": {name: _case_errors(CASES[name], splits) for name, splits in SPLIT_CASES.items()},
         "store_kv": _store_errors(),
+        "quantized": _quantized_errors(),
         "dispatch": _dispatch_ok(),
     }
     print(json.dumps(report))
@@ -164,3 +193,11 @@ def test_env_override_dispatches_to_triton(report):
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_quantized_pools_are_read_as_their_dequantized_values(report, kv_cache_dtype):
+    errs = report["quantized"][kv_cache_dtype]
+    for label in ("whole", "split", "window"):
+        assert errs[f"{label}_equal_dequantized"] == 1.0, errs
+        assert errs[f"{label}_vs_torch"] < 1e-4, errs
