@@ -669,9 +669,9 @@ static inline v8f row_lanes(const v16f acc[], int r) {
 /* gemm_rows' tile of rn rows (xr) over weight rows [ob, oe) on zmm (K-quants), super-blocks in
  * chunks so that the tile's part stays in L1 at any row length; each (weight row, row) pair still
  * adds its super-blocks in order */
-static __attribute__((noinline)) void tile_block_zmm(const int type, const uint8_t *w, int64_t row_bytes, const q8k *xr, int64_t nsb,
-                           const int rn, int64_t ob, int64_t oe, int64_t prefetch_below, const float *bias, float *y,
-                           int64_t ldy) {
+static __attribute__((noinline)) void tile_block_zmm(const int type, const uint8_t *w, int64_t row_bytes,
+                                                     const q8k *xr, int64_t nsb, const int rn, int64_t ob, int64_t oe,
+                                                     int64_t prefetch_below, const float *bias, float *y, int64_t ldy) {
     v16f acc[OUT_BLOCK][ROWS / 2];
     for (int64_t o = ob; o < oe; o++)
         for (int i = 0; i < (rn + 1) / 2; i++) acc[o - ob][i] = (v16f){0};
@@ -716,7 +716,7 @@ static void gemm_rows(const q8k *xq, int64_t m, int64_t nsb, const uint8_t *w, i
             const int rn = m - r0 >= most ? most : m - r0 >= 8 ? 8 : m - r0 >= 4 ? 4 : m - r0 >= 2 ? 2 : 1;
             const q8k *xr = xq + r0 * nsb;
 #if defined(__AVX512BW__)
-            if (type != Q8_0) { /* (one row: row_tile) */
+            if (type != Q8_0) { /* the K-quants, any rn */
                 tile_block_zmm(type, w, row_bytes, xr, nsb, rn, ob, oe, r0 == 0 ? o1 : 0, bias, y + r0 * ldy, ldy);
                 r0 += rn;
                 continue;
