@@ -8,6 +8,9 @@
  * the same calls, in the same order, on the same kernels, from C: it holds no arithmetic of its
  * own beyond the residual add, so its output is bit for bit the per-op path's (tests check).
  *
+ * A layer with q/k norm (Qwen3) normalises each head of q and k after the qkv linear, in place,
+ * with the same RMSNorm kernel the per-op path calls on those rows.
+ *
  * A linear is fp32 panels (the panel GEMM) or weight-only quantized row segments (the group-wise
  * quantized GEMM, or the block kernel on a GGUF file's blocks as stored; one call a segment, as models/quantized_linear.py makes them: one segment's bias added by
  * the kernel, several segments' after they are put side by side).
@@ -74,6 +77,7 @@ typedef struct {  /* one decoder layer, as laid out after loading */
     const float *input_norm, *post_attention_norm;  /* [H] */
     linear_desc qkv, o, gate_up, down;              /* qkv's bias [(hq + 2 hkv) d] or NULL */
     void *kv;                                       /* this layer's pool [2, slots, hkv, d] fp32 (or d + 4 int8 / e4m3) */
+    const float *q_norm, *k_norm;                   /* [d] each (Qwen3's per-head RMSNorm), or NULL */
 } layer_weights;
 
 typedef struct {  /* the model's shapes */
@@ -144,6 +148,12 @@ int decode_layers_f32(const kernel_table *k, const layer_weights *layers, int nu
         const layer_weights *w = &layers[l];
         k->rmsnorm(x, H, w->input_norm, h, m, H, s->eps, nthreads);
         if (linear(k, &w->qkv, h, H, qkv, m, H, qkv_w, seg_y, nthreads)) return LINEAR_REFUSED;
+        if (w->q_norm && w->k_norm) /* each q and k head normalised before RoPE (models/qk_norm.py), in place */
+            for (int64_t r = 0; r < m; r++) {
+                float *row = qkv + r * qkv_w;
+                k->rmsnorm(row, d, w->q_norm, row, s->hq, d, s->eps, 1);
+                k->rmsnorm(row + q_w, d, w->k_norm, row + q_w, s->hkv, d, s->eps, 1);
+            }
         if (k->rope_store(qkv, qkv_w, cos, sin, q, kr, w->kv, slots, slot, m, s->hq, s->hkv, s->d, nthreads))
             return SLOT_PAST_POOL;
         if (k->attention(q, q_w, w->kv, slots, tables, table_stride, ctx_lens, attn, (int)m, s->hq, s->hkv, s->d,

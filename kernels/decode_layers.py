@@ -81,6 +81,8 @@ class LayerWeights(ctypes.Structure):
         ("gate_up", LinearDesc),
         ("down", LinearDesc),
         ("kv", ctypes.c_void_p),
+        ("q_norm", ctypes.c_void_p),  # Qwen3's per-head norms [D], or None
+        ("k_norm", ctypes.c_void_p),
     ]
 
 

@@ -131,6 +131,11 @@ def _driver_rows(module: nn.Module) -> int:
     return panel_gemm.few_rows()
 
 
+def _driver_norm(weight: torch.Tensor) -> bool:
+    """Whether the driver's RMSNorm takes this weight as the per-op path's does (fp32, contiguous)."""
+    return weight.dtype == torch.float32 and weight.is_contiguous()
+
+
 def _driver_linear(module: nn.Module, keep: list) -> decode_layers.LinearDesc | None:
     """One linear as the decode driver takes it: fp32 few-row panels (PackedLinear) or quantized
     row segments (QuantizedLinear; their ctypes array appended to `keep`); None when neither."""
@@ -212,7 +217,7 @@ class LlamaForCausalLM(nn.Module):
     def describe_decode_layers(self, kv_cache: torch.Tensor) -> decode_layers.DecodeLayers | None:
         """The layers over this KV pool [L, 2, N, bs, Hkv, D], described once for the one-call
         decode driver (kernels/decode_layers.py); None when it cannot run them: not the fp32 CPU
-        path (the pool fp32, or int8 or fp8 rows), a layer the driver does not know (q/k norm, partial rotary, o_proj bias), a linear
+        path (the pool fp32, or int8 or fp8 rows), a layer the driver does not know (partial rotary, o_proj bias), a linear
         it cannot take (neither few-row panels nor quantized segments without input padding:
         models/quantized_linear.py), or the driver not built, or tensor parallelism (the driver
         has no all-reduce between layers), or a sliding window or soft-capping (the driver
@@ -225,7 +230,7 @@ class LlamaForCausalLM(nn.Module):
         if self.decoder_layers[0].input_layernorm.weight.dtype != torch.float32:  # (a quantized pool under bf16)
             return None
         c = self.cfg
-        if c.qk_norm or c.rotary_dims != c.head_dim or c.o_bias or c.layer_windows or c.attn_softcap or c.num_experts:
+        if c.rotary_dims != c.head_dim or c.o_bias or c.layer_windows or c.attn_softcap or c.num_experts:
             return None
         if not decode_layers.available():
             return None
@@ -242,9 +247,19 @@ class LlamaForCausalLM(nn.Module):
             max_rows = min(max_rows, *(_driver_rows(m) for m in modules))
             qkv, o, gate_up, down = cast(list[decode_layers.LinearDesc], linears)
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)  # fp32 with the panels
+            qk = (attn.q_norm, attn.k_norm)  # Qwen3's per-head norms, or None
+            if any(n is not None and not _driver_norm(n.weight) for n in qk):
+                return None
             described.append(
                 decode_layers.LayerWeights(
-                    norms[0].data_ptr(), norms[1].data_ptr(), qkv, o, gate_up, down, kv_cache[i].data_ptr()
+                    norms[0].data_ptr(),
+                    norms[1].data_ptr(),
+                    qkv,
+                    o,
+                    gate_up,
+                    down,
+                    kv_cache[i].data_ptr(),
+                    *(None if n is None else n.weight.data_ptr() for n in qk),
                 )
             )
         shape = decode_layers.StackShape(

@@ -64,6 +64,30 @@ def test_fused_equals_per_op_bit_for_bit(tiny_model, batch, kv_cache_dtype):
     assert torch.equal(kv_fused, kv) and not torch.equal(kv, kv_before)  # the same K, V stored
 
 
+@pytest.fixture(scope="module")
+def tiny_qwen3(models_dir):
+    from pdserve.modelgen.make_model import make_model
+
+    return make_model(models_dir / "tiny-qwen3", preset="tiny", arch="qwen3", seed=4, quiet=True)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@torch.inference_mode()
+def test_qk_norm_layers_fused_equal_per_op_bit_for_bit(tiny_qwen3, batch):
+    """Qwen3's per-head q and k norms, in the driver too."""
+    engine = engine_at_decode(tiny_qwen3, batch)
+    assert engine.model_config.qk_norm
+    model, kv = engine.runner.model, engine.runner.kv_cache
+    fp = engine.launch(engine.schedule())
+    kv_before = kv.clone()
+    out = fused(engine, fp)
+    assert out is not None
+    kv_fused = kv.clone()
+    kv.copy_(kv_before)
+    assert torch.equal(out, per_op_layers(model, fp))
+    assert torch.equal(kv_fused, kv) and not torch.equal(kv, kv_before)
+
+
 @torch.inference_mode()
 def test_steps_it_is_not_for_run_layer_by_layer(tiny_llama, monkeypatch):
     engine = engine_at_decode(tiny_llama, few_rows() + 1)
