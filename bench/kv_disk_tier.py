@@ -37,10 +37,12 @@ MODE_FLAGS = {
 }
 
 
-def first_token_time(client: httpx.Client, base: str, prompt: list[int]) -> tuple[float, str]:
-    """(TTFT in seconds, the whole greedy answer) of one streamed completion."""
+def timed_completion(client: httpx.Client, base: str, prompt: list[int]) -> tuple[float, str, dict[str, float]]:
+    """(TTFT in seconds, the whole greedy answer, the workers' `pdserve_timings`) of one streamed
+    completion."""
     body = {"model": model_name(base), "prompt": prompt, "max_tokens": OUT_TOKENS, "temperature": 0, "stream": True}
     t0, ttft, text = time.perf_counter(), None, []
+    timings: dict[str, float] = {}
     with client.stream("POST", f"{base}/v1/completions", json=body, timeout=600) as r:
         r.raise_for_status()
         for line in r.iter_lines():
@@ -51,7 +53,14 @@ def first_token_time(client: httpx.Client, base: str, prompt: list[int]) -> tupl
             if ttft is None and piece:
                 ttft = time.perf_counter() - t0
             text.append(piece)
-    return (ttft if ttft is not None else time.perf_counter() - t0), "".join(text)
+            timings = chunk.get("pdserve_timings") or timings
+    return (ttft if ttft is not None else time.perf_counter() - t0), "".join(text), timings
+
+
+def first_token_time(client: httpx.Client, base: str, prompt: list[int]) -> tuple[float, str]:
+    """(TTFT in seconds, the whole greedy answer) of one streamed completion."""
+    ttft, text, _ = timed_completion(client, base, prompt)
+    return ttft, text
 
 
 @functools.cache

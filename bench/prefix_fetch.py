@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 
-from pdserve.bench.kv_disk_tier import OUT_TOKENS, first_token_time, model_name
+from pdserve.bench.kv_disk_tier import OUT_TOKENS, first_token_time, timed_completion
 from pdserve.bench.servers import ServerSpec, free_port, running
 
 FLAGS = ["--prefill-workers", "2", "--router", "round-robin", "--local-prefill-max-tokens", "0"]
@@ -39,25 +39,6 @@ def counters(base: str, prefix: str) -> dict[str, float]:
             name = line.split("{")[0].split(" ")[0]
             out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
     return out
-
-
-def timed_request(client: httpx.Client, base: str, prompt: list[int]) -> tuple[float, str, dict[str, float]]:
-    """(TTFT in seconds, the greedy answer, the workers' timings) of one streamed completion."""
-    body = {"model": model_name(base), "prompt": prompt, "max_tokens": OUT_TOKENS, "temperature": 0, "stream": True}
-    t0, ttft, text = time.perf_counter(), None, []
-    timings: dict[str, float] = {}
-    with client.stream("POST", f"{base}/v1/completions", json=body, timeout=600) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            piece = chunk["choices"][0]["text"] if chunk.get("choices") else ""
-            if ttft is None and piece:
-                ttft = time.perf_counter() - t0
-            text.append(piece)
-            timings = chunk.get("pdserve_timings") or timings
-    return (ttft if ttft is not None else time.perf_counter() - t0), "".join(text), timings
 
 
 def wait_for_prefill_workers(base: str, n: int, timeout_s: float = 600) -> None:
@@ -113,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             for i, (prefix, (tail_a, tail_b)) in enumerate(zip(prefixes, tails)):
                 ttft_a, _ = first_token_time(client, base, prefix + tail_a)  # computed on A
                 time.sleep(1.2)  # A's heartbeats tell the gateway what it holds now
-                ttft_b, answer, timings = timed_request(client, base, prefix + tail_b)  # B: fetched or computed
+                ttft_b, answer, timings = timed_completion(client, base, prefix + tail_b)  # B: fetched or computed
                 firsts.append(ttft_a)
                 seconds.append(ttft_b)
                 fetch_s.append(timings.get("prefix_fetch_s", 0.0))
