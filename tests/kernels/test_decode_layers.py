@@ -46,22 +46,27 @@ def per_op_layers(model, fp) -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8"])  # int8, fp8: the driver's tables for them
-@pytest.mark.parametrize("batch", [1, 3, few_rows()])
-@torch.inference_mode()
-def test_fused_equals_per_op_bit_for_bit(tiny_model, batch, kv_cache_dtype):
-    engine = engine_at_decode(tiny_model, batch, kv_cache_dtype)
+def assert_fused_equals_per_op(engine, fp) -> None:
+    """The driver's hidden states and stored K, V equal, bit for bit, the per-op path's for step `fp`
+    (the K, V are really written: the pool changes)."""
     model, kv = engine.runner.model, engine.runner.kv_cache
-    fp = engine.launch(engine.schedule())
-    assert fp.ctx.attn.num_decode_seqs == fp.ctx.attn.num_seqs == batch
     kv_before = kv.clone()
     out = fused(engine, fp)
     assert out is not None
     kv_fused = kv.clone()
     kv.copy_(kv_before)
-    want = per_op_layers(model, fp)
-    assert torch.equal(out, want)
+    assert torch.equal(out, per_op_layers(model, fp))
     assert torch.equal(kv_fused, kv) and not torch.equal(kv, kv_before)  # the same K, V stored
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8"])  # int8, fp8: the driver's tables for them
+@pytest.mark.parametrize("batch", [1, 3, few_rows()])
+@torch.inference_mode()
+def test_fused_equals_per_op_bit_for_bit(tiny_model, batch, kv_cache_dtype):
+    engine = engine_at_decode(tiny_model, batch, kv_cache_dtype)
+    fp = engine.launch(engine.schedule())
+    assert fp.ctx.attn.num_decode_seqs == fp.ctx.attn.num_seqs == batch
+    assert_fused_equals_per_op(engine, fp)
 
 
 @pytest.fixture(scope="module")
@@ -77,15 +82,7 @@ def test_qk_norm_layers_fused_equal_per_op_bit_for_bit(tiny_qwen3, batch):
     """Qwen3's per-head q and k norms, in the driver too."""
     engine = engine_at_decode(tiny_qwen3, batch)
     assert engine.model_config.qk_norm
-    model, kv = engine.runner.model, engine.runner.kv_cache
-    fp = engine.launch(engine.schedule())
-    kv_before = kv.clone()
-    out = fused(engine, fp)
-    assert out is not None
-    kv_fused = kv.clone()
-    kv.copy_(kv_before)
-    assert torch.equal(out, per_op_layers(model, fp))
-    assert torch.equal(kv_fused, kv) and not torch.equal(kv, kv_before)
+    assert_fused_equals_per_op(engine, engine.launch(engine.schedule()))
 
 
 @torch.inference_mode()
@@ -167,17 +164,10 @@ def test_quantized_layers_fused_equal_per_op_bit_for_bit(tiny_llama, k_quant_lla
     source, _, activations = source.partition("+")
     model_path, quantization = (k_quant_llama, "auto") if source == "q4_k_m" else (tiny_llama, source)
     engine = to_decode(quant_engine(model_path, quantization, "int8" if activations else "none"), batch)
-    model, kv = engine.runner.model, engine.runner.kv_cache
+    model = engine.runner.model
     qkv = model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, QuantizedLinear) and isinstance(model.layers[0].mlp.down_proj, QuantizedLinear)
     assert qkv.int8_activations == bool(activations)
     if source == "q4_k_m":  # Q4_K q/k, Q6_K v: a group-wise segment a format, or each tensor's blocks
         assert len(qkv.parts) == (3 if activations else 2)
-    fp = engine.launch(engine.schedule())
-    kv_before = kv.clone()
-    out = fused(engine, fp)
-    assert out is not None
-    kv_fused = kv.clone()
-    kv.copy_(kv_before)
-    assert torch.equal(out, per_op_layers(model, fp))
-    assert torch.equal(kv_fused, kv) and not torch.equal(kv, kv_before)
+    assert_fused_equals_per_op(engine, engine.launch(engine.schedule()))
