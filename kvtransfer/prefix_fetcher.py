@@ -20,7 +20,6 @@ pool (EngineCore.import_prefix) and admits the request, which computes what did 
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -34,6 +33,7 @@ from pdserve.kvtransfer.prefix_wire import decode_reply, encode_prefix
 from pdserve.kvtransfer.wire import KvFrameHeader, dtype_name, element_size, payload_mac_enabled
 from pdserve.protocol.auth import AuthError, FrameAuth
 from pdserve.protocol.messages import KvLayout, PrefixFetch, PrefixFetchDone
+from pdserve.protocol.wake_pipe import WakePipe
 
 log = logging.getLogger(__name__)
 
@@ -120,16 +120,14 @@ class PrefixFetcher:
         self.pools, self.payload_mac = pools, payload_mac
         self.stats = FetchStats()
         self._done: queue.SimpleQueue[FetchedPrefix] = queue.SimpleQueue()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
+        self._wake = WakePipe()
         self._threads: set[threading.Thread] = set()
         self._closed = False
 
     @property
     def wake_fd(self) -> int:
         """Readable once a fetch has ended (collect() empties it)."""
-        return self._wake_r
+        return self._wake.fd
 
     def start(self, fetch_id: str, addr: str, hashes: list[bytes], timeout_s: float) -> None:
         """Fetch the leading run of `hashes` the peer at `addr` holds, for at most `timeout_s`."""
@@ -142,11 +140,7 @@ class PrefixFetcher:
 
     def collect(self) -> list[FetchedPrefix]:
         """Fetches ended since the last call (successful or not)."""
-        try:
-            while os.read(self._wake_r, 4096):
-                pass
-        except BlockingIOError:
-            pass
+        self._wake.clear()
         out = []
         while True:
             try:
@@ -170,10 +164,7 @@ class PrefixFetcher:
         self._done.put(result)
         if self._closed:
             return  # (the pipe is closed, its number maybe another file's now)
-        try:
-            os.write(self._wake_w, b"x")
-        except (BlockingIOError, OSError):
-            pass  # (full: the loop wakes anyway)
+        self._wake.wake()
 
     def _fetch(
         self, fetch_id: str, addr: str, hashes: list[bytes], deadline: float
@@ -260,5 +251,4 @@ class PrefixFetcher:
         for t in self._threads:
             t.join(timeout=0.1)
         if not any(t.is_alive() for t in self._threads):
-            os.close(self._wake_r)
-            os.close(self._wake_w)
+            self._wake.close()

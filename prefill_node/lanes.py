@@ -31,6 +31,8 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from pdserve.protocol.wake_pipe import WakePipe
+
 if TYPE_CHECKING:
     import torch
 
@@ -85,9 +87,7 @@ class PrefillLanes:
         self._free_normal = 0
         self._stop = False
         self.idle_priority: str | None = None  # what the idle lanes got (make_idle_priority)
-        self._wake_r, self._wake_w = os.pipe()  # a byte per finished job, for the owner's poll loop
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
+        self._wake = WakePipe()  # a byte per finished job, for the owner's poll loop
         self._num_idle = idle_lanes
         self._threads = [
             threading.Thread(target=self._run, args=(False,), daemon=True, name=f"prefill-lane{i}")
@@ -107,7 +107,7 @@ class PrefillLanes:
     @property
     def wake_fd(self) -> int:
         """Readable once a job has finished (collect() empties it)."""
-        return self._wake_r
+        return self._wake.fd
 
     @property
     def num_idle(self) -> int:
@@ -137,11 +137,7 @@ class PrefillLanes:
         """Finished jobs, oldest first, removed from the board. A job is handed back only after
         every earlier job sharing a sequence with it, so results come in chunk order."""
         with self._cond:
-            try:
-                while os.read(self._wake_r, 4096):
-                    pass
-            except BlockingIOError:
-                pass
+            self._wake.clear()
             out = []
             for j in self._jobs:
                 if j.done and all(a in out for a in j.after if a in self._jobs):
@@ -156,8 +152,7 @@ class PrefillLanes:
             self._cond.notify_all()
         for t in self._threads:
             t.join(timeout=5)
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        self._wake.close()
 
     # --- lane threads ------------------------------------------------------------------------
     def _runnable(self, job: LaneJob) -> bool:
@@ -195,10 +190,7 @@ class PrefillLanes:
                 job.held = False
                 self._cond.notify_all()
                 if job.done:
-                    try:
-                        os.write(self._wake_w, b"x")
-                    except BlockingIOError:  # the pipe is full of wake-ups already
-                        pass
+                    self._wake.wake()
 
     def _advance(self, job: LaneJob) -> None:
         """One stage of `job`: its next layer, or the LM head after the last one."""
