@@ -553,6 +553,10 @@ QUANTIZATIONS = ("auto", "none", "int8", "int4")
 # --activation-quantization: int8, a quantized linear's few-row calls quantize their input rows;
 # auto: int8 for a GGUF file's kept blocks (as llama.cpp runs the same file), else none
 ACTIVATION_QUANTIZATIONS = ("auto", "none", "int8")
+# --prompt-linears: how the linears on a GGUF file's blocks (int8 activations, one rank) multiply a
+# prompt's rows: bf16 (kernels/block_gemm.py linear_bf16) or int8 as decode rows; auto: bf16 where
+# the CPU multiplies bf16 itself (AVX-512 BF16)
+PROMPT_LINEARS = ("auto", "int8", "bf16")
 
 
 def resolve_activations(activations: str, quantization: str, model: str) -> str:
@@ -564,6 +568,17 @@ def resolve_activations(activations: str, quantization: str, model: str) -> str:
     return "int8" if quantization == "auto" and is_gguf(model) else "none"
 
 
+def resolve_prompt_linears(choice: str, activations: str, blocks_as_stored: bool) -> str:
+    """--prompt-linears as applied: "bf16" or "int8" ("int8" too where no block kernel runs)."""
+    if activations != "int8" or not blocks_as_stored:
+        return "int8"
+    if choice != "auto":
+        return choice
+    from pdserve.kernels import block_gemm
+
+    return "bf16" if block_gemm.bf16_native() else "int8"
+
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # --dtype
 
 
@@ -571,12 +586,17 @@ BLOCK_KERNEL_TYPES = ("Q8_0", "Q4_K", "Q5_K", "Q6_K")  # read as stored by kerne
 
 
 def quantized(
-    cfg: ModelConfig, quantization: str, activations: str = "none", blocks_as_stored: bool = False
+    cfg: ModelConfig,
+    quantization: str,
+    activations: str = "none",
+    blocks_as_stored: bool = False,
+    prompt_linears: str = "int8",
 ) -> ModelConfig:
     """`cfg` with a weight-only quantization (and int8 activations) named in its fingerprint (they
     change the KV). `blocks_as_stored`: a GGUF file's K-quant / Q8_0 tensors would run on the file's
     blocks (one rank: x quantized per 256, `+int8x-blocks`), not on a group-wise copy (tensor
-    parallelism: per 32, `+int8x`): the two round differently, so their pools must not pair."""
+    parallelism: per 32, `+int8x`): the two round differently, so their pools must not pair.
+    `prompt_linears` bf16 (resolved): those blocks multiply prompts' rows in bf16 (`+bf16-prompts`)."""
     from pdserve.engine.gguf_file import is_gguf
 
     if quantization == "none" or (quantization == "auto" and not is_gguf(cfg.path)):
@@ -586,6 +606,8 @@ def quantized(
         kept = {"int8": ["Q8_0"], "int4": ["Q4_0"]}.get(quantization, cfg.weights_tag.removeprefix("gguf-").split("+"))
         as_stored = blocks_as_stored and any(t in BLOCK_KERNEL_TYPES for t in kept)
         int8 = "int8x-blocks" if as_stored else "int8x"
+        if as_stored and prompt_linears == "bf16":
+            int8 += "+bf16-prompts"
     tags = (cfg.weights_tag, quantization, int8)
     return replace(cfg, weights_tag="+".join(t for t in tags if t))
 
@@ -665,6 +687,16 @@ class EngineConfig:
             choices=ACTIVATION_QUANTIZATIONS,
         ),
     ] = "auto"
+    prompt_linears: Annotated[
+        str,
+        Flag(
+            "how the linears on a GGUF file's K-quant / Q8_0 blocks multiply a prompt's rows (int8 "
+            "activations, one rank): bf16: x and the widened weight rounded to bf16, multiplied by "
+            "AVX-512 BF16's vdpbf16ps (~2.2x the int8 products a core; agreement with fp32 as int8's or "
+            "better); int8: as decode rows; auto (default): bf16 where the CPU has AVX-512 BF16",
+            choices=PROMPT_LINEARS,
+        ),
+    ] = "auto"
     model_impl: Annotated[  # ModelConfig.from_folder
         str,
         Flag(
@@ -709,6 +741,8 @@ class EngineConfig:
             raise ValueError(
                 "--activation-quantization int8 applies to quantized weights: not with --quantization none"
             )
+        if self.prompt_linears not in PROMPT_LINEARS:
+            raise ValueError(f"prompt_linears must be one of {PROMPT_LINEARS}, got {self.prompt_linears!r}")
         if self.model_impl not in MODEL_IMPLS:
             raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
         if self.tensor_parallel_size < 1 or not self.tensor_parallel_timeout_s > 0:

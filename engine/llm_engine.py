@@ -30,6 +30,7 @@ from pdserve.engine.config import (
     quantized,
     resolve_activations,
     resolve_dtype,
+    resolve_prompt_linears,
 )
 from pdserve.engine.cuda_graphs import DecodeGraphs
 from pdserve.engine.engine_core import (
@@ -84,11 +85,14 @@ class LLMEngine(EngineCore):
         self.config = config
         self.device = torch.device(config.device)
         activations = resolve_activations(config.activation_quantization, config.quantization, config.model)
+        as_stored = config.tensor_parallel_size == 1 and self.device.type == "cpu" and block_gemm.available()
+        prompt_linears = resolve_prompt_linears(config.prompt_linears, activations, as_stored)
         self.model_config = quantized(
             ModelConfig.from_folder(config.model, config.model_impl),
             config.quantization,
             activations,
-            blocks_as_stored=config.tensor_parallel_size == 1 and self.device.type == "cpu" and block_gemm.available(),
+            blocks_as_stored=as_stored,
+            prompt_linears=prompt_linears,
         )
         quantized_weights = keeps_weights_quantized(self.model_config)
         self.dtype = resolve_dtype(config.dtype, self.device, quantized_weights, self.model_config.approx_params)
@@ -124,6 +128,7 @@ class LLMEngine(EngineCore):
                 show_progress,
                 config.quantization,
                 activations=activations,
+                prompt_linears=prompt_linears,
             )
             kv_cache = allocate_kv_cache(self.kv_spec, num_blocks, self.device, kv_allocator)
             graphs = self._decode_graphs(model, kv_cache)

@@ -15,7 +15,13 @@ from pdserve.engine.gguf_file import is_gguf, release_gguf
 from pdserve.engine.models.gemma import GemmaForCausalLM
 from pdserve.engine.models.interface import CausalLM, LayerInputs
 from pdserve.engine.models.llama import ForwardContext, LlamaForCausalLM
-from pdserve.engine.models.quantized_linear import keep_gguf_blocks, quantize_model, use_int8_activations
+from pdserve.engine.models.quantized_linear import (
+    keep_gguf_blocks,
+    prompt_rows_from,
+    quantize_model,
+    use_bf16_prompts,
+    use_int8_activations,
+)
 from pdserve.engine.parallel.group import TensorParallelGroup
 from pdserve.engine.prompt_logprobs import ChunkScores, score_rows
 from pdserve.engine.sampler import Sampler
@@ -36,9 +42,11 @@ def load_model(
     quantization: str = "auto",
     tp: TensorParallelGroup | None = None,
     activations: str = "none",
+    prompt_linears: str = "int8",
 ) -> CausalLM:
     """`tp`: this process's rank of a tensor-parallel group; it loads that rank's shard only.
-    `activations` int8: the quantized linears quantize their inputs (few-row calls)."""
+    `activations` int8: the quantized linears quantize their inputs (few-row calls); `prompt_linears`
+    bf16 (resolved): the layers' linears on a file's blocks multiply prompts' rows in bf16."""
     if cfg.impl == "transformers":  # any other decoder-only model (models/transformers_backend.py)
         from pdserve.engine.models.transformers_backend import load_transformers_model
 
@@ -58,6 +66,8 @@ def load_model(
         quantize_model(model, quantization)  # the linears still float; before the relayout, which skips them
     if activations == "int8":
         log.info("int8 activations on %d quantized linears", use_int8_activations(model))
+    if prompt_linears == "bf16":
+        log.info("prompts' rows in bf16 on %d linears of the file's blocks", use_bf16_prompts(model))
     if device.type == "cpu":
         kind = model.use_cpu_weight_layout()
         from pdserve.kernels import (
@@ -156,11 +166,13 @@ class ModelRunner:
             if fused is not None:
                 fp.x, fp.next_layer = fused, stop
                 return
-        while fp.next_layer < stop:
-            fp.x = self.model.layers[fp.next_layer](fp.x, fp.rope, fp.ctx)
-            fp.next_layer += 1
-            if self.on_layer_done is not None:
-                self.on_layer_done()
+        attn = fp.batch.attn
+        with prompt_rows_from(attn.cu_seqlens_q_cpu[attn.num_decode_seqs], fp.x.shape[0]):  # decodes' rows first
+            while fp.next_layer < stop:
+                fp.x = self.model.layers[fp.next_layer](fp.x, fp.rope, fp.ctx)
+                fp.next_layer += 1
+                if self.on_layer_done is not None:
+                    self.on_layer_done()
 
     def close(self) -> None:
         """Release what the runner started (a tensor-parallel runner: its rank processes)."""

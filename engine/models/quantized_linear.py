@@ -12,12 +12,17 @@ linear of mixed types, e.g. Q4_K q/k with a Q6_K v, runs one kernel call per for
 stay float. With int8 activations (one rank), a part stored as Q4_K, Q5_K, Q6_K or Q8_0 is the
 file's blocks themselves (kernels/block_gemm.py, mapped, never copied). Decode steps of up to 48
 (int4) / 64 (int8) rows run every layer in one call (kernels/decode_layers.py), the quantized GEMM
-called for each linear.
+called for each linear. With `--prompt-linears bf16` the layers' linears on those blocks multiply a
+step's prompt rows in bf16 (`use_bf16_prompts`; the model runner names the step's prompt rows,
+`prompt_rows_from`), its decode rows as before.
 """
 
 from __future__ import annotations
 
+import threading
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -37,6 +42,25 @@ if TYPE_CHECKING:
     from pdserve.engine.models.llama import LlamaForCausalLM
 
 Part = QuantWeight | BlockWeight  # a row segment in one format
+_step = threading.local()  # .rows: (first prompt row, rows) of the step this thread runs layers of
+
+
+@contextmanager
+def prompt_rows_from(first: int, rows: int) -> Iterator[None]:
+    """Within: this thread runs a step's layers on `rows` rows, those from `first` on prompts' (the
+    decodes' rows come first)."""
+    before = getattr(_step, "rows", None)
+    _step.rows = (first, rows)
+    try:
+        yield
+    finally:
+        _step.rows = before
+
+
+def _first_prompt_row(m: int) -> int | None:
+    """The first prompt row of an `m`-row call within a step of m rows; None: not a step's rows."""
+    rows = getattr(_step, "rows", None)
+    return rows[0] if rows is not None and rows[1] == m else None
 
 
 class QuantizedLinear(nn.Module):
@@ -61,6 +85,7 @@ class QuantizedLinear(nn.Module):
             self.register_parameter(f"offsets{i}", off)
         self.bias = None if bias is None else nn.Parameter(bias.detach().float().contiguous(), requires_grad=False)
         self.int8_activations = False  # few-row calls quantize x per group of 32 (`use_int8_activations`)
+        self.bf16_prompts = False  # a step's prompt rows on the blocks in bf16 (`use_bf16_prompts`)
 
     @property
     def parts(self) -> list[Part]:
@@ -84,9 +109,14 @@ class QuantizedLinear(nn.Module):
         return only
 
     def _part(self, x: torch.Tensor, p: Part, bias: torch.Tensor | None) -> torch.Tensor:
-        if isinstance(p, BlockWeight):
-            return block_gemm.linear(x, p, bias)  # always x quantized per 256 (any number of rows)
-        return quant_gemm.linear(x, p, bias, self.int8_activations)
+        if not isinstance(p, BlockWeight):
+            return quant_gemm.linear(x, p, bias, self.int8_activations)
+        first = _first_prompt_row(x.shape[0]) if self.bf16_prompts else None
+        if first is None or first >= x.shape[0]:
+            return block_gemm.linear(x, p, bias)  # x quantized per 256 (any number of rows)
+        if first == 0:
+            return block_gemm.linear_bf16(x, p, bias)
+        return torch.cat([block_gemm.linear(x[:first], p, bias), block_gemm.linear_bf16(x[first:], p, bias)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         parts, xf = self.parts, x.float()
@@ -163,6 +193,21 @@ def use_int8_activations(model: nn.Module) -> int:
     for m in linears:
         m.int8_activations = True
     return len(linears)
+
+
+def use_bf16_prompts(model: LlamaForCausalLM) -> int:
+    """`--prompt-linears bf16`: the decoder layers' linears on a file's blocks (not the LM head, whose
+    prompt rows are a few sampled ones, nor routed experts, which see gathered rows) multiply a
+    step's prompt rows in bf16. Returns how many linears it set."""
+    count = 0
+    for name, owner in _linear_owners(model).items():
+        if name == "lm_head" or ".experts." in name:
+            continue
+        m = getattr(owner, name.rsplit(".", 1)[1])
+        if isinstance(m, QuantizedLinear) and any(isinstance(p, BlockWeight) for p in m.parts):
+            m.bf16_prompts = True
+            count += 1
+    return count
 
 
 def quantize_model(model: LlamaForCausalLM, scheme: str) -> None:

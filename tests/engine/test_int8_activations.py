@@ -1,7 +1,8 @@
 """--activation-quantization int8 on a GGUF file's kept K-quant blocks (Q4_K_M): the decode-size
 calls quantize their input rows to int8 (kernels/cpu_quant_dot.c), so greedy output is no longer
 bit for bit HF's on the dequantized weights. Measured teacher-forced: at each position of HF's
-greedy continuation, the engine's next token given HF's prefix is HF's next token."""
+greedy continuation, the engine's next token given HF's prefix is HF's next token. The prompt rows
+go through int8 as decode rows do, or through bf16 (`--prompt-linears bf16`, on any CPU)."""
 
 from __future__ import annotations
 
@@ -19,20 +20,23 @@ pytestmark = pytest.mark.skipif(not quant_gemm.int8x_available(), reason="no C c
 NEW = 24  # HF tokens a prompt: positions measured
 
 
+@pytest.mark.parametrize("prompts_in", ["int8", "bf16"])
 @pytest.mark.parametrize("qtype", ["q4_k_m", "q8_0"])
-def test_int8_activations_agree_with_hf_teacher_forced(k_quant_source, tmp_path, qtype):  # noqa: F811
+def test_int8_activations_agree_with_hf_teacher_forced(k_quant_source, tmp_path, qtype, prompts_in):  # noqa: F811
     """Rows of whole super-blocks: every linear runs on the file's blocks as stored (block_gemm)."""
     from pdserve.kernels.block_gemm import BlockWeight
     from pdserve.modelgen.gguf_writer import write_gguf
 
     file = write_gguf(k_quant_source, tmp_path / "m.gguf", qtype)
-    engine = quant_engine(file, "auto", "int8")
+    engine = quant_engine(file, "auto", "int8", prompt_linears=prompts_in)
     linears = [m for m in engine.runner.model.modules() if isinstance(m, QuantizedLinear)]
     assert all(m.int8_activations for m in linears)
     assert all(isinstance(p, BlockWeight) for m in linears for p in m.parts)
-    assert engine.model_config.weights_tag.endswith(
-        "auto+int8x-blocks"
-    )  # its KV is neither fp32 activations' nor a group-wise copy's
+    assert [m.bf16_prompts for m in linears].count(True) == (
+        len(linears) - 1 if prompts_in == "bf16" else 0
+    )  # not the head
+    tag = "auto+int8x-blocks" + ("+bf16-prompts" if prompts_in == "bf16" else "")
+    assert engine.model_config.weights_tag.endswith(tag)  # its KV is neither fp32 activations' nor a group-wise copy's
     reference = _dequantized_hf_folder(k_quant_source, file, tmp_path / "hf")
     prompts = prompts_for(engine.model_config.vocab_size)
     want = [hf_greedy(str(reference), tuple(p), NEW) for p in prompts]

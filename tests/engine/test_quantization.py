@@ -23,12 +23,13 @@ from tests.engine.gguf_fixtures import gguf_file
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def quant_engine(model: Path, quantization: str, activations: str = "none") -> LLMEngine:
+def quant_engine(model: Path, quantization: str, activations: str = "none", prompt_linears: str = "auto") -> LLMEngine:
     cfg = EngineConfig(
         model=str(model),
         dtype="float32",
         quantization=quantization,
         activation_quantization=activations,
+        prompt_linears=prompt_linears,
         cache=CacheConfig(block_size=4, num_blocks=256),
         scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512, max_model_len=256),
     )
