@@ -107,7 +107,7 @@ def _bf16_library() -> ctypes.CDLL | None:
         return None
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.block_gemm_bf16.restype = i32
-    lib.block_gemm_bf16.argtypes = [p, i64, p, p, p, i64, i64, i64, i32, i32]
+    lib.block_gemm_bf16.argtypes = [p, i64, p, p, p, i64, i64, i64, i64, i32, i32]
     lib.block_bf16_native.restype = i32
     lib.block_bf16_native.argtypes = []
     return lib
@@ -173,21 +173,26 @@ def linear(x: torch.Tensor, w: BlockWeight, bias: torch.Tensor | None) -> torch.
     return y
 
 
-def linear_bf16(x: torch.Tensor, w: BlockWeight, bias: torch.Tensor | None) -> torch.Tensor:
+def linear_bf16(
+    x: torch.Tensor, w: BlockWeight, bias: torch.Tensor | None, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """`linear` with x and the widened weight rounded to bf16 (products exact, summed in fp32 in a
-    fixed order): x [m, in] fp32 CPU -> [m, out] fp32."""
+    fixed order): x [m, in] fp32 CPU -> [m, out] fp32, written into `out` when given (a view whose
+    rows are dense, e.g. a fused linear's columns of one part)."""
     if x.stride(1) != 1:
         x = x.contiguous()
     assert x.dtype == torch.float32 and x.shape[1] == w.in_features
     assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())
     m = x.shape[0]
-    y = torch.empty(m, w.out_features, dtype=torch.float32)
+    y = torch.empty(m, w.out_features, dtype=torch.float32) if out is None else out
+    assert y.dtype == torch.float32 and y.shape == (m, w.out_features) and y.stride(1) == 1
     rc = built(_bf16_library()).block_gemm_bf16(
         x.data_ptr(),
         x.stride(0),
         w.blocks.data_ptr(),
         None if bias is None else bias.data_ptr(),
         y.data_ptr(),
+        y.stride(0),
         m,
         w.in_features,
         w.out_features,

@@ -282,12 +282,12 @@ int block_bf16_native(void) {
 #endif
 }
 
-/* y [m, out] = bf16(x) [m, in] (rows ldx floats apart) . bf16(dequant(w))^T (+ bias; may be NULL);
- * w [out, in / 256 super-blocks' bytes] of `type`. Returns 0, -1 for a bad argument, -2 when out
- * of memory. */
-int block_gemm_bf16(const float *x, int64_t ldx, const uint8_t *w, const float *bias, float *y, int64_t m,
-                    int64_t in, int64_t out, int type, int nthreads) {
-    if (!sb_bytes(type) || in % QK || m < 1 || out < 1) return -1;
+/* y [m, out] (rows ldy floats apart) = bf16(x) [m, in] (rows ldx floats apart) . bf16(dequant(w))^T
+ * (+ bias; may be NULL); w [out, in / 256 super-blocks' bytes] of `type`. Returns 0, -1 for a bad
+ * argument, -2 when out of memory. */
+int block_gemm_bf16(const float *x, int64_t ldx, const uint8_t *w, const float *bias, float *y, int64_t ldy,
+                    int64_t m, int64_t in, int64_t out, int type, int nthreads) {
+    if (!sb_bytes(type) || in % QK || m < 1 || out < 1 || ldy < out) return -1;
     const int64_t nsb = in / QK, row_bytes = nsb * sb_bytes(type), panels = (out + NR - 1) / NR;
     uint16_t *xb = aligned_alloc(64, ((size_t)(m * in) * 2 + 63) / 64 * 64);
     if (!xb) return -2;
@@ -314,10 +314,10 @@ int block_gemm_bf16(const float *x, int64_t ldx, const uint8_t *w, const float *
                 for (int64_t r0 = 0; r0 < m; r0 += MR) {
                     const int rn = m - r0 < MR ? (int)(m - r0) : MR;
                     const uint16_t *xr = xb + r0 * in;
-                    float *yr = y + r0 * out;
+                    float *yr = y + r0 * ldy;
                     switch (rn) { /* one copy of the loop a tile height: accumulators in registers */
 #define CASE(RN) \
-    case RN: tile_rows(RN, xr, in, panel, kb, nsb, bias, yr, out, n0, cols); break;
+    case RN: tile_rows(RN, xr, in, panel, kb, nsb, bias, yr, ldy, n0, cols); break;
                         CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6)
 #undef CASE
                     }

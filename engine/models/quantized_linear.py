@@ -108,25 +108,36 @@ class QuantizedLinear(nn.Module):
         (only,) = self.parts
         return only
 
-    def _part(self, x: torch.Tensor, p: Part, bias: torch.Tensor | None) -> torch.Tensor:
+    def _part(self, x: torch.Tensor, p: Part, bias: torch.Tensor | None, y: torch.Tensor) -> None:
+        """y [T, p's outputs] (a view of the output's columns) = x's product with one part."""
         if not isinstance(p, BlockWeight):
-            return quant_gemm.linear(x, p, bias, self.int8_activations)
+            y.copy_(quant_gemm.linear(x, p, bias, self.int8_activations))
+            return
         first = _first_prompt_row(x.shape[0]) if self.bf16_prompts else None
         if first is None or first >= x.shape[0]:
-            return block_gemm.linear(x, p, bias)  # x quantized per 256 (any number of rows)
-        if first == 0:
-            return block_gemm.linear_bf16(x, p, bias)
-        return torch.cat([block_gemm.linear(x[:first], p, bias), block_gemm.linear_bf16(x[first:], p, bias)])
+            y.copy_(block_gemm.linear(x, p, bias))  # x quantized per 256 (any number of rows)
+            return
+        if first > 0:  # the decodes' rows
+            y[:first] = block_gemm.linear(x[:first], p, bias)
+        block_gemm.linear_bf16(x[first:], p, bias, out=y[first:])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         parts, xf = self.parts, x.float()
-        if len(parts) == 1:
-            y = self._part(xf, parts[0], self.bias)  # [T, out] fp32
-        else:
-            y = torch.cat([self._part(xf, p, None) for p in parts], dim=1)
-            if self.bias is not None:
-                y += self.bias
+        if len(parts) == 1 and not self.bf16_prompts:
+            return self._one(xf, parts[0]).to(x.dtype)  # [T, out] fp32
+        y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
+        at = 0
+        for p in parts:  # each part's columns written in place
+            self._part(xf, p, self.bias if len(parts) == 1 else None, y[:, at : at + p.out_features])
+            at += p.out_features
+        if len(parts) > 1 and self.bias is not None:
+            y += self.bias
         return y.to(x.dtype)
+
+    def _one(self, x: torch.Tensor, p: Part) -> torch.Tensor:
+        if isinstance(p, BlockWeight):
+            return block_gemm.linear(x, p, self.bias)
+        return quant_gemm.linear(x, p, self.bias, self.int8_activations)
 
 
 def few_rows(p: Part) -> int:

@@ -59,7 +59,9 @@ def test_prompt_rows_take_bf16_and_decode_rows_int8(q4_k_m_file, monkeypatch):
     for name in ("linear", "linear_bf16"):
         real = getattr(block_gemm, name)
         monkeypatch.setattr(
-            block_gemm, name, lambda x, w, b, _n=name, _f=real: calls.append((_n, x.shape[0])) or _f(x, w, b)
+            block_gemm,
+            name,
+            lambda x, w, b, _n=name, _f=real, **kw: calls.append((_n, x.shape[0])) or _f(x, w, b, **kw),
         )
     prompts = prompts_for(engine.model_config.vocab_size)
     engine.add_request("a", prompts[1], SAMPLING)

@@ -45,6 +45,7 @@ def run(lib, x: torch.Tensor, w: BlockWeight, bias: torch.Tensor | None, threads
         w.blocks.data_ptr(),
         None if bias is None else bias.data_ptr(),
         y.data_ptr(),
+        y.stride(0),
         x.shape[0],
         w.in_features,
         w.out_features,
