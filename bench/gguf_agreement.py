@@ -10,7 +10,8 @@ stored values). HF greedily continues random prompts; then, at each position of 
 continuation, pdserve's engine (the file served as `pdserve serve` would: kept blocks, int8
 activations unless `--activation-quantization none`) is given HF's prefix and asked for one greedy
 token. Agreement is the share of positions where it picks HF's token. The prefix cache makes each
-ask one decode-sized step, the calls the int8-activation kernels serve. With `--llama-server`,
+ask one row: a prompt's, in bf16 where `--prompt-linears` resolves to it (auto: on CPUs with
+AVX-512 BF16), else on the int8-activation kernels as decode steps are. With `--llama-server`,
 llama.cpp is asked the same on the same file (one greedy token a position, its prompt cache
 reused), so a figure below 100% can be read against the other implementation that rounds its
 activations to int8.
@@ -87,6 +88,12 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=24)
     ap.add_argument("--new", type=int, default=64, help="HF tokens a prompt: the positions measured")
     ap.add_argument("--activation-quantization", default="auto", choices=["auto", "none", "int8"])
+    ap.add_argument(
+        "--prompt-linears",
+        default="auto",
+        choices=["auto", "int8", "bf16"],
+        help="how the file's blocks multiply the asks (each a prompt's one row past its cached prefix)",
+    )
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--llama-server", help="llama.cpp's llama-server: asked the same on the same file")
     args = ap.parse_args()
@@ -119,6 +126,7 @@ def main() -> None:
     cfg = EngineConfig(
         model=args.model,
         activation_quantization=args.activation_quantization,
+        prompt_linears=args.prompt_linears,
         cache=CacheConfig(block_size=16, num_blocks=64),
         scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=512, max_model_len=512),
     )
