@@ -1,5 +1,5 @@
-"""What the gateway's tests share: a small byte-level tokenizer, WorkerInfo for fake workers, and
-a started ClusterBackend with one fake worker's sockets."""
+"""What the gateway's tests share: a small byte-level tokenizer, WorkerInfo for fake workers, a
+request flow over a simulated cluster, and a started ClusterBackend with one fake worker's sockets."""
 
 from __future__ import annotations
 
@@ -13,7 +13,12 @@ import pytest
 import zmq
 from transformers import AutoTokenizer
 
+from pdserve.gateway.admission import AdmissionQueue, QueueLimits
 from pdserve.gateway.cluster_backend import ClusterBackend
+from pdserve.gateway.cluster_members import ClusterMembers
+from pdserve.gateway.request_flow import DisaggregatedFlow
+from pdserve.gateway.request_record import RequestTable
+from pdserve.gateway.router import Router
 from pdserve.modelgen.tokenizer_builder import build_tokenizer
 from pdserve.protocol.auth import FrameAuth
 from pdserve.protocol.channel import Inbox, Outbox
@@ -43,6 +48,21 @@ def fake_worker(worker_id: str, role: str, control_addr: str, num_blocks: int = 
         model_fingerprint="m",
         kv_layout=KvLayout(1, num_blocks, 16, 1, 8, "float32"),
         max_num_seqs=max_num_seqs,
+    )
+
+
+def single_try_flow(members: ClusterMembers, router: Router) -> DisaggregatedFlow:
+    """A gateway's request flow over `members`: ZeroMQ KV, one attempt, a failed decode failing."""
+    return DisaggregatedFlow(
+        members,
+        RequestTable(),
+        router,
+        AdmissionQueue("disaggregated", QueueLimits(), lambda: 4, lambda pool, s: None),
+        kv_transport="zmq",
+        reserve_timeout_s=5.0,
+        on_decode_failure="fail",
+        max_attempts=1,
+        on_release=lambda: None,
     )
 
 

@@ -10,7 +10,6 @@ from dataclasses import replace
 
 import pytest
 
-from pdserve.gateway.admission import AdmissionQueue, QueueLimits
 from pdserve.gateway.cluster_members import ClusterMembers
 from pdserve.gateway.membership import WorkerEntry, WorkerTable
 from pdserve.gateway.output_stream import OutputStream
@@ -22,11 +21,11 @@ from pdserve.gateway.placement_rates import (
 )
 from pdserve.gateway.prefill_placement import PlacementInputs, placement_costs, prefill_locally
 from pdserve.gateway.request_flow import DisaggregatedFlow
-from pdserve.gateway.request_record import RequestRecord, RequestTable
+from pdserve.gateway.request_record import RequestRecord
 from pdserve.gateway.router import LOCAL_ALWAYS_MAX_TOKENS, Router
 from pdserve.protocol.messages import Lease, ReserveReply, ReserveRequest, WorkerStats
 from pdserve.protocol.sampling import SamplingParams
-from tests.gateway.conftest import fake_worker
+from tests.gateway.conftest import fake_worker, single_try_flow
 
 KV_PER_TOKEN = 2 * 24 * 8 * 64 * 4  # 24 layers, 8 KV heads of 64, fp32: 196608 bytes a token
 
@@ -140,17 +139,7 @@ def _cluster(placement: str) -> tuple[DisaggregatedFlow, RecordingPlane, WorkerE
     d = WorkerEntry(fake_worker("d-1", "decode", "ipc://d", num_blocks=256), WorkerStats(kv_blocks_free=256))
     table.workers.update({"p-1": p, "d-1": d})
     members = ClusterMembers(plane, "gw", table, lambda: None)  # type: ignore[arg-type]
-    flow = DisaggregatedFlow(
-        members,
-        RequestTable(),
-        Router("kv-aware", local_prefill_max_tokens=128, placement=placement),  # type: ignore[arg-type]
-        AdmissionQueue("disaggregated", QueueLimits(), lambda: 4, lambda pool, s: None),
-        kv_transport="zmq",
-        reserve_timeout_s=5.0,
-        on_decode_failure="fail",
-        max_attempts=1,
-        on_release=lambda: None,
-    )
+    flow = single_try_flow(members, Router("kv-aware", local_prefill_max_tokens=128, placement=placement))  # type: ignore[arg-type]
     return flow, plane, p, d
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from pdserve.gateway.admission import AdmissionQueue, QueueLimits
 from pdserve.gateway.cluster_members import ClusterMembers
 from pdserve.gateway.membership import WorkerEntry, WorkerTable
 from pdserve.gateway.placement_rates import PlacementRates
@@ -20,12 +19,11 @@ from pdserve.gateway.prefix_fetch_plan import (
     plan_fetch,
 )
 from pdserve.gateway.request_flow import DisaggregatedFlow
-from pdserve.gateway.request_record import RequestTable
 from pdserve.gateway.router import Router
 from pdserve.protocol.block_hashes import BlockHasher, short_id
 from pdserve.protocol.messages import KvDigest, WorkerInfo
 from pdserve.protocol.sampling import SamplingParams
-from tests.gateway.conftest import fake_worker
+from tests.gateway.conftest import fake_worker, single_try_flow
 from tests.gateway.test_prefill_placement import RecordingPlane
 
 KV_PER_TOKEN = 46080  # the real-shape model's fp32 KV: 30 layers, 3 KV heads of 64
@@ -87,17 +85,7 @@ def cluster(b_exports: bool = True) -> tuple[DisaggregatedFlow, WorkerEntry, Wor
     members = ClusterMembers(RecordingPlane(), "gw", table, lambda: None)  # type: ignore[arg-type]
     hashes = BlockHasher(a.info.model_fingerprint, 16).hashes(PROMPT)
     members.kv_index.apply("a", KvDigest(seq=1, full=True, stored=[short_id(h) for h in hashes]))
-    flow = DisaggregatedFlow(
-        members,
-        RequestTable(),
-        Router("kv-aware"),
-        AdmissionQueue("disaggregated", QueueLimits(), lambda: 4, lambda pool, s: None),
-        kv_transport="zmq",
-        reserve_timeout_s=5.0,
-        on_decode_failure="fail",
-        max_attempts=1,
-        on_release=lambda: None,
-    )
+    flow = single_try_flow(members, Router("kv-aware"))
     flow.rates = PlacementRates()  # the defaults: 2000 tok/s, 1 GB/s
     return flow, a, b
 
