@@ -49,7 +49,10 @@ def dequantized_hf_model(source: str, file: str) -> Any:
         for name, tensor in gguf_tensors(file, ModelConfig.from_folder(file)):
             copy_into_hf_state(state, name, tensor.dequantize())
             filled.add(name)
-    if model.config.tie_word_embeddings:
+    if model.config.tie_word_embeddings:  # the head is the table: tied now (from_config leaves it its own, unset)
+        model.tie_weights()
+        if model.get_output_embeddings().weight.data_ptr() != model.get_input_embeddings().weight.data_ptr():
+            raise SystemExit("transformers did not tie the LM head to the embedding table")
         filled.add("lm_head.weight")
     experts = {n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))}
     missing = set(state) - filled - experts
@@ -73,7 +76,7 @@ def llamacpp_agreement(server: str, file: str, prompts: list[list[int]], want: l
         with httpx.Client(timeout=300) as client:
             for p, w in zip(prompts, want):
                 for k in range(len(w)):
-                    body = {"prompt": p + w[:k], "n_predict": 1, "temperature": 0, "top_k": 1}
+                    body = {"prompt": p + w[:k], "n_predict": 1, "temperature": 0, "top_k": 1, "ignore_eos": True}
                     got = client.post(f"{base}/completion", json={**body, "cache_prompt": True, "return_tokens": True})
                     got.raise_for_status()
                     agree += got.json()["tokens"][0] == w[k]
@@ -115,7 +118,7 @@ def main() -> None:
                 torch.tensor([p]),
                 attention_mask=torch.ones(1, len(p), dtype=torch.long),
                 max_new_tokens=args.new,
-                min_new_tokens=args.new,
+                min_new_tokens=args.new,  # the end-of-sequence ids masked: the engine's asks below too
                 do_sample=False,
                 pad_token_id=0,
             )
@@ -131,11 +134,14 @@ def main() -> None:
         scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=512, max_model_len=512),
     )
     engine = LLMEngine(cfg, show_progress=False)
-    one = SamplingParams(max_tokens=1, temperature=0.0)
+    one = SamplingParams(max_tokens=1, min_tokens=1, temperature=0.0)  # as HF's min_new_tokens
     agree = total = 0
     for i, (p, w) in enumerate(zip(prompts, want)):
         got = [engine.generate([p + w[:k]], one)[0][0] for k in range(len(w))]
         agree += sum(a == b for a, b in zip(got, w))
+        differ = [(k, a, b) for k, (a, b) in enumerate(zip(got, w)) if a != b]
+        if differ:
+            print(f"  differ at (position, pdserve, HF): {differ[:8]}", flush=True)
         total += len(w)
         print(f"prompt {i + 1}/{len(prompts)}: {agree}/{total} positions agree so far", flush=True)
     tag = engine.model_config.weights_tag
