@@ -17,6 +17,7 @@ ENGINE = {
     "--dtype": ("auto", ("auto", "float32", "bfloat16", "float16"), "", None),
     "--quantization": ("auto", ("auto", "none", "int8", "int4"), "", None),
     "--activation-quantization": ("auto", ("auto", "none", "int8"), "", None),  # added with the int8-activation kernel
+    "--prompt-linears": ("auto", ("auto", "int8", "bf16"), "", None),  # added with the bf16 prompt kernel
     "--model-impl": ("auto", ("auto", "native", "transformers"), "", None),
     "--device": ("cpu", None, "", None),
     "--enforce-eager": (False, None, "store_true", None),  # added with CUDA graphs

@@ -87,6 +87,7 @@ SAMPLES: dict[str, tuple[list[str], object]] = {
     "--dtype": (["float32"], "float32"),
     "--quantization": (["int8"], "int8"),
     "--activation-quantization": (["int8"], "int8"),
+    "--prompt-linears": (["bf16"], "bf16"),
     "--model-impl": (["native"], "native"),
     "--device": (["cuda:1"], "cuda:1"),
     "--enforce-eager": (["--enforce-eager"], True),
