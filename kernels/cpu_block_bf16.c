@@ -185,8 +185,8 @@ static void widen_panel(int type, const uint8_t *w, int64_t row_bytes, int64_t n
 #endif
 }
 
-/* acc[r][j] (+)= rows r < rn of xb (pairs from `p0`, rows ldx elements apart) . the panel's
- * outputs 16j..16j+15, over its PAIRS pairs */
+/* acc[r][j] (+)= rows r < rn of xb (at the panel's super-block, rows ldx elements apart) . the
+ * panel's outputs 16j..16j+15, over its PAIRS pairs */
 static inline __attribute__((always_inline)) void tile(const int rn, const uint16_t *xb, int64_t ldx,
                                                        const uint32_t *panel, v16f acc[MR][4]) {
     for (int p = 0; p < PAIRS; p++) {
@@ -229,7 +229,8 @@ static inline __attribute__((always_inline)) void tile(const int rn, const uint1
     }
 }
 
-/* Rows [r0, r0 + rn) of y's panel of outputs n0 .. n0 + cols: super-block kb's share added */
+/* A tile's rn rows (xb and y from its first) of the panel's outputs n0 .. n0 + cols: super-block
+ * kb's share added (kb 0: from zero; the last: then the bias) */
 static inline __attribute__((always_inline)) void tile_rows(const int rn, const uint16_t *xb, int64_t in,
                                                             const uint32_t *panel, int64_t kb, int64_t nsb,
                                                             const float *bias, float *y, int64_t ldy, int64_t n0,
