@@ -94,7 +94,7 @@ static inline __attribute__((always_inline)) void scaled8(float *y, v8f q, float
     memcpy(y, &v, sizeof v);
 }
 
-static void dequant_row(const int type, const uint8_t *w, int64_t nsb, float *y) {
+__attribute__((unused)) static void dequant_row(const int type, const uint8_t *w, int64_t nsb, float *y) {
     for (int64_t b = 0; b < nsb; b++, y += QK) {
         if (type == Q4_K || type == Q5_K) {
             const uint8_t *blk = w + b * (type == Q4_K ? 144 : 176);
