@@ -108,14 +108,11 @@ class QuantizedLinear(nn.Module):
         (only,) = self.parts
         return only
 
-    def _part(self, x: torch.Tensor, p: Part, bias: torch.Tensor | None, y: torch.Tensor) -> None:
-        """y [T, p's outputs] (a view of the output's columns) = x's product with one part."""
-        if not isinstance(p, BlockWeight):
-            y.copy_(quant_gemm.linear(x, p, bias, self.int8_activations))
-            return
-        first = _first_prompt_row(x.shape[0]) if self.bf16_prompts else None
-        if first is None or first >= x.shape[0]:
-            y.copy_(block_gemm.linear(x, p, bias))  # x quantized per 256 (any number of rows)
+    def _part(self, x: torch.Tensor, p: Part, bias: torch.Tensor | None, y: torch.Tensor, first: int | None) -> None:
+        """y [T, p's outputs] (a view of the output's columns) = x's product with one part; rows
+        from `first` on (None: none) are prompts' to multiply in bf16."""
+        if first is None or not isinstance(p, BlockWeight):
+            y.copy_(self._one(x, p, bias))
             return
         if first > 0:  # the decodes' rows
             y[:first] = block_gemm.linear(x[:first], p, bias)
@@ -123,21 +120,24 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         parts, xf = self.parts, x.float()
-        if len(parts) == 1 and not self.bf16_prompts:
-            return self._one(xf, parts[0]).to(x.dtype)  # [T, out] fp32
+        first = _first_prompt_row(x.shape[0]) if self.bf16_prompts else None
+        if first is not None and first >= x.shape[0]:
+            first = None  # no prompt rows in this step
+        if len(parts) == 1 and first is None:
+            return self._one(xf, parts[0], self.bias).to(x.dtype)  # [T, out] fp32, no copy
         y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
         at = 0
         for p in parts:  # each part's columns written in place
-            self._part(xf, p, self.bias if len(parts) == 1 else None, y[:, at : at + p.out_features])
+            self._part(xf, p, self.bias if len(parts) == 1 else None, y[:, at : at + p.out_features], first)
             at += p.out_features
         if len(parts) > 1 and self.bias is not None:
             y += self.bias
         return y.to(x.dtype)
 
-    def _one(self, x: torch.Tensor, p: Part) -> torch.Tensor:
+    def _one(self, x: torch.Tensor, p: Part, bias: torch.Tensor | None) -> torch.Tensor:
         if isinstance(p, BlockWeight):
-            return block_gemm.linear(x, p, self.bias)
-        return quant_gemm.linear(x, p, self.bias, self.int8_activations)
+            return block_gemm.linear(x, p, bias)  # x quantized per 256 (any number of rows)
+        return quant_gemm.linear(x, p, bias, self.int8_activations)
 
 
 def few_rows(p: Part) -> int:
