@@ -5,6 +5,9 @@ instruction set (the AVX-512 BF16 instruction against fp32 multiply-adds on ever
 
 from __future__ import annotations
 
+import contextlib
+from unittest import mock
+
 import numpy as np
 import pytest
 import torch
@@ -32,28 +35,16 @@ def replay(x: torch.Tensor, w: BlockWeight, bias: torch.Tensor | None) -> np.nda
     return acc if bias is None else (acc + bias.numpy()).astype(np.float32)
 
 
-def bf16_build(isa: str, tmp_path):
-    lib = isa_variant(isa, block_gemm.BF16_SOURCE, tmp_path, block_gemm._bf16_library(), "block_gemm_bf16")
-    return lib
-
-
-def run(lib, x: torch.Tensor, w: BlockWeight, bias: torch.Tensor | None, threads: int = 1) -> torch.Tensor:
-    y = torch.empty(x.shape[0], w.out_features)
-    rc = lib.block_gemm_bf16(
-        x.data_ptr(),
-        x.stride(0),
-        w.blocks.data_ptr(),
-        None if bias is None else bias.data_ptr(),
-        y.data_ptr(),
-        y.stride(0),
-        x.shape[0],
-        w.in_features,
-        w.out_features,
-        w.qtype,
-        threads,
-    )
-    assert rc == 0
-    return y
+@contextlib.contextmanager
+def on(lib, threads: int = 1):
+    """`block_gemm.linear_bf16` on `lib` (a build of the kernel) and `threads` threads, while open."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with mock.patch.object(block_gemm, "_bf16_library", lambda: lib):
+            yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("qtype", list(TYPES))
@@ -76,19 +67,22 @@ def test_a_rows_bits_depend_on_no_other_row_nor_the_threads(qtype):
     whole = block_gemm.linear_bf16(x, w, None)
     for rows in (slice(0, 1), slice(3, 10), slice(7, 20)):
         assert torch.equal(block_gemm.linear_bf16(x[rows], w, None), whole[rows])
-    lib = block_gemm._bf16_library()
     for threads in (2, 3):
-        assert torch.equal(run(lib, x, w, None, threads), whole)
+        with on(block_gemm._bf16_library(), threads):
+            assert torch.equal(block_gemm.linear_bf16(x, w, None), whole)
 
 
 @pytest.mark.parametrize("isa", ISAS)
 def test_every_instruction_set_gives_the_same_bits(isa, tmp_path):
     """The machine's build (AVX-512 BF16 where it has it) against each older build's fp32 sums."""
-    lib = bf16_build(isa, tmp_path)
+    lib = isa_variant(isa, block_gemm.BF16_SOURCE, tmp_path, block_gemm._bf16_library(), "block_gemm_bf16")
     for qtype in TYPES:
         w = random_weight(qtype, 70, 512, seed=qtype + 1)
         x, bias = torch.randn(9, 512, generator=torch.Generator().manual_seed(qtype)), torch.randn(70)
-        assert torch.equal(run(lib, x, w, bias), block_gemm.linear_bf16(x, w, bias)), TYPES[qtype][0]
+        with on(lib):
+            assert block_gemm._bf16_library() is lib  # (the call below runs the variant)
+            theirs = block_gemm.linear_bf16(x, w, bias)
+        assert torch.equal(theirs, block_gemm.linear_bf16(x, w, bias)), TYPES[qtype][0]
 
 
 def test_rounding_to_bf16_is_to_nearest_even_and_flushes_denormals():
